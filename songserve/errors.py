@@ -1,0 +1,42 @@
+"""One exception tree for the whole package.
+
+    SongserveError                 a human sentence, safe to show a client
+    ├── ConfigError                bad settings or a missing/mismatched checkpoint: refuse to start
+    ├── RequestError               a request that cannot be served as asked (HTTP 4xx)
+    │   └── NotFoundError          an unknown job, track, task or file (HTTP 404)
+    ├── BusyError                  the worker already runs a task (HTTP 409)
+    ├── CancelledError             a task stopped at a cancellation point
+    └── TaskError                  a task failed inside the model or the export (reported, not retried)
+
+Every message is one sentence for a person; tracebacks go to the log, never to a client.
+"""
+
+
+class SongserveError(Exception):
+    """Base class: ``str(exc)`` is a sentence that may be shown to a client."""
+
+    http_status = 500
+
+
+class ConfigError(SongserveError):
+    """Settings or checkpoint files that cannot work; the process refuses to start."""
+
+
+class RequestError(SongserveError):
+    http_status = 400
+
+
+class NotFoundError(RequestError):
+    http_status = 404
+
+
+class BusyError(SongserveError):
+    http_status = 409
+
+
+class CancelledError(SongserveError):
+    http_status = 409
+
+
+class TaskError(SongserveError):
+    http_status = 500

@@ -1,0 +1,55 @@
+"""Cooperative cancellation and progress for one task.
+
+Stages call ``ctx.check()`` between tokens, passes and chunks, and ``ctx.report(...)`` to publish
+progress; the worker's HTTP thread reads ``ctx.snapshot()`` while the model thread runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from songserve.errors import CancelledError
+
+
+@dataclass
+class Progress:
+    phase: str = "idle"
+    done: int = 0
+    total: int = 0
+    detail: str = ""
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def percent(self) -> int:
+        return int(100 * self.done / self.total) if self.total else 0
+
+
+class TaskContext:
+    """Shared between the model thread (writer) and the HTTP thread (reader)."""
+
+    def __init__(self, task_id: str = "") -> None:
+        self.task_id = task_id
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._progress = Progress()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        """Raise ``CancelledError`` if the task was asked to stop."""
+        if self._cancel.is_set():
+            raise CancelledError(f"Task {self.task_id} was cancelled.")
+
+    def report(self, phase: str, done: int, total: int, detail: str = "") -> None:
+        with self._lock:
+            self._progress = Progress(phase, done, total, detail)
+
+    def snapshot(self) -> Progress:
+        with self._lock:
+            return self._progress

@@ -1,0 +1,86 @@
+"""Megatron-core's process state for one worker, on CUDA or on the CPU.
+
+megatron-core assumes CUDA in six places (shared/docs/megatron-cpu.md); on the CPU this module
+works round the ones that start-up and checkpoint I/O hit:
+  1. the model-parallel RNG tracker asserts CUDA: use the inference (no-op) tracker, seed torch;
+  2. the global memory buffer allocates on the current CUDA device: install a CPU one;
+  6. ``dist_checkpointing.save`` synchronises CUDA and makes CUDA tensors: redirect both.
+The other three (default causal mask, RoPE's device, the KV-cache allocation) are handled where the
+model is driven, in ``gpt.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import os
+import socket
+from functools import reduce
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class _CpuMemoryBuffer:
+    """Same contract as megatron's ``GlobalMemoryBuffer.get_tensor``, allocating on the CPU."""
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ANN001
+        n = reduce(operator.mul, tensor_shape, 1)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(*tensor_shape)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0) -> None:
+    """Start a world of one (gloo on CPU, nccl on CUDA) and megatron's parallel state; idempotent.
+
+    ``master_port`` 0 picks a free port (tests and tools); workers pass BASE_MASTER_PORT + index.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        port = master_port or _free_port()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+        log.info("process group: %s on master port %d", backend, port)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+        parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()  # noqa: SLF001 (see 2.)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def cpu_checkpoint_io() -> Iterator[None]:
+    """Let ``dist_checkpointing.save`` run without CUDA (6.): no-op sync, CPU 'current device'."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved  # type: ignore[assignment]

@@ -1,0 +1,130 @@
+"""Build the tiny checkpoint set of the real architecture, deterministically.
+
+    python -m songserve.pipeline.tiny [--out checkpoints/tiny] [--force]
+
+Same layout and on-disk formats a real set has, with small widths and depths (the real frame rate,
+21.53 frames/s, and 44.1 kHz stereo are kept):
+
+    tokenizer/tokenizer.model        sentencepiece, trained on a built-in lyric corpus
+    backbone/                        Megatron-LM torch_dist checkpoint + model_config.json
+    superres/                        the same, vocabulary T + 64·1024
+    decoder/config.yaml, model.pth   YAML + checkpoint with ``generator.``-prefixed, weight-normed keys
+
+The weights are seeded random: the set is untrained, so it sounds like noise of the right shape
+and length. The set is written to a temporary folder and renamed into place, under a file lock,
+so concurrent workers build it once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TINY_VERSION = 1
+SEED = 1283
+TEXT_VOCAB = 1024
+CODEBOOK = 1024
+
+
+def tiny_arch(kind: str, text_vocab: int):  # noqa: ANN201
+    from songserve.pipeline.gpt import GPTArch
+
+    if kind == "backbone":
+        return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 2 * CODEBOOK, 27648, 1024)
+    return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 64 * CODEBOOK, 16384, 1024)
+
+
+def tiny_codec_config():  # noqa: ANN201
+    from songserve.pipeline.codec import CodecConfig
+
+    return CodecConfig(latent_dim=32, n_filters=4, rates=(8, 8, 8, 4), channels=2)
+
+
+def _build_into(tmp: Path) -> None:
+    import yaml
+
+    from songserve.pipeline.codec import Codec, weight_norm_state
+    from songserve.pipeline.gpt import build_model, save_checkpoint
+    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+    cpu = torch.device("cpu")
+    init_megatron(cpu, 0, seed=SEED)
+    (tmp / "tokenizer").mkdir(parents=True)
+    proto = train_sentencepiece(TEXT_VOCAB)
+    (tmp / "tokenizer" / "tokenizer.model").write_bytes(proto)
+    text_vocab = SentencePieceTokenizer(proto, "tiny").vocab_size
+    log.info("tokenizer: %d pieces", text_vocab)
+
+    for i, kind in enumerate(("backbone", "superres")):
+        torch.manual_seed(SEED + i)
+        arch = tiny_arch(kind, text_vocab)
+        model = build_model(arch, cpu, torch.float32)
+        save_checkpoint(tmp / kind, arch, model)
+        log.info("%s: %d parameters", kind, sum(p.numel() for p in model.parameters()))
+
+    torch.manual_seed(SEED + 2)
+    cfg = tiny_codec_config()
+    codec = Codec(cfg)
+    with torch.no_grad():  # DAC-like scale: unit-ish codebooks, Snake alphas of 1
+        for q in codec.quantizer.quantizers:
+            q.codebook.weight.normal_(0.0, 0.3)
+    (tmp / "decoder").mkdir()
+    (tmp / "decoder" / "config.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
+    state = {f"generator.{k}": v for k, v in weight_norm_state(codec.state_dict()).items()}
+    torch.save({"state_dict": state}, tmp / "decoder" / "model.pth")
+    (tmp / "MANIFEST.json").write_text(
+        json.dumps({"tiny_version": TINY_VERSION, "seed": SEED, "built_at": time.time()}) + "\n"
+    )
+
+
+def is_built(out: Path) -> bool:
+    try:
+        return json.loads((out / "MANIFEST.json").read_text()).get("tiny_version") == TINY_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_tiny_set(out: Path, force: bool = False) -> Path:
+    """Build the set at ``out`` unless a current one is there; safe to call from many processes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built(out) and not force:
+            return out
+        tmp = out.parent / f".{out.name}.building"
+        shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.perf_counter()
+        log.info("building the tiny checkpoint set in %s", out)
+        _build_into(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        log.info("tiny checkpoint set ready in %.1f s", time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from songserve.settings import DEFAULT_TINY_DIR
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_TINY_DIR)
+    ap.add_argument("--force", action="store_true", help="rebuild even if a current set is there")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    print(ensure_tiny_set(args.out, args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

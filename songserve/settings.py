@@ -1,0 +1,105 @@
+"""One settings object per process, fed by environment variables and command-line flags.
+
+Every field can be set as an environment variable (upper case, e.g. ``RUNTIME_MODE``) or a flag
+(``--runtime-mode``); flags win. Bad values refuse to start with a one-line reason, and the
+non-default values are logged at start-up with secrets redacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from songserve.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TINY_DIR = ROOT / "checkpoints" / "tiny"
+
+log = logging.getLogger(__name__)
+S = TypeVar("S", bound=BaseSettings)
+SECRET_WORDS = ("token", "key", "secret")
+
+
+class WorkerSettings(BaseSettings):
+    """``backend_worker.py``: one process per GPU."""
+
+    model_config = SettingsConfigDict(extra="ignore", protected_namespaces=())
+
+    worker_port: int = Field(8001, ge=1, le=65535, description="HTTP port")
+    host: str = Field("127.0.0.1", description="bind address (loopback unless told otherwise)")
+    runtime_mode: Literal["one_shot", "keep_loaded"] = "one_shot"
+    seed: int = Field(1283, ge=0, description="base seed for requests without seed_override")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    gpu_id: int = Field(0, ge=0, description="reported GPU id (the launcher sets CUDA_VISIBLE_DEVICES)")
+    master_port: int = Field(8791, ge=0, le=65535, description="Megatron process group port; 0 = free port")
+    checkpoints_dir: Path | None = Field(None, description="folder of the checkpoint set; unset = tiny set")
+    tokenizer_path: Path | None = None
+    backbone_models: str = Field("", description="name=path,… or JSON; default default_backbone=<dir>/backbone")
+    superres_models: str = Field("", description="name=path,… or JSON; default default_superres=<dir>/superres")
+    decoder_config_path: Path | None = None
+    decoder_checkpoint_path: Path | None = None
+    megatron_args: str = Field("", description="Megatron-LM flags overriding the model configs")
+    output_dir: Path = Field(ROOT / "generated_audio", description="where WAV, MP3 and JSON are written")
+    mp3_bitrate_mode: Literal["CONSTANT", "VARIABLE", "AVERAGE"] = "CONSTANT"
+    mp3_compression_level: float = Field(0.0, ge=0.0, le=1.0, description="0 = highest quality")
+    eoa_min_share: float = Field(0.9, ge=0.0, le=1.0, description="share of the frame budget before end-of-audio is accepted")
+    decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
+    decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
+    torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
+    pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
+    test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def load_settings(cls: type[S], argv: Sequence[str] | None = None, **overrides: Any) -> S:
+    """Environment, then flags (generated from the fields), then keyword overrides."""
+    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip())
+    for name, field in cls.model_fields.items():
+        parser.add_argument(_flag(name), dest=name, default=None, help=field.description)
+    ns = parser.parse_args(list(argv) if argv is not None else [])
+    values = {k: v for k, v in vars(ns).items() if v is not None}
+    values.update(overrides)
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"Setting {err['loc'][0]}: {err['msg']} (got {err.get('input')!r}).") from None
+
+
+def log_non_default(settings: BaseSettings) -> None:
+    for name, field in type(settings).model_fields.items():
+        value = getattr(settings, name)
+        if value != field.default:
+            shown = "***" if any(w in name for w in SECRET_WORDS) and value else value
+            log.info("setting %s=%s", name, shown)
+
+
+def parse_model_map(text: str, setting: str) -> dict[str, str]:
+    """``name=path,name=path`` or a JSON object → {name: path}."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{setting} is not valid JSON: {exc}.") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{setting} must be a JSON object of name → path.")
+        return {str(k): str(v) for k, v in raw.items()}
+    out = {}
+    for item in text.split(","):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"{setting} entry {item!r} is not name=path.")
+        out[name.strip()] = path.strip()
+    return out
