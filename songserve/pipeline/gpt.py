@@ -242,6 +242,7 @@ def save_checkpoint(path: Path, arch: GPTArch, model: torch.nn.Module, iteration
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, megatron_args: str = "") -> AcousticGPT:
     """Build the model from the directory's config and load its weights with strict key checks."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if not path.is_dir():
         raise ConfigError(f"Checkpoint directory {path} does not exist.")
@@ -263,8 +264,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, megatron_ar
         missing = [k for k in missing if not k.endswith("_extra_state")]
     except ConfigError:
         raise
-    except Exception as exc:  # torch and megatron raise many types for mismatched files
-        raise ConfigError(f"Checkpoint {path} does not match its model config: {exc}") from exc
+    except (Exception, CheckpointException) as exc:  # many types; torch's is a BaseException
+        reason = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [type(exc).__name__]
+        raise ConfigError(f"Checkpoint {path} does not match its model config: {reason[0].strip()}") from None
     if missing or unexpected:
         raise ConfigError(
             f"Checkpoint {path} does not match its model config: missing {missing[:3]}, "

@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 SEED = 1283
 TEXT_VOCAB = 1024
 CODEBOOK = 1024

@@ -161,6 +161,7 @@ def train_sentencepiece(vocab_size: int) -> bytes:
         character_coverage=1.0,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
         hard_vocab_limit=False,
         user_defined_symbols=list(SPECIAL_TOKENS),
         num_threads=1,

@@ -1,0 +1,56 @@
+"""The test pipeline: a deterministic tone after a configurable delay, with the real export.
+
+For scheduling and fault tests of the dispatcher (``--pipeline test``): it reports progress through
+the same phases, honours cancellation, and writes real WAV/MP3/JSON files. Never a substitute for
+the model pipeline in its own tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from songserve.pipeline.context import TaskContext
+from songserve.pipeline.export import Mp3Options, write_track
+from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.settings import WorkerSettings
+
+SAMPLE_RATE = 44100
+PHASES = ("backbone", "superres", "decoding")
+
+
+class TonePipeline:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.s = settings
+        self.phase_hook = lambda phase: None
+
+    def load(self) -> None:
+        pass
+
+    def loaded(self) -> dict[str, bool]:
+        return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True}
+
+    def describe(self) -> dict:
+        return {"backbone_models": ["default_backbone"], "superres_models": ["default_superres"],
+                "sample_rate": SAMPLE_RATE, "frame_rate": round(SAMPLE_RATE / 2048, 2), "test_pipeline": True}
+
+    def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
+        steps = max(1, int(self.s.test_delay_s / 0.01))
+        for i in range(steps):
+            ctx.check()
+            ctx.report(PHASES[min(2, 3 * i // steps)], i + 1, steps)
+            if self.s.test_delay_s:
+                time.sleep(self.s.test_delay_s / steps)
+        frames = max(1, int(req.duration * 60 * SAMPLE_RATE / 2048))
+        n = frames * 2048
+        freq = 220.0 + (req.seed % 440)
+        t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
+        tone = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+        audio = np.stack([tone, tone], axis=1)
+        meta = {"task_id": req.task_id, "job_id": req.job_id, "track_index": req.track_index,
+                "seed": req.seed, "models": {"backbone": "test_tone", "superres": "test_tone"},
+                "tokens": {"backbone_new": 2 * frames, "frames": frames},
+                "timings": {"delay_sec": self.s.test_delay_s}, "duration_sec": n / SAMPLE_RATE}
+        wav, mp3, js = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options())
+        return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta)

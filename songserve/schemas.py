@@ -1,0 +1,96 @@
+"""Wire models shared by the dispatcher and the worker: the contract in shared/docs/api.md.
+
+Field names and status words here are the compatibility surface with existing frontends; do not
+rename them. Unknown request fields are ignored.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ErrorBody(BaseModel):
+    status: str = "error"
+    error: str
+    detail: list[dict] | None = None
+
+
+# ---- worker -------------------------------------------------------------------------------------
+
+
+class WorkerPhase(str, Enum):
+    idle = "idle"
+    loading_backbone = "loading_backbone"
+    backbone = "backbone"
+    loading_superres = "loading_superres"
+    superres = "superres"
+    loading_decoder = "loading_decoder"
+    decoding = "decoding"
+
+
+class WorkerStatus(str, Enum):
+    initializing = "initializing"
+    idle = "idle"
+    busy = "busy"
+    error = "error"  # the model thread died or loading failed
+    stalled = "stalled"  # a task made no progress past its deadline
+
+
+class WorkerGenerateRequest(BaseModel):
+    """Dispatcher → worker ``POST /generate``."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    genre: str = ""
+    language: str = ""
+    tags: str = ""
+    description: str = ""
+    duration: float = Field(0.5, gt=0, le=15, description="minutes")
+    lyrics: str = Field("", max_length=20000)
+    backbone_name: str = ""
+    superres_name: str = ""
+    top_k_bb: int = Field(80, ge=1, le=1024)
+    top_k_sr: int = Field(10, ge=1, le=1024)
+    temperature: float = Field(1.0, gt=0, le=5)
+    superres_text_mode: str = "default"
+    raw_user_input: str = ""
+    raw_mode: str = "vocal"
+    raw_prompt_mode: str = "tags"
+    seed_override: int | None = Field(None, ge=0)
+    task_id: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
+    job_id: str = Field("", max_length=64)
+    track_index: int = Field(0, ge=0)
+
+
+class WorkerGenerateResult(BaseModel):
+    status: Literal["ok"] = "ok"
+    task_id: str
+    mp3_filename: str
+    wav_filename: str
+    json_filename: str
+    duration_sec: float
+    backbone_tokens: int
+    gpu_id: int
+    seed: int
+    metadata: dict = {}
+
+
+class TaskState(str, Enum):
+    running = "running"
+    ok = "ok"
+    error = "error"
+    cancelled = "cancelled"
+
+
+class TaskView(BaseModel):
+    """``GET /tasks/{task_id}``: what became of a task."""
+
+    task_id: str
+    status: TaskState
+    error: str | None = None
+    result: WorkerGenerateResult | None = None
+    progress: int = 0
+    phase: str = "idle"

@@ -1,0 +1,1 @@
+"""The worker: one process per GPU serving one track at a time over HTTP."""

@@ -1,0 +1,106 @@
+"""The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``."""
+
+from __future__ import annotations
+
+import re
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse
+
+from songserve import __version__
+from songserve.errors import CancelledError, NotFoundError
+from songserve.http_errors import install_error_handlers
+from songserve.schemas import TaskView, WorkerGenerateRequest, WorkerStatus
+from songserve.worker.runtime import WorkerRuntime
+
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
+LANGUAGES = ["en", "zh", "Instrumental"]
+
+
+def safe_file(folder: Path, name: str) -> Path:
+    """A plain file name directly inside ``folder``, not a link; anything else is not found."""
+    if not PLAIN_NAME.match(name) or ".." in name:
+        raise NotFoundError(f"File {name!r} not found.")
+    path = folder / name
+    if path.is_symlink() or not path.is_file() or path.resolve().parent != folder.resolve():
+        raise NotFoundError(f"File {name!r} not found.")
+    return path
+
+
+def create_app(runtime: WorkerRuntime, on_load_failure=None) -> FastAPI:  # noqa: ANN001
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):  # noqa: ANN202
+        import asyncio
+
+        async def load() -> None:
+            try:
+                await runtime.start()
+            except Exception as exc:  # noqa: BLE001 (reported and fatal)
+                if on_load_failure:
+                    on_load_failure(exc)
+
+        task = asyncio.create_task(load())
+        yield
+        task.cancel()
+        runtime.shutdown()
+
+    app = FastAPI(title="songserve worker", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    out_dir = runtime.s.output_dir
+
+    @app.get("/health")
+    async def health() -> dict:
+        return runtime.health()
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        h = runtime.health()
+        ok = h["status"] in (WorkerStatus.idle.value, WorkerStatus.busy.value)
+        body = {"ready": ok, "status": h["status"], "device": h["device"]}
+        return JSONResponse(body if ok else {**body, "status": "error", "error": f"Worker is {h['status']}."},
+                            status_code=200 if ok else 503)
+
+    @app.get("/config")
+    async def config() -> dict:
+        d = runtime.pipeline.describe()
+        return {
+            "backbone_models": d["backbone_models"],
+            "superres_models": d["superres_models"],
+            "runtime_mode": runtime.s.runtime_mode,
+            "genre_options": GENRES,
+            "language_options": LANGUAGES,
+            "sample_rate": d["sample_rate"],
+            "frame_rate": d["frame_rate"],
+            "channels": 2,
+            "formats": ["wav", "mp3"],
+            "device": str(runtime.device),
+            "tiny_checkpoints": d.get("tiny_checkpoints", False),
+            "version": __version__,
+        }
+
+    @app.post("/generate")
+    async def generate(body: WorkerGenerateRequest) -> JSONResponse:
+        try:
+            result = await runtime.generate(body)
+        except CancelledError as exc:
+            return JSONResponse({"status": "cancelled", "task_id": body.task_id, "error": str(exc)})
+        return JSONResponse(result.model_dump())
+
+    @app.post("/cancel/{task_id}")
+    async def cancel(task_id: str) -> TaskView:
+        return runtime.cancel(task_id)
+
+    @app.get("/tasks/{task_id}")
+    async def task(task_id: str) -> TaskView:
+        return runtime.task(task_id)
+
+    @app.get("/download/{filename}")
+    async def download(filename: str) -> FileResponse:
+        path = safe_file(out_dir, filename)
+        media = {".wav": "audio/wav", ".mp3": "audio/mpeg", ".json": "application/json"}.get(path.suffix, "application/octet-stream")
+        return FileResponse(path, media_type=media, filename=path.name)
+
+    return app

@@ -1,0 +1,68 @@
+"""``python backend_worker.py``: validate settings and checkpoints, then serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Sequence
+
+from songserve.errors import ConfigError
+from songserve.logs import setup_logging
+from songserve.settings import WorkerSettings, load_settings, log_non_default
+
+log = logging.getLogger("songserve.worker")
+
+
+def build_runtime(s: WorkerSettings):  # noqa: ANN201
+    """Resolve the device and the checkpoint set (fails fast with one line), make the runtime."""
+    import torch
+
+    from songserve.worker.runtime import WorkerRuntime, pick_device
+
+    torch.set_num_threads(s.torch_threads)
+    device = pick_device(s.device)
+    if device.type == "cpu":
+        log.info("CUDA is not available or not asked for: running on the CPU")
+    if s.pipeline == "test":
+        from songserve.pipeline.tone import TonePipeline
+
+        return WorkerRuntime(s, TonePipeline(s), device)
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.pipeline import ModelPipeline
+
+    ckpt = resolve(s)
+    init_megatron(device, s.master_port, s.seed)
+    return WorkerRuntime(s, ModelPipeline(s, ckpt, device), device)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    setup_logging(f"worker[{os.environ.get('WORKER_INDEX', '-')}]")
+    try:
+        s = load_settings(WorkerSettings, sys.argv[1:] if argv is None else argv)
+        log_non_default(s)
+        runtime = build_runtime(s)
+    except ConfigError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+
+    from songserve.worker.app import create_app
+
+    server: uvicorn.Server | None = None
+    failed: list[str] = []
+
+    def on_load_failure(exc: Exception) -> None:
+        line = str(exc) if isinstance(exc, ConfigError) else f"loading the models failed: {exc}"
+        log.error("%s", line)
+        print(f"worker: {line}", file=sys.stderr)
+        failed.append(line)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(runtime, on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.worker_port, log_level="warning"))
+    server.run()
+    return 2 if failed else 0

@@ -1,0 +1,234 @@
+"""The worker's runtime: model lifecycle and the single model thread.
+
+All model work (loading and generation) runs on one dedicated thread, so async routes keep
+answering ``/health`` while a track generates. One task at a time; a second gets ``BusyError``.
+Finished tasks are remembered (bounded) so a dispatcher that lost the connection can collect them.
+
+States (``WorkerStatus``):  initializing → idle ⇄ busy;  any → error (loading failed / thread died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+
+from songserve.errors import BusyError, CancelledError, NotFoundError, RequestError, SongserveError
+from songserve.pipeline.context import TaskContext
+from songserve.pipeline.types import Pipeline, TrackRequest
+from songserve.schemas import (
+    TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult, WorkerPhase, WorkerStatus,
+)
+from songserve.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+MAX_REMEMBERED_TASKS = 256
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from songserve.errors import ConfigError
+
+            raise ConfigError("--device cuda was asked for, but CUDA is not available.")
+        return torch.device("cuda", 0)  # the launcher's CUDA_VISIBLE_DEVICES picks the GPU
+    return torch.device("cpu")
+
+
+def rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0
+
+
+def to_track_request(body: WorkerGenerateRequest, seed: int, task_id: str) -> TrackRequest:
+    instrumental = body.raw_mode == "instrumental" or body.language.lower() == "instrumental"
+    return TrackRequest(
+        lyrics=body.lyrics, duration=body.duration, genre=body.genre, language=body.language,
+        tags=body.tags, description=body.description, instrumental=instrumental,
+        backbone_name=body.backbone_name, superres_name=body.superres_name,
+        top_k_bb=body.top_k_bb, top_k_sr=body.top_k_sr, temperature=body.temperature,
+        superres_text_mode=body.superres_text_mode, seed=seed, task_id=task_id,
+        job_id=body.job_id, track_index=body.track_index,
+        extra={"raw_user_input": body.raw_user_input, "raw_mode": body.raw_mode,
+               "raw_prompt_mode": body.raw_prompt_mode},
+    )
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings, pipeline: Pipeline, device: torch.device) -> None:
+        self.s = settings
+        self.pipeline = pipeline
+        self.device = device
+        self.status = WorkerStatus.initializing
+        self.phase = WorkerPhase.idle.value
+        self.error: str | None = None
+        self.started_at = time.time()
+        self.tasks_done = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._lock = threading.Lock()
+        self._current: TaskContext | None = None
+        self._tasks: OrderedDict[str, TaskView] = OrderedDict()
+        pipeline.phase_hook = self._set_phase  # type: ignore[attr-defined]
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _load(self) -> None:
+        torch.set_num_threads(self.s.torch_threads)
+        t0 = time.perf_counter()
+        self.pipeline.load()
+        self.phase = WorkerPhase.idle.value
+        log.info("models ready in %.1fs on %s (%s)", time.perf_counter() - t0, self.device, self.s.runtime_mode)
+
+    async def start(self) -> None:
+        """Load on the model thread; raises (and marks the worker ``error``) if loading fails."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+        except Exception as exc:
+            self.status, self.error = WorkerStatus.error, str(exc)
+            raise
+        self.status = WorkerStatus.idle
+
+    def shutdown(self) -> None:
+        if self._current is not None:
+            self._current.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- tasks ----------------------------------------------------------------------------------
+    def _remember(self, view: TaskView) -> None:
+        self._tasks[view.task_id] = view
+        self._tasks.move_to_end(view.task_id)
+        while len(self._tasks) > MAX_REMEMBERED_TASKS:
+            self._tasks.popitem(last=False)
+
+    async def generate(self, body: WorkerGenerateRequest) -> WorkerGenerateResult:
+        task_id = body.task_id or uuid.uuid4().hex[:12]
+        with self._lock:
+            if self.status is not WorkerStatus.idle:
+                if self.status is WorkerStatus.busy and self._current is not None:
+                    raise BusyError(f"The worker is already running task {self._current.task_id}.")
+                raise BusyError(f"The worker is {self.status.value}, not ready for a task.")
+            if task_id in self._tasks:
+                raise RequestError(f"Task {task_id} was already run on this worker.")
+            ctx = TaskContext(task_id)
+            self._current, self.status = ctx, WorkerStatus.busy
+            self._remember(TaskView(task_id=task_id, status=TaskState.running))
+        seed = body.seed_override if body.seed_override is not None else self.s.seed
+        req = to_track_request(body, seed, task_id)
+        log.info("task %s: start (job %s track %d, %.2f min, seed %d)", task_id, body.job_id, body.track_index, body.duration, seed)
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, req, ctx)
+        except CancelledError:
+            log.info("task %s: cancelled after %.2fs", task_id, time.perf_counter() - t0)
+            self._remember(TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled."))
+            raise
+        except SongserveError as exc:
+            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(exc)))
+            raise
+        except Exception as exc:  # out of memory, encoder or disk errors: local to this task
+            log.exception("task %s: failed", task_id)
+            message = _task_error_sentence(exc)
+            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message))
+            from songserve.errors import TaskError
+
+            raise TaskError(message) from None
+        finally:
+            with self._lock:
+                self._current = None
+                self.phase = WorkerPhase.idle.value
+                if self.status is WorkerStatus.busy:
+                    self.status = WorkerStatus.idle
+        self.tasks_done += 1
+        out = WorkerGenerateResult(
+            task_id=task_id, mp3_filename=result.mp3_filename, wav_filename=result.wav_filename,
+            json_filename=result.json_filename, duration_sec=result.duration_sec,
+            backbone_tokens=result.backbone_tokens, gpu_id=self.s.gpu_id, seed=result.seed,
+            metadata=result.metadata,
+        )
+        self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
+        log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, result.duration_sec)
+        return out
+
+    def _run(self, req: TrackRequest, ctx: TaskContext):  # noqa: ANN202 (runs on the model thread)
+        with torch.inference_mode():
+            try:
+                return self.pipeline.run(req, ctx)
+            finally:
+                from songserve.pipeline.pipeline import release_memory
+
+                release_memory(self.device)
+
+    def cancel(self, task_id: str) -> TaskView:
+        ctx = self._current
+        if ctx is not None and ctx.task_id == task_id:
+            ctx.cancel()
+            log.info("task %s: cancel requested", task_id)
+            return TaskView(task_id=task_id, status=TaskState.running, phase=self.phase)
+        if task_id in self._tasks:
+            return self._tasks[task_id]
+        raise NotFoundError(f"Task {task_id} is not known to this worker.")
+
+    def task(self, task_id: str) -> TaskView:
+        view = self._tasks.get(task_id)
+        if view is None:
+            raise NotFoundError(f"Task {task_id} is not known to this worker.")
+        ctx = self._current
+        if view.status is TaskState.running and ctx is not None and ctx.task_id == task_id:
+            p = ctx.snapshot()
+            view = replace_view(view, progress=p.percent, phase=p.phase)
+        return view
+
+    # -- reporting ------------------------------------------------------------------------------
+    def health(self) -> dict:
+        ctx = self._current
+        progress, detail, phase, updated = 0, "", self.phase, None
+        if ctx is not None:
+            p = ctx.snapshot()
+            progress, detail, updated = p.percent, p.detail, p.updated_at
+            if p.phase != "idle":
+                phase = p.phase
+        out = {
+            "status": self.status.value,
+            "phase": phase,
+            "gpu_id": self.s.gpu_id,
+            "seed": self.s.seed,
+            "progress": progress,
+            "progress_detail": detail,
+            "runtime_mode": self.s.runtime_mode,
+            **self.pipeline.loaded(),
+            "task_id": ctx.task_id if ctx else None,
+            "last_progress_at": updated,
+            "device": str(self.device),
+            "rss_mb": round(rss_mb(), 1),
+            "tasks_done": self.tasks_done,
+            "uptime_sec": round(time.time() - self.started_at, 1),
+            "error": self.error,
+        }
+        if self.device.type == "cuda":
+            out["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
+        return out
+
+
+def replace_view(view: TaskView, **changes: object) -> TaskView:
+    return view.model_copy(update=changes)
+
+
+def _task_error_sentence(exc: Exception) -> str:
+    if isinstance(exc, torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else MemoryError) or isinstance(exc, MemoryError):
+        return "The task ran out of memory."
+    if isinstance(exc, OSError):
+        return f"The task could not write its files: {exc.strerror or type(exc).__name__}."
+    return f"The task failed inside the model ({type(exc).__name__})."

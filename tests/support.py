@@ -1,0 +1,86 @@
+"""Helpers for tests that start real processes: free ports, a server process, polling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A real server process on a free port: started, polled on /health, stopped at the end."""
+
+    def __init__(self, args: list[str], port: int, log_path: Path, env: dict | None = None) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout: float = 120.0, want: tuple[str, ...] = ("idle", "ok")) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200 and r.json().get("status") in want:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.url} not healthy in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_worker(tmp: Path, *extra: str, env: dict | None = None, name: str = "worker") -> ServerProcess:
+    port = free_port()
+    args = ["backend_worker.py", "--worker-port", str(port), "--master-port", "0",
+            "--output-dir", str(tmp / f"{name}_audio"), *extra]
+    return ServerProcess(args, port, tmp / f"{name}.log", env)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError("condition not met in time")
