@@ -6,7 +6,7 @@ rename them. Unknown request fields are ignored.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,7 +21,7 @@ class ErrorBody(BaseModel):
 # ---- worker -------------------------------------------------------------------------------------
 
 
-class WorkerPhase(str, Enum):
+class WorkerPhase(StrEnum):
     idle = "idle"
     loading_backbone = "loading_backbone"
     backbone = "backbone"
@@ -31,7 +31,7 @@ class WorkerPhase(str, Enum):
     decoding = "decoding"
 
 
-class WorkerStatus(str, Enum):
+class WorkerStatus(StrEnum):
     initializing = "initializing"
     idle = "idle"
     busy = "busy"
@@ -78,7 +78,7 @@ class WorkerGenerateResult(BaseModel):
     metadata: dict = {}
 
 
-class TaskState(str, Enum):
+class TaskState(StrEnum):
     running = "running"
     ok = "ok"
     error = "error"

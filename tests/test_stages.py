@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from songserve.errors import ConfigError, CancelledError
+from songserve.errors import CancelledError, ConfigError
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import Backbone
 from songserve.pipeline.codec import Codec, CodecConfig, fold_weight_norm, load_codec, weight_norm_state

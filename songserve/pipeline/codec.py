@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class CodecConfig:
         }
 
     @classmethod
-    def from_yaml_dict(cls, raw: dict, source: str) -> "CodecConfig":
+    def from_yaml_dict(cls, raw: dict, source: str) -> CodecConfig:
         try:
             dec, q = raw["decoder"], raw["quantizer"]
             return cls(
@@ -80,7 +80,7 @@ class CodecConfig:
             raise ConfigError(f"Decoder config {source} is missing or has a bad field: {exc}.") from None
 
     @classmethod
-    def from_dac_kwargs(cls, kw: dict) -> "CodecConfig":
+    def from_dac_kwargs(cls, kw: dict) -> CodecConfig:
         rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
         return cls(
             sample_rate=int(kw.get("sample_rate", 44100)),

@@ -50,7 +50,7 @@ class GPTArch:
     share_embeddings_and_output_weights: bool = False
 
     @classmethod
-    def from_dir(cls, path: Path, megatron_args: str = "") -> "GPTArch":
+    def from_dir(cls, path: Path, megatron_args: str = "") -> GPTArch:
         cfg_file = path / MODEL_CONFIG
         try:
             raw = json.loads(cfg_file.read_text())

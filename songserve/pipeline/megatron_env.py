@@ -16,8 +16,8 @@ import logging
 import operator
 import os
 import socket
+from collections.abc import Iterator
 from functools import reduce
-from typing import Iterator
 
 import torch
 

@@ -7,8 +7,9 @@ same small seam, ``TextTokenizer``, and both know the prompt's special tokens as
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from songserve.errors import ConfigError
 
@@ -143,7 +144,7 @@ _CORPUS_ZH = """\
 def corpus_lines() -> list[str]:
     lines = [ln for ln in (_CORPUS_EN + _CORPUS_ZH).splitlines() if ln.strip()]
     # Mix lines so that pieces spanning words and punctuation are seen in several contexts.
-    mixed = [f"{a} {b}" for a, b in zip(lines, reversed(lines))]
+    mixed = [f"{a} {b}" for a, b in zip(lines, reversed(lines), strict=True)]
     return lines * 4 + mixed * 2
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging

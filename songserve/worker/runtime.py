@@ -17,7 +17,6 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -25,7 +24,12 @@ from songserve.errors import BusyError, CancelledError, NotFoundError, RequestEr
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.types import Pipeline, TrackRequest
 from songserve.schemas import (
-    TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult, WorkerPhase, WorkerStatus,
+    TaskState,
+    TaskView,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+    WorkerPhase,
+    WorkerStatus,
 )
 from songserve.settings import WorkerSettings
 

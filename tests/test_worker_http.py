@@ -1,0 +1,167 @@
+"""The real worker process over real HTTP, with the tiny set."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import soundfile as sf
+
+from tests.support import ROOT, start_worker, wait_for
+
+FRAME = 2048 / 44100
+
+
+@pytest.fixture(scope="module")
+def one_shot(tiny_dir, tmp_path_factory):
+    w = start_worker(tmp_path_factory.mktemp("one_shot"), "--runtime-mode", "one_shot", name="one_shot")
+    w.wait_healthy()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def keep_loaded(tiny_dir, tmp_path_factory):
+    w = start_worker(tmp_path_factory.mktemp("keep"), "--runtime-mode", "keep_loaded", name="keep")
+    w.wait_healthy()
+    yield w
+    w.stop()
+
+
+def generate(worker, timeout=120, **body):
+    payload = {"lyrics": "[verse]\nhello world\n你好世界", "tags": "pop, piano", "duration": 5 / 60, **body}
+    return httpx.post(worker.url + "/generate", json=payload, timeout=timeout)
+
+
+def download(worker, name) -> bytes:
+    r = httpx.get(f"{worker.url}/download/{name}", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_five_second_track_files(one_shot):
+    r = generate(one_shot, seed_override=11, task_id="five-sec", job_id="j1", track_index=1)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "ok" and out["seed"] == 11 and out["gpu_id"] == 0
+
+    wav, sr = sf.read(io.BytesIO(download(one_shot, out["wav_filename"])))
+    assert sr == 44100 and wav.shape[1] == 2
+    seconds = wav.shape[0] / sr
+    assert 4.5 - FRAME <= seconds <= 5.0 + FRAME
+    assert wav.std() > 0.01  # untrained: noise, but not silence
+
+    mp3 = download(one_shot, out["mp3_filename"])
+    info = sf.info(io.BytesIO(mp3))
+    assert info.samplerate == 44100 and info.channels == 2
+    assert abs(info.frames / info.samplerate - seconds) < 0.1
+
+    meta = json.loads(download(one_shot, out["json_filename"]))
+    assert meta["request"]["lyrics"].startswith("[verse]") and meta["request"]["tags"] == "pop, piano"
+    assert meta["seed"] == 11
+    assert meta["models"]["backbone"] == "default_backbone" and meta["models"]["superres"] == "default_superres"
+    assert meta["tokens"]["backbone_new"] == 2 * meta["tokens"]["frames"] > 0
+    assert meta["tokens"]["backbone_prompt"] > 5
+    for stage in ("backbone_sec", "superres_sec", "decoder_sec", "export_sec"):
+        assert meta["timings"][stage] > 0
+    assert out["wav_filename"].endswith(".wav") and len(out["wav_filename"].split("_")[-1]) == len("abcdef12.wav")
+
+
+@pytest.mark.parametrize("mode", ["one_shot", "keep_loaded"])
+def test_same_seed_same_bytes_different_seed_different_audio(mode, request):
+    worker = request.getfixturevalue(mode)
+    a = generate(worker, seed_override=7, duration=2 / 60).json()
+    b = generate(worker, seed_override=7, duration=2 / 60).json()
+    c = generate(worker, seed_override=8, duration=2 / 60).json()
+    wa, wb, wc = (download(worker, x["wav_filename"]) for x in (a, b, c))
+    assert wa == wb
+    assert wa != wc
+
+
+def test_runtime_mode_flags_after_a_task(one_shot, keep_loaded):
+    for worker, loaded in ((one_shot, False), (keep_loaded, True)):
+        assert generate(worker, duration=1 / 60).status_code == 200
+        h = httpx.get(worker.url + "/health").json()
+        assert h["status"] == "idle" and h["backbone_loaded"] is True
+        assert h["superres_loaded"] is loaded and h["decoder_loaded"] is loaded
+        assert h["runtime_mode"] == ("keep_loaded" if loaded else "one_shot")
+
+
+def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(generate, one_shot, duration=4.0, task_id="to-cancel")
+        wait_for(lambda: httpx.get(one_shot.url + "/health").json()["phase"] == "backbone", timeout=30)
+        # A second task while busy: 409 with the busy body.
+        busy = generate(one_shot, task_id="second")
+        assert busy.status_code == 409 and busy.json()["status"] == "busy"
+        t0 = time.monotonic()
+        assert httpx.post(one_shot.url + "/cancel/to-cancel").status_code == 200
+        r = fut.result(timeout=10)
+        elapsed = time.monotonic() - t0
+    assert r.json()["status"] == "cancelled"
+    assert elapsed < 1.0, elapsed
+    assert httpx.get(one_shot.url + "/tasks/to-cancel").json()["status"] == "cancelled"
+    nxt = generate(one_shot, duration=1 / 60)
+    assert nxt.status_code == 200 and nxt.json()["status"] == "ok"
+
+
+def test_finished_task_can_be_collected_later(one_shot):
+    r = generate(one_shot, duration=1 / 60, task_id="collect-me").json()
+    view = httpx.get(one_shot.url + "/tasks/collect-me").json()
+    assert view["status"] == "ok" and view["result"]["wav_filename"] == r["wav_filename"]
+    missing = httpx.get(one_shot.url + "/tasks/never")
+    assert missing.status_code == 404 and missing.json()["status"] == "error"
+
+
+@pytest.mark.parametrize("name", ["..%2Fx", "%2e%2e%2Fetc%2Fpasswd", ".hidden", "nope.wav", "x%00.wav", "..", "%2Fetc%2Fpasswd"])
+def test_download_only_serves_plain_names_it_wrote(one_shot, name):
+    r = httpx.get(f"{one_shot.url}/download/{name}")
+    assert r.status_code == 404 and r.json()["status"] == "error"
+    r = httpx.get(f"{one_shot.url}/download/../x")
+    assert r.status_code == 404
+
+
+def test_symlink_in_the_output_folder_is_not_served(one_shot, tmp_path):
+    out_dir = ROOT / one_shot.log_path.parent / "one_shot_audio"
+    (out_dir / "link.wav").symlink_to("/etc/passwd")
+    assert httpx.get(f"{one_shot.url}/download/link.wav").status_code == 404
+
+
+def test_bad_request_names_the_field(one_shot):
+    r = httpx.post(one_shot.url + "/generate", json={"duration": -1})
+    assert r.status_code == 422
+    body = r.json()
+    assert body["status"] == "error" and "duration" in body["error"] and body["detail"]
+    r = generate(one_shot, backbone_name="nope", duration=1 / 60)
+    assert r.status_code == 400 and "nope" in r.json()["error"]
+    assert httpx.get(one_shot.url + "/health").json()["status"] == "idle"
+
+
+def test_wrong_checkpoint_path_refuses_to_start_with_the_path(tmp_path):
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "backend_worker.py", "--worker-port", "1", "--checkpoints-dir", str(tmp_path / "no-such")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0
+    assert str(tmp_path / "no-such") in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_mismatched_decoder_refuses_with_one_line(tiny_dir, tmp_path):
+    (tmp_path / "config.yaml").write_text("decoder: {n_filters: 8, upsampling_ratios: [8, 8, 8, 4]}\n"
+                                          "quantizer: {n_codebooks: 64, codebook_size: 1024, latent_dim: 32}\n")
+    out = subprocess.run(
+        [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0",
+         "--checkpoints-dir", str(tiny_dir), "--decoder-config-path", str(tmp_path / "config.yaml")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("worker: Decoder checkpoint") and "does not match" in last
