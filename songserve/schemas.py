@@ -94,3 +94,68 @@ class TaskView(BaseModel):
     result: WorkerGenerateResult | None = None
     progress: int = 0
     phase: str = "idle"
+
+
+# ---- dispatcher ---------------------------------------------------------------------------------
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``. Ranges that are configurable are checked again against the settings."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    mode: Literal["vocal", "instrumental"] = "vocal"
+    prompt_mode: Literal["tags", "natural"] = "tags"
+    prompt: str = Field("", max_length=1000)
+    tags: str = Field("", max_length=1000)
+    lyrics: str = Field("", max_length=50_000, description="≤ 10,000 characters after cleaning")
+    duration: float = Field(3.0, gt=0, description="minutes")
+    top_k_bb: int = Field(80, ge=1, le=200)
+    temperature: float = Field(1.0, ge=0.6, le=1.4)
+    num_tracks: int = Field(2, ge=1)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    top_k_sr: int = Field(10, ge=1, le=1024)
+    backbone: str | None = None
+    superres: str | None = None
+    priority: int = Field(0, ge=0, le=9)
+
+
+class GenerateAccepted(BaseModel):
+    status: Literal["accepted", "queued"]
+    job_id: str
+    num_tracks: int
+    queue_position: int
+
+
+class TrackFiles(BaseModel):
+    mp3: str
+    wav: str
+
+
+class TrackView(BaseModel):
+    index: int
+    status: str
+    progress: int = 0
+    phase_display: str = "Queued"
+    worker_id: int = -1
+    worker_phase: str = "idle"
+    duration_sec: float = 0.0
+    error: str | None = None
+    seed: int | None = None
+    attempts: int = 0
+    queue_position: int = 0
+    files: TrackFiles | None = None
+    metadata: dict = {}
+
+
+class JobView(BaseModel):
+    job_id: str
+    status: str
+    queue_position: int = 0
+    cleaned_lyrics: str = ""
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    eta_sec: float | None = None
+    priority: int = 0
+    tracks: list[TrackView]

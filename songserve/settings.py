@@ -104,3 +104,42 @@ def parse_model_map(text: str, setting: str) -> dict[str, str]:
             raise ConfigError(f"{setting} entry {item!r} is not name=path.")
         out[name.strip()] = path.strip()
     return out
+
+
+class DispatcherSettings(BaseSettings):
+    """``backend_api.py``: the dispatcher."""
+
+    model_config = SettingsConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
+
+    port: int = Field(8889, ge=1, le=65535, validation_alias="API_PORT")
+    host: str = Field("127.0.0.1", validation_alias="API_HOST", description="bind address; 0.0.0.0 to serve other hosts")
+    num_workers: int = Field(1, ge=0, description="workers at worker_host:worker_base_port+i")
+    worker_host: str = "127.0.0.1"
+    worker_base_port: int = Field(8001, ge=1, le=65535)
+    worker_urls: str = Field("", description="comma-separated worker URLs (other hosts); replaces num_workers")
+    health_interval: float = Field(1.0, gt=0, description="seconds between worker health polls")
+    state_dir: Path = Field(ROOT / "state", description="job database and results")
+    max_queue: int = Field(200, ge=1, description="queued tracks before POST /generate answers 429")
+    max_tracks: int = Field(4, ge=1, description="most tracks per job")
+    min_duration: float = Field(0.05, gt=0, description="minutes")
+    max_duration: float = Field(10.0, gt=0, description="minutes")
+    max_lyrics_chars: int = Field(10_000, ge=1)
+    max_attempts: int = Field(3, ge=1, description="tries per track on worker loss or stall")
+    deadline_base_sec: float = Field(120.0, gt=0, description="track deadline = base + factor × audio seconds")
+    deadline_factor: float = Field(20.0, gt=0)
+    stall_timeout_sec: float = Field(120.0, gt=0, description="no progress for this long = stalled worker")
+    offline_after_failures: int = Field(2, ge=1, description="missed health polls before a worker is offline")
+    result_ttl_sec: float = Field(24 * 3600.0, gt=0, description="finished jobs and files are removed after this")
+    results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
+    sweep_interval_sec: float = Field(60.0, gt=0)
+    drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for running tracks")
+    log_level: str = "INFO"
+
+    def worker_list(self) -> list[str]:
+        urls = [u.strip().rstrip("/") for u in self.worker_urls.split(",") if u.strip()]
+        if urls:
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise ConfigError(f"Setting worker_urls: {u!r} is not an http(s) URL.")
+            return urls
+        return [f"http://{self.worker_host}:{self.worker_base_port + i}" for i in range(self.num_workers)]

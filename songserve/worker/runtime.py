@@ -84,6 +84,7 @@ class WorkerRuntime:
         self._current: TaskContext | None = None
         self._tasks: OrderedDict[str, TaskView] = OrderedDict()
         pipeline.phase_hook = self._set_phase  # type: ignore[attr-defined]
+        self._models = pipeline.describe()
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -213,6 +214,8 @@ class WorkerRuntime:
             "progress_detail": detail,
             "runtime_mode": self.s.runtime_mode,
             **self.pipeline.loaded(),
+            "backbone_models": self._models["backbone_models"],
+            "superres_models": self._models["superres_models"],
             "task_id": ctx.task_id if ctx else None,
             "last_progress_at": updated,
             "device": str(self.device),

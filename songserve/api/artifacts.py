@@ -1,0 +1,65 @@
+"""Artifacts on disk: each finished track's WAV, MP3 and JSON, copied from its worker.
+
+Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>`` under a
+temporary name, then renamed, so results survive a worker's restart and its cleanup. Retention
+removes finished jobs past their TTL and, oldest first, while the folder is over its size cap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import httpx
+
+KINDS = ("wav", "mp3", "json")
+JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
+
+
+class ArtifactStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, job_id: str, index: int, kind: str) -> Path:
+        """The only way a file path is formed: from a checked job id, an index and a known kind."""
+        if not JOB_ID.match(job_id) or kind not in KINDS or index < 0:
+            raise ValueError("invalid artifact address")
+        return self.root / job_id / f"track_{index}.{kind}"
+
+    def has(self, job_id: str, index: int, kind: str) -> bool:
+        p = self.path(job_id, index, kind)
+        return p.is_file() and not p.is_symlink()
+
+    async def fetch(self, client: httpx.AsyncClient, worker_url: str, names: dict[str, str], job_id: str, index: int) -> int:
+        """Stream the worker's files for one track into place; returns the bytes written."""
+        total = 0
+        for kind in KINDS:
+            dest = self.path(job_id, index, kind)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(3)}.tmp")
+            try:
+                async with client.stream("GET", f"{worker_url}/download/{names[kind]}", timeout=60) as r:
+                    r.raise_for_status()
+                    with open(tmp, "wb") as f:
+                        async for chunk in r.aiter_bytes(1 << 16):
+                            f.write(chunk)
+                            total += len(chunk)
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return total
+
+    def remove_job(self, job_id: str) -> None:
+        if JOB_ID.match(job_id):
+            shutil.rmtree(self.root / job_id, ignore_errors=True)
+
+    def job_bytes(self, job_id: str) -> int:
+        d = self.root / job_id
+        return sum(p.stat().st_size for p in d.glob("*") if p.is_file()) if d.is_dir() else 0
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())

@@ -1,0 +1,33 @@
+"""``python backend_api.py``: validate settings, then serve the dispatcher."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from songserve.errors import ConfigError
+from songserve.logs import setup_logging
+from songserve.settings import DispatcherSettings, load_settings, log_non_default
+
+log = logging.getLogger("songserve.api")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    try:
+        s = load_settings(DispatcherSettings, sys.argv[1:] if argv is None else argv)
+        s.worker_list()
+    except ConfigError as exc:
+        print(f"dispatcher: {exc}", file=sys.stderr)
+        return 2
+    setup_logging("api", s.log_level)
+    log_non_default(s)
+    log.info("workers: %s", ", ".join(s.worker_list()) or "none")
+
+    from songserve.api.app import create_app
+
+    uvicorn.run(create_app(s), host=s.host, port=s.port, log_level="warning",
+                timeout_graceful_shutdown=int(s.drain_timeout_sec) + 5)
+    return 0

@@ -1,0 +1,39 @@
+"""``GET /metrics`` in the Prometheus text format, written by hand (no client library needed)."""
+
+from __future__ import annotations
+
+from songserve.api.pool import WorkerState
+from songserve.api.service import JobService
+from songserve.api.states import TrackStatus
+
+
+def render(svc: JobService) -> str:
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP songserve_{name} {help_}")
+        lines.append(f"# TYPE songserve_{name} {kind}")
+        lines.extend(f"songserve_{name}{labels} {value:g}" for labels, value in samples)
+
+    metric("queue_length", "gauge", "Tracks waiting for a worker.", [("", len(svc.queue))])
+    metric("running_tracks", "gauge", "Tracks running on workers.", [("", len(svc.running))])
+    counts = svc.store.counts()
+    metric("tracks", "gauge", "Stored tracks by status.",
+           [(f'{{status="{s.value}"}}', counts.get(s.value, 0)) for s in TrackStatus])
+    jobs: dict[str, int] = {}
+    for job in svc.jobs.values():
+        st = svc.view(job.job_id).status
+        jobs[st] = jobs.get(st, 0) + 1
+    metric("active_jobs", "gauge", "Active jobs by status.", [(f'{{status="{k}"}}', v) for k, v in sorted(jobs.items())])
+    metric("worker_state", "gauge", "1 for each worker's current state.",
+           [(f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.state is st))
+            for w in svc.pool.workers for st in WorkerState])
+    stages = sorted(svc.stage_totals.items())
+    metric("stage_seconds_sum", "counter", "Seconds spent per pipeline stage (finished tracks).",
+           [(f'{{stage="{k}"}}', v[0]) for k, v in stages])
+    metric("stage_seconds_count", "counter", "Finished tracks counted per stage.",
+           [(f'{{stage="{k}"}}', v[1]) for k, v in stages])
+    ratios = [r for d in svc._ratios.values() for r in d]  # noqa: SLF001
+    metric("track_seconds_per_audio_second", "gauge", "Mean wall seconds per second of audio (recent).",
+           [("", sum(ratios) / len(ratios) if ratios else 0.0)])
+    return "\n".join(lines) + "\n"
