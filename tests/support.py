@@ -84,3 +84,54 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):  # noqa:
             return value
         time.sleep(interval)
     raise TimeoutError("condition not met in time")
+
+
+class Cluster:
+    """Tone workers (or tiny-model workers) and a dispatcher, each a real process on a free port."""
+
+    def __init__(self, tmp: Path, workers: int = 2, delay: float = 1.0, api_args: tuple[str, ...] = (),
+                 worker_args: tuple[str, ...] = ()) -> None:
+        self.tmp = tmp
+        self.api_args = api_args
+        self.workers = [
+            start_worker(tmp, *(worker_args or ("--pipeline", "test", "--test-delay-s", str(delay))), name=f"worker{i}")
+            for i in range(workers)
+        ]
+        for w in self.workers:
+            w.wait_healthy()
+        self.api: ServerProcess | None = None
+        self.start_api()
+
+    def start_api(self, *extra: str) -> ServerProcess:
+        port = self.api.port if self.api else free_port()
+        urls = ",".join(w.url for w in self.workers)
+        args = ["backend_api.py", "--port", str(port), "--state-dir", str(self.tmp / "state"),
+                "--health-interval", "0.2", *(("--worker-urls", urls) if urls else ("--num-workers", "0")),
+                *self.api_args, *extra]
+        self.api = ServerProcess(args, port, self.tmp / "api.log")
+        self.api.wait_healthy(want=("ok",))
+        wait_for(lambda: httpx.get(self.api.url + "/status").json()["idle_gpus"] == len(self.workers), timeout=30)
+        return self.api
+
+    @property
+    def url(self) -> str:
+        assert self.api is not None
+        return self.api.url
+
+    def submit(self, **body) -> dict:
+        payload = {"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, **body}
+        r = httpx.post(self.url + "/generate", json=payload, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def job(self, job_id: str) -> dict:
+        return httpx.get(f"{self.url}/job/{job_id}", timeout=10).json()
+
+    def wait_job(self, job_id: str, timeout: float = 60.0) -> dict:
+        terminal = {"completed", "partial", "failed", "cancelled"}
+        return wait_for(lambda: (j := self.job(job_id)) and j["status"] in terminal and j, timeout=timeout, interval=0.1)
+
+    def stop(self) -> None:
+        for p in [self.api, *self.workers]:
+            if p:
+                p.stop()

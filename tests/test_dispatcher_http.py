@@ -1,0 +1,222 @@
+"""The dispatcher against real worker processes over real HTTP."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+
+import httpx
+import pytest
+import soundfile as sf
+
+from tests.support import Cluster, start_worker, wait_for
+
+KHALA_BODY = {"mode": "vocal", "prompt_mode": "tags", "prompt": "", "tags": "pop, piano",
+              "lyrics": "[verse]\n月光洒在窗前。\nhello world", "duration": 0.05, "top_k_bb": 80, "temperature": 1.0}
+JOB_FIELDS = {"job_id", "status", "queue_position", "cleaned_lyrics", "created_at", "started_at", "finished_at",
+              "eta_sec", "tracks"}
+TRACK_FIELDS = {"index", "status", "progress", "phase_display", "worker_id", "worker_phase", "duration_sec", "error",
+                "seed", "files", "metadata"}
+
+
+@pytest.fixture
+def two(tmp_path):
+    c = Cluster(tmp_path, workers=2, delay=1.5)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def one(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=1.0)
+    yield c
+    c.stop()
+
+
+def running(job: dict) -> list[int]:
+    return [t["index"] for t in job["tracks"] if t["status"] in ("generating", "superres", "decoding")]
+
+
+def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
+    r = httpx.post(two.url + "/generate", json=KHALA_BODY)
+    assert r.status_code == 200
+    acc = r.json()
+    assert acc["num_tracks"] == 2 and acc["status"] == "accepted" and acc["queue_position"] == 0
+    job_id = acc["job_id"]
+    first = two.job(job_id)
+    assert JOB_FIELDS <= set(first) and len(first["tracks"]) == 2
+    assert all(TRACK_FIELDS <= set(t) for t in first["tracks"])
+    wait_for(lambda: len(running(two.job(job_id))) == 2, timeout=10)  # both at once
+    job = two.wait_job(job_id)
+    assert job["status"] == "completed" and job["cleaned_lyrics"] == "[verse]\n月光洒在窗前.\nhello world"
+    assert {t["worker_id"] for t in job["tracks"]} == {0, 1}
+    for t in job["tracks"]:
+        assert t["status"] == "done" and t["progress"] == 100 and t["phase_display"] == "Done"
+        assert t["files"] == {"mp3": f"/job/{job_id}/track/{t['index']}/mp3", "wav": f"/job/{job_id}/track/{t['index']}/wav"}
+        worker = two.workers[t["worker_id"]]
+        result = httpx.get(f"{worker.url}/tasks/{job_id}-{t['index']}-1").json()["result"]
+        for kind in ("wav", "mp3"):
+            ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}")
+            theirs = httpx.get(f"{worker.url}/download/{result[kind + '_filename']}")
+            assert ours.status_code == 200 and ours.content == theirs.content
+            assert ours.headers["content-length"] == str(len(ours.content))
+    wav = httpx.get(f"{two.url}/job/{job_id}/track/1/wav")
+    assert wav.headers["content-type"] == "audio/wav" and "attachment" in wav.headers["content-disposition"]
+    mp3 = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3")
+    assert mp3.headers["content-type"] == "audio/mpeg" and "inline" in mp3.headers["content-disposition"]
+    assert sf.info(io.BytesIO(mp3.content)).channels == 2
+    part = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3", headers={"Range": "bytes=100-1099"})
+    assert part.status_code == 206 and part.content == mp3.content[100:1100]
+    assert part.headers["content-range"] == f"bytes 100-1099/{len(mp3.content)}"
+
+
+def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
+    a = one.submit(num_tracks=2)
+    b = one.submit(num_tracks=1)
+    assert b["status"] == "queued" and b["queue_position"] >= 1
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen.append(httpx.get(one.url + "/status").json()["running_tracks"])  # one snapshot
+        ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
+        if jb["status"] == "queued":
+            assert jb["queue_position"] >= 1 and jb["tracks"][0]["phase_display"].startswith("Queued · Position #")
+        if ja["status"] == "completed" and jb["status"] == "completed":
+            break
+        time.sleep(0.1)
+    assert max(seen) == 1
+    ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
+    assert ja["status"] == jb["status"] == "completed"
+    assert all(t["attempts"] == 1 for t in ja["tracks"] + jb["tracks"])  # never sent to a busy worker
+
+
+def test_fairness_later_single_track_job_is_not_starved(one):
+    a = one.submit(num_tracks=4)
+    b = one.submit(num_tracks=1)
+    jb = one.wait_job(b["job_id"], timeout=60)
+    ja = one.job(a["job_id"])
+    done_a = sum(t["status"] == "done" for t in ja["tracks"])
+    assert jb["status"] == "completed" and done_a <= 2  # b ran before a's last tracks
+    one.wait_job(a["job_id"], timeout=60)
+
+
+def test_cancel_queued_and_running(one):
+    a = one.submit(num_tracks=1, duration=0.2)
+    b = one.submit(num_tracks=2)
+    wait_for(lambda: running(one.job(a["job_id"])), timeout=10)
+    cb = httpx.delete(f"{one.url}/job/{b['job_id']}").json()
+    assert cb["status"] == "cancelled" and all(t["status"] == "cancelled" for t in cb["tracks"])
+    t0 = time.monotonic()
+    httpx.delete(f"{one.url}/job/{a['job_id']}")
+    assert one.job(a["job_id"])["status"] == "cancelled"
+    ja = wait_for(lambda: (j := one.job(a["job_id"]))["tracks"][0]["status"] == "cancelled" and j, timeout=10)
+    assert ja["status"] == "cancelled"
+    assert time.monotonic() - t0 < 3
+    wait_for(lambda: httpx.get(one.url + "/status").json()["idle_gpus"] == 1, timeout=5)
+    c = one.submit(num_tracks=1)
+    assert one.wait_job(c["job_id"])["status"] == "completed"
+    assert httpx.delete(f"{one.url}/job/{c['job_id']}").json()["status"] == "completed"  # no-op when finished
+
+
+def test_restart_loses_nothing(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=2.0)
+    try:
+        done = c.submit(num_tracks=1)
+        c.wait_job(done["job_id"])
+        before = httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content
+        running_job = c.submit(num_tracks=1)
+        queued = [c.submit(num_tracks=2) for _ in range(2)]
+        wait_for(lambda: running(c.job(running_job["job_id"])), timeout=10)
+        c.api.signal(signal.SIGKILL)
+        c.api.proc.wait(10)
+        time.sleep(2.5)  # the running track finishes on the worker while no dispatcher is up
+        c.start_api()
+        jobs = [c.wait_job(j["job_id"], timeout=60) for j in [running_job, *queued]]
+        assert all(j["status"] == "completed" for j in jobs)
+        assert jobs[0]["tracks"][0]["attempts"] == 1  # collected from the worker, not generated again
+        assert httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content == before
+    finally:
+        c.stop()
+
+
+def test_queue_full_429_and_validation_422(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3"))
+    try:
+        c.submit(num_tracks=1)
+        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
+        c.submit(num_tracks=3)
+        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "num_tracks": 1})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["status"] == "error" and "queue is full" in r.json()["error"]
+        for body, field in [({"lyrics": "x", "duration": 99}, "duration"), ({"lyrics": "x", "top_k_bb": "80"}, "top_k_bb"),
+                            ({"lyrics": "x", "temperature": 3}, "temperature"), ({"lyrics": "★"}, "lyrics"),
+                            ({"lyrics": "x", "mode": "choir"}, "mode"), ({"lyrics": "x", "priority": 10}, "priority")]:
+            r = httpx.post(c.url + "/generate", json=body)
+            assert r.status_code == 422, body
+            e = r.json()
+            assert e["status"] == "error" and field in e["error"] and e["detail"][0]["loc"][-1] == field
+        assert httpx.get(c.url + "/job/nope").json() == {"status": "error", "error": "Job nope not found."}
+        assert httpx.get(c.url + "/job/abcdef0123456789/track/0/mp3").status_code == 404
+    finally:
+        c.stop()
+
+
+def test_track_file_errors_and_idempotency(one):
+    a = one.submit(num_tracks=1)
+    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/5/mp3")
+    assert r.status_code == 400 and r.json()["status"] == "error"
+    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/0/mp3")
+    assert r.status_code == 404 and "not done" in r.json()["error"]
+    h = {"Idempotency-Key": "k-1"}
+    x = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
+    y = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
+    assert x["job_id"] == y["job_id"]
+
+
+def test_events_stream_ends_at_a_terminal_state(one):
+    a = one.submit(num_tracks=1)
+    statuses = []
+    with httpx.stream("GET", f"{one.url}/job/{a['job_id']}/events", timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                import json
+
+                statuses.append(json.loads(line[6:])["status"])
+    assert statuses[-1] == "completed" and len(statuses) >= 2
+
+
+def test_status_tags_metrics_config_docs(one):
+    st = httpx.get(one.url + "/status").json()
+    assert {"total_gpus", "idle_gpus", "active_jobs", "queued_jobs", "workers"} <= set(st)
+    assert st["workers"][0]["status"] == "idle" and {"worker_id", "url", "phase", "gpu_id"} <= set(st["workers"][0])
+    tags = httpx.get(one.url + "/tags").json()
+    assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
+    assert all(v["label"] and v["tags"] for v in tags.values())
+    m = httpx.get(one.url + "/metrics").text
+    assert "songserve_queue_length 0" in m and 'songserve_worker_state{worker="0",state="idle"} 1' in m
+    assert httpx.get(one.url + "/config").json()["backbone_models"] == ["default_backbone"]
+    assert httpx.get(one.url + "/ready").status_code == 200
+    assert httpx.get(one.url + "/docs").status_code == 200
+    assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
+
+
+def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
+    w = start_worker(tmp_path, name="tiny")
+    try:
+        w.wait_healthy()
+        c = Cluster.__new__(Cluster)
+        c.tmp, c.api_args, c.workers, c.api = tmp_path, (), [w], None
+        c.start_api()
+        a = c.submit(num_tracks=2, duration=0.05, seed=42)
+        job = c.wait_job(a["job_id"], timeout=120)
+        assert job["status"] == "completed"
+        assert [t["seed"] for t in job["tracks"]] == [42, 43]
+        wav = httpx.get(f"{c.url}/job/{a['job_id']}/track/1/wav").content
+        data, sr = sf.read(io.BytesIO(wav))
+        assert sr == 44100 and data.shape[1] == 2 and abs(data.shape[0] / sr - 3.0) < 0.1
+        assert job["tracks"][0]["metadata"]["timings"]["backbone_sec"] > 0
+        c.api.stop()
+    finally:
+        w.stop()

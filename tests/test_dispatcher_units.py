@@ -1,0 +1,180 @@
+"""Dispatcher logic in isolation: lyrics cleaning, validation, status derivation, queue order, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from songserve.api import scheduler
+from songserve.api.artifacts import ArtifactStore
+from songserve.api.service import FieldError, JobService, QueueFull
+from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
+from songserve.api.store import JobStore
+from songserve.lyrics import clean_lyrics
+from songserve.schemas import GenerateRequest
+from songserve.settings import DispatcherSettings
+
+# ---- lyrics cleaning: every rule of api.md ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [
+        ("你好。世界，真的！吗？是：的；", "你好.世界,真的!吗?是:的;"),
+        ("（a）【b】「c」『d』《e》、", '(a)[b]"c""d"<e>,'),
+        ("“f”‘g’", "\"f\"'g'"),
+        ("a——b–c—d―e﹣f", "a-b-c-d-e-f"),
+        ("wait…", "wait..."),
+        ("la～", "la~"),
+        ("a・b", "a b"),
+        ("〖x〗〈y〉", "[x]<y>"),
+        ("ＨＥＬＬＯ１２３！？", "HELLO123!?"),
+        ("Неllo Κing οf", "Hello King of"),  # Cyrillic Н/е, Greek Κ/ο
+        ("zero\u200bwidth\ufeff", "zerowidth"),
+        ("a\u00a0b\u3000c\u2028d\u2009e", "a b c d e"),
+        ("don′t donʼt don´t", "don't don't don't"),
+        ("¨q¨ a·b 2×3 6÷2 a|b", '"q" a.b 2x3 6/2 a-b'),
+        ("star ★ here 🎵", "star  here"),
+        ("bell\x07 esc\x1b tab\tkeep", "bell esc tab\tkeep"),
+        ("one\n\n\n\ntwo\n \n\nthree", "one\n\ntwo\n\nthree"),
+        ("  \n[verse]\nline\n  ", "[verse]\nline"),
+        ("a\r\nb", "a\nb"),
+    ],
+)
+def test_lyrics_cleaning(raw, clean):
+    assert clean_lyrics(raw) == clean
+    assert clean_lyrics(clean) == clean  # idempotent
+
+
+# ---- states ---------------------------------------------------------------------------------------
+
+Q, G, S, D, OK, E, C = (TrackStatus.queued, TrackStatus.generating, TrackStatus.superres, TrackStatus.decoding,
+                        TrackStatus.done, TrackStatus.error, TrackStatus.cancelled)
+
+
+@pytest.mark.parametrize(
+    ("tracks", "cancelled", "want"),
+    [
+        ([OK, OK], False, JobStatus.completed),
+        ([OK, E], False, JobStatus.partial),
+        ([E, E], False, JobStatus.failed),
+        ([OK, C], True, JobStatus.cancelled),
+        ([Q, Q], True, JobStatus.cancelled),
+        ([G, Q], False, JobStatus.generating),
+        ([OK, D], False, JobStatus.generating),
+        ([S], False, JobStatus.generating),
+        ([Q, Q], False, JobStatus.queued),
+        ([OK, Q], False, JobStatus.pending),
+        ([E, Q], False, JobStatus.pending),
+    ],
+)
+def test_job_status_derivation(tracks, cancelled, want):
+    assert job_status(tracks, cancelled) is want
+
+
+def test_track_transitions():
+    check_transition(Q, G)
+    check_transition(G, S)
+    check_transition(S, Q)  # retry
+    check_transition(D, OK)
+    for bad in ((Q, OK), (OK, Q), (E, G), (C, Q)):
+        with pytest.raises(IllegalTransition):
+            check_transition(*bad)
+
+
+# ---- scheduler order ------------------------------------------------------------------------------
+
+
+def E_(job, idx, prio=0, seq=None):  # noqa: N802
+    return scheduler.QueueEntry(job, idx, prio, seq if seq is not None else ord(job[0]))
+
+
+def keys(entries):
+    return [f"{e.job_id}{e.index}" for e in entries]
+
+
+def test_priority_first_then_fifo():
+    q = [E_("a", 0), E_("b", 0), E_("c", 0, prio=5)]
+    assert keys(scheduler.order(q, {})) == ["c0", "a0", "b0"]
+
+
+def test_fair_across_jobs():
+    # Job a (4 tracks) came first and two of its tracks already run; b (1 track) came later.
+    q = [E_("a", 2), E_("a", 3), E_("b", 0)]
+    assert keys(scheduler.order(q, {"a": 2})) == ["b0", "a2", "a3"]
+    # Nothing started yet: round robin between a and b, older job first at each level.
+    q = [E_("a", i) for i in range(4)] + [E_("b", 0), E_("b", 1)]
+    assert keys(scheduler.order(q, {})) == ["a0", "b0", "a1", "b1", "a2", "a3"]
+
+
+def test_fifo_within_a_job_and_priority_beats_fairness():
+    q = [E_("a", 1), E_("a", 0), E_("b", 0, prio=1)]
+    assert keys(scheduler.order(q, {"b": 9})) == ["b0", "a0", "a1"]
+
+
+# ---- validation and retention through the service (no workers) ------------------------------------
+
+
+@pytest.fixture
+def service(tmp_path):
+    async def make(**settings):
+        s = DispatcherSettings(state_dir=tmp_path, num_workers=0, **settings)
+        client = httpx.AsyncClient()
+        svc = JobService(s, JobStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), client)
+        return svc
+
+    return make
+
+
+def test_validation_names_the_field(service):
+    async def go():
+        svc = await service(max_duration=5.0, max_tracks=3)
+        for body, field in [({"duration": 6.0, "lyrics": "x"}, "duration"), ({"num_tracks": 4, "lyrics": "x"}, "num_tracks"),
+                            ({"lyrics": " ★ \u200b "}, "lyrics")]:
+            with pytest.raises(FieldError) as err:
+                svc.submit(GenerateRequest(**body))
+            assert err.value.detail[0]["loc"] == ["body", field] and field in str(err.value)
+        # instrumental needs no lyrics
+        assert svc.submit(GenerateRequest(mode="instrumental", duration=1.0)).num_tracks == 2
+
+    asyncio.run(go())
+
+
+def test_queue_bound_answers_queue_full_with_retry_after(service):
+    async def go():
+        svc = await service(max_queue=5)
+        svc.submit(GenerateRequest(lyrics="x", num_tracks=4))
+        with pytest.raises(QueueFull) as err:
+            svc.submit(GenerateRequest(lyrics="x", num_tracks=2))
+        assert err.value.retry_after >= 1
+        svc.submit(GenerateRequest(lyrics="x", num_tracks=1))
+
+    asyncio.run(go())
+
+
+def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(service, tmp_path):
+    async def go():
+        svc = await service(result_ttl_sec=3600, results_max_mb=1.0)
+        ids = [svc.submit(GenerateRequest(lyrics="x", num_tracks=1)).job_id for _ in range(4)]
+        # Finish three of them by hand: a day old, fresh with a big file, fresh with a small file.
+        for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
+            job = svc.jobs[job_id]
+            t = job.tracks[0]
+            svc.queue.pop((job_id, 0))
+            svc._set(t, TrackStatus.cancelled, finished_at=time.time() - age)
+            job.finished_at = time.time() - age + n
+            svc.store.save_job(job, terminal=True)
+            svc.jobs.pop(job_id)
+            p = svc.artifacts.path(job_id, 0, "wav")
+            p.parent.mkdir(parents=True)
+            p.write_bytes(b"\0" * size)
+        removed = svc.sweep()
+        assert removed == 2  # the expired one, then the oldest fresh one until under 1 MB
+        assert svc.store.load_job(ids[0]) is None and svc.store.load_job(ids[1]) is None
+        assert svc.store.load_job(ids[2]) is not None and svc.store.load_job(ids[3]) is not None  # active: kept
+        assert not (tmp_path / "results" / ids[0]).exists()
+
+    asyncio.run(go())
