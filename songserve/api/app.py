@@ -23,6 +23,7 @@ from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 from songserve.settings import DispatcherSettings
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
+TRACK_DONE = {"done", "error", "cancelled"}
 MEDIA = {"mp3": ("audio/mpeg", "inline"), "wav": ("audio/wav", "attachment")}
 
 
@@ -96,7 +97,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
                 if body != last:
                     last = body
                     yield f"event: job\ndata: {body}\n\n"
-                if JobStatus(view.status) in TERMINAL_JOB:
+                if JobStatus(view.status) in TERMINAL_JOB and all(t.status in TRACK_DONE for t in view.tracks):
                     return
                 if await svc().wait_change(before, timeout=15) == before:
                     yield ": keep-alive\n\n"

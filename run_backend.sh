@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# songserve launcher: one worker per GPU id, then the dispatcher, then follow the logs.
+#
+#   bash run_backend.sh [--gpus 0,1] [--runtime-mode one_shot|keep_loaded] [--no-follow]
+#   bash run_backend.sh --workers-only [--gpus …]          workers for a dispatcher elsewhere
+#   bash run_backend.sh --api-only --worker-urls URL,URL   a dispatcher for workers elsewhere
+#   bash run_backend.sh stop                               stop everything this launcher started
+#
+# Environment: API_PORT (8889), WORKER_BASE_PORT (8001), BASE_MASTER_PORT (8791), BASE_SEED (1283),
+# MEGATRON_ARGS, WORKER_HOST (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s),
+# STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset), and the checkpoint settings the worker
+# reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+API_PORT=${API_PORT:-8889}
+WORKER_BASE_PORT=${WORKER_BASE_PORT:-8001}
+BASE_MASTER_PORT=${BASE_MASTER_PORT:-8791}
+BASE_SEED=${BASE_SEED:-1283}
+MEGATRON_ARGS=${MEGATRON_ARGS:-}
+WORKER_HOST=${WORKER_HOST:-127.0.0.1}
+LOG_DIR=${LOG_DIR:-logs}
+STATE_DIR=${STATE_DIR:-state}
+HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-600}
+STOP_TIMEOUT=${STOP_TIMEOUT:-40}
+PY=.venv/bin/python
+
+say() { echo "run_backend: $*"; }
+die() { echo "run_backend: $*" >&2; exit 1; }
+
+# ---- stop -------------------------------------------------------------------------------------
+ours() {  # is pid $1 alive and one of our processes (not a stale pid reused by something else)?
+  local pid=$1
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE 'backend_(api|worker)\.py'
+}
+
+stop_all() {
+  local pidfiles=() pid f stopped=0
+  shopt -s nullglob
+  pidfiles=("$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid)
+  shopt -u nullglob
+  [ ${#pidfiles[@]} -eq 0 ] && { say "nothing to stop (no pid files in $LOG_DIR/)"; return 0; }
+  for f in "${pidfiles[@]}"; do   # dispatcher first: it drains, then the workers
+    pid=$(cat "$f" 2>/dev/null || true)
+    if ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; stopped=$((stopped + 1))
+    else say "removing stale pid file $f"; rm -f "$f"; fi
+  done
+  local deadline=$((SECONDS + STOP_TIMEOUT))
+  for f in "${pidfiles[@]}"; do
+    [ -f "$f" ] || continue
+    pid=$(cat "$f" 2>/dev/null || true)
+    while ours "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    if ours "$pid"; then say "$(basename "$f" .pid) did not stop in ${STOP_TIMEOUT}s: killing"; kill -KILL "$pid" 2>/dev/null || true; fi
+    rm -f "$f"
+  done
+  say "stopped $stopped processes"
+}
+
+if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
+
+# ---- arguments --------------------------------------------------------------------------------
+GPUS=0; MODE=one_shot; FOLLOW=1; WORKERS=1; API=1; WORKER_URLS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) GPUS=${2:-}; shift 2 ;;
+    --gpus=*) GPUS=${1#*=}; shift ;;
+    --runtime-mode) MODE=${2:-}; shift 2 ;;
+    --runtime-mode=*) MODE=${1#*=}; shift ;;
+    --workers-only) API=0; shift ;;
+    --api-only) WORKERS=0; shift ;;
+    --worker-urls) WORKER_URLS=${2:-}; shift 2 ;;
+    --worker-urls=*) WORKER_URLS=${1#*=}; shift ;;
+    --no-follow) FOLLOW=0; shift ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+[[ "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus must be comma-separated GPU ids such as 0 or 0,1; got '$GPUS'"
+[ "$(tr ',' '\n' <<<"$GPUS" | sort | uniq -d)" = "" ] || die "--gpus lists an id twice: '$GPUS'"
+[[ "$MODE" =~ ^(one_shot|keep_loaded)$ ]] || die "--runtime-mode must be one_shot or keep_loaded; got '$MODE'"
+[ $WORKERS = 1 ] || [ -n "$WORKER_URLS" ] || die "--api-only needs --worker-urls URL,URL,…"
+[ $WORKERS = 1 ] || [ $API = 1 ] || die "--workers-only and --api-only together start nothing"
+IFS=, read -r -a GPU_IDS <<<"$GPUS"
+mkdir -p "$LOG_DIR"
+for f in "$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid; do
+  [ -f "$f" ] && ours "$(cat "$f")" && die "already running (pid file $f); use 'bash run_backend.sh stop' first"
+done
+
+# ---- set-up (first run only) ------------------------------------------------------------------
+bash scripts/setup
+export WORKER_TOKEN=${WORKER_TOKEN:-$($PY -c 'import secrets; print(secrets.token_hex(16))')}
+if [ $WORKERS = 1 ]; then
+  CUDA_COUNT=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ "$CUDA_COUNT" = 0 ]; then
+    say "no CUDA device found: workers run on the CPU"
+  else
+    for g in "${GPU_IDS[@]}"; do [ "$g" -lt "$CUDA_COUNT" ] || die "--gpus $g: this machine has $CUDA_COUNT GPUs (ids 0..$((CUDA_COUNT - 1)))"; done
+  fi
+  if [ -z "${CHECKPOINTS_DIR:-}${TOKENIZER_PATH:-}${BACKBONE_MODELS:-}${SUPERRES_MODELS:-}${DECODER_CONFIG_PATH:-}${DECODER_CHECKPOINT_PATH:-}" ]; then
+    if ! $PY -c 'import sys; from songserve.pipeline.tiny import is_built; from songserve.settings import DEFAULT_TINY_DIR; sys.exit(0 if is_built(DEFAULT_TINY_DIR) else 1)'; then
+      say "no checkpoint set configured: building the tiny set in checkpoints/tiny (once, ~10 s)"
+      $PY -m songserve.pipeline.tiny >/dev/null
+    fi
+    say "using the tiny checkpoint set (untrained: noise of the right shape and length)"
+  fi
+fi
+
+STARTED=()
+on_failure() { say "stopping what was started"; stop_all >/dev/null; exit 1; }
+
+wait_health() {  # name url pid log
+  local name=$1 url=$2 pid=$3 log=$4 deadline=$((SECONDS + HEALTH_TIMEOUT)) state
+  while [ $SECONDS -lt $deadline ]; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "run_backend: $name failed to start; last lines of $log:" >&2
+      tail -n 5 "$log" | sed 's/^/  | /' >&2
+      on_failure
+    fi
+    state=$($PY - "$url" <<'PYEOF' 2>/dev/null || true
+import json, sys, urllib.request
+try:
+    print(json.load(urllib.request.urlopen(sys.argv[1] + "/health", timeout=2)).get("status", ""))
+except Exception:
+    print("")
+PYEOF
+)
+    case "$state" in idle|ok|busy) say "$name is up at $url"; return 0 ;; esac
+    sleep 0.5
+  done
+  echo "run_backend: $name did not become healthy in ${HEALTH_TIMEOUT}s; see $log" >&2
+  on_failure
+}
+
+# ---- workers ----------------------------------------------------------------------------------
+if [ $WORKERS = 1 ]; then
+  for i in "${!GPU_IDS[@]}"; do
+    port=$((WORKER_BASE_PORT + i)); log="$LOG_DIR/worker_$i.log"
+    say "starting worker $i on GPU ${GPU_IDS[$i]} (port $port, $MODE)"
+    CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i nohup $PY backend_worker.py \
+      --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
+      --master-port $((BASE_MASTER_PORT + i)) --seed $((BASE_SEED + i * 1000)) \
+      --megatron-args "$MEGATRON_ARGS" >>"$log" 2>&1 </dev/null &
+    echo $! >"$LOG_DIR/worker_$i.pid"; STARTED+=("$log")
+  done
+  for i in "${!GPU_IDS[@]}"; do
+    wait_health "worker $i" "http://127.0.0.1:$((WORKER_BASE_PORT + i))" "$(cat "$LOG_DIR/worker_$i.pid")" "$LOG_DIR/worker_$i.log"
+  done
+fi
+
+# ---- dispatcher -------------------------------------------------------------------------------
+if [ $API = 1 ]; then
+  args=(--port "$API_PORT" --state-dir "$STATE_DIR" --health-interval 1.0)
+  if [ -n "$WORKER_URLS" ]; then args+=(--worker-urls "$WORKER_URLS")
+  else args+=(--num-workers "${#GPU_IDS[@]}" --worker-base-port "$WORKER_BASE_PORT" --worker-host 127.0.0.1); fi
+  say "starting the dispatcher on port $API_PORT"
+  nohup $PY backend_api.py "${args[@]}" >>"$LOG_DIR/api.log" 2>&1 </dev/null &
+  echo $! >"$LOG_DIR/api.pid"; STARTED+=("$LOG_DIR/api.log")
+  wait_health "dispatcher" "http://127.0.0.1:$API_PORT" "$(cat "$LOG_DIR/api.pid")" "$LOG_DIR/api.log"
+  say "ready: http://127.0.0.1:$API_PORT/ (page), /docs (API); stop with: bash run_backend.sh stop"
+fi
+[ $FOLLOW = 1 ] || exit 0
+
+# ---- follow the logs until stopped --------------------------------------------------------------
+trap 'echo; stop_all; exit 0' INT TERM
+tail -n 0 -F "${STARTED[@]}" &
+TAIL=$!
+while :; do
+  alive=0
+  for f in "$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid; do [ -f "$f" ] && ours "$(cat "$f")" && alive=1; done
+  [ $alive = 1 ] || break
+  sleep 1
+done
+kill "$TAIL" 2>/dev/null || true
+say "all processes have exited"

@@ -1,0 +1,5 @@
+import sys
+
+from songserve.client import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""The command-line client: ``python -m songserve generate …`` and ``python -m songserve status``.
+
+    python -m songserve generate --lyrics-file song.txt --tags "pop, piano" --duration 0.1 --tracks 2 --out songs/
+    python -m songserve status
+
+Talks to the dispatcher over HTTP (``--server``, default ``$SONGSERVE_URL`` or http://127.0.0.1:8889).
+Exits non-zero with the server's error sentence when something fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TERMINAL = {"completed", "partial", "failed", "cancelled"}
+
+
+class ClientError(Exception):
+    pass
+
+
+def _check(r: httpx.Response) -> dict:
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code >= 400:
+        raise ClientError(body.get("error") or f"The server answered HTTP {r.status_code}.")
+    return body
+
+
+def _bar(progress: int, width: int = 24) -> str:
+    filled = width * progress // 100
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {progress:3d}%"
+
+
+def generate(args: argparse.Namespace, client: httpx.Client, out=sys.stdout) -> int:  # noqa: ANN001
+    lyrics = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
+    body = {"mode": "instrumental" if args.instrumental else "vocal", "tags": args.tags or "", "lyrics": lyrics,
+            "duration": args.duration, "num_tracks": args.tracks}
+    if args.prompt:
+        body.update(prompt_mode="natural", prompt=args.prompt)
+    if args.seed is not None:
+        body["seed"] = args.seed
+    accepted = _check(client.post("/generate", json=body))
+    job_id = accepted["job_id"]
+    print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
+    tty = out.isatty()
+    last: list[str] = []
+    while True:
+        job = _check(client.get(f"/job/{job_id}"))
+        lines = [f"  track {t['index']}: {_bar(t['progress'])} {t['phase_display']}" for t in job["tracks"]]
+        if lines != last:
+            if tty and last:
+                out.write(f"\x1b[{len(last)}A")
+            for line in lines:
+                out.write(("\x1b[2K" if tty else "") + line + "\n")
+            out.flush()
+            last = lines
+        if job["status"] in TERMINAL:
+            break
+        time.sleep(args.poll)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = 0
+    for t in job["tracks"]:
+        if t["status"] != "done":
+            print(f"track {t['index']}: {t['status']}: {t.get('error') or ''}".rstrip(": "), file=out)
+            continue
+        for kind in args.formats.split(","):
+            dest = out_dir / f"{job_id}_track{t['index']}.{kind}"
+            with client.stream("GET", t["files"][kind]) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                with open(dest, "wb") as f:
+                    for chunk in r.iter_bytes():
+                        f.write(chunk)
+            print(f"saved {dest}", file=out)
+            saved += 1
+    print(f"job {job_id}: {job['status']}", file=out)
+    return 0 if job["status"] == "completed" else 1
+
+
+def status(_: argparse.Namespace, client: httpx.Client, out=sys.stdout) -> int:  # noqa: ANN001
+    s = _check(client.get("/status"))
+    print(f"{s['idle_gpus']}/{s['total_gpus']} workers idle, {s['active_jobs']} active jobs, {s['queued_jobs']} queued", file=out)
+    print(f"{'id':>3}  {'status':<8} {'phase':<17} {'device':<7} url", file=out)
+    for w in s["workers"]:
+        print(f"{w['worker_id']:>3}  {w['status']:<8} {w['phase']:<17} {str(w.get('device') or '-'):<7} {w['url']}", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m songserve", description="songserve command-line client")
+    ap.add_argument("--server", default=os.environ.get("SONGSERVE_URL", "http://127.0.0.1:8889"))
+    ap.add_argument("--api-key", default=os.environ.get("SONGSERVE_API_KEY"))
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="submit a job, show progress, download the files")
+    g.add_argument("--lyrics-file")
+    g.add_argument("--lyrics")
+    g.add_argument("--tags")
+    g.add_argument("--prompt", help="a description instead of tags")
+    g.add_argument("--instrumental", action="store_true")
+    g.add_argument("--duration", type=float, default=1.0, help="minutes")
+    g.add_argument("--tracks", type=int, default=2)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--out", default="songs")
+    g.add_argument("--formats", default="mp3,wav")
+    g.add_argument("--poll", type=float, default=0.5)
+    sub.add_parser("status", help="show the worker table")
+    args = ap.parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        with httpx.Client(base_url=args.server, headers=headers, timeout=30) as client:
+            return {"generate": generate, "status": status}[args.command](args, client)
+    except ClientError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {args.server}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

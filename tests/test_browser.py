@@ -1,0 +1,82 @@
+"""The page at / in headless Chromium (Debian's package, driven by Playwright): a person's path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT, Cluster, start_worker
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def site(tiny_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser")
+    w = start_worker(tmp, name="tiny")
+    w.wait_healthy()
+    c = Cluster.__new__(Cluster)
+    c.tmp, c.api_args, c.workers, c.api = tmp, (), [w], None
+    c.start_api()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def page():
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed: scripts/test installs Debian's chromium package")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--autoplay-policy=no-user-gesture-required", "--no-sandbox"])
+        yield browser.new_page()
+        browser.close()
+
+
+def test_generate_play_and_cancel_in_the_page(site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(site.url + "/")
+    page.wait_for_selector("#tag-chips button")  # the tag catalogue loaded
+    page.click("#tag-chips button >> nth=0")
+    page.fill("#lyrics", "[verse]\nhello browser\nsecond line")
+    page.fill("#duration", "0.05")
+    page.fill("#num_tracks", "1")
+    page.click("#generate")
+    card = page.locator(".job").first
+    card.locator(".track .phase").wait_for()
+    audio = card.locator("audio")
+    audio.wait_for(state="visible", timeout=120_000)
+    assert card.locator(".job-status").inner_text().startswith("completed")
+    assert card.locator("progress").get_attribute("value") == "100"
+    href = card.locator(".dl-wav").get_attribute("href")
+    assert href and href.endswith("/track/0/wav")
+    played = page.evaluate(
+        """async () => { const a = document.querySelector('.job audio'); await a.play();
+             await new Promise(r => setTimeout(r, 700)); return [a.currentTime, a.duration]; }"""
+    )
+    assert played[0] > 0.1 and abs(played[1] - 2.97) < 0.2
+
+    # A second, long job: cancel it from its card.
+    page.fill("#duration", "5")
+    page.click("#generate")
+    page.wait_for_function("document.querySelectorAll('.job').length === 2")
+    long_card = page.locator(".job").first
+    long_card.locator(".track .phase").wait_for()
+    long_card.locator("button.cancel").click()
+    page.wait_for_function("document.querySelector('.job .job-status').textContent.startsWith('cancelled')", timeout=20_000)
+
+    # A readable error: a vocal song with no lyrics.
+    page.fill("#lyrics", "")
+    page.click("#generate")
+    err = page.locator("#form-error")
+    err.wait_for(state="visible")
+    assert "lyrics" in err.inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
+    assert Path(ARTIFACTS / "browser.png").stat().st_size > 10_000
+    assert not errors

@@ -1,0 +1,48 @@
+"""The CLI client against a running dispatcher (real processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT, Cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cli"), workers=1, delay=0.3)
+    yield c
+    c.stop()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "songserve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_generate_downloads_every_track(cluster, tmp_path):
+    lyrics = tmp_path / "song.txt"
+    lyrics.write_text("[verse]\nhello\nworld\n", encoding="utf-8")
+    out = cli("--server", cluster.url, "generate", "--lyrics-file", str(lyrics), "--tags", "pop, piano",
+              "--duration", "0.1", "--tracks", "2", "--out", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(files) == 4 and sum(f.endswith(".mp3") for f in files) == 2
+    assert "track 1: [########################] 100% Done" in out.stdout
+    assert out.stdout.strip().endswith("completed")
+
+
+def test_server_error_sentence_and_nonzero_exit(cluster, tmp_path):
+    out = cli("--server", cluster.url, "generate", "--lyrics", "x", "--duration", "99", "--out", str(tmp_path))
+    assert out.returncode == 1
+    assert out.stderr.strip() == "error: Field 'duration': must be between 0.05 and 10.0 minutes."
+    out = cli("--server", "http://127.0.0.1:9", "status")
+    assert out.returncode == 1 and "cannot reach" in out.stderr
+
+
+def test_status_prints_the_worker_table(cluster):
+    out = cli("--server", cluster.url, "status")
+    assert out.returncode == 0
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("1/1 workers idle") and "idle" in lines[2] and cluster.workers[0].url in lines[2]
