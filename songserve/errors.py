@@ -4,6 +4,7 @@
     ├── ConfigError                bad settings or a missing/mismatched checkpoint: refuse to start
     ├── RequestError               a request that cannot be served as asked (HTTP 4xx)
     │   └── NotFoundError          an unknown job, track, task or file (HTTP 404)
+    ├── UnavailableError           draining or not ready (HTTP 503)
     ├── BusyError                  the worker already runs a task (HTTP 409)
     ├── CancelledError             a task stopped at a cancellation point
     └── TaskError                  a task failed inside the model or the export (reported, not retried)
@@ -28,6 +29,12 @@ class RequestError(SongserveError):
 
 class NotFoundError(RequestError):
     http_status = 404
+
+
+class UnavailableError(SongserveError):
+    """Shutting down, or not ready: try again later or elsewhere (HTTP 503)."""
+
+    http_status = 503
 
 
 class BusyError(SongserveError):

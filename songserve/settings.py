@@ -53,8 +53,13 @@ class WorkerSettings(BaseSettings):
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
+    worker_token: str = Field("", description="shared secret: every route but /health needs Authorization: Bearer <token>")
+    stall_timeout_sec: float = Field(300.0, gt=0, description="a task with no progress this long makes /health say stalled")
+    drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
+    test_hang: bool = Field(False, description="test pipeline: the model thread hangs (fault-injection tests)")
 
 
 def _flag(name: str) -> str:
@@ -133,6 +138,11 @@ class DispatcherSettings(BaseSettings):
     results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
     sweep_interval_sec: float = Field(60.0, gt=0)
     drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for running tracks")
+    api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
+    public_page: bool = Field(True, description="with an API key: the page and /tags stay public")
+    worker_token: str = Field("", description="shared secret sent to the workers")
+    cors_origins: str = Field("", description="comma-separated extra origins allowed by CORS (localhost ports always are)")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
     log_level: str = "INFO"
 
     def worker_list(self) -> list[str]:

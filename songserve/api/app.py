@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Header, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -19,6 +20,7 @@ from songserve.api.store import JobStore
 from songserve.api.tags import TAGS
 from songserve.errors import NotFoundError, RequestError
 from songserve.http_errors import error_response, install_error_handlers
+from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 from songserve.settings import DispatcherSettings
 
@@ -32,7 +34,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
+        headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
+        client = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
         store = JobStore(s.state_dir / "jobs.sqlite3")
         svc = JobService(s, store, ArtifactStore(s.state_dir / "results"), client)
         holder["svc"] = app.state.svc = svc
@@ -46,6 +49,17 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     app = FastAPI(title="songserve", version=__version__, lifespan=lifespan,
                   description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.")
     install_error_handlers(app)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=[o.strip() for o in s.cors_origins.split(",") if o.strip()],
+        allow_origin_regex=r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?",
+        allow_methods=["GET", "POST", "DELETE"],
+        allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Range"],
+    )
+    if s.api_key:
+        page = {"/", "/index.html", "/app.js", "/style.css", "/tags"} if s.public_page else set()
+        app.add_middleware(BearerAuth, token=s.api_key, exempt={"/health", *page})
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
 
     def svc() -> JobService:
         return holder["svc"]
@@ -70,7 +84,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     async def cancel(job_id: str) -> JobView:
         return await svc().cancel(job_id)
 
-    @app.get("/job/{job_id}/track/{idx}/{kind}")
+    @app.api_route("/job/{job_id}/track/{idx}/{kind}", methods=["GET", "HEAD"])
     async def track_file(job_id: str, idx: int, kind: str) -> FileResponse:
         if kind not in MEDIA:
             raise NotFoundError(f"No such file kind {kind!r}; use mp3 or wav.")

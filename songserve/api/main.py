@@ -27,7 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
 
     from songserve.api.app import create_app
+    from songserve.serving import GracefulServer
 
-    uvicorn.run(create_app(s), host=s.host, port=s.port, log_level="warning",
-                timeout_graceful_shutdown=int(s.drain_timeout_sec) + 5)
+    app = create_app(s)
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
+    GracefulServer(config, drain=lambda: app.state.svc.drain(s.drain_timeout_sec)).run()
     return 0

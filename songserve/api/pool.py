@@ -71,6 +71,10 @@ class WorkerHandle:
         if self.online and self.health.get("status") == "busy":
             self.health = {**self.health, "status": "idle", "phase": "idle", "progress": 0}
 
+    def mark_unreachable(self) -> None:
+        self.online = False
+        self.health = {**self.health, "status": "unreachable"}
+
     def note_health(self, health: dict) -> None:
         self.health = health
         if self.task_id and health.get("task_id") == self.task_id:

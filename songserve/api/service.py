@@ -30,7 +30,7 @@ from songserve.api.pool import WorkerHandle, WorkerPool, WorkerState
 from songserve.api.states import TERMINAL_JOB, TrackStatus, check_transition, job_status
 from songserve.api.store import Job, JobStore, Track
 from songserve.api.views import job_view, track_from_phase
-from songserve.errors import NotFoundError, RequestError, SongserveError
+from songserve.errors import NotFoundError, RequestError, SongserveError, UnavailableError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 from songserve.settings import DispatcherSettings
@@ -45,10 +45,6 @@ class QueueFull(SongserveError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class Unavailable(SongserveError):
-    http_status = 503
 
 
 class FieldError(RequestError):
@@ -181,7 +177,7 @@ class JobService:
 
     def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
         if not self.accepting:
-            raise Unavailable("The dispatcher is shutting down and accepts no new jobs.")
+            raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if idempotency_key:
             existing = self.store.job_by_key(idempotency_key)
             if existing:
@@ -313,10 +309,15 @@ class JobService:
                 elif progress != t.progress:
                     t.progress = progress
                     self._touch()
+            lost = None
             if not w.online and before is not WorkerState.offline:
-                task = self.running.get(w.assigned)
-                if task:
-                    task.cancel(msg="worker offline")
+                lost = f"worker {w.worker_id} went offline"
+            elif w.state is WorkerState.stalled and before is not WorkerState.stalled:
+                lost = f"worker {w.worker_id} reported its model thread stalled"
+            task = self.running.get(w.assigned) if lost else None
+            if task:
+                log.warning("track %s/%d: %s", w.assigned[0], w.assigned[1], lost)
+                task.cancel(msg=lost)
         if w.available:
             self._kick.set()
 
@@ -368,6 +369,7 @@ class JobService:
                 await self._cancel_quietly(w, task_id)
                 raise _Retry(reason) from None
             except (httpx.TransportError, ValueError) as exc:
+                w.mark_unreachable()  # not used again until a health poll answers
                 raise _Retry(f"worker {w.worker_id} connection lost ({type(exc).__name__})") from None
             await self._apply(job, t, w, task_id, r.status_code, body)
         except _Retry as exc:

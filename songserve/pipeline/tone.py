@@ -7,6 +7,7 @@ the model pipeline in its own tests.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -36,6 +37,9 @@ class TonePipeline:
                 "sample_rate": SAMPLE_RATE, "frame_rate": round(SAMPLE_RATE / 2048, 2), "test_pipeline": True}
 
     def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
+        if self.s.test_hang:  # fault injection: a model thread that stops making progress
+            ctx.report("backbone", 1, 100, "hung")
+            threading.Event().wait()
         steps = max(1, int(self.s.test_delay_s / 0.01))
         for i in range(steps):
             ctx.check()

@@ -4,8 +4,17 @@
 const $ = (id) => document.getElementById(id);
 const TERMINAL = new Set(["completed", "partial", "failed", "cancelled"]);
 
-async function api(path, options = {}) {
-  const response = await fetch(path, options);
+// With an API key configured on the server, the key is asked for once and kept in this browser.
+function apiKey() { return localStorage.getItem("songserve-api-key") || ""; }
+
+async function api(path, options = {}, retried = false) {
+  const headers = { ...(options.headers || {}) };
+  if (apiKey()) headers.Authorization = `Bearer ${apiKey()}`;
+  const response = await fetch(path, { ...options, headers });
+  if (response.status === 401 && !retried) {
+    const key = window.prompt("This server needs an API key:");
+    if (key) { localStorage.setItem("songserve-api-key", key.trim()); return api(path, options, true); }
+  }
   let body = null;
   try { body = await response.json(); } catch (_) { /* not JSON */ }
   if (!response.ok) {
@@ -95,7 +104,9 @@ function followJob(jobId, request) {
   $("jobs").prepend(card);
 
   let closed = false;
-  const source = new EventSource(`job/${jobId}/events`);
+  // EventSource cannot send an Authorization header: with an API key, poll instead.
+  const source = apiKey() ? { close() {}, addEventListener() {} } : new EventSource(`job/${jobId}/events`);
+  if (apiKey()) setTimeout(() => source.onerror(), 0);
   source.addEventListener("job", (event) => {
     const job = JSON.parse(event.data);
     render(card, job);

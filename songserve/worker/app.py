@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from songserve import __version__
 from songserve.errors import CancelledError, NotFoundError
 from songserve.http_errors import install_error_handlers
+from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import TaskView, WorkerGenerateRequest, WorkerStatus
 from songserve.worker.runtime import WorkerRuntime
 
@@ -49,6 +50,9 @@ def create_app(runtime: WorkerRuntime, on_load_failure=None) -> FastAPI:  # noqa
 
     app = FastAPI(title="songserve worker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
+    if runtime.s.worker_token:
+        app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
+    app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes)
     out_dir = runtime.s.output_dir
 
     @app.get("/health")

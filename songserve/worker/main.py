@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
 
+    from songserve.serving import GracefulServer
     from songserve.worker.app import create_app
 
     server: uvicorn.Server | None = None
@@ -63,6 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(runtime, on_load_failure)
-    server = uvicorn.Server(uvicorn.Config(app, host=s.host, port=s.worker_port, log_level="warning"))
+    config = uvicorn.Config(app, host=s.host, port=s.worker_port, log_level="warning")
+    server = GracefulServer(config, drain=lambda: runtime.drain(s.drain_timeout_sec))
     server.run()
-    return 2 if failed else 0
+    code = 2 if failed else 0
+    if runtime.model_thread_busy:  # a hung model thread must not keep the process alive
+        log.error("the model thread did not stop; exiting anyway")
+        logging.shutdown()
+        os._exit(code or 1)
+    return code

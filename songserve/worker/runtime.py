@@ -20,7 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from songserve.errors import BusyError, CancelledError, NotFoundError, RequestError, SongserveError
+from songserve.errors import (
+    BusyError,
+    CancelledError,
+    ConfigError,
+    NotFoundError,
+    RequestError,
+    SongserveError,
+    TaskError,
+    UnavailableError,
+)
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.types import Pipeline, TrackRequest
 from songserve.schemas import (
@@ -40,8 +49,6 @@ MAX_REMEMBERED_TASKS = 256
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            from songserve.errors import ConfigError
-
             raise ConfigError("--device cuda was asked for, but CUDA is not available.")
         return torch.device("cuda", 0)  # the launcher's CUDA_VISIBLE_DEVICES picks the GPU
     return torch.device("cpu")
@@ -79,6 +86,7 @@ class WorkerRuntime:
         self.error: str | None = None
         self.started_at = time.time()
         self.tasks_done = 0
+        self.accepting = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._lock = threading.Lock()
         self._current: TaskContext | None = None
@@ -111,6 +119,27 @@ class WorkerRuntime:
             self._current.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def model_thread_busy(self) -> bool:
+        return self._current is not None
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: take no new task; let the running one finish for ``timeout``, else cancel it."""
+        self.accepting = False
+        ctx = self._current
+        if ctx is None:
+            return
+        log.info("draining: waiting up to %.0fs for task %s", timeout, ctx.task_id)
+        deadline = time.monotonic() + timeout
+        while self._current is ctx and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._current is ctx:
+            log.warning("task %s: cancelled by shutdown", ctx.task_id)
+            ctx.cancel()
+            deadline = time.monotonic() + 5
+            while self._current is ctx and time.monotonic() < deadline:  # it answers "cancelled"
+                await asyncio.sleep(0.05)
+
     # -- tasks ----------------------------------------------------------------------------------
     def _remember(self, view: TaskView) -> None:
         self._tasks[view.task_id] = view
@@ -120,6 +149,8 @@ class WorkerRuntime:
 
     async def generate(self, body: WorkerGenerateRequest) -> WorkerGenerateResult:
         task_id = body.task_id or uuid.uuid4().hex[:12]
+        if not self.accepting:
+            raise UnavailableError("The worker is shutting down and takes no new task.")
         with self._lock:
             if self.status is not WorkerStatus.idle:
                 if self.status is WorkerStatus.busy and self._current is not None:
@@ -147,8 +178,6 @@ class WorkerRuntime:
             log.exception("task %s: failed", task_id)
             message = _task_error_sentence(exc)
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message))
-            from songserve.errors import TaskError
-
             raise TaskError(message) from None
         finally:
             with self._lock:
@@ -205,8 +234,12 @@ class WorkerRuntime:
             progress, detail, updated = p.percent, p.detail, p.updated_at
             if p.phase != "idle":
                 phase = p.phase
+        status = self.status.value
+        if ctx is not None and updated is not None and time.time() - updated > self.s.stall_timeout_sec:
+            status = WorkerStatus.stalled.value  # the model thread made no progress past its deadline
         out = {
-            "status": self.status.value,
+            "status": status,
+            "accepting": self.accepting,
             "phase": phase,
             "gpu_id": self.s.gpu_id,
             "seed": self.s.seed,

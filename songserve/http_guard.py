@@ -1,0 +1,81 @@
+"""ASGI guards shared by both services: a bearer token and a request-body size limit.
+
+Pure ASGI (no per-request task or body copy), so they cost little on the hot paths. Rejections use
+the one error body of ``http_errors``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable, Iterable
+
+Scope = dict
+ASGIApp = Callable
+
+
+async def _send_error(send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:  # noqa: ANN001
+    body = json.dumps({"status": "error", "error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BearerAuth:
+    """Requires ``Authorization: Bearer <token>`` except on the exempt paths.
+
+    ``exempt`` holds exact paths; ``exempt_prefixes`` whole subtrees (the page's static files).
+    The comparison is constant-time.
+    """
+
+    def __init__(self, app: ASGIApp, token: str, exempt: set[str], exempt_prefixes: tuple[str, ...] = (),
+                 realm: str = "songserve") -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.exempt = exempt
+        self.exempt_prefixes = exempt_prefixes
+        self.realm = realm
+
+    async def __call__(self, scope: Scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http" or scope["path"] in self.exempt or scope["path"].startswith(self.exempt_prefixes) \
+                or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            return await _send_error(send, 401, "Missing or wrong credentials: send Authorization: Bearer <key>.",
+                                     [(b"www-authenticate", f'Bearer realm="{self.realm}"'.encode())])
+        return await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Rejects request bodies over ``max_bytes`` (by Content-Length, and while streaming)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+        seen = 0
+
+        async def limited_receive():  # noqa: ANN202
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,188 @@
+"""Fault injection through real processes: no job lost, no worker stuck."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import signal
+import time
+
+import httpx
+
+from tests.support import Cluster, ServerProcess, start_worker, wait_for
+
+TERMINAL = {"completed", "partial", "failed", "cancelled"}
+
+
+def in_phase(c: Cluster, job_id: str, phase: str) -> dict | None:
+    job = c.job(job_id)
+    return next((t for t in job["tracks"] if t["worker_phase"] == phase), None)
+
+
+def test_worker_killed_in_backbone_track_finishes_on_the_other(tmp_path):
+    c = Cluster(tmp_path, workers=2, delay=4.0)
+    try:
+        a = c.submit(num_tracks=1)
+        t = wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
+        victim = c.workers[t["worker_id"]]
+        victim.signal(signal.SIGKILL)
+        job = c.wait_job(a["job_id"], timeout=60)
+        assert job["status"] == "completed"
+        track = job["tracks"][0]
+        assert track["attempts"] == 2 and track["worker_id"] != t["worker_id"]
+        assert httpx.get(f"{c.url}/job/{a['job_id']}/track/0/mp3").status_code == 200
+        st = httpx.get(c.url + "/status").json()
+        assert st["workers"][t["worker_id"]]["status"] == "offline"
+    finally:
+        c.stop()
+
+
+def test_only_worker_killed_then_restarted_track_completes(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=3.0)
+    try:
+        a = c.submit(num_tracks=1)
+        wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
+        port = c.workers[0].port
+        c.workers[0].signal(signal.SIGKILL)
+        c.workers[0].proc.wait(10)
+        time.sleep(1.0)
+        assert c.job(a["job_id"])["status"] in ("queued", "pending")  # waiting for a worker, not stuck running
+        # The same port as before, so the dispatcher's worker 0 comes back.
+        w = ServerProcess(["backend_worker.py", "--worker-port", str(port), "--pipeline", "test", "--test-delay-s", "1",
+                           "--output-dir", str(tmp_path / "again")], port, tmp_path / "again.log")
+        c.workers[0] = w
+        job = c.wait_job(a["job_id"], timeout=60)
+        assert job["status"] == "completed" and job["tracks"][0]["attempts"] == 2
+    finally:
+        c.stop()
+
+
+def test_attempts_run_out_with_a_clear_error(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-attempts", "1"))
+    try:
+        a = c.submit(num_tracks=1)
+        wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
+        c.workers[0].signal(signal.SIGKILL)
+        job = c.wait_job(a["job_id"], timeout=30)
+        assert job["status"] == "failed"
+        err = job["tracks"][0]["error"]
+        assert err.startswith("Track failed after 1 attempts: worker 0") and "Traceback" not in err
+    finally:
+        c.stop()
+
+
+def test_dispatcher_killed_with_20_queued_and_2_running(tmp_path):
+    c = Cluster(tmp_path, workers=2, delay=2.0, api_args=("--max-queue", "50"))
+    try:
+        jobs = [c.submit(num_tracks=1) for _ in range(2)]
+        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 2, timeout=10)
+        jobs += [c.submit(num_tracks=2) for _ in range(10)]
+        assert httpx.get(c.url + "/status").json()["queued_tracks"] == 20
+        c.api.signal(signal.SIGKILL)
+        c.api.proc.wait(10)
+        time.sleep(2.5)  # the two running tracks finish on their workers meanwhile
+        c.start_api()
+        done = [c.wait_job(j["job_id"], timeout=120) for j in jobs]
+        assert all(j["status"] == "completed" for j in done)
+        assert [j["tracks"][0]["attempts"] for j in done[:2]] == [1, 1]  # collected, not generated again
+        for j in done:
+            for t in j["tracks"]:
+                assert httpx.head(f"{c.url}/job/{j['job_id']}/track/{t['index']}/wav").status_code == 200
+    finally:
+        c.stop()
+
+
+def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
+    hung = start_worker(tmp_path, "--pipeline", "test", "--test-hang", "true", "--stall-timeout-sec", "1", name="hung")
+    good = start_worker(tmp_path, "--pipeline", "test", "--test-delay-s", "0.5", name="good")
+    for w in (hung, good):
+        w.wait_healthy()
+    c = Cluster.__new__(Cluster)
+    c.tmp, c.api_args, c.workers, c.api = tmp_path, ("--stall-timeout-sec", "30"), [hung, good], None
+    try:
+        c.start_api()
+        # Occupy the good worker first so the hung one gets the next track.
+        first = c.submit(num_tracks=1, duration=0.1)
+        second = c.submit(num_tracks=1)
+        wait_for(lambda: httpx.get(hung.url + "/health").json()["status"] == "stalled", timeout=20)
+        ready = httpx.get(hung.url + "/ready")  # alive (health answers) but not ready
+        assert ready.status_code == 503 and ready.json()["status"] == "error"
+        job = c.wait_job(second["job_id"], timeout=60)
+        assert job["status"] == "completed"
+        assert c.wait_job(first["job_id"])["status"] == "completed"
+        st = httpx.get(c.url + "/status").json()
+        assert st["workers"][0]["status"] == "stalled"
+        assert any(t["attempts"] == 2 for j in (c.job(first["job_id"]), job) for t in j["tracks"])
+    finally:
+        c.stop()
+
+
+def test_500_tracks_from_50_clients_on_4_workers(tmp_path):
+    c = Cluster(tmp_path, workers=4, delay=0.0, api_args=("--max-queue", "60"))
+    try:
+        rng = random.Random(0)
+        accepted: list[str] = []
+        rejections = {"429": 0, "retry_after_missing": 0}
+
+        def client(n: int) -> list[str]:
+            ids, submitted = [], 0
+            with httpx.Client(base_url=c.url, timeout=30) as http:
+                while submitted < 10:
+                    r = http.post("/generate", json={"lyrics": f"client {n}", "duration": 0.05, "num_tracks": 1})
+                    if r.status_code == 429:
+                        rejections["429"] += 1
+                        if "retry-after" not in r.headers:
+                            rejections["retry_after_missing"] += 1
+                        time.sleep(min(float(r.headers.get("retry-after", 1)), 0.5) * rng.random() + 0.05)
+                        continue
+                    assert r.status_code == 200, r.text
+                    ids.append(r.json()["job_id"])
+                    submitted += 1
+            return ids
+
+        with cf.ThreadPoolExecutor(50) as pool:
+            for ids in pool.map(client, range(50)):
+                accepted += ids
+        assert len(accepted) == 500 == len(set(accepted))
+        jobs = [c.wait_job(j, timeout=300) for j in accepted]
+        assert all(j["status"] == "completed" for j in jobs)
+        assert rejections["429"] > 0 and rejections["retry_after_missing"] == 0
+        # 0 duplicated results: one result per track, each collected once, from one task.
+        assert all(t["attempts"] == 1 for j in jobs for t in j["tracks"])
+        files = list((tmp_path / "state" / "results").glob("*/track_0.wav"))
+        assert len(files) == 500
+        produced = sum(len(list((tmp_path / f"worker{i}_audio").glob("*.wav"))) for i in range(4))
+        assert produced == 500
+    finally:
+        c.stop()
+
+
+def test_sigterm_drains_the_dispatcher(tmp_path):
+    c = Cluster(tmp_path, workers=1, delay=2.0, api_args=("--drain-timeout-sec", "20"))
+    try:
+        a = c.submit(num_tracks=1)
+        queued = c.submit(num_tracks=1)
+        wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
+        c.api.signal(signal.SIGTERM)
+        r = wait_for(lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"})).status_code == 503 and x, timeout=5)
+        assert r.json()["status"] == "error" and "shutting down" in r.json()["error"]
+        assert c.api.proc.wait(30) == 0
+        c.start_api()
+        assert c.wait_job(a["job_id"])["tracks"][0]["attempts"] == 1  # finished during the drain
+        assert c.wait_job(queued["job_id"], timeout=30)["status"] == "completed"  # the queue was kept
+    finally:
+        c.stop()
+
+
+def test_sigterm_on_a_busy_worker_cancels_within_its_drain_time(tmp_path):
+    w = start_worker(tmp_path, "--pipeline", "test", "--test-delay-s", "30", "--drain-timeout-sec", "1")
+    w.wait_healthy()
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, w.url + "/generate", json={"duration": 0.05, "task_id": "long"}, timeout=30)
+        wait_for(lambda: httpx.get(w.url + "/health").json()["status"] == "busy", timeout=10)
+        t0 = time.monotonic()
+        w.signal(signal.SIGTERM)
+        assert fut.result(timeout=15).json()["status"] == "cancelled"  # reported to its caller
+    assert w.proc.wait(15) == 0
+    assert time.monotonic() - t0 < 8
+    w.stop()
