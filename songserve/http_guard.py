@@ -60,22 +60,22 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
-        seen = 0
-
-        async def limited_receive():  # noqa: ANN202
-            nonlocal seen
+        if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        # No Content-Length (chunked): read up to the limit here, then replay it to the app.
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+        async def replay_receive():  # noqa: ANN202
+            return replay.pop() if replay else await receive()
 
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, replay_receive, send)
