@@ -1,0 +1,60 @@
+"""P1: dispatcher overhead per track (submit → done → download), test pipeline with no delay.
+
+Baseline in the same run: the same work calling the worker directly (POST /generate, download).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from bench.common import Timer, args, median, report
+from tests.support import Cluster
+
+
+def through_dispatcher(http: httpx.Client, c: Cluster) -> float:
+    with Timer() as t:
+        job_id = http.post("/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}).json()["job_id"]
+        with http.stream("GET", f"/job/{job_id}/events") as events:  # done without polling lag
+            for line in events.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["status"] == "completed":
+                    break
+        for kind in ("wav", "mp3"):
+            http.get(f"/job/{job_id}/track/0/{kind}").raise_for_status()
+    return t.sec
+
+
+def direct(http: httpx.Client, worker_url: str, n: int) -> float:
+    with Timer() as t:
+        r = http.post(f"{worker_url}/generate", json={"lyrics": "x", "duration": 0.05, "seed_override": n}).json()
+        for kind in ("wav", "mp3"):
+            http.get(f"{worker_url}/download/{r[kind + '_filename']}").raise_for_status()
+    return t.sec
+
+
+def main() -> None:
+    a = args(__doc__, tracks=40)
+    n = 4 if a.smoke else a.tracks
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Cluster(Path(tmp), workers=1, delay=0.0)
+        try:
+            with httpx.Client(base_url=c.url, timeout=60) as http:
+                for i in range(2):  # warm both paths
+                    through_dispatcher(http, c)
+                    direct(http, c.workers[0].url, i)
+                d, b = [], []
+                for i in range(n):  # interleaved, so drift hits both alike
+                    d.append(through_dispatcher(http, c))
+                    b.append(direct(http, c.workers[0].url, 100 + i))
+        finally:
+            c.stop()
+    md, mb = median(d), median(b)
+    report("P1", f"dispatcher overhead: +{(md - mb) * 1000:.1f} ms median per track "
+                 f"(dispatcher {md * 1000:.1f} ms vs direct {mb * 1000:.1f} ms, ratio {md / mb:.2f}x; {n} tracks, 3 s audio)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""P2: GET /job/{id} requests/s with 1,000 finished jobs stored.
+
+Baseline in the same run: a bare FastAPI endpoint returning a constant, same uvicorn settings,
+same load generator (asyncio + httpx, 16 connections, fixed time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import ROOT, args, report
+from tests.support import ServerProcess, free_port
+
+
+def seed_store(state: Path, n: int) -> list[str]:
+    """Write n finished 2-track jobs through the job store itself (as the dispatcher would)."""
+    from songserve.api.states import TrackStatus
+    from songserve.api.store import Job, JobStore, Track
+
+    store = JobStore(state / "jobs.sqlite3")
+    ids = []
+    now = time.time()
+    for i in range(n):
+        job_id = f"{i:016x}"
+        tracks = [Track(job_id, k, 1000 + k, status=TrackStatus.done, attempts=1, worker_id=k, duration_sec=180.0,
+                        started_at=now - 60, finished_at=now, metadata={"models": {"backbone": "default_backbone"},
+                        "timings": {"backbone_sec": 30.0, "superres_sec": 10.0}}) for k in range(2)]
+        job = Job(job_id, i + 1, now - 100, {"duration": 3.0, "num_tracks": 2, "tags": "pop"}, "la la", tracks)
+        store.insert_job(job)
+        for t in tracks:
+            store.save_track(t)
+        job.finished_at = now
+        store.save_job(job, terminal=True)
+        ids.append(job_id)
+    store.close()
+    return ids
+
+
+async def load(url: str, ids: list[str], seconds: float, conns: int = 16) -> float:
+    done = 0
+    stop = time.perf_counter() + seconds
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=conns)) as http:
+        async def worker() -> None:
+            nonlocal done
+            rng = random.Random()
+            while time.perf_counter() < stop:
+                r = await http.get(f"/job/{rng.choice(ids)}")
+                assert r.status_code == 200
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conns)))
+        return done / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    a = args(__doc__, jobs=1000, seconds=8.0)
+    n, secs = (50, 1.0) if a.smoke else (a.jobs, a.seconds)
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp) / "state"
+        ids = seed_store(state, n)
+        port = free_port()
+        ours = ServerProcess(["backend_api.py", "--port", str(port), "--state-dir", str(state), "--num-workers", "0",
+                              "--log-level", "WARNING"], port, Path(tmp) / "api.log")
+        bport = free_port()
+        bare = ServerProcess(["-m", "uvicorn", "bench.bare_app:app", "--port", str(bport), "--log-level", "warning"],
+                             bport, Path(tmp) / "bare.log")
+        try:
+            ours.wait_healthy(want=("ok",))
+            import httpx as h
+
+            for _ in range(100):
+                try:
+                    h.get(bare.url + "/job/x")
+                    break
+                except h.HTTPError:
+                    time.sleep(0.1)
+            rates = {"ours": [], "bare": []}
+            for _ in range(2):  # alternate to share the machine's drift
+                rates["ours"].append(asyncio.run(load(ours.url, ids, secs)))
+                rates["bare"].append(asyncio.run(load(bare.url, ids, secs)))
+        finally:
+            ours.stop()
+            bare.stop()
+    o, b = max(rates["ours"]), max(rates["bare"])
+    report("P2", f"GET /job/{{id}}: {o / b:.2f}x of a bare endpoint ({o:.0f} vs {b:.0f} req/s, {n} jobs stored, "
+                 f"16 connections, same client)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

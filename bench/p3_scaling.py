@@ -1,0 +1,46 @@
+"""P3: tracks/s with 8 workers vs 1 (test pipeline, fixed 0.5 s per track).
+
+Baseline in the same run: 1 worker. Each run submits 8 tracks per worker as 1-track jobs and
+measures from the first submit to the last completion.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.common import args, report
+from tests.support import Cluster
+
+
+def throughput(workers: int, per_worker: int, delay: float) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        c = Cluster(Path(tmp), workers=workers, delay=delay,
+                    api_args=("--max-queue", "1000", "--min-duration", "0.001"))
+        try:
+            n = workers * per_worker
+            t0 = time.perf_counter()
+            with httpx.Client(base_url=c.url, timeout=30) as http:
+                ids = [http.post("/generate", json={"lyrics": "x", "duration": 0.002, "num_tracks": 1}).json()["job_id"]
+                       for _ in range(n)]
+            for job_id in ids:
+                assert c.wait_job(job_id, timeout=600)["status"] == "completed"
+            return n / (time.perf_counter() - t0)
+        finally:
+            c.stop()
+
+
+def main() -> None:
+    a = args(__doc__, workers=8, per_worker=8, delay=0.5)
+    workers, per, delay = (2, 2, 0.2) if a.smoke else (a.workers, a.per_worker, a.delay)
+    one = throughput(1, per, delay)
+    many = throughput(workers, per, delay)
+    report("P3", f"{workers} workers: {many / one:.2f}x the tracks/s of 1 ({many:.2f} vs {one:.2f} tracks/s, "
+                 f"{delay} s per track, {per} tracks per worker)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""P5: backbone tokens/s at batch 1 vs Hugging Face transformers GPT-2 ``generate``.
+
+Same width, depth, heads and vocabulary, random weights, CPU, one thread, top-k sampling,
+KV cache on both. Baseline in the same run: HF GPT-2. Needs ``pip install -r bench/requirements.txt``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.common import args, report
+
+
+def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int) -> float:
+    from songserve.pipeline.backbone import Backbone
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
+
+    text = vocab - 2048
+    arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, text, vocab, new + 64, 64)
+    bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
+    prompt = list(range(2, 34))
+    bb.generate(prompt, 16, top_k=50, temperature=1.0, generator=torch.Generator().manual_seed(0), ctx=TaskContext())
+    t0 = time.perf_counter()
+    r = bb.generate(prompt, new // 2, top_k=50, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                    ctx=TaskContext(), min_share=1.0)
+    return r.new_tokens / (time.perf_counter() - t0)
+
+
+def hf_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int) -> float:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=new + 64, n_embd=hidden, n_layer=layers, n_head=heads)
+    model = GPT2LMHeadModel(cfg).eval()
+    prompt = torch.arange(2, 34).view(1, -1)
+    kw = dict(do_sample=True, top_k=50, use_cache=True, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=16, min_new_tokens=16, **kw)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)
+    return (out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    from songserve.pipeline.megatron_env import init_megatron
+
+    a = args(__doc__, new_tokens=1000)
+    torch.set_num_threads(1)
+    init_megatron(torch.device("cpu"), 0, seed=0)
+    new = 64 if a.smoke else a.new_tokens
+    parts = []
+    for name, (layers, hidden, heads) in {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}.items():
+        if a.smoke and name.startswith("mid"):
+            continue
+        vocab = 1024 + 2048
+        ours = ours_tokens_per_s(layers, hidden, heads, vocab, new)
+        try:
+            hf = hf_tokens_per_s(layers, hidden, heads, vocab, new)
+        except ImportError:
+            parts.append(f"{name}: {ours:.0f} tok/s (transformers not installed: no baseline)")
+            continue
+        parts.append(f"{name}: {ours / hf:.2f}x ({ours:.0f} vs {hf:.0f} tok/s)")
+    report("P5", f"backbone vs HF GPT-2 generate, batch 1, {new} tokens, 1 thread: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every benchmark once and prints one summary line each (also saved to bench/results.txt).
+#   bash bench/run_all.sh [--smoke]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup --dev >/dev/null
+.venv/bin/python -m pip install -q -r bench/requirements.txt
+.venv/bin/python -m songserve.pipeline.tiny >/dev/null
+out=bench/results.txt
+: >"$out"
+for script in bench/p[0-9]_*.py; do
+  name=$(basename "$script" .py)
+  .venv/bin/python -m "bench.$name" "$@" 2>"/tmp/songserve-$name.err" | tee -a "$out" \
+    || echo "$name failed: see /tmp/songserve-$name.err" | tee -a "$out"
+done

@@ -1,0 +1,25 @@
+"""Each benchmark runs on a tiny input and prints its summary line (numbers are never checked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("p[0-9]_*.py"))
+
+
+def test_every_figure_has_a_script():
+    assert [s[:2] for s in SCRIPTS] == [f"p{i}" for i in range(1, 9)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_smoke(script, tiny_dir):
+    out = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith(script[:2].upper() + " ")
