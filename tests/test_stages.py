@@ -286,3 +286,23 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
     a = torch.load(out / "decoder" / "model.pth")["state_dict"]
     assert all(k.startswith("generator.") for k in a) and any(k.endswith("weight_g") for k in a)
     assert GPTArch.from_dir(out / "backbone") == GPTArch.from_dir(tiny_dir / "backbone")
+
+
+@pytest.mark.parametrize("groups", [None, 2])
+def test_fused_core_attention_matches_megatrons(megatron_cpu, groups):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from songserve.pipeline.gpt import AcousticGPT, build_model, full_mask
+
+    arch = GPTArch("backbone", 2, 64, 4, 256, 1024, 3072, 128, 64, num_query_groups=groups)
+    model = build_model(arch, megatron_cpu, torch.float32)
+    gpt = AcousticGPT(arch, model)
+    ids = torch.randint(0, 3072, (1, 40, 1))
+    pos = torch.arange(40).view(1, -1)
+    with torch.inference_mode():
+        ours = [gpt.hidden(ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
+        for layer in model.decoder.layers:
+            layer.self_attention.core_attention.__class__ = DotProductAttention  # megatron's own arithmetic
+        theirs = [gpt.hidden(ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)

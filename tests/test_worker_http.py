@@ -18,18 +18,22 @@ from tests.support import ROOT, start_worker, wait_for
 FRAME = 2048 / 44100
 
 
+def _worker(mode: str, tmp_path_factory):  # noqa: ANN001, ANN202
+    w = start_worker(tmp_path_factory.mktemp(mode), "--runtime-mode", mode, name=mode)
+    w.wait_healthy()
+    return w
+
+
 @pytest.fixture(scope="module")
 def one_shot(tiny_dir, tmp_path_factory):
-    w = start_worker(tmp_path_factory.mktemp("one_shot"), "--runtime-mode", "one_shot", name="one_shot")
-    w.wait_healthy()
+    w = _worker("one_shot", tmp_path_factory)
     yield w
     w.stop()
 
 
 @pytest.fixture(scope="module")
 def keep_loaded(tiny_dir, tmp_path_factory):
-    w = start_worker(tmp_path_factory.mktemp("keep"), "--runtime-mode", "keep_loaded", name="keep")
-    w.wait_healthy()
+    w = _worker("keep_loaded", tmp_path_factory)
     yield w
     w.stop()
 
@@ -128,7 +132,7 @@ def test_download_only_serves_plain_names_it_wrote(one_shot, name):
 
 
 def test_symlink_in_the_output_folder_is_not_served(one_shot, tmp_path):
-    out_dir = ROOT / one_shot.log_path.parent / "one_shot_audio"
+    out_dir = one_shot.log_path.parent / "one_shot_audio"
     (out_dir / "link.wav").symlink_to("/etc/passwd")
     assert httpx.get(f"{one_shot.url}/download/link.wav").status_code == 404
 

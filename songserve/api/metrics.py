@@ -33,6 +33,11 @@ def render(svc: JobService) -> str:
            [(f'{{stage="{k}"}}', v[0]) for k, v in stages])
     metric("stage_seconds_count", "counter", "Finished tracks counted per stage.",
            [(f'{{stage="{k}"}}', v[1]) for k, v in stages])
+    f = svc.finished
+    metric("track_audio_seconds", "summary", "Seconds of audio of tracks finished since start.",
+           [("_sum", f["audio_sec"]), ("_count", f["count"])])
+    metric("track_wall_seconds", "summary", "Wall seconds from dispatch to done, tracks finished since start.",
+           [("_sum", f["wall_sec"]), ("_count", f["count"])])
     ratios = [r for d in svc._ratios.values() for r in d]  # noqa: SLF001
     metric("track_seconds_per_audio_second", "gauge", "Mean wall seconds per second of audio (recent).",
            [("", sum(ratios) / len(ratios) if ratios else 0.0)])

@@ -80,6 +80,7 @@ class JobService:
         self._ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=50))
         self._positions: dict[Key, int] = {}
         self.stage_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # stage → [sum, count]
+        self.finished = {"count": 0, "wall_sec": 0.0, "audio_sec": 0.0}  # finished tracks, for /metrics
         self._unknown_fields_logged: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -494,6 +495,9 @@ class JobService:
     # ---- estimates ------------------------------------------------------------------------------
     def _record_history(self, meta: dict, t: Track, now: float) -> None:
         model = (meta.get("models") or {}).get("backbone", "")
+        self.finished["count"] += 1
+        self.finished["audio_sec"] += t.duration_sec
+        self.finished["wall_sec"] += now - (t.started_at or now)
         if t.duration_sec > 0 and t.started_at:
             self._ratios[model].append((now - t.started_at) / t.duration_sec)
         for stage, sec in (meta.get("timings") or {}).items():

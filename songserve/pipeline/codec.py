@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -304,11 +304,3 @@ def load_codec(config_path: Path, checkpoint_path: Path, device: torch.device) -
         first = str(exc).splitlines()[1].strip() if "\n" in str(exc) else str(exc)
         raise ConfigError(f"Decoder checkpoint {checkpoint_path} does not match {config_path}: {first}") from None
     return codec.to(device).eval()
-
-
-@dataclass
-class DecodedAudio:
-    wave: torch.Tensor  # (channels, samples), float32 on the CPU
-    sample_rate: int
-    frames: int
-    meta: dict = field(default_factory=dict)

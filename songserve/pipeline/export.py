@@ -41,8 +41,8 @@ def _atomic(path: Path, write) -> None:  # noqa: ANN001
 
 def write_track(
     out_dir: Path, audio: np.ndarray, sample_rate: int, metadata: dict, mp3: Mp3Options
-) -> tuple[str, str, str]:
-    """audio (samples, channels) float32 in [-1, 1] → (wav, mp3, json) file names."""
+) -> tuple[str, str, str, dict]:
+    """audio (samples, channels) float32 in [-1, 1] → (wav, mp3, json) names and the metadata written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     base = new_basename()
     wav, mp3_name, meta = f"{base}.wav", f"{base}.mp3", f"{base}.json"
@@ -59,4 +59,4 @@ def write_track(
     timings = {**metadata.get("timings", {}), "export_sec": time.perf_counter() - t0}
     metadata = {**metadata, "timings": timings, "files": {"wav": wav, "mp3": mp3_name, "json": meta}}
     _atomic(out_dir / meta, lambda p: p.write_text(json.dumps(metadata, indent=2, ensure_ascii=False)))
-    return wav, mp3_name, meta
+    return wav, mp3_name, meta, metadata

@@ -126,7 +126,10 @@ def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype) -> torc
         attention_dropout=0.0,
         cuda_graph_scope=[],
     )
+    from songserve.pipeline.attention import SdpaDotProductAttention
+
     spec = get_gpt_layer_local_spec(normalization=arch.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -185,6 +185,6 @@ class ModelPipeline:
         ctx.report("decoding", 1, 1, "writing files")
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
         timings["model_sec"] = time.perf_counter() - t_all
-        wav, mp3_name, meta = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3)
+        wav, mp3_name, meta, metadata = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3)
         log.info("task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all)
         return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata)

@@ -56,5 +56,5 @@ class TonePipeline:
                 "seed": req.seed, "models": {"backbone": "test_tone", "superres": "test_tone"},
                 "tokens": {"backbone_new": 2 * frames, "frames": frames},
                 "timings": {"delay_sec": self.s.test_delay_s}, "duration_sec": n / SAMPLE_RATE}
-        wav, mp3, js = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options())
+        wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options())
         return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta)
