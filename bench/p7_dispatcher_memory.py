@@ -30,8 +30,9 @@ def run_tracks(c: Cluster, n: int) -> None:
                     break
 
     clients = 8
+    shares = [n // clients + (1 if i < n % clients else 0) for i in range(clients)]
     with cf.ThreadPoolExecutor(clients) as pool:
-        list(pool.map(client, [n // clients] * clients))
+        list(pool.map(client, shares))
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         st = httpx.get(c.url + "/status").json()

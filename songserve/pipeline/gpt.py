@@ -161,11 +161,14 @@ class AcousticGPT:
         """ids (B, S, C), -1 = padding; positions (B, S) → decoder input (S, B, H)."""
         emb = self.model.embedding
         table = emb.word_embeddings.weight
-        x = torch.zeros(*ids.shape[:2], table.shape[1], dtype=table.dtype, device=table.device)
-        for c in range(ids.shape[2]):  # column by column: bounded memory for 64 columns
-            col = ids[:, :, c]
-            present = (col >= 0).unsqueeze(-1).to(table.dtype)
-            x += torch.nn.functional.embedding(col.clamp(min=0), table) * present
+        if ids.shape[2] == 1 and bool((ids >= 0).all()):  # the backbone's case: one column, no padding
+            x = torch.nn.functional.embedding(ids[:, :, 0], table)
+        else:
+            x = torch.zeros(*ids.shape[:2], table.shape[1], dtype=table.dtype, device=table.device)
+            for c in range(ids.shape[2]):  # column by column: bounded memory for 64 columns
+                col = ids[:, :, c]
+                present = (col >= 0).unsqueeze(-1).to(table.dtype)
+                x += torch.nn.functional.embedding(col.clamp(min=0), table) * present
         if getattr(emb, "add_position_embedding", False):
             x = x + emb.position_embeddings(positions)
         return x.transpose(0, 1).contiguous()
