@@ -26,7 +26,7 @@ def median(xs: list[float]) -> float:
 
 
 class Timer:
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.t0 = time.perf_counter()
         return self
 

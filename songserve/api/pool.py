@@ -65,7 +65,10 @@ class WorkerHandle:
         self.assigned_at = self.last_progress_at = time.monotonic()
         self._last_progress = ()
 
-    def release(self) -> None:
+    def release(self, task_id: str | None) -> None:
+        """Free the worker from ``task_id``; a no-op if it has moved on to another task."""
+        if self.task_id != task_id:
+            return
         self.assigned, self.task_id = None, None
         # Until the next poll says otherwise, assume the worker is idle again (it answered us).
         if self.online and self.health.get("status") == "busy":

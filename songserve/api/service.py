@@ -372,11 +372,15 @@ class JobService:
             except (httpx.TransportError, ValueError) as exc:
                 w.mark_unreachable()  # not used again until a health poll answers
                 raise _Retry(f"worker {w.worker_id} connection lost ({type(exc).__name__})") from None
+            # The worker answered: its model thread is free. Give it the next track while the
+            # files are copied (pipelining; a failed copy retries the track like a lost worker).
+            w.release(task_id)
+            self._kick.set()
             await self._apply(job, t, w, task_id, r.status_code, body)
         except _Retry as exc:
             self._retry(job, t, str(exc))
         finally:
-            w.release()
+            w.release(task_id)
             self._kick.set()
 
     async def _reattach(self, job: Job, t: Track) -> None:
@@ -415,7 +419,7 @@ class JobService:
         except _Retry as exc:
             self._retry(job, t, str(exc))
         finally:
-            w.release()
+            w.release(task_id)
             self._kick.set()
 
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, code: int, body: dict) -> None:
