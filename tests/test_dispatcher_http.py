@@ -86,6 +86,11 @@ def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
             break
         time.sleep(0.1)
     assert max(seen) == 1
+    # With finished tracks on record, a new job gets an estimate from their measured speed.
+    c = one.submit(num_tracks=1)
+    eta = one.job(c["job_id"])["eta_sec"]
+    assert isinstance(eta, float) and eta > 0
+    one.wait_job(c["job_id"])
     ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
     assert ja["status"] == jb["status"] == "completed"
     assert all(t["attempts"] == 1 for t in ja["tracks"] + jb["tracks"])  # never sent to a busy worker

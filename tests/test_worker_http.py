@@ -169,3 +169,22 @@ def test_mismatched_decoder_refuses_with_one_line(tiny_dir, tmp_path):
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("worker: Decoder checkpoint") and "does not match" in last
+
+
+def test_failure_inside_a_task_is_local_and_clear(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the output folder should be")
+    w = start_worker(tmp_path, "--pipeline", "test", "--output-dir", str(blocker), name="broken-disk")
+    try:
+        w.wait_healthy()
+        r = httpx.post(w.url + "/generate", json={"duration": 0.05, "task_id": "disk"}, timeout=60)
+        assert r.status_code == 500
+        body = r.json()
+        assert body["status"] == "error" and body["error"].startswith("The task could not write its files")
+        assert str(tmp_path) not in body["error"] and "Traceback" not in r.text
+        assert "Traceback" in w.log_tail(20_000)  # the traceback goes to the log
+        h = httpx.get(w.url + "/health").json()
+        assert h["status"] == "idle" and h["task_id"] is None
+        assert httpx.get(w.url + "/tasks/disk").json()["status"] == "error"
+    finally:
+        w.stop()
