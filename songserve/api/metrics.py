@@ -28,17 +28,16 @@ def render(svc: JobService) -> str:
     metric("worker_state", "gauge", "1 for each worker's current state.",
            [(f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.state is st))
             for w in svc.pool.workers for st in WorkerState])
-    stages = sorted(svc.stage_totals.items())
+    stages = sorted(svc.speed.stage_totals.items())
     metric("stage_seconds_sum", "counter", "Seconds spent per pipeline stage (finished tracks).",
            [(f'{{stage="{k}"}}', v[0]) for k, v in stages])
     metric("stage_seconds_count", "counter", "Finished tracks counted per stage.",
            [(f'{{stage="{k}"}}', v[1]) for k, v in stages])
-    f = svc.finished
+    f = svc.speed.finished
     metric("track_audio_seconds", "summary", "Seconds of audio of tracks finished since start.",
            [("_sum", f["audio_sec"]), ("_count", f["count"])])
     metric("track_wall_seconds", "summary", "Wall seconds from dispatch to done, tracks finished since start.",
            [("_sum", f["wall_sec"]), ("_count", f["count"])])
-    ratios = [r for d in svc._ratios.values() for r in d]  # noqa: SLF001
     metric("track_seconds_per_audio_second", "gauge", "Mean wall seconds per second of audio (recent).",
-           [("", sum(ratios) / len(ratios) if ratios else 0.0)])
+           [("", svc.speed.ratio() or 0.0)])
     return "\n".join(lines) + "\n"

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
-from collections import defaultdict, deque
 
 import httpx
 
 from songserve.api import scheduler
 from songserve.api.artifacts import JOB_ID, ArtifactStore
+from songserve.api.estimates import SpeedHistory
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerState
 from songserve.api.states import TERMINAL_JOB, TrackStatus, check_transition, job_status
 from songserve.api.store import Job, JobStore, Track
@@ -77,16 +76,14 @@ class JobService:
         self._changed = asyncio.Event()
         self._kick = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=50))
+        self.speed = SpeedHistory()
         self._positions: dict[Key, int] = {}
-        self.stage_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # stage → [sum, count]
-        self.finished = {"count": 0, "wall_sec": 0.0, "audio_sec": 0.0}  # finished tracks, for /metrics
         self._unknown_fields_logged: set[str] = set()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         for model, ratio in reversed(self.store.finished_work_ratios()):
-            self._ratios[model].append(ratio)
+            self.speed.seed(model, ratio)
         await self.pool.poll_once()
         reattach = []
         for job in self.store.active_jobs():
@@ -187,7 +184,7 @@ class JobService:
                                         num_tracks=len(view.tracks), queue_position=view.queue_position)
         lyrics = self._validate(req)
         if len(self.queue) + req.num_tracks > self.s.max_queue:
-            retry = max(1, int(self._queue_wait_estimate()))
+            retry = max(1, int(self.speed.queue_wait(len(self.queue), self.pool.online_count())))
             raise QueueFull(f"The queue is full ({len(self.queue)} tracks waiting); try again later.", retry)
         job_id = secrets.token_hex(8)
         base_seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - 64)
@@ -216,7 +213,8 @@ class JobService:
 
     def view(self, job_id: str) -> JobView:
         job = self._load(job_id)
-        return job_view(job, self._positions, self._eta(job))
+        eta = self.speed.job_eta(job, self._positions, self.pool.online_count()) if job_id in self.jobs else None
+        return job_view(job, self._positions, eta)
 
     async def cancel(self, job_id: str) -> JobView:
         job = self._load(job_id)
@@ -437,7 +435,7 @@ class JobService:
             now = time.time()
             self._set(t, TrackStatus.done, progress=100, finished_at=now, duration_sec=float(body["duration_sec"]),
                       metadata={k: meta.get(k) for k in ("models", "tokens", "timings", "sample_rate", "device")} | {"worker_id": w.worker_id})
-            self._record_history(meta, t, now)
+            self.speed.record(meta, t.duration_sec, now - (t.started_at or now))
             log.info("track %s/%d: done (%.1fs audio, %.1fs)", job.job_id, t.index, t.duration_sec, now - (t.started_at or now))
         elif status == "cancelled":
             if job.cancelled:
@@ -495,44 +493,6 @@ class JobService:
             self.jobs.pop(job.job_id, None)
             log.info("job %s: %s", job.job_id, job_status((t.status for t in job.tracks), job.cancelled).value)
             self._touch()
-
-    # ---- estimates ------------------------------------------------------------------------------
-    def _record_history(self, meta: dict, t: Track, now: float) -> None:
-        model = (meta.get("models") or {}).get("backbone", "")
-        self.finished["count"] += 1
-        self.finished["audio_sec"] += t.duration_sec
-        self.finished["wall_sec"] += now - (t.started_at or now)
-        if t.duration_sec > 0 and t.started_at:
-            self._ratios[model].append((now - t.started_at) / t.duration_sec)
-        for stage, sec in (meta.get("timings") or {}).items():
-            if isinstance(sec, int | float):
-                total = self.stage_totals[stage.removesuffix("_sec")]
-                total[0] += sec
-                total[1] += 1
-
-    def _ratio(self, model: str) -> float | None:
-        ratios = self._ratios.get(model) or [r for d in self._ratios.values() for r in d]
-        return sum(ratios) / len(ratios) if ratios else None
-
-    def _eta(self, job: Job) -> float | None:
-        ratio = self._ratio(job.request.get("backbone") or "")
-        if ratio is None or job.job_id not in self.jobs:
-            return None
-        seconds = job.request["duration"] * 60 * ratio
-        workers = max(1, self.pool.online_count())
-        eta = 0.0
-        for t in job.tracks:
-            if t.status.running:
-                eta = max(eta, seconds * (1 - t.progress / 100))
-            elif t.status is TrackStatus.queued:
-                pos = self._positions.get((job.job_id, t.index), 1)
-                eta = max(eta, (math.ceil(pos / workers)) * seconds)
-        return round(eta, 1)
-
-    def _queue_wait_estimate(self) -> float:
-        ratio = self._ratio("") or 1.0
-        workers = max(1, self.pool.online_count())
-        return min(600.0, 5 + len(self.queue) / workers * ratio * 30)
 
     # ---- retention ------------------------------------------------------------------------------
     def sweep(self) -> int:

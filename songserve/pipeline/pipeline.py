@@ -19,7 +19,7 @@ from songserve.errors import RequestError
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import Backbone
 from songserve.pipeline.checkpoints import CheckpointSet
-from songserve.pipeline.codec import Codec, load_codec
+from songserve.pipeline.codec import Codec, CodecConfig, load_codec
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.export import Mp3Options, write_track
 from songserve.pipeline.gpt import AcousticGPT, load_model
@@ -53,6 +53,7 @@ class ModelPipeline:
         self.backbones: dict[str, Backbone] = {}
         self.superres: dict[str, SuperRes] = {}
         self.codec: Codec | None = None
+        self.codec_cfg = CodecConfig()
         self.phase_hook = lambda phase: None  # set by the runtime: loading phases show in /health
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -64,6 +65,8 @@ class ModelPipeline:
         for name, path in self.ckpt.backbones.items():
             self.backbones[name] = Backbone(self._gpt(path), eod)
         self._load_stage2()
+        assert self.codec is not None
+        self.codec_cfg = self.codec.cfg  # rates and frame size, kept when one_shot unloads the codec
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
 
@@ -93,8 +96,9 @@ class ModelPipeline:
         return {
             "backbone_models": list(self.ckpt.backbones),
             "superres_models": list(self.ckpt.superres),
-            "sample_rate": 44100,
-            "frame_rate": round(44100 / 2048, 2),
+            "sample_rate": self.codec_cfg.sample_rate,
+            "frame_rate": round(self.codec_cfg.frame_rate, 2),
+            "channels": self.codec_cfg.channels,
             "tiny_checkpoints": self.ckpt.tiny,
         }
 
@@ -120,8 +124,7 @@ class ModelPipeline:
             PromptRequest(style, req.lyrics, req.duration, vocal_lang, req.instrumental),
             backbone.gpt.arch.max_prompt_length,
         )
-        frame_rate = 44100 / 2048
-        frames = max(1, int(req.duration * 60 * frame_rate))  # a hard budget: never longer than asked
+        frames = max(1, int(req.duration * 60 * self.codec_cfg.frame_rate))  # a hard budget: never longer than asked
 
         t = time.perf_counter()
         bb = backbone.generate(

@@ -49,7 +49,11 @@ class SuperRes:
             done += passes
         return out
 
-    def _window(self, prompt, coarse, top_k, generator, ctx, done0, total):  # noqa: ANN001, ANN202
+    def _window(
+        self, prompt: list[int], coarse: torch.Tensor, top_k: int, generator: torch.Generator,
+        ctx: TaskContext, done0: int, total: int,
+    ) -> torch.Tensor:
+        """One window of frames: coarse (2, F) → codes (levels, F)."""
         gpt, dev, T = self.gpt, self.gpt.device, self.text_vocab
         P, F = len(prompt), coarse.shape[1]
         grid = torch.full((1, P + F, self.levels), -1, dtype=torch.long, device=dev)  # (B, S, C)

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from songserve.pipeline.codec import CodecConfig
+from songserve.pipeline.gpt import GPTArch
+
 log = logging.getLogger(__name__)
 
 TINY_VERSION = 2
@@ -36,17 +39,13 @@ TEXT_VOCAB = 1024
 CODEBOOK = 1024
 
 
-def tiny_arch(kind: str, text_vocab: int):  # noqa: ANN201
-    from songserve.pipeline.gpt import GPTArch
-
+def tiny_arch(kind: str, text_vocab: int) -> GPTArch:
     if kind == "backbone":
         return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 2 * CODEBOOK, 27648, 1024)
     return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 64 * CODEBOOK, 16384, 1024)
 
 
-def tiny_codec_config():  # noqa: ANN201
-    from songserve.pipeline.codec import CodecConfig
-
+def tiny_codec_config() -> CodecConfig:
     return CodecConfig(latent_dim=32, n_filters=4, rates=(8, 8, 8, 4), channels=2)
 
 

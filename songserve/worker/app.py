@@ -78,7 +78,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure=None) -> FastAPI:  # noqa
             "language_options": LANGUAGES,
             "sample_rate": d["sample_rate"],
             "frame_rate": d["frame_rate"],
-            "channels": 2,
+            "channels": d.get("channels", 2),
             "formats": ["wav", "mp3"],
             "device": str(runtime.device),
             "tiny_checkpoints": d.get("tiny_checkpoints", False),

@@ -222,7 +222,7 @@ class WorkerRuntime:
         ctx = self._current
         if view.status is TaskState.running and ctx is not None and ctx.task_id == task_id:
             p = ctx.snapshot()
-            view = replace_view(view, progress=p.percent, phase=p.phase)
+            view = view.model_copy(update={"progress": p.percent, "phase": p.phase})
         return view
 
     # -- reporting ------------------------------------------------------------------------------
@@ -262,12 +262,8 @@ class WorkerRuntime:
         return out
 
 
-def replace_view(view: TaskView, **changes: object) -> TaskView:
-    return view.model_copy(update=changes)
-
-
 def _task_error_sentence(exc: Exception) -> str:
-    if isinstance(exc, torch.OutOfMemoryError if hasattr(torch, "OutOfMemoryError") else MemoryError) or isinstance(exc, MemoryError):
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return "The task ran out of memory."
     if isinstance(exc, OSError):
         return f"The task could not write its files: {exc.strerror or type(exc).__name__}."
