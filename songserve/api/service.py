@@ -16,9 +16,12 @@ Only the outcome of a track's current task id is applied, so a retried track fin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 
@@ -117,10 +120,10 @@ class JobService:
             t.cancel()
         await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
 
-    def _start_task(self, key: Key, coro) -> None:  # noqa: ANN001
+    def _start_task(self, key: Key, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro, name=f"track-{key[0]}-{key[1]}")
         self.running[key] = task
-        task.add_done_callback(lambda _t, k=key: self._task_done(k, _t))
+        task.add_done_callback(functools.partial(self._task_done, key))
 
     def _task_done(self, key: Key, task: asyncio.Task) -> None:
         if self.running.get(key) is task:
@@ -202,8 +205,9 @@ class JobService:
         idle = len(self.pool.available())
         self._dispatch_now()
         position = self._job_position(job)
-        status = "accepted" if idle >= req.num_tracks or position == 0 else "queued"
-        return GenerateAccepted(status=status, job_id=job_id, num_tracks=req.num_tracks, queue_position=position)
+        accepted = idle >= req.num_tracks or position == 0
+        return GenerateAccepted(status="accepted" if accepted else "queued", job_id=job_id,
+                                num_tracks=req.num_tracks, queue_position=position)
 
     def _load(self, job_id: str) -> Job:
         job = self.jobs.get(job_id) or (self.store.load_job(job_id) if JOB_ID.match(job_id) else None)

@@ -157,7 +157,7 @@ class Codebook(nn.Module):
     def __init__(self, size: int, dim: int, latent_dim: int, factorised: bool) -> None:
         super().__init__()
         self.codebook = nn.Embedding(size, dim)
-        self.out_proj = nn.Conv1d(dim, latent_dim, 1) if factorised else None
+        self.out_proj: nn.Conv1d | None = nn.Conv1d(dim, latent_dim, 1) if factorised else None
 
 
 class Quantizer(nn.Module):
@@ -173,7 +173,7 @@ class Quantizer(nn.Module):
         """codes (B, n_q, frames) → latent (B, latent_dim, frames): the sum of selected entries."""
         z = None
         for i in range(codes.shape[1]):
-            q = self.quantizers[i]
+            q: Codebook = self.quantizers[i]  # type: ignore[assignment]
             e = q.codebook(codes[:, i]).transpose(1, 2)  # (B, dim, frames)
             if q.out_proj is not None:
                 e = q.out_proj(e)
@@ -294,8 +294,8 @@ def load_codec(config_path: Path, checkpoint_path: Path, device: torch.device) -
         if not isinstance(cfg_raw, dict):
             raise ConfigError(f"Decoder config {config_path} is not a mapping.")
         cfg = CodecConfig.from_yaml_dict(cfg_raw, str(config_path))
-        sd = raw.get("state_dict", raw) if isinstance(raw, dict) else {}
-        sd = sd.get("generator", sd) if isinstance(sd.get("generator"), dict) else sd
+        sd: dict = raw.get("state_dict", raw) if isinstance(raw, dict) else {}
+        sd = sd["generator"] if isinstance(sd.get("generator"), dict) else sd
         state = _decoder_keys(sd, "generator.") or _decoder_keys(sd, "")
     codec = Codec(cfg)
     try:

@@ -21,10 +21,14 @@ import logging
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from songserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.core.inference.contexts import StaticInferenceContext
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ def parse_megatron_args(text: str) -> dict[str, object]:
     return out
 
 
-def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype) -> Any:
     """Build the GPTModel (local layer spec: no transformer-engine or apex) in eval mode."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -144,9 +148,9 @@ def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype) -> torc
 class AcousticGPT:
     """A loaded GPTModel driven with summed-column embeddings and sliced output projections."""
 
-    def __init__(self, arch: GPTArch, model: torch.nn.Module) -> None:
+    def __init__(self, arch: GPTArch, model: Any) -> None:
         self.arch = arch
-        self.model = model
+        self.model: Any = model  # megatron's GPTModel: submodules are dynamic attributes
         # Hidden states out: _postprocess returns before the output layer when post_process is
         # off; the final layer norm stays (it belongs to the decoder block).
         model.post_process = False
@@ -178,7 +182,7 @@ class AcousticGPT:
         ids: torch.Tensor,
         positions: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        context: object | None = None,
+        context: StaticInferenceContext | None = None,
     ) -> torch.Tensor:
         """Run the transformer; returns hidden states (S, B, H) after the final layer norm."""
         out = self.model(
@@ -195,7 +199,7 @@ class AcousticGPT:
         """Logits over output rows [start, stop) only: (..., H) → (..., stop - start)."""
         return hidden @ self.output_weight[start:stop].t()
 
-    def new_kv_context(self, max_len: int, batch: int = 1) -> object:
+    def new_kv_context(self, max_len: int, batch: int = 1) -> StaticInferenceContext:
         """A static KV cache with its buffers allocated here, on the model's device (5.)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -231,7 +235,7 @@ def _iteration_dir(path: Path) -> Path:
     return path / ("release" if it == "release" else f"iter_{int(it):07d}")
 
 
-def save_checkpoint(path: Path, arch: GPTArch, model: torch.nn.Module, iteration: int = 1) -> None:
+def save_checkpoint(path: Path, arch: GPTArch, model: Any, iteration: int = 1) -> None:
     """Write a Megatron-LM style torch_dist checkpoint plus ``model_config.json``."""
     from megatron.core import dist_checkpointing
 

@@ -78,9 +78,9 @@ def cpu_checkpoint_io() -> Iterator[None]:
         yield
         return
     saved = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved  # type: ignore[assignment]
+        torch.cuda.synchronize, torch.cuda.current_device = saved

@@ -77,7 +77,7 @@ def _build_into(tmp: Path) -> None:
     codec = Codec(cfg)
     with torch.no_grad():  # DAC-like scale: unit-ish codebooks, Snake alphas of 1
         for q in codec.quantizer.quantizers:
-            q.codebook.weight.normal_(0.0, 0.3)
+            q.codebook.weight.normal_(0.0, 0.3)  # type: ignore[union-attr,operator]
     (tmp / "decoder").mkdir()
     (tmp / "decoder" / "config.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
     state = {f"generator.{k}": v for k, v in weight_norm_state(codec.state_dict()).items()}
