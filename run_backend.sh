@@ -89,7 +89,12 @@ done
 
 # ---- set-up (first run only) ------------------------------------------------------------------
 bash scripts/setup
-export WORKER_TOKEN=${WORKER_TOKEN:-$($PY -c 'import secrets; print(secrets.token_hex(16))')}
+if [ -z "${WORKER_TOKEN:-}" ]; then
+  WORKER_TOKEN=$($PY -c 'import secrets; print(secrets.token_hex(16))')
+  [ $API = 1 ] || say "generated WORKER_TOKEN=$WORKER_TOKEN: start the dispatcher with the same value"
+  [ $WORKERS = 1 ] || say "note: WORKER_TOKEN is unset; set it to the workers' token if they were started with one"
+fi
+export WORKER_TOKEN
 if [ $WORKERS = 1 ]; then
   CUDA_COUNT=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "$CUDA_COUNT" = 0 ]; then
