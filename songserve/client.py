@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
@@ -39,7 +40,7 @@ def _bar(progress: int, width: int = 24) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + f"] {progress:3d}%"
 
 
-def generate(args: argparse.Namespace, client: httpx.Client, out=sys.stdout) -> int:  # noqa: ANN001
+def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     lyrics = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
     body = {"mode": "instrumental" if args.instrumental else "vocal", "tags": args.tags or "", "lyrics": lyrics,
             "duration": args.duration, "num_tracks": args.tracks}
@@ -87,7 +88,7 @@ def generate(args: argparse.Namespace, client: httpx.Client, out=sys.stdout) -> 
     return 0 if job["status"] == "completed" else 1
 
 
-def status(_: argparse.Namespace, client: httpx.Client, out=sys.stdout) -> int:  # noqa: ANN001
+def status(_: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     s = _check(client.get("/status"))
     print(f"{s['idle_gpus']}/{s['total_gpus']} workers idle, {s['active_jobs']} active jobs, {s['queued_jobs']} queued", file=out)
     print(f"{'id':>3}  {'status':<8} {'phase':<17} {'device':<7} url", file=out)

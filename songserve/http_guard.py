@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-Scope = dict
-ASGIApp = Callable
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-async def _send_error(send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:  # noqa: ANN001
+async def _send_error(send: Send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"status": "error", "error": message}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
@@ -36,7 +35,7 @@ class BearerAuth:
         self.exempt_prefixes = exempt_prefixes
         self.realm = realm
 
-    async def __call__(self, scope: Scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.exempt or scope["path"].startswith(self.exempt_prefixes) \
                 or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
@@ -54,7 +53,7 @@ class BodyLimit:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
@@ -75,7 +74,7 @@ class BodyLimit:
                 return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-        async def replay_receive():  # noqa: ANN202
+        async def replay_receive() -> Message:
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replay_receive, send)

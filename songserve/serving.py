@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from types import FrameType
 
 import uvicorn
 
@@ -22,7 +23,7 @@ class GracefulServer(uvicorn.Server):
         self._draining = False
         self._drain_task: asyncio.Task | None = None
 
-    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or not self.started:
             self.should_exit = True
             self.force_exit = self._draining

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     holder: dict[str, JobService] = {}
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
         client = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
         store = JobStore(s.state_dir / "jobs.sqlite3")
@@ -102,7 +103,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     async def events(job_id: str, request: Request) -> StreamingResponse:
         svc().view(job_id)  # 404 before the stream starts
 
-        async def stream():  # noqa: ANN202
+        async def stream() -> AsyncIterator[str]:
             last = None
             while not await request.is_disconnected():
                 before = svc().version

@@ -14,15 +14,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class SdpaDotProductAttention(DotProductAttention):
-    def forward(  # noqa: D102 (same contract as DotProductAttention.forward)
+    def forward(  # the contract of DotProductAttention.forward
         self,
         query: torch.Tensor,  # (sq, b, heads, head_dim)
         key: torch.Tensor,  # (sk, b, groups, head_dim)
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,  # (b or 1, 1, sq, sk), True = masked
-        attn_mask_type=None,  # noqa: ANN001
-        attention_bias=None,  # noqa: ANN001
-        packed_seq_params=None,  # noqa: ANN001
+        attn_mask_type: object = None,
+        attention_bias: object = None,
+        packed_seq_params: object = None,
     ) -> torch.Tensor:
         assert packed_seq_params is None and attention_bias is None
         sq, b = query.shape[0], query.shape[1]

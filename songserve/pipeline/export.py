@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def new_basename(now: float | None = None) -> str:
     return f"{stamp}_{secrets.token_hex(4)}"
 
 
-def _atomic(path: Path, write) -> None:  # noqa: ANN001
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
     try:
         write(tmp)

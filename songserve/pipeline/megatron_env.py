@@ -16,7 +16,7 @@ import logging
 import operator
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import reduce
 
 import torch
@@ -30,7 +30,9 @@ class _CpuMemoryBuffer:
     def __init__(self) -> None:
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ANN001
+    def get_tensor(
+        self, tensor_shape: Sequence[int], dtype: torch.dtype, name: str, mem_alloc_context: object = None
+    ) -> torch.Tensor:
         n = reduce(operator.mul, tensor_shape, 1)
         buf = self.buffer.get((name, dtype))
         if buf is None or buf.numel() < n:

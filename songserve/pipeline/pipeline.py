@@ -12,6 +12,8 @@ import gc
 import logging
 import time
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,7 +72,7 @@ class ModelPipeline:
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
 
-    def _gpt(self, path) -> AcousticGPT:  # noqa: ANN001
+    def _gpt(self, path: Path) -> AcousticGPT:
         return load_model(path, self.device, self.dtype, self.s.megatron_args)
 
     def _load_stage2(self) -> None:
@@ -103,7 +105,7 @@ class ModelPipeline:
         }
 
     # -- one track ------------------------------------------------------------------------------
-    def _pick(self, table: dict, name: str, what: str):  # noqa: ANN202
+    def _pick(self, table: dict[str, Any], name: str, what: str) -> tuple[str, Any]:
         if not name:
             return next(iter(table.items()))
         if name not in table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -31,9 +32,9 @@ def safe_file(folder: Path, name: str) -> Path:
     return path
 
 
-def create_app(runtime: WorkerRuntime, on_load_failure=None) -> FastAPI:  # noqa: ANN001
+def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], None] | None = None) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(_: FastAPI):  # noqa: ANN202
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         import asyncio
 
         async def load() -> None:

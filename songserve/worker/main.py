@@ -6,15 +6,19 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import WorkerSettings, load_settings, log_non_default
 
+if TYPE_CHECKING:
+    from songserve.worker.runtime import WorkerRuntime
+
 log = logging.getLogger("songserve.worker")
 
 
-def build_runtime(s: WorkerSettings):  # noqa: ANN201
+def build_runtime(s: WorkerSettings) -> WorkerRuntime:
     """Resolve the device and the checkpoint set (fails fast with one line), make the runtime."""
     import torch
 

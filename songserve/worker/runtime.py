@@ -32,7 +32,7 @@ from songserve.errors import (
     UnavailableError,
 )
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.types import Pipeline, TrackRequest
+from songserve.pipeline.types import Pipeline, TrackRequest, TrackResult
 from songserve.schemas import (
     TaskState,
     TaskView,
@@ -201,7 +201,7 @@ class WorkerRuntime:
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, result.duration_sec)
         return out
 
-    def _run(self, req: TrackRequest, ctx: TaskContext):  # noqa: ANN202 (runs on the model thread)
+    def _run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:  # on the model thread
         with torch.inference_mode():
             return self.pipeline.run(req, ctx)
 
