@@ -97,6 +97,7 @@ class JobService:
                 elif t.status.running:
                     reattach.append((job, t))
             self._maybe_finish(job)
+        self._reorder()
         log.info("restored %d active jobs (%d tracks queued, %d to reconcile)", len(self.jobs), len(self.queue), len(reattach))
         for job, t in reattach:
             self._start_task((job.job_id, t.index), self._reattach(job, t))
@@ -253,8 +254,8 @@ class JobService:
 
     # ---- dispatch -----------------------------------------------------------------------------
     def _enqueue(self, job: Job, t: Track) -> None:
+        """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
         self.queue[(job.job_id, t.index)] = scheduler.QueueEntry(job.job_id, t.index, job.priority, job.seq)
-        self._reorder()
 
     def _started_counts(self) -> dict[str, int]:
         return {jid: sum(1 for t in j.tracks if t.status is not TrackStatus.queued) for jid, j in self.jobs.items()}
@@ -472,6 +473,7 @@ class JobService:
             t.worker_id, t.worker_phase, t.phase_detail = -1, "idle", ""
             self._set(t, TrackStatus.queued, progress=0)
             self._enqueue(job, t)
+            self._reorder()
         self._maybe_finish(job)
 
     async def _cancel_quietly(self, w: WorkerHandle, task_id: str | None) -> None:
