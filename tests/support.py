@@ -135,3 +135,9 @@ class Cluster:
         for p in [self.api, *self.workers]:
             if p:
                 p.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

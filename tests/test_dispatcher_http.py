@@ -128,8 +128,7 @@ def test_cancel_queued_and_running(one):
 
 
 def test_restart_loses_nothing(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=2.0)
-    try:
+    with Cluster(tmp_path, workers=1, delay=2.0) as c:
         done = c.submit(num_tracks=1)
         c.wait_job(done["job_id"])
         before = httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content
@@ -144,13 +143,10 @@ def test_restart_loses_nothing(tmp_path):
         assert all(j["status"] == "completed" for j in jobs)
         assert jobs[0]["tracks"][0]["attempts"] == 1  # collected from the worker, not generated again
         assert httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content == before
-    finally:
-        c.stop()
 
 
 def test_queue_full_429_and_validation_422(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3"))
-    try:
+    with Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3")) as c:
         c.submit(num_tracks=1)
         wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
         c.submit(num_tracks=3)
@@ -166,8 +162,6 @@ def test_queue_full_429_and_validation_422(tmp_path):
             assert e["status"] == "error" and field in e["error"] and e["detail"][0]["loc"][-1] == field
         assert httpx.get(c.url + "/job/nope").json() == {"status": "error", "error": "Job nope not found."}
         assert httpx.get(c.url + "/job/abcdef0123456789/track/0/mp3").status_code == 404
-    finally:
-        c.stop()
 
 
 def test_track_file_errors_and_idempotency(one):

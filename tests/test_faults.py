@@ -20,8 +20,7 @@ def in_phase(c: Cluster, job_id: str, phase: str) -> dict | None:
 
 
 def test_worker_killed_in_backbone_track_finishes_on_the_other(tmp_path):
-    c = Cluster(tmp_path, workers=2, delay=4.0)
-    try:
+    with Cluster(tmp_path, workers=2, delay=4.0) as c:
         a = c.submit(num_tracks=1)
         t = wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
         victim = c.workers[t["worker_id"]]
@@ -33,13 +32,10 @@ def test_worker_killed_in_backbone_track_finishes_on_the_other(tmp_path):
         assert httpx.get(f"{c.url}/job/{a['job_id']}/track/0/mp3").status_code == 200
         st = httpx.get(c.url + "/status").json()
         assert st["workers"][t["worker_id"]]["status"] == "offline"
-    finally:
-        c.stop()
 
 
 def test_only_worker_killed_then_restarted_track_completes(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=3.0)
-    try:
+    with Cluster(tmp_path, workers=1, delay=3.0) as c:
         a = c.submit(num_tracks=1)
         wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
         port = c.workers[0].port
@@ -53,13 +49,10 @@ def test_only_worker_killed_then_restarted_track_completes(tmp_path):
         c.workers[0] = w
         job = c.wait_job(a["job_id"], timeout=60)
         assert job["status"] == "completed" and job["tracks"][0]["attempts"] == 2
-    finally:
-        c.stop()
 
 
 def test_attempts_run_out_with_a_clear_error(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-attempts", "1"))
-    try:
+    with Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-attempts", "1")) as c:
         a = c.submit(num_tracks=1)
         wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
         c.workers[0].signal(signal.SIGKILL)
@@ -67,13 +60,10 @@ def test_attempts_run_out_with_a_clear_error(tmp_path):
         assert job["status"] == "failed"
         err = job["tracks"][0]["error"]
         assert err.startswith("Track failed after 1 attempts: worker 0") and "Traceback" not in err
-    finally:
-        c.stop()
 
 
 def test_dispatcher_killed_with_20_queued_and_2_running(tmp_path):
-    c = Cluster(tmp_path, workers=2, delay=2.0, api_args=("--max-queue", "50"))
-    try:
+    with Cluster(tmp_path, workers=2, delay=2.0, api_args=("--max-queue", "50")) as c:
         jobs = [c.submit(num_tracks=1) for _ in range(2)]
         wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 2, timeout=10)
         jobs += [c.submit(num_tracks=2) for _ in range(10)]
@@ -88,8 +78,6 @@ def test_dispatcher_killed_with_20_queued_and_2_running(tmp_path):
         for j in done:
             for t in j["tracks"]:
                 assert httpx.head(f"{c.url}/job/{j['job_id']}/track/{t['index']}/wav").status_code == 200
-    finally:
-        c.stop()
 
 
 def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
@@ -118,8 +106,7 @@ def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
 
 
 def test_500_tracks_from_50_clients_on_4_workers(tmp_path):
-    c = Cluster(tmp_path, workers=4, delay=0.0, api_args=("--max-queue", "60"))
-    try:
+    with Cluster(tmp_path, workers=4, delay=0.0, api_args=("--max-queue", "60")) as c:
         rng = random.Random(0)
         accepted: list[str] = []
         rejections = {"429": 0, "retry_after_missing": 0}
@@ -153,13 +140,10 @@ def test_500_tracks_from_50_clients_on_4_workers(tmp_path):
         assert len(files) == 500
         produced = sum(len(list((tmp_path / f"worker{i}_audio").glob("*.wav"))) for i in range(4))
         assert produced == 500
-    finally:
-        c.stop()
 
 
 def test_sigterm_drains_the_dispatcher(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=2.0, api_args=("--drain-timeout-sec", "20"))
-    try:
+    with Cluster(tmp_path, workers=1, delay=2.0, api_args=("--drain-timeout-sec", "20")) as c:
         a = c.submit(num_tracks=1)
         queued = c.submit(num_tracks=1)
         wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
@@ -170,8 +154,6 @@ def test_sigterm_drains_the_dispatcher(tmp_path):
         c.start_api()
         assert c.wait_job(a["job_id"])["tracks"][0]["attempts"] == 1  # finished during the drain
         assert c.wait_job(queued["job_id"], timeout=30)["status"] == "completed"  # the queue was kept
-    finally:
-        c.stop()
 
 
 def test_sigterm_on_a_busy_worker_cancels_within_its_drain_time(tmp_path):
