@@ -59,7 +59,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SongserveError)
     async def _ours(_: Request, exc: SongserveError) -> JSONResponse:
-        return error_response(exc.http_status, str(exc))
+        extra = {"detail": exc.detail} if exc.detail else {}
+        return error_response(exc.http_status, str(exc), headers=exc.headers, **extra)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from songserve import __version__
 from songserve.api import metrics
 from songserve.api.artifacts import ArtifactStore
-from songserve.api.service import FieldError, JobService, QueueFull
+from songserve.api.service import JobService
 from songserve.api.states import TERMINAL_JOB, JobStatus
 from songserve.api.store import JobStore
 from songserve.api.tags import TAGS
@@ -64,14 +64,6 @@ def create_app(s: DispatcherSettings) -> FastAPI:
 
     def svc() -> JobService:
         return holder["svc"]
-
-    @app.exception_handler(QueueFull)
-    async def _full(_: Request, exc: QueueFull) -> JSONResponse:
-        return error_response(429, str(exc), headers={"Retry-After": str(exc.retry_after)})
-
-    @app.exception_handler(FieldError)
-    async def _field(_: Request, exc: FieldError) -> JSONResponse:
-        return error_response(422, str(exc), detail=exc.detail)
 
     @app.post("/generate", response_model=GenerateAccepted)
     async def generate(req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200)) -> GenerateAccepted:

@@ -47,6 +47,7 @@ class QueueFull(SongserveError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.headers = {"Retry-After": str(retry_after)}
 
 
 class FieldError(RequestError):
