@@ -11,13 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class ErrorBody(BaseModel):
-    status: str = "error"
-    error: str
-    detail: list[dict] | None = None
-
-
 # ---- worker -------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +190,3 @@ def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
         ],
     )
 
-
-def now() -> float:
-    return time.time()

@@ -11,6 +11,7 @@ import ctypes
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ class ModelPipeline:
         self.superres: dict[str, SuperRes] = {}
         self.codec: Codec | None = None
         self.codec_cfg = CodecConfig()
-        self.phase_hook = lambda phase: None  # set by the runtime: loading phases show in /health
+        self.phase_hook: Callable[[str], None] = lambda phase: None  # set by the runtime: loading phases show in /health
 
     # -- lifecycle ------------------------------------------------------------------------------
     def load(self) -> None:

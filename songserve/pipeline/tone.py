@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,7 +25,7 @@ PHASES = ("backbone", "superres", "decoding")
 class TonePipeline:
     def __init__(self, settings: WorkerSettings) -> None:
         self.s = settings
-        self.phase_hook = lambda phase: None
+        self.phase_hook: Callable[[str], None] = lambda phase: None
 
     def load(self) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,6 +56,8 @@ class TrackResult:
 
 class Pipeline(Protocol):
     """What the worker's runtime drives: the model pipeline or the test tone pipeline."""
+
+    phase_hook: Callable[[str], None]  # the runtime's: loading phases show in /health
 
     def load(self) -> None: ...
 

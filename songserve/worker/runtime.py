@@ -92,7 +92,7 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._current: TaskContext | None = None
         self._tasks: OrderedDict[str, TaskView] = OrderedDict()
-        pipeline.phase_hook = self._set_phase  # type: ignore[attr-defined]
+        pipeline.phase_hook = self._set_phase
         self._models = pipeline.describe()
 
     def _set_phase(self, phase: str) -> None:
