@@ -61,8 +61,11 @@ def main() -> None:
         finally:
             c.stop()
     md, mb = median(d), median(b)
-    report("P1", f"dispatcher overhead: +{(md - mb) * 1000:.1f} ms median per track "
-                 f"(dispatcher {md * 1000:.1f} ms vs direct {mb * 1000:.1f} ms, ratio {md / mb:.2f}x; {n} tracks of {DURATION * 60:.2f} s audio)")
+    report(
+        "P1",
+        f"dispatcher overhead: +{(md - mb) * 1000:.1f} ms median per track "
+        f"(dispatcher {md * 1000:.1f} ms vs direct {mb * 1000:.1f} ms, ratio {md / mb:.2f}x; {n} tracks of {DURATION * 60:.2f} s audio)",
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,24 @@ def seed_store(state: Path, n: int) -> list[str]:
     now = time.time()
     for i in range(n):
         job_id = f"{i:016x}"
-        tracks = [Track(job_id, k, 1000 + k, status=TrackStatus.done, attempts=1, worker_id=k, duration_sec=180.0,
-                        started_at=now - 60, finished_at=now, metadata={"models": {"backbone": "default_backbone"},
-                        "timings": {"backbone_sec": 30.0, "superres_sec": 10.0}}) for k in range(2)]
+        tracks = [
+            Track(
+                job_id,
+                k,
+                1000 + k,
+                status=TrackStatus.done,
+                attempts=1,
+                worker_id=k,
+                duration_sec=180.0,
+                started_at=now - 60,
+                finished_at=now,
+                metadata={
+                    "models": {"backbone": "default_backbone"},
+                    "timings": {"backbone_sec": 30.0, "superres_sec": 10.0},
+                },
+            )
+            for k in range(2)
+        ]
         job = Job(job_id, i + 1, now - 100, {"duration": 3.0, "num_tracks": 2, "tags": "pop"}, "la la", tracks)
         store.insert_job(job)
         for t in tracks:
@@ -50,10 +65,16 @@ def wrk_load(url: str, ids: list[str], seconds: float, tmp: Path, conns: int = 3
     """Requests/s measured by wrk (one thread), random stored ids."""
     script = tmp / "ids.lua"
     listed = ",".join(f'"{i}"' for i in ids)
-    script.write_text(f"ids = {{{listed}}}\nrequest = function()\n"
-                      '  return wrk.format("GET", "/job/" .. ids[math.random(#ids)])\nend\n')
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{max(1, int(seconds))}s", "-s", str(script), url],
-                         capture_output=True, text=True, check=True).stdout
+    script.write_text(
+        f"ids = {{{listed}}}\nrequest = function()\n"
+        '  return wrk.format("GET", "/job/" .. ids[math.random(#ids)])\nend\n'
+    )
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{conns}", f"-d{max(1, int(seconds))}s", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
     return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
@@ -63,6 +84,7 @@ async def load(url: str, ids: list[str], seconds: float, conns: int = 16) -> flo
     done = 0
     stop = time.perf_counter() + seconds
     async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=conns)) as http:
+
         async def worker() -> None:
             nonlocal done
             rng = random.Random()
@@ -83,11 +105,27 @@ def main() -> None:
         state = Path(tmp) / "state"
         ids = seed_store(state, n)
         port = free_port()
-        ours = ServerProcess(["backend_api.py", "--port", str(port), "--state-dir", str(state), "--num-workers", "0",
-                              "--log-level", "WARNING"], port, Path(tmp) / "api.log")
+        ours = ServerProcess(
+            [
+                "backend_api.py",
+                "--port",
+                str(port),
+                "--state-dir",
+                str(state),
+                "--num-workers",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            port,
+            Path(tmp) / "api.log",
+        )
         bport = free_port()
-        bare = ServerProcess(["-m", "uvicorn", "bench.bare_app:app", "--port", str(bport), "--log-level", "warning"],
-                             bport, Path(tmp) / "bare.log")
+        bare = ServerProcess(
+            ["-m", "uvicorn", "bench.bare_app:app", "--port", str(bport), "--log-level", "warning"],
+            bport,
+            Path(tmp) / "bare.log",
+        )
         try:
             ours.wait_healthy(want=("ok",))
             import httpx as h
@@ -110,8 +148,10 @@ def main() -> None:
             ours.stop()
             bare.stop()
     o, b = max(rates["ours"]), max(rates["bare"])
-    report("P2", f"GET /job/{{id}}: {o / b:.2f}x of a bare endpoint ({o:.0f} vs {b:.0f} req/s, {n} jobs stored, "
-                 f"load by {tool})")
+    report(
+        "P2",
+        f"GET /job/{{id}}: {o / b:.2f}x of a bare endpoint ({o:.0f} vs {b:.0f} req/s, {n} jobs stored, load by {tool})",
+    )
 
 
 if __name__ == "__main__":

@@ -17,13 +17,19 @@ from tests.support import Cluster
 
 def throughput(workers: int, per_worker: int, delay: float) -> float:
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), workers=workers, delay=delay,
-                    api_args=("--max-queue", "1000", "--min-duration", "0.001", "--health-interval", "1.0"))
+        c = Cluster(
+            Path(tmp),
+            workers=workers,
+            delay=delay,
+            api_args=("--max-queue", "1000", "--min-duration", "0.001", "--health-interval", "1.0"),
+        )
         try:
             n = workers * per_worker
             with httpx.Client(base_url=c.url, timeout=30) as http:
-                ids = [http.post("/generate", json={"lyrics": "x", "duration": 0.002, "num_tracks": 1}).json()["job_id"]
-                       for _ in range(n)]
+                ids = [
+                    http.post("/generate", json={"lyrics": "x", "duration": 0.002, "num_tracks": 1}).json()["job_id"]
+                    for _ in range(n)
+                ]
             jobs = [c.wait_job(job_id, timeout=600) for job_id in ids]
             assert all(j["status"] == "completed" for j in jobs)
             # Server timestamps: first submit to last completion, free of this client's polling lag.
@@ -37,8 +43,11 @@ def main() -> None:
     workers, per, delay = (2, 2, 0.2) if a.smoke else (a.workers, a.per_worker, a.delay)
     one = throughput(1, per, delay)
     many = throughput(workers, per, delay)
-    report("P3", f"{workers} workers: {many / one:.2f}x the tracks/s of 1 ({many:.2f} vs {one:.2f} tracks/s, "
-                 f"{delay} s per track, {per} tracks per worker)")
+    report(
+        "P3",
+        f"{workers} workers: {many / one:.2f}x the tracks/s of 1 ({many:.2f} vs {one:.2f} tracks/s, "
+        f"{delay} s per track, {per} tracks per worker)",
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,15 @@ def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int
     prompt = list(range(2, 34))
     bb.generate(prompt, 16, top_k=50, temperature=1.0, generator=torch.Generator().manual_seed(0), ctx=TaskContext())
     t0 = time.perf_counter()
-    r = bb.generate(prompt, new // 2, top_k=50, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                    ctx=TaskContext(), min_share=1.0)
+    r = bb.generate(
+        prompt,
+        new // 2,
+        top_k=50,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        ctx=TaskContext(),
+        min_share=1.0,
+    )
     return r.new_tokens / (time.perf_counter() - t0)
 
 

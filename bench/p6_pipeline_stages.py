@@ -29,7 +29,7 @@ def main() -> None:
         pipe = ModelPipeline(s, resolve(s), torch.device("cpu"))
         pipe.load()
         parts = []
-        for seconds in ([2] if a.smoke else [10, 60]):
+        for seconds in [2] if a.smoke else [10, 60]:
             req = TrackRequest(lyrics="hello\nworld", tags="pop", duration=seconds / 60, seed=1, task_id="bench")
             pipe.run(req, TaskContext("warm")) if seconds == (2 if a.smoke else 10) else None
             r = pipe.run(req, TaskContext("bench"))

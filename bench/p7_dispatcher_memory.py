@@ -46,8 +46,12 @@ def main() -> None:
     a = args(__doc__, tracks=10_000)
     total = 400 if a.smoke else a.tracks
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), workers=4, delay=0.0,
-                    api_args=("--max-queue", "400", "--min-duration", "0.001", "--log-level", "WARNING"))
+        c = Cluster(
+            Path(tmp),
+            workers=4,
+            delay=0.0,
+            api_args=("--max-queue", "400", "--min-duration", "0.001", "--log-level", "WARNING"),
+        )
         try:
             pid = c.api.proc.pid
             run_tracks(c, 100 if not a.smoke else 40)
@@ -59,8 +63,11 @@ def main() -> None:
             done = httpx.get(c.url + "/status").json()["tracks_by_status"].get("done", 0)
         finally:
             c.stop()
-    report("P7", f"dispatcher RSS after {done} finished tracks: {after - base:+.1f} MB vs after 100 "
-                 f"({after:.0f} vs {base:.0f} MB; {rate:.0f} tracks/s through 4 test workers)")
+    report(
+        "P7",
+        f"dispatcher RSS after {done} finished tracks: {after - base:+.1f} MB vs after 100 "
+        f"({after:.0f} vs {base:.0f} MB; {rate:.0f} tracks/s through 4 test workers)",
+    )
 
 
 if __name__ == "__main__":

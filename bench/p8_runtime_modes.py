@@ -34,8 +34,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         one = second_request("one_shot", Path(tmp), seconds)
         keep = second_request("keep_loaded", Path(tmp), seconds)
-    report("P8", f"second request, {seconds:.0f}s audio: keep_loaded {keep / one:.2f}x of one_shot "
-                 f"({keep:.2f} vs {one:.2f} s; the tiny set loads in ~0.2 s, real sets in tens of seconds)")
+    report(
+        "P8",
+        f"second request, {seconds:.0f}s audio: keep_loaded {keep / one:.2f}x of one_shot "
+        f"({keep:.2f} vs {one:.2f} s; the tiny set loads in ~0.2 s, real sets in tens of seconds)",
+    )
 
 
 if __name__ == "__main__":

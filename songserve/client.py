@@ -42,8 +42,13 @@ def _bar(progress: int, width: int = 24) -> str:
 
 def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     lyrics = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
-    body = {"mode": "instrumental" if args.instrumental else "vocal", "tags": args.tags or "", "lyrics": lyrics,
-            "duration": args.duration, "num_tracks": args.tracks}
+    body = {
+        "mode": "instrumental" if args.instrumental else "vocal",
+        "tags": args.tags or "",
+        "lyrics": lyrics,
+        "duration": args.duration,
+        "num_tracks": args.tracks,
+    }
     if args.prompt:
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
@@ -90,10 +95,16 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
 
 def status(_: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     s = _check(client.get("/status"))
-    print(f"{s['idle_gpus']}/{s['total_gpus']} workers idle, {s['active_jobs']} active jobs, {s['queued_jobs']} queued", file=out)
+    print(
+        f"{s['idle_gpus']}/{s['total_gpus']} workers idle, {s['active_jobs']} active jobs, {s['queued_jobs']} queued",
+        file=out,
+    )
     print(f"{'id':>3}  {'status':<8} {'phase':<17} {'device':<7} url", file=out)
     for w in s["workers"]:
-        print(f"{w['worker_id']:>3}  {w['status']:<8} {w['phase']:<17} {str(w.get('device') or '-'):<7} {w['url']}", file=out)
+        print(
+            f"{w['worker_id']:>3}  {w['status']:<8} {w['phase']:<17} {str(w.get('device') or '-'):<7} {w['url']}",
+            file=out,
+        )
     return 0
 
 

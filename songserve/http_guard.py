@@ -15,8 +15,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 async def _send_error(send: Send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"status": "error", "error": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -27,8 +32,14 @@ class BearerAuth:
     The comparison is constant-time.
     """
 
-    def __init__(self, app: ASGIApp, token: str, exempt: set[str], exempt_prefixes: tuple[str, ...] = (),
-                 realm: str = "songserve") -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str,
+        exempt: set[str],
+        exempt_prefixes: tuple[str, ...] = (),
+        realm: str = "songserve",
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
         self.exempt = exempt
@@ -36,13 +47,21 @@ class BearerAuth:
         self.realm = realm
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.exempt or scope["path"].startswith(self.exempt_prefixes) \
-                or scope["method"] == "OPTIONS":
+        if (
+            scope["type"] != "http"
+            or scope["path"] in self.exempt
+            or scope["path"].startswith(self.exempt_prefixes)
+            or scope["method"] == "OPTIONS"
+        ):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await _send_error(send, 401, "Missing or wrong credentials: send Authorization: Bearer <key>.",
-                                     [(b"www-authenticate", f'Bearer realm="{self.realm}"'.encode())])
+            return await _send_error(
+                send,
+                401,
+                "Missing or wrong credentials: send Authorization: Bearer <key>.",
+                [(b"www-authenticate", f'Bearer realm="{self.realm}"'.encode())],
+            )
         return await self.app(scope, receive, send)
 
 

@@ -49,13 +49,21 @@ class WorkerSettings(BaseSettings):
     output_dir: Path = Field(ROOT / "generated_audio", description="where WAV, MP3 and JSON are written")
     mp3_bitrate_mode: Literal["CONSTANT", "VARIABLE", "AVERAGE"] = "CONSTANT"
     mp3_compression_level: float = Field(0.0, ge=0.0, le=1.0, description="0 = highest quality")
-    eoa_min_share: float = Field(0.9, ge=0.0, le=1.0, description="share of the frame budget before end-of-audio is accepted")
+    eoa_min_share: float = Field(
+        0.9, ge=0.0, le=1.0, description="share of the frame budget before end-of-audio is accepted"
+    )
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
-    worker_token: str = Field("", description="shared secret: every route but /health needs Authorization: Bearer <token>")
-    stall_timeout_sec: float = Field(300.0, gt=0, description="a task with no progress this long makes /health say stalled")
-    drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled")
+    worker_token: str = Field(
+        "", description="shared secret: every route but /health needs Authorization: Bearer <token>"
+    )
+    stall_timeout_sec: float = Field(
+        300.0, gt=0, description="a task with no progress this long makes /health say stalled"
+    )
+    drain_timeout_sec: float = Field(
+        30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled"
+    )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
@@ -117,7 +125,9 @@ class DispatcherSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", protected_namespaces=(), populate_by_name=True)
 
     port: int = Field(8889, ge=1, le=65535, validation_alias="API_PORT")
-    host: str = Field("127.0.0.1", validation_alias="API_HOST", description="bind address; 0.0.0.0 to serve other hosts")
+    host: str = Field(
+        "127.0.0.1", validation_alias="API_HOST", description="bind address; 0.0.0.0 to serve other hosts"
+    )
     num_workers: int = Field(1, ge=0, description="workers at worker_host:worker_base_port+i")
     worker_host: str = "127.0.0.1"
     worker_base_port: int = Field(8001, ge=1, le=65535)
@@ -141,7 +151,9 @@ class DispatcherSettings(BaseSettings):
     api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
     public_page: bool = Field(True, description="with an API key: the page and /tags stay public")
     worker_token: str = Field("", description="shared secret sent to the workers")
-    cors_origins: str = Field("", description="comma-separated extra origins allowed by CORS (localhost ports always are)")
+    cors_origins: str = Field(
+        "", description="comma-separated extra origins allowed by CORS (localhost ports always are)"
+    )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
     log_level: str = "INFO"
 

@@ -31,7 +31,11 @@ class ServerProcess:
         self._log = open(log_path, "ab")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -71,8 +75,16 @@ class ServerProcess:
 
 def start_worker(tmp: Path, *extra: str, env: dict | None = None, name: str = "worker") -> ServerProcess:
     port = free_port()
-    args = ["backend_worker.py", "--worker-port", str(port), "--master-port", "0",
-            "--output-dir", str(tmp / f"{name}_audio"), *extra]
+    args = [
+        "backend_worker.py",
+        "--worker-port",
+        str(port),
+        "--master-port",
+        "0",
+        "--output-dir",
+        str(tmp / f"{name}_audio"),
+        *extra,
+    ]
     return ServerProcess(args, port, tmp / f"{name}.log", env)
 
 
@@ -89,8 +101,14 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):  # noqa:
 class Cluster:
     """Tone workers (or tiny-model workers) and a dispatcher, each a real process on a free port."""
 
-    def __init__(self, tmp: Path, workers: int = 2, delay: float = 1.0, api_args: tuple[str, ...] = (),
-                 worker_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        workers: int = 2,
+        delay: float = 1.0,
+        api_args: tuple[str, ...] = (),
+        worker_args: tuple[str, ...] = (),
+    ) -> None:
         self.tmp = tmp
         self.api_args = api_args
         self.workers = [
@@ -105,9 +123,18 @@ class Cluster:
     def start_api(self, *extra: str) -> ServerProcess:
         port = self.api.port if self.api else free_port()
         urls = ",".join(w.url for w in self.workers)
-        args = ["backend_api.py", "--port", str(port), "--state-dir", str(self.tmp / "state"),
-                "--health-interval", "0.2", *(("--worker-urls", urls) if urls else ("--num-workers", "0")),
-                *self.api_args, *extra]
+        args = [
+            "backend_api.py",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(self.tmp / "state"),
+            "--health-interval",
+            "0.2",
+            *(("--worker-urls", urls) if urls else ("--num-workers", "0")),
+            *self.api_args,
+            *extra,
+        ]
         self.api = ServerProcess(args, port, self.tmp / "api.log")
         self.api.wait_healthy(want=("ok",))
         wait_for(lambda: httpx.get(self.api.url + "/status").json()["idle_gpus"] == len(self.workers), timeout=30)
@@ -129,7 +156,9 @@ class Cluster:
 
     def wait_job(self, job_id: str, timeout: float = 60.0) -> dict:
         terminal = {"completed", "partial", "failed", "cancelled"}
-        return wait_for(lambda: (j := self.job(job_id)) and j["status"] in terminal and j, timeout=timeout, interval=0.1)
+        return wait_for(
+            lambda: (j := self.job(job_id)) and j["status"] in terminal and j, timeout=timeout, interval=0.1
+        )
 
     def stop(self) -> None:
         for p in [self.api, *self.workers]:

@@ -18,8 +18,9 @@ def test_every_figure_has_a_script():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_smoke(script, tiny_dir):
-    out = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", f"bench.{script}", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith(script[:2].upper() + " ")

@@ -32,7 +32,9 @@ def page():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--autoplay-policy=no-user-gesture-required", "--no-sandbox"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--autoplay-policy=no-user-gesture-required", "--no-sandbox"]
+        )
         yield browser.new_page()
         browser.close()
 
@@ -68,7 +70,9 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     long_card = page.locator(".job").first
     long_card.locator(".track .phase").wait_for()
     long_card.locator("button.cancel").click()
-    page.wait_for_function("document.querySelector('.job .job-status').textContent.startsWith('cancelled')", timeout=20_000)
+    page.wait_for_function(
+        "document.querySelector('.job .job-status').textContent.startsWith('cancelled')", timeout=20_000
+    )
 
     # A readable error: a vocal song with no lyrics.
     page.fill("#lyrics", "")

@@ -18,14 +18,29 @@ def cluster(tmp_path_factory):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "songserve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "songserve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_generate_downloads_every_track(cluster, tmp_path):
     lyrics = tmp_path / "song.txt"
     lyrics.write_text("[verse]\nhello\nworld\n", encoding="utf-8")
-    out = cli("--server", cluster.url, "generate", "--lyrics-file", str(lyrics), "--tags", "pop, piano",
-              "--duration", "0.1", "--tracks", "2", "--out", str(tmp_path / "out"))
+    out = cli(
+        "--server",
+        cluster.url,
+        "generate",
+        "--lyrics-file",
+        str(lyrics),
+        "--tags",
+        "pop, piano",
+        "--duration",
+        "0.1",
+        "--tracks",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert out.returncode == 0, out.stderr
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(files) == 4 and sum(f.endswith(".mp3") for f in files) == 2

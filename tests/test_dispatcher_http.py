@@ -13,12 +13,40 @@ import soundfile as sf
 
 from tests.support import Cluster, start_worker, wait_for
 
-KHALA_BODY = {"mode": "vocal", "prompt_mode": "tags", "prompt": "", "tags": "pop, piano",
-              "lyrics": "[verse]\n月光洒在窗前。\nhello world", "duration": 0.05, "top_k_bb": 80, "temperature": 1.0}
-JOB_FIELDS = {"job_id", "status", "queue_position", "cleaned_lyrics", "created_at", "started_at", "finished_at",
-              "eta_sec", "tracks"}
-TRACK_FIELDS = {"index", "status", "progress", "phase_display", "worker_id", "worker_phase", "duration_sec", "error",
-                "seed", "files", "metadata"}
+KHALA_BODY = {
+    "mode": "vocal",
+    "prompt_mode": "tags",
+    "prompt": "",
+    "tags": "pop, piano",
+    "lyrics": "[verse]\n月光洒在窗前。\nhello world",
+    "duration": 0.05,
+    "top_k_bb": 80,
+    "temperature": 1.0,
+}
+JOB_FIELDS = {
+    "job_id",
+    "status",
+    "queue_position",
+    "cleaned_lyrics",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "eta_sec",
+    "tracks",
+}
+TRACK_FIELDS = {
+    "index",
+    "status",
+    "progress",
+    "phase_display",
+    "worker_id",
+    "worker_phase",
+    "duration_sec",
+    "error",
+    "seed",
+    "files",
+    "metadata",
+}
 
 
 @pytest.fixture
@@ -54,7 +82,10 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
     assert {t["worker_id"] for t in job["tracks"]} == {0, 1}
     for t in job["tracks"]:
         assert t["status"] == "done" and t["progress"] == 100 and t["phase_display"] == "Done"
-        assert t["files"] == {"mp3": f"/job/{job_id}/track/{t['index']}/mp3", "wav": f"/job/{job_id}/track/{t['index']}/wav"}
+        assert t["files"] == {
+            "mp3": f"/job/{job_id}/track/{t['index']}/mp3",
+            "wav": f"/job/{job_id}/track/{t['index']}/wav",
+        }
         worker = two.workers[t["worker_id"]]
         result = httpx.get(f"{worker.url}/tasks/{job_id}-{t['index']}-1").json()["result"]
         for kind in ("wav", "mp3"):
@@ -153,9 +184,14 @@ def test_queue_full_429_and_validation_422(tmp_path):
         r = httpx.post(c.url + "/generate", json={"lyrics": "x", "num_tracks": 1})
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["status"] == "error" and "queue is full" in r.json()["error"]
-        for body, field in [({"lyrics": "x", "duration": 99}, "duration"), ({"lyrics": "x", "top_k_bb": "80"}, "top_k_bb"),
-                            ({"lyrics": "x", "temperature": 3}, "temperature"), ({"lyrics": "★"}, "lyrics"),
-                            ({"lyrics": "x", "mode": "choir"}, "mode"), ({"lyrics": "x", "priority": 10}, "priority")]:
+        for body, field in [
+            ({"lyrics": "x", "duration": 99}, "duration"),
+            ({"lyrics": "x", "top_k_bb": "80"}, "top_k_bb"),
+            ({"lyrics": "x", "temperature": 3}, "temperature"),
+            ({"lyrics": "★"}, "lyrics"),
+            ({"lyrics": "x", "mode": "choir"}, "mode"),
+            ({"lyrics": "x", "priority": 10}, "priority"),
+        ]:
             r = httpx.post(c.url + "/generate", json=body)
             assert r.status_code == 422, body
             e = r.json()

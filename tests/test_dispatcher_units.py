@@ -51,8 +51,15 @@ def test_lyrics_cleaning(raw, clean):
 
 # ---- states ---------------------------------------------------------------------------------------
 
-Q, G, S, D, OK, E, C = (TrackStatus.queued, TrackStatus.generating, TrackStatus.superres, TrackStatus.decoding,
-                        TrackStatus.done, TrackStatus.error, TrackStatus.cancelled)
+Q, G, S, D, OK, E, C = (
+    TrackStatus.queued,
+    TrackStatus.generating,
+    TrackStatus.superres,
+    TrackStatus.decoding,
+    TrackStatus.done,
+    TrackStatus.error,
+    TrackStatus.cancelled,
+)
 
 
 @pytest.mark.parametrize(
@@ -132,8 +139,11 @@ def service(tmp_path):
 def test_validation_names_the_field(service):
     async def go():
         svc = await service(max_duration=5.0, max_tracks=3)
-        for body, field in [({"duration": 6.0, "lyrics": "x"}, "duration"), ({"num_tracks": 4, "lyrics": "x"}, "num_tracks"),
-                            ({"lyrics": " ★ \u200b "}, "lyrics")]:
+        for body, field in [
+            ({"duration": 6.0, "lyrics": "x"}, "duration"),
+            ({"num_tracks": 4, "lyrics": "x"}, "num_tracks"),
+            ({"lyrics": " ★ \u200b "}, "lyrics"),
+        ]:
             with pytest.raises(FieldError) as err:
                 svc.submit(GenerateRequest(**body))
             assert err.value.detail[0]["loc"] == ["body", field] and field in str(err.value)

@@ -44,8 +44,21 @@ def test_only_worker_killed_then_restarted_track_completes(tmp_path):
         time.sleep(1.0)
         assert c.job(a["job_id"])["status"] in ("queued", "pending")  # waiting for a worker, not stuck running
         # The same port as before, so the dispatcher's worker 0 comes back.
-        w = ServerProcess(["backend_worker.py", "--worker-port", str(port), "--pipeline", "test", "--test-delay-s", "1",
-                           "--output-dir", str(tmp_path / "again")], port, tmp_path / "again.log")
+        w = ServerProcess(
+            [
+                "backend_worker.py",
+                "--worker-port",
+                str(port),
+                "--pipeline",
+                "test",
+                "--test-delay-s",
+                "1",
+                "--output-dir",
+                str(tmp_path / "again"),
+            ],
+            port,
+            tmp_path / "again.log",
+        )
         c.workers[0] = w
         job = c.wait_job(a["job_id"], timeout=60)
         assert job["status"] == "completed" and job["tracks"][0]["attempts"] == 2
@@ -148,7 +161,9 @@ def test_sigterm_drains_the_dispatcher(tmp_path):
         queued = c.submit(num_tracks=1)
         wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
         c.api.signal(signal.SIGTERM)
-        r = wait_for(lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"})).status_code == 503 and x, timeout=5)
+        r = wait_for(
+            lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"})).status_code == 503 and x, timeout=5
+        )
         assert r.json()["status"] == "error" and "shutting down" in r.json()["error"]
         assert c.api.proc.wait(30) == 0
         c.start_api()

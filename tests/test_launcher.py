@@ -15,9 +15,16 @@ from tests.support import ROOT, free_port, wait_for
 
 
 def launcher_env(tmp: Path, **extra: str) -> dict:
-    env = {**os.environ, "API_PORT": str(free_port()), "WORKER_BASE_PORT": str(free_port()),
-           "BASE_MASTER_PORT": str(free_port()), "LOG_DIR": str(tmp / "logs"), "STATE_DIR": str(tmp / "state"),
-           "HEALTH_TIMEOUT": "180", **extra}
+    env = {
+        **os.environ,
+        "API_PORT": str(free_port()),
+        "WORKER_BASE_PORT": str(free_port()),
+        "BASE_MASTER_PORT": str(free_port()),
+        "LOG_DIR": str(tmp / "logs"),
+        "STATE_DIR": str(tmp / "state"),
+        "HEALTH_TIMEOUT": "180",
+        **extra,
+    }
     # Worker ports are base+i: make sure base+1 is free too by picking a base with a free neighbour.
     while True:
         base = free_port()
@@ -49,9 +56,15 @@ def alive(pid: int) -> bool:
 def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
     env = launcher_env(tmp_path)
     api = f"http://127.0.0.1:{env['API_PORT']}"
-    proc = subprocess.Popen(["bash", "run_backend.sh", "--gpus", "0,1"], cwd=ROOT, env=env,
-                            stdout=open(tmp_path / "launcher.out", "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["bash", "run_backend.sh", "--gpus", "0,1"],
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp_path / "launcher.out", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     try:
+
         def ready() -> bool:
             assert proc.poll() is None, (tmp_path / "launcher.out").read_text()
             try:
@@ -64,11 +77,18 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         assert len(started) == 3
         st = httpx.get(api + "/status").json()
         assert st["total_gpus"] == 2 and [w["url"].rsplit(":", 1)[1] for w in st["workers"]] == [
-            env["WORKER_BASE_PORT"], str(int(env["WORKER_BASE_PORT"]) + 1)]
-        r = httpx.post(api + "/generate", json={"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, "num_tracks": 2})
+            env["WORKER_BASE_PORT"],
+            str(int(env["WORKER_BASE_PORT"]) + 1),
+        ]
+        r = httpx.post(
+            api + "/generate", json={"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, "num_tracks": 2}
+        )
         job_id = r.json()["job_id"]
-        job = wait_for(lambda: (j := httpx.get(f"{api}/job/{job_id}").json())["status"] in ("completed", "failed") and j,
-                       timeout=120, interval=0.3)
+        job = wait_for(
+            lambda: (j := httpx.get(f"{api}/job/{job_id}").json())["status"] in ("completed", "failed") and j,
+            timeout=120,
+            interval=0.3,
+        )
         assert job["status"] == "completed"
         for i in range(2):
             mp3 = httpx.get(f"{api}/job/{job_id}/track/{i}/mp3")
@@ -80,7 +100,9 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         # Worker i: seed BASE_SEED + i*1000, master port base + i.
         w1 = httpx.get(st["workers"][1]["url"] + "/health", headers={"Authorization": "Bearer x"}).json()
         assert w1["seed"] == 1283 + 1000
-        stop = subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        stop = subprocess.run(
+            ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
         assert stop.returncode == 0, stop.stderr
         assert proc.wait(timeout=30) == 0  # the foreground launcher ends when its processes are gone
         assert not any(alive(p) for p in started)
@@ -94,21 +116,34 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
 def test_wrong_checkpoint_path_fails_fast_with_the_path(tmp_path):
     env = launcher_env(tmp_path, CHECKPOINTS_DIR=str(tmp_path / "no-such-set"))
     t0 = time.monotonic()
-    out = subprocess.run(["bash", "run_backend.sh", "--no-follow"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        ["bash", "run_backend.sh", "--no-follow"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
     assert out.returncode != 0
     assert str(tmp_path / "no-such-set") in out.stderr and "worker_0.log" in out.stderr
     assert time.monotonic() - t0 < 60
     assert not any(alive(p) for p in pids(tmp_path / "logs"))
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--gpus", "0,x"], "--gpus must be"), (["--gpus", "1,1"], "lists an id twice"),
-    (["--runtime-mode", "turbo"], "--runtime-mode must be"), (["--api-only"], "needs --worker-urls"),
-    (["--frobnicate"], "unknown option"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus", "0,x"], "--gpus must be"),
+        (["--gpus", "1,1"], "lists an id twice"),
+        (["--runtime-mode", "turbo"], "--runtime-mode must be"),
+        (["--api-only"], "needs --worker-urls"),
+        (["--frobnicate"], "unknown option"),
+    ],
+)
 def test_bad_arguments_are_refused_with_one_line(tmp_path, args, message):
-    out = subprocess.run(["bash", "run_backend.sh", *args], cwd=ROOT, env=launcher_env(tmp_path),
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["bash", "run_backend.sh", *args],
+        cwd=ROOT,
+        env=launcher_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
@@ -117,6 +152,8 @@ def test_stop_handles_stale_pid_files(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "worker_0.pid").write_text("999999\n")
     (tmp_path / "logs" / "api.pid").write_text(f"{os.getpid()}\n")  # alive but not ours: must not be killed
-    out = subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and "stale pid file" in out.stdout
     assert not list((tmp_path / "logs").glob("*.pid"))

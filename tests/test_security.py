@@ -23,9 +23,23 @@ def secured(tmp_path_factory):
         c.tmp, c.workers, c.api = tmp, [start_worker(tmp, "--pipeline", "test")], None
         c.workers[0].wait_healthy()
         port = free_port()
-        c.api = ServerProcess(["backend_api.py", "--port", str(port), "--state-dir", str(tmp / "state"),
-                               "--worker-urls", c.workers[0].url, "--health-interval", "0.2", "--api-key", KEY],
-                              port, tmp / "api.log")
+        c.api = ServerProcess(
+            [
+                "backend_api.py",
+                "--port",
+                str(port),
+                "--state-dir",
+                str(tmp / "state"),
+                "--worker-urls",
+                c.workers[0].url,
+                "--health-interval",
+                "0.2",
+                "--api-key",
+                KEY,
+            ],
+            port,
+            tmp / "api.log",
+        )
         c.api.wait_healthy(want=("ok",))
     finally:
         del os.environ["WORKER_TOKEN"]
@@ -42,9 +56,19 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
     job = httpx.post(url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
     assert job.status_code == 200
     job_id = job.json()["job_id"]
-    guarded = [("POST", "/generate"), ("GET", f"/job/{job_id}"), ("DELETE", f"/job/{job_id}"),
-               ("GET", f"/job/{job_id}/events"), ("GET", f"/job/{job_id}/track/0/mp3"), ("GET", "/status"),
-               ("GET", "/ready"), ("GET", "/config"), ("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json")]
+    guarded = [
+        ("POST", "/generate"),
+        ("GET", f"/job/{job_id}"),
+        ("DELETE", f"/job/{job_id}"),
+        ("GET", f"/job/{job_id}/events"),
+        ("GET", f"/job/{job_id}/track/0/mp3"),
+        ("GET", "/status"),
+        ("GET", "/ready"),
+        ("GET", "/config"),
+        ("GET", "/metrics"),
+        ("GET", "/docs"),
+        ("GET", "/openapi.json"),
+    ]
     for method, path in guarded:
         for headers in ({}, auth("wrong"), {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers)
@@ -58,8 +82,14 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
 def test_workers_refuse_calls_without_the_token(secured):
     w = secured.workers[0].url
     assert httpx.get(w + "/health").status_code == 200
-    for method, path in [("POST", "/generate"), ("GET", "/config"), ("GET", "/tasks/x"), ("POST", "/cancel/x"),
-                         ("GET", "/download/x.wav"), ("GET", "/ready")]:
+    for method, path in [
+        ("POST", "/generate"),
+        ("GET", "/config"),
+        ("GET", "/tasks/x"),
+        ("POST", "/cancel/x"),
+        ("GET", "/download/x.wav"),
+        ("GET", "/ready"),
+    ]:
         r = httpx.request(method, w + path, json={})
         assert r.status_code == 401 and r.json()["status"] == "error", path
     assert httpx.get(w + "/config", headers=auth(TOKEN)).status_code == 200
@@ -70,7 +100,9 @@ def test_track_files_reached_through_the_dispatcher_with_the_token(secured):
     job_id = r.json()["job_id"]
     from tests.support import wait_for
 
-    wait_for(lambda: httpx.get(f"{secured.url}/job/{job_id}", headers=auth()).json()["status"] == "completed", timeout=30)
+    wait_for(
+        lambda: httpx.get(f"{secured.url}/job/{job_id}", headers=auth()).json()["status"] == "completed", timeout=30
+    )
     assert httpx.get(f"{secured.url}/job/{job_id}/track/0/wav", headers=auth()).status_code == 200
 
 
@@ -82,8 +114,11 @@ def open_cluster(tmp_path_factory):
 
 
 def test_body_size_limit(open_cluster):
-    r = httpx.post(open_cluster.url + "/generate", content=b'{"lyrics": "' + b"a" * 2_000_000 + b'"}',
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        open_cluster.url + "/generate",
+        content=b'{"lyrics": "' + b"a" * 2_000_000 + b'"}',
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["status"] == "error"
 
     def chunks():
@@ -98,8 +133,14 @@ def test_body_size_limit(open_cluster):
 
 def test_cors_allows_localhost_dev_ports_only(open_cluster):
     def preflight(origin: str) -> httpx.Response:
-        return httpx.options(open_cluster.url + "/generate", headers={
-            "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        return httpx.options(
+            open_cluster.url + "/generate",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
 
     assert preflight("http://localhost:5173").headers.get("access-control-allow-origin") == "http://localhost:5173"
     assert "access-control-allow-origin" not in preflight("https://evil.example").headers
@@ -110,9 +151,16 @@ def test_traversal_on_every_file_route(open_cluster):
     job_id = open_cluster.submit(num_tracks=1)["job_id"]
     open_cluster.wait_job(job_id)
     attempts = [
-        f"/job/{job_id}/track/0/..%2F..%2Fjobs.sqlite3", f"/job/{job_id}/track/0/%2e%2e", f"/job/..%2F{job_id}/track/0/wav",
-        f"/job/{job_id}/../../etc/passwd", "/job/%2Fetc%2Fpasswd/track/0/wav", f"/job/{job_id}%00/track/0/wav",
-        f"/job/{job_id}/track/0/wav%00", f"/job/{job_id}/track/-1/wav", "/job/%2e%2e/track/0/wav", "/..%2Fstate%2Fjobs.sqlite3",
+        f"/job/{job_id}/track/0/..%2F..%2Fjobs.sqlite3",
+        f"/job/{job_id}/track/0/%2e%2e",
+        f"/job/..%2F{job_id}/track/0/wav",
+        f"/job/{job_id}/../../etc/passwd",
+        "/job/%2Fetc%2Fpasswd/track/0/wav",
+        f"/job/{job_id}%00/track/0/wav",
+        f"/job/{job_id}/track/0/wav%00",
+        f"/job/{job_id}/track/-1/wav",
+        "/job/%2e%2e/track/0/wav",
+        "/..%2Fstate%2Fjobs.sqlite3",
         "/%2e%2e/%2e%2e/etc/passwd",
     ]
     for path in attempts:
@@ -139,8 +187,13 @@ def _fuzz(base_url: str, max_examples: int) -> list[str]:
     for result in schema.get_all_operations():
         op = result.ok()
 
-        @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=op.as_strategy())
         def run(case) -> None:  # noqa: ANN001
             r = case.call(base_url=base_url, timeout=20)

@@ -98,8 +98,15 @@ def test_shortening_keeps_duration_and_closing_tokens(tok, limit):
 def _gen(backbone, frames, seed, **kw):
     g = torch.Generator().manual_seed(seed)
     prompt = list(range(3, 23))
-    return backbone.generate(prompt, frames, top_k=kw.pop("top_k", 50), temperature=1.0, generator=g,
-                             ctx=kw.pop("ctx", TaskContext("t")), **kw)
+    return backbone.generate(
+        prompt,
+        frames,
+        top_k=kw.pop("top_k", 50),
+        temperature=1.0,
+        generator=g,
+        ctx=kw.pop("ctx", TaskContext("t")),
+        **kw,
+    )
 
 
 def test_backbone_codes_are_in_the_codebook_window_and_seeded(backbone):
@@ -121,7 +128,7 @@ def test_kv_cached_steps_match_a_full_causal_forward(backbone):
         steps = [gpt.hidden(ids[:, :10], pos[:, :10], causal_mask(10, gpt.device), cache)[:, 0]]
         cache.increment_sequence_len_offset(10)
         for i in range(10, 30):
-            steps.append(gpt.hidden(ids[:, i:i + 1], pos[:, i:i + 1], None, cache)[:, 0])
+            steps.append(gpt.hidden(ids[:, i : i + 1], pos[:, i : i + 1], None, cache)[:, 0])
             cache.increment_sequence_len_offset(1)
     assert torch.allclose(torch.cat(steps), full, atol=1e-5)
 
@@ -185,7 +192,9 @@ def test_superres_windows_long_songs(superres, backbone):
     small.gpt.__dict__.update(superres.gpt.__dict__)
     small.gpt.arch = dataclasses.replace(superres.gpt.arch, max_sequence_length=22)
     coarse = _gen(backbone, 25, seed=5).codes
-    codes = small.generate(list(range(3, 15)), coarse, top_k=10, generator=torch.Generator().manual_seed(1), ctx=TaskContext("t"))
+    codes = small.generate(
+        list(range(3, 15)), coarse, top_k=10, generator=torch.Generator().manual_seed(1), ctx=TaskContext("t")
+    )
     assert codes.shape == (64, 25) and torch.equal(codes[:2], coarse)
 
 
@@ -215,8 +224,12 @@ def test_weight_norm_old_and_new_names_fold_to_the_same_weights():
     cfg = CodecConfig(latent_dim=8, n_filters=2, rates=(2, 2), n_codebooks=2, codebook_size=16)
     codec = Codec(cfg)
     old = weight_norm_state(codec.state_dict())
-    new = {k.replace(".weight_g", ".parametrizations.weight.original0").replace(".weight_v", ".parametrizations.weight.original1"): v
-           for k, v in old.items()}
+    new = {
+        k.replace(".weight_g", ".parametrizations.weight.original0").replace(
+            ".weight_v", ".parametrizations.weight.original1"
+        ): v
+        for k, v in old.items()
+    }
     a, b = fold_weight_norm(old), fold_weight_norm(new)
     for k, v in codec.state_dict().items():
         assert torch.allclose(a[k], v, atol=1e-6) and torch.allclose(b[k], v, atol=1e-6)
@@ -240,12 +253,33 @@ def test_decoder_strict_keys_and_dac_format(tmp_path):
     with pytest.raises(ConfigError, match="bad.pth does not match"):
         load_codec(tmp_path / "c.yaml", tmp_path / "bad.pth", torch.device("cpu"))
 
-    dac_cfg = CodecConfig.from_dac_kwargs({"latent_dim": 8, "decoder_dim": 8, "decoder_rates": [2, 2],
-                                           "n_codebooks": 2, "codebook_size": 16, "codebook_dim": 4})
+    dac_cfg = CodecConfig.from_dac_kwargs(
+        {
+            "latent_dim": 8,
+            "decoder_dim": 8,
+            "decoder_rates": [2, 2],
+            "n_codebooks": 2,
+            "codebook_size": 16,
+            "codebook_dim": 4,
+        }
+    )
     dac = Codec(dac_cfg)
-    torch.save({"state_dict": weight_norm_state(dac.state_dict()), "metadata": {"kwargs": {
-        "latent_dim": 8, "decoder_dim": 8, "decoder_rates": [2, 2], "n_codebooks": 2, "codebook_size": 16,
-        "codebook_dim": 4}}}, tmp_path / "dac.pth")
+    torch.save(
+        {
+            "state_dict": weight_norm_state(dac.state_dict()),
+            "metadata": {
+                "kwargs": {
+                    "latent_dim": 8,
+                    "decoder_dim": 8,
+                    "decoder_rates": [2, 2],
+                    "n_codebooks": 2,
+                    "codebook_size": 16,
+                    "codebook_dim": 4,
+                }
+            },
+        },
+        tmp_path / "dac.pth",
+    )
     loaded = load_codec(tmp_path / "none.yaml", tmp_path / "dac.pth", torch.device("cpu"))
     assert torch.allclose(loaded.decode(codes, 0), dac.decode(codes, 0), atol=1e-5)
 
@@ -279,9 +313,16 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
     from tests.support import ROOT
 
     out = tmp_path / "again"
-    subprocess.run([sys.executable, "-m", "songserve.pipeline.tiny", "--out", str(out)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    assert (out / "tokenizer" / "tokenizer.model").read_bytes() == (tiny_dir / "tokenizer" / "tokenizer.model").read_bytes()
+    subprocess.run(
+        [sys.executable, "-m", "songserve.pipeline.tiny", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert (out / "tokenizer" / "tokenizer.model").read_bytes() == (
+        tiny_dir / "tokenizer" / "tokenizer.model"
+    ).read_bytes()
     assert (out / "decoder" / "model.pth").read_bytes() == (tiny_dir / "decoder" / "model.pth").read_bytes()
     a = torch.load(out / "decoder" / "model.pth")["state_dict"]
     assert all(k.startswith("generator.") for k in a) and any(k.endswith("weight_g") for k in a)

@@ -123,7 +123,9 @@ def test_finished_task_can_be_collected_later(one_shot):
     assert missing.status_code == 404 and missing.json()["status"] == "error"
 
 
-@pytest.mark.parametrize("name", ["..%2Fx", "%2e%2e%2Fetc%2Fpasswd", ".hidden", "nope.wav", "x%00.wav", "..", "%2Fetc%2Fpasswd"])
+@pytest.mark.parametrize(
+    "name", ["..%2Fx", "%2e%2e%2Fetc%2Fpasswd", ".hidden", "nope.wav", "x%00.wav", "..", "%2Fetc%2Fpasswd"]
+)
 def test_download_only_serves_plain_names_it_wrote(one_shot, name):
     r = httpx.get(f"{one_shot.url}/download/{name}")
     assert r.status_code == 404 and r.json()["status"] == "error"
@@ -151,7 +153,10 @@ def test_wrong_checkpoint_path_refuses_to_start_with_the_path(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "backend_worker.py", "--worker-port", "1", "--checkpoints-dir", str(tmp_path / "no-such")],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode != 0
     assert str(tmp_path / "no-such") in out.stderr
@@ -159,12 +164,27 @@ def test_wrong_checkpoint_path_refuses_to_start_with_the_path(tmp_path):
 
 
 def test_mismatched_decoder_refuses_with_one_line(tiny_dir, tmp_path):
-    (tmp_path / "config.yaml").write_text("decoder: {n_filters: 8, upsampling_ratios: [8, 8, 8, 4]}\n"
-                                          "quantizer: {n_codebooks: 64, codebook_size: 1024, latent_dim: 32}\n")
+    (tmp_path / "config.yaml").write_text(
+        "decoder: {n_filters: 8, upsampling_ratios: [8, 8, 8, 4]}\n"
+        "quantizer: {n_codebooks: 64, codebook_size: 1024, latent_dim: 32}\n"
+    )
     out = subprocess.run(
-        [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0",
-         "--checkpoints-dir", str(tiny_dir), "--decoder-config-path", str(tmp_path / "config.yaml")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "backend_worker.py",
+            "--worker-port",
+            "1",
+            "--master-port",
+            "0",
+            "--checkpoints-dir",
+            str(tiny_dir),
+            "--decoder-config-path",
+            str(tmp_path / "config.yaml"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]

@@ -36,7 +36,9 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
-        client = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
+        client = httpx.AsyncClient(
+            headers=headers, limits=httpx.Limits(max_connections=200, max_keepalive_connections=50)
+        )
         store = JobStore(s.state_dir / "jobs.sqlite3")
         svc = JobService(s, store, ArtifactStore(s.state_dir / "results"), client)
         holder["svc"] = app.state.svc = svc
@@ -47,8 +49,12 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         await client.aclose()
         store.close()
 
-    app = FastAPI(title="songserve", version=__version__, lifespan=lifespan,
-                  description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.")
+    app = FastAPI(
+        title="songserve",
+        version=__version__,
+        lifespan=lifespan,
+        description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.",
+    )
     install_error_handlers(app)
     app.add_middleware(
         CORSMiddleware,
@@ -66,7 +72,9 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         return holder["svc"]
 
     @app.post("/generate", response_model=GenerateAccepted)
-    async def generate(req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200)) -> GenerateAccepted:
+    async def generate(
+        req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200)
+    ) -> GenerateAccepted:
         return svc().submit(req, idempotency_key)
 
     @app.get("/job/{job_id}", response_model=JobView)
@@ -88,8 +96,12 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         if view.tracks[idx].status != "done" or not store.has(job_id, idx, kind):
             raise NotFoundError(f"Track {idx} of job {job_id} is not done.")
         media, disposition = MEDIA[kind]
-        return FileResponse(store.path(job_id, idx, kind), media_type=media,
-                            filename=f"{job_id}_track{idx}.{kind}", content_disposition_type=disposition)
+        return FileResponse(
+            store.path(job_id, idx, kind),
+            media_type=media,
+            filename=f"{job_id}_track{idx}.{kind}",
+            content_disposition_type=disposition,
+        )
 
     @app.get("/job/{job_id}/events")
     async def events(job_id: str, request: Request) -> StreamingResponse:
@@ -128,7 +140,9 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         st = svc().status()
         ok = svc().accepting and any(w["status"] in ("idle", "busy") for w in st["workers"])
         if ok:
-            return JSONResponse({"status": "ready", "workers_ready": sum(w["status"] in ("idle", "busy") for w in st["workers"])})
+            return JSONResponse(
+                {"status": "ready", "workers_ready": sum(w["status"] in ("idle", "busy") for w in st["workers"])}
+            )
         return error_response(503, "No worker is ready." if svc().accepting else "The dispatcher is shutting down.")
 
     @app.get("/config")
@@ -136,8 +150,14 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         return {
             "backbone_models": svc().models("backbone"),
             "superres_models": svc().models("superres"),
-            "limits": {"duration_min": s.min_duration, "duration_max": s.max_duration, "max_tracks": s.max_tracks,
-                       "max_queue": s.max_queue, "max_lyrics_chars": s.max_lyrics_chars, "priority": [0, 9]},
+            "limits": {
+                "duration_min": s.min_duration,
+                "duration_max": s.max_duration,
+                "max_tracks": s.max_tracks,
+                "max_queue": s.max_queue,
+                "max_lyrics_chars": s.max_lyrics_chars,
+                "priority": [0, 9],
+            },
             "defaults": {"num_tracks": 2, "duration": 3, "top_k_bb": 80, "temperature": 1.0, "top_k_sr": 10},
             "workers": len(svc().pool.workers),
             "version": __version__,

@@ -35,11 +35,17 @@ class ArtifactStore:
         p = self.path(job_id, index, kind)
         return p.is_file() and not p.is_symlink()
 
-    async def fetch(self, client: httpx.AsyncClient, worker_url: str, names: dict[str, str], job_id: str, index: int) -> int:
+    async def fetch(
+        self, client: httpx.AsyncClient, worker_url: str, names: dict[str, str], job_id: str, index: int
+    ) -> int:
         """Stream the worker's files for one track into place (concurrently); returns bytes written."""
         self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
-        sizes = await asyncio.gather(*(self._fetch_one(client, f"{worker_url}/download/{names[kind]}",
-                                                       self.path(job_id, index, kind)) for kind in KINDS))
+        sizes = await asyncio.gather(
+            *(
+                self._fetch_one(client, f"{worker_url}/download/{names[kind]}", self.path(job_id, index, kind))
+                for kind in KINDS
+            )
+        )
         return sum(sizes)
 
     @staticmethod

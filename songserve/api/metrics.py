@@ -18,26 +18,59 @@ def render(svc: JobService) -> str:
     metric("queue_length", "gauge", "Tracks waiting for a worker.", [("", len(svc.queue))])
     metric("running_tracks", "gauge", "Tracks running on workers.", [("", len(svc.running))])
     counts = svc.store.counts()
-    metric("tracks", "gauge", "Stored tracks by status.",
-           [(f'{{status="{s.value}"}}', counts.get(s.value, 0)) for s in TrackStatus])
+    metric(
+        "tracks",
+        "gauge",
+        "Stored tracks by status.",
+        [(f'{{status="{s.value}"}}', counts.get(s.value, 0)) for s in TrackStatus],
+    )
     jobs: dict[str, int] = {}
     for job in svc.jobs.values():
         st = svc.view(job.job_id).status
         jobs[st] = jobs.get(st, 0) + 1
-    metric("active_jobs", "gauge", "Active jobs by status.", [(f'{{status="{k}"}}', v) for k, v in sorted(jobs.items())])
-    metric("worker_state", "gauge", "1 for each worker's current state.",
-           [(f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.state is st))
-            for w in svc.pool.workers for st in WorkerState])
+    metric(
+        "active_jobs", "gauge", "Active jobs by status.", [(f'{{status="{k}"}}', v) for k, v in sorted(jobs.items())]
+    )
+    metric(
+        "worker_state",
+        "gauge",
+        "1 for each worker's current state.",
+        [
+            (f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.state is st))
+            for w in svc.pool.workers
+            for st in WorkerState
+        ],
+    )
     stages = sorted(svc.speed.stage_totals.items())
-    metric("stage_seconds_sum", "counter", "Seconds spent per pipeline stage (finished tracks).",
-           [(f'{{stage="{k}"}}', v[0]) for k, v in stages])
-    metric("stage_seconds_count", "counter", "Finished tracks counted per stage.",
-           [(f'{{stage="{k}"}}', v[1]) for k, v in stages])
+    metric(
+        "stage_seconds_sum",
+        "counter",
+        "Seconds spent per pipeline stage (finished tracks).",
+        [(f'{{stage="{k}"}}', v[0]) for k, v in stages],
+    )
+    metric(
+        "stage_seconds_count",
+        "counter",
+        "Finished tracks counted per stage.",
+        [(f'{{stage="{k}"}}', v[1]) for k, v in stages],
+    )
     f = svc.speed.finished
-    metric("track_audio_seconds", "summary", "Seconds of audio of tracks finished since start.",
-           [("_sum", f["audio_sec"]), ("_count", f["count"])])
-    metric("track_wall_seconds", "summary", "Wall seconds from dispatch to done, tracks finished since start.",
-           [("_sum", f["wall_sec"]), ("_count", f["count"])])
-    metric("track_seconds_per_audio_second", "gauge", "Mean wall seconds per second of audio (recent).",
-           [("", svc.speed.ratio() or 0.0)])
+    metric(
+        "track_audio_seconds",
+        "summary",
+        "Seconds of audio of tracks finished since start.",
+        [("_sum", f["audio_sec"]), ("_count", f["count"])],
+    )
+    metric(
+        "track_wall_seconds",
+        "summary",
+        "Wall seconds from dispatch to done, tracks finished since start.",
+        [("_sum", f["wall_sec"]), ("_count", f["count"])],
+    )
+    metric(
+        "track_seconds_per_audio_second",
+        "gauge",
+        "Mean wall seconds per second of audio (recent).",
+        [("", svc.speed.ratio() or 0.0)],
+    )
     return "\n".join(lines) + "\n"

@@ -65,7 +65,9 @@ class _Retry(Exception):
 
 
 class JobService:
-    def __init__(self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, client: httpx.AsyncClient
+    ) -> None:
         self.s = s
         self.store = store
         self.artifacts = artifacts
@@ -99,13 +101,20 @@ class JobService:
                     reattach.append((job, t))
             self._maybe_finish(job)
         self._reorder()
-        log.info("restored %d active jobs (%d tracks queued, %d to reconcile)", len(self.jobs), len(self.queue), len(reattach))
+        log.info(
+            "restored %d active jobs (%d tracks queued, %d to reconcile)",
+            len(self.jobs),
+            len(self.queue),
+            len(reattach),
+        )
         for job, t in reattach:
             self._start_task((job.job_id, t.index), self._reattach(job, t))
         self.pool.start()
-        self._tasks += [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
-                        asyncio.create_task(self._watchdog_loop(), name="watchdog"),
-                        asyncio.create_task(self._retention_loop(), name="retention")]
+        self._tasks += [
+            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+            asyncio.create_task(self._watchdog_loop(), name="watchdog"),
+            asyncio.create_task(self._retention_loop(), name="retention"),
+        ]
         self._kick.set()
 
     async def drain(self, timeout: float) -> None:
@@ -185,8 +194,12 @@ class JobService:
             existing = self.store.job_by_key(idempotency_key)
             if existing:
                 view = self.view(existing)
-                return GenerateAccepted(status="queued" if view.queue_position else "accepted", job_id=existing,
-                                        num_tracks=len(view.tracks), queue_position=view.queue_position)
+                return GenerateAccepted(
+                    status="queued" if view.queue_position else "accepted",
+                    job_id=existing,
+                    num_tracks=len(view.tracks),
+                    queue_position=view.queue_position,
+                )
         lyrics = self._validate(req)
         if len(self.queue) + req.num_tracks > self.s.max_queue:
             retry = max(1, int(self.speed.queue_wait(len(self.queue), self.pool.online_count())))
@@ -194,8 +207,12 @@ class JobService:
         job_id = secrets.token_hex(8)
         base_seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - 64)
         job = Job(
-            job_id=job_id, seq=self.store.next_seq(), created_at=time.time(),
-            request=req.model_dump(), cleaned_lyrics=lyrics, priority=req.priority,
+            job_id=job_id,
+            seq=self.store.next_seq(),
+            created_at=time.time(),
+            request=req.model_dump(),
+            cleaned_lyrics=lyrics,
+            priority=req.priority,
             idempotency_key=idempotency_key or None,
             tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
         )
@@ -208,8 +225,12 @@ class JobService:
         self._dispatch_now()
         position = self._job_position(job)
         accepted = idle >= req.num_tracks or position == 0
-        return GenerateAccepted(status="accepted" if accepted else "queued", job_id=job_id,
-                                num_tracks=req.num_tracks, queue_position=position)
+        return GenerateAccepted(
+            status="accepted" if accepted else "queued",
+            job_id=job_id,
+            num_tracks=req.num_tracks,
+            queue_position=position,
+        )
 
     def _load(self, job_id: str) -> Job:
         job = self.jobs.get(job_id) or (self.store.load_job(job_id) if JOB_ID.match(job_id) else None)
@@ -290,7 +311,9 @@ class JobService:
             job.started_at = now
             self.store.save_job(job, terminal=False)
         w.assign((job.job_id, t.index), t.task_id)
-        log.info("track %s/%d: attempt %d on worker %d (task %s)", job.job_id, t.index, t.attempts, w.worker_id, t.task_id)
+        log.info(
+            "track %s/%d: attempt %d on worker %d (task %s)", job.job_id, t.index, t.attempts, w.worker_id, t.task_id
+        )
         self._start_task((job.job_id, t.index), self._run(job, t, w))
 
     async def _dispatch_loop(self) -> None:
@@ -335,7 +358,12 @@ class JobService:
                 if w.assigned and now - w.last_progress_at > self.s.stall_timeout_sec:
                     task = self.running.get(w.assigned)
                     if task and not task.done():
-                        log.warning("worker %d: no progress for %.0fs on task %s: stalled", w.worker_id, now - w.last_progress_at, w.task_id)
+                        log.warning(
+                            "worker %d: no progress for %.0fs on task %s: stalled",
+                            w.worker_id,
+                            now - w.last_progress_at,
+                            w.task_id,
+                        )
                         w.health = {**w.health, "status": "stalled"}
                         task.cancel(msg="stalled")
 
@@ -344,14 +372,25 @@ class JobService:
         r = job.request
         natural = r.get("prompt_mode") == "natural"
         return {
-            "genre": "", "language": "", "tags": "" if natural else r.get("tags", ""),
+            "genre": "",
+            "language": "",
+            "tags": "" if natural else r.get("tags", ""),
             "description": r.get("prompt", "") if natural else "",
-            "duration": r["duration"], "lyrics": job.cleaned_lyrics,
-            "backbone_name": r.get("backbone") or "", "superres_name": r.get("superres") or "",
-            "top_k_bb": r["top_k_bb"], "top_k_sr": r["top_k_sr"], "temperature": r["temperature"],
-            "superres_text_mode": "default", "raw_user_input": r.get("prompt") if natural else r.get("tags", ""),
-            "raw_mode": r["mode"], "raw_prompt_mode": r["prompt_mode"], "seed_override": t.seed,
-            "task_id": t.task_id, "job_id": job.job_id, "track_index": t.index,
+            "duration": r["duration"],
+            "lyrics": job.cleaned_lyrics,
+            "backbone_name": r.get("backbone") or "",
+            "superres_name": r.get("superres") or "",
+            "top_k_bb": r["top_k_bb"],
+            "top_k_sr": r["top_k_sr"],
+            "temperature": r["temperature"],
+            "superres_text_mode": "default",
+            "raw_user_input": r.get("prompt") if natural else r.get("tags", ""),
+            "raw_mode": r["mode"],
+            "raw_prompt_mode": r["prompt_mode"],
+            "seed_override": t.seed,
+            "task_id": t.task_id,
+            "job_id": job.job_id,
+            "track_index": t.index,
         }
 
     def _deadline(self, job: Job) -> float:
@@ -362,7 +401,9 @@ class JobService:
         try:
             try:
                 async with asyncio.timeout(self._deadline(job)):
-                    r = await self.client.post(f"{w.url}/generate", json=self._payload(job, t), timeout=httpx.Timeout(10, read=None))
+                    r = await self.client.post(
+                        f"{w.url}/generate", json=self._payload(job, t), timeout=httpx.Timeout(10, read=None)
+                    )
                 body = r.json()
             except TimeoutError:
                 await self._cancel_quietly(w, task_id)
@@ -411,7 +452,9 @@ class JobService:
                     await asyncio.sleep(self.s.health_interval)
                     continue
                 status_code = 200 if view["status"] in ("ok", "cancelled") else 500
-                body = view["result"] if view["status"] == "ok" else {"status": view["status"], "error": view.get("error")}
+                body = (
+                    view["result"] if view["status"] == "ok" else {"status": view["status"], "error": view.get("error")}
+                )
                 log.info("track %s/%d: reconciled task %s (%s)", job.job_id, t.index, task_id, view["status"])
                 await self._apply(job, t, w, task_id, status_code, body)
                 return
@@ -439,10 +482,23 @@ class JobService:
                 raise _Retry(f"could not copy the files from worker {w.worker_id} ({type(exc).__name__})") from None
             meta = body.get("metadata") or {}
             now = time.time()
-            self._set(t, TrackStatus.done, progress=100, finished_at=now, duration_sec=float(body["duration_sec"]),
-                      metadata={k: meta.get(k) for k in ("models", "tokens", "timings", "sample_rate", "device")} | {"worker_id": w.worker_id})
+            self._set(
+                t,
+                TrackStatus.done,
+                progress=100,
+                finished_at=now,
+                duration_sec=float(body["duration_sec"]),
+                metadata={k: meta.get(k) for k in ("models", "tokens", "timings", "sample_rate", "device")}
+                | {"worker_id": w.worker_id},
+            )
             self.speed.record(meta, t.duration_sec, now - (t.started_at or now))
-            log.info("track %s/%d: done (%.1fs audio, %.1fs)", job.job_id, t.index, t.duration_sec, now - (t.started_at or now))
+            log.info(
+                "track %s/%d: done (%.1fs audio, %.1fs)",
+                job.job_id,
+                t.index,
+                t.duration_sec,
+                now - (t.started_at or now),
+            )
         elif status == "cancelled":
             if job.cancelled:
                 self._set(t, TrackStatus.cancelled, finished_at=time.time())
@@ -455,7 +511,12 @@ class JobService:
             self._set(t, TrackStatus.error, error=str(body["error"]), finished_at=time.time())
             log.warning("track %s/%d: error: %s", job.job_id, t.index, body["error"])
         else:
-            self._set(t, TrackStatus.error, error=str(body.get("error") or f"Worker answered HTTP {code}."), finished_at=time.time())
+            self._set(
+                t,
+                TrackStatus.error,
+                error=str(body.get("error") or f"Worker answered HTTP {code}."),
+                finished_at=time.time(),
+            )
         self._maybe_finish(job)
 
     def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:

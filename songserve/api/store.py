@@ -108,8 +108,16 @@ class JobStore:
             self.db.execute(
                 "INSERT INTO jobs (job_id, seq, created_at, priority, request, cleaned_lyrics, num_tracks, idempotency_key)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job.job_id, job.seq, job.created_at, job.priority, json.dumps(job.request),
-                 job.cleaned_lyrics, len(job.tracks), job.idempotency_key),
+                (
+                    job.job_id,
+                    job.seq,
+                    job.created_at,
+                    job.priority,
+                    json.dumps(job.request),
+                    job.cleaned_lyrics,
+                    len(job.tracks),
+                    job.idempotency_key,
+                ),
             )
             self.db.executemany(
                 "INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, ?, ?, ?)",
@@ -120,8 +128,19 @@ class JobStore:
         self.db.execute(
             "UPDATE tracks SET status=?, attempts=?, worker_id=?, task_id=?, error=?, duration_sec=?,"
             " started_at=?, finished_at=?, metadata=? WHERE job_id=? AND idx=?",
-            (t.status.value, t.attempts, t.worker_id, t.task_id, t.error, t.duration_sec, t.started_at,
-             t.finished_at, json.dumps(t.metadata), t.job_id, t.index),
+            (
+                t.status.value,
+                t.attempts,
+                t.worker_id,
+                t.task_id,
+                t.error,
+                t.duration_sec,
+                t.started_at,
+                t.finished_at,
+                json.dumps(t.metadata),
+                t.job_id,
+                t.index,
+            ),
         )
 
     def save_job(self, job: Job, terminal: bool) -> None:
@@ -167,7 +186,8 @@ class JobStore:
         """(backbone model, wall seconds per audio second) of recently finished tracks."""
         rows = self.db.execute(
             "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
-            " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT ?", (limit,)
+            " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT ?",
+            (limit,),
         ).fetchall()
         out = []
         for r in rows:
@@ -178,15 +198,32 @@ class JobStore:
 
 def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
     return Job(
-        job_id=row["job_id"], seq=row["seq"], created_at=row["created_at"], request=json.loads(row["request"]),
-        cleaned_lyrics=row["cleaned_lyrics"], priority=row["priority"], cancelled=bool(row["cancelled"]),
-        started_at=row["started_at"], finished_at=row["finished_at"], idempotency_key=row["idempotency_key"],
+        job_id=row["job_id"],
+        seq=row["seq"],
+        created_at=row["created_at"],
+        request=json.loads(row["request"]),
+        cleaned_lyrics=row["cleaned_lyrics"],
+        priority=row["priority"],
+        cancelled=bool(row["cancelled"]),
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        idempotency_key=row["idempotency_key"],
         tracks=[
-            Track(job_id=t["job_id"], index=t["idx"], seed=t["seed"], status=TrackStatus(t["status"]),
-                  attempts=t["attempts"], worker_id=t["worker_id"], task_id=t["task_id"], error=t["error"],
-                  duration_sec=t["duration_sec"], started_at=t["started_at"], finished_at=t["finished_at"],
-                  metadata=json.loads(t["metadata"]), progress=100 if t["status"] == "done" else 0)
+            Track(
+                job_id=t["job_id"],
+                index=t["idx"],
+                seed=t["seed"],
+                status=TrackStatus(t["status"]),
+                attempts=t["attempts"],
+                worker_id=t["worker_id"],
+                task_id=t["task_id"],
+                error=t["error"],
+                duration_sec=t["duration_sec"],
+                started_at=t["started_at"],
+                finished_at=t["finished_at"],
+                metadata=json.loads(t["metadata"]),
+                progress=100 if t["status"] == "done" else 0,
+            )
             for t in tracks
         ],
     )
-

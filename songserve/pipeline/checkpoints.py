@@ -28,8 +28,14 @@ class CheckpointSet:
 
 def _configured(s: WorkerSettings) -> bool:
     return any(
-        (s.checkpoints_dir, s.tokenizer_path, s.backbone_models, s.superres_models,
-         s.decoder_config_path, s.decoder_checkpoint_path)
+        (
+            s.checkpoints_dir,
+            s.tokenizer_path,
+            s.backbone_models,
+            s.superres_models,
+            s.decoder_config_path,
+            s.decoder_checkpoint_path,
+        )
     )
 
 
@@ -50,14 +56,27 @@ def resolve(s: WorkerSettings) -> CheckpointSet:
 
     ckpt = CheckpointSet(
         tokenizer=under(s.tokenizer_path or "tokenizer"),
-        backbones={k: under(v) for k, v in (parse_model_map(s.backbone_models, "BACKBONE_MODELS") or {DEFAULT_BACKBONE: "backbone"}).items()},
-        superres={k: under(v) for k, v in (parse_model_map(s.superres_models, "SUPERRES_MODELS") or {DEFAULT_SUPERRES: "superres"}).items()},
+        backbones={
+            k: under(v)
+            for k, v in (
+                parse_model_map(s.backbone_models, "BACKBONE_MODELS") or {DEFAULT_BACKBONE: "backbone"}
+            ).items()
+        },
+        superres={
+            k: under(v)
+            for k, v in (
+                parse_model_map(s.superres_models, "SUPERRES_MODELS") or {DEFAULT_SUPERRES: "superres"}
+            ).items()
+        },
         decoder_config=under(s.decoder_config_path or "decoder/config.yaml"),
         decoder_checkpoint=under(s.decoder_checkpoint_path or "decoder/model.pth"),
         tiny=tiny,
     )
-    checks = [("TOKENIZER_PATH", ckpt.tokenizer), ("DECODER_CONFIG_PATH", ckpt.decoder_config),
-              ("DECODER_CHECKPOINT_PATH", ckpt.decoder_checkpoint)]
+    checks = [
+        ("TOKENIZER_PATH", ckpt.tokenizer),
+        ("DECODER_CONFIG_PATH", ckpt.decoder_config),
+        ("DECODER_CHECKPOINT_PATH", ckpt.decoder_checkpoint),
+    ]
     checks += [(f"BACKBONE_MODELS[{k}]", p) for k, p in ckpt.backbones.items()]
     checks += [(f"SUPERRES_MODELS[{k}]", p) for k, p in ckpt.superres.items()]
     for setting, path in checks:

@@ -84,7 +84,9 @@ class CodecConfig:
         rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
         return cls(
             sample_rate=int(kw.get("sample_rate", 44100)),
-            latent_dim=int(kw.get("latent_dim") or kw.get("encoder_dim", 64) * 2 ** len(kw.get("encoder_rates", (2, 4, 8, 8)))),
+            latent_dim=int(
+                kw.get("latent_dim") or kw.get("encoder_dim", 64) * 2 ** len(kw.get("encoder_rates", (2, 4, 8, 8)))
+            ),
             n_filters=int(kw.get("decoder_dim", 1536)) // 2 ** len(rates),
             rates=rates,
             channels=1,

@@ -53,8 +53,13 @@ def write_track(
     _atomic(
         out_dir / mp3_name,
         lambda p: sf.write(
-            p, audio, sample_rate, format="MP3", subtype="MPEG_LAYER_III",
-            bitrate_mode=mp3.bitrate_mode, compression_level=mp3.compression_level,
+            p,
+            audio,
+            sample_rate,
+            format="MP3",
+            subtype="MPEG_LAYER_III",
+            bitrate_mode=mp3.bitrate_mode,
+            compression_level=mp3.compression_level,
         ),
     )
     timings = {**metadata.get("timings", {}), "export_sec": time.perf_counter() - t0}

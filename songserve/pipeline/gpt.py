@@ -94,9 +94,7 @@ def parse_megatron_args(text: str) -> dict[str, object]:
     for flag, (dest, typ) in _ARG_MAP.items():
         parser.add_argument(flag, dest=dest, type=typ)
     parser.add_argument("--swiglu", dest="gated_linear_unit", action="store_true", default=None)
-    parser.add_argument(
-        "--untie-embeddings-and-output-weights", dest="untie", action="store_true", default=None
-    )
+    parser.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_true", default=None)
     try:
         ns, rest = parser.parse_known_args(shlex.split(text))
     except (argparse.ArgumentError, ValueError) as exc:
@@ -279,7 +277,6 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, megatron_ar
         raise ConfigError(f"Checkpoint {path} does not match its model config: {reason[0].strip()}") from None
     if missing or unexpected:
         raise ConfigError(
-            f"Checkpoint {path} does not match its model config: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}."
+            f"Checkpoint {path} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}."
         )
     return AcousticGPT(arch, model.to(device=device, dtype=dtype))

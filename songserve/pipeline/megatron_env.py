@@ -59,9 +59,7 @@ def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0) -> 
         backend = "nccl" if device.type == "cuda" else "gloo"
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         log.info("process group: %s on master port %d", backend, port)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)

@@ -57,7 +57,9 @@ class ModelPipeline:
         self.superres: dict[str, SuperRes] = {}
         self.codec: Codec | None = None
         self.codec_cfg = CodecConfig()
-        self.phase_hook: Callable[[str], None] = lambda phase: None  # set by the runtime: loading phases show in /health
+        self.phase_hook: Callable[[str], None] = lambda phase: (
+            None
+        )  # set by the runtime: loading phases show in /health
 
     # -- lifecycle ------------------------------------------------------------------------------
     def load(self) -> None:
@@ -131,11 +133,22 @@ class ModelPipeline:
 
         t = time.perf_counter()
         bb = backbone.generate(
-            bb_prompt, frames, top_k=req.top_k_bb, temperature=req.temperature,
-            generator=gen, ctx=ctx, min_share=self.s.eoa_min_share,
+            bb_prompt,
+            frames,
+            top_k=req.top_k_bb,
+            temperature=req.temperature,
+            generator=gen,
+            ctx=ctx,
+            min_share=self.s.eoa_min_share,
         )
         timings["backbone_sec"] = time.perf_counter() - t
-        log.info("task %s: backbone %d tokens (%s) in %.2fs", req.task_id, bb.new_tokens, bb.stopped_by, timings["backbone_sec"])
+        log.info(
+            "task %s: backbone %d tokens (%s) in %.2fs",
+            req.task_id,
+            bb.new_tokens,
+            bb.stopped_by,
+            timings["backbone_sec"],
+        )
 
         try:
             t = time.perf_counter()
@@ -165,7 +178,9 @@ class ModelPipeline:
             with torch.inference_mode():
                 wave = self.codec.decode(
                     codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
-                    self.s.decode_chunk_frames, self.s.decode_context_frames, on_chunk,
+                    self.s.decode_chunk_frames,
+                    self.s.decode_context_frames,
+                    on_chunk,
                 )[0]
             audio = wave.float().t().cpu().numpy()  # (samples, channels)
             timings["decoder_sec"] = time.perf_counter() - t
@@ -175,22 +190,32 @@ class ModelPipeline:
 
         duration_sec = audio.shape[0] / cfg.sample_rate
         metadata = {
-            "task_id": req.task_id, "job_id": req.job_id, "track_index": req.track_index,
+            "task_id": req.task_id,
+            "job_id": req.job_id,
+            "track_index": req.track_index,
             "request": {k: v for k, v in asdict(req).items() if k not in ("task_id", "job_id", "track_index")},
             "seed": req.seed,
             "models": {"backbone": bb_name, "superres": sr_name, "tiny_checkpoints": self.ckpt.tiny},
             "tokens": {
-                "backbone_prompt": bb.prompt_tokens, "backbone_new": bb.new_tokens,
-                "superres_prompt": len(sr_prompt), "frames": int(codes.shape[1]), "stopped_by": bb.stopped_by,
+                "backbone_prompt": bb.prompt_tokens,
+                "backbone_new": bb.new_tokens,
+                "superres_prompt": len(sr_prompt),
+                "frames": int(codes.shape[1]),
+                "stopped_by": bb.stopped_by,
             },
             "timings": timings,
-            "duration_sec": duration_sec, "requested_sec": req.duration * 60,
-            "sample_rate": cfg.sample_rate, "channels": int(audio.shape[1]),
-            "device": str(self.device), "runtime_mode": self.s.runtime_mode,
+            "duration_sec": duration_sec,
+            "requested_sec": req.duration * 60,
+            "sample_rate": cfg.sample_rate,
+            "channels": int(audio.shape[1]),
+            "device": str(self.device),
+            "runtime_mode": self.s.runtime_mode,
         }
         ctx.report("decoding", 1, 1, "writing files")
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
         timings["model_sec"] = time.perf_counter() - t_all
         wav, mp3_name, meta, metadata = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3)
-        log.info("task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all)
+        log.info(
+            "task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all
+        )
         return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata)

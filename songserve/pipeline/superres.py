@@ -50,8 +50,14 @@ class SuperRes:
         return out
 
     def _window(
-        self, prompt: list[int], coarse: torch.Tensor, top_k: int, generator: torch.Generator,
-        ctx: TaskContext, done0: int, total: int,
+        self,
+        prompt: list[int],
+        coarse: torch.Tensor,
+        top_k: int,
+        generator: torch.Generator,
+        ctx: TaskContext,
+        done0: int,
+        total: int,
     ) -> torch.Tensor:
         """One window of frames: coarse (2, F) → codes (levels, F)."""
         gpt, dev, T = self.gpt, self.gpt.device, self.text_vocab

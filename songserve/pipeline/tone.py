@@ -34,8 +34,13 @@ class TonePipeline:
         return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True}
 
     def describe(self) -> dict:
-        return {"backbone_models": ["default_backbone"], "superres_models": ["default_superres"],
-                "sample_rate": SAMPLE_RATE, "frame_rate": round(SAMPLE_RATE / 2048, 2), "test_pipeline": True}
+        return {
+            "backbone_models": ["default_backbone"],
+            "superres_models": ["default_superres"],
+            "sample_rate": SAMPLE_RATE,
+            "frame_rate": round(SAMPLE_RATE / 2048, 2),
+            "test_pipeline": True,
+        }
 
     def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
         if self.s.test_hang:  # fault injection: a model thread that stops making progress
@@ -53,9 +58,15 @@ class TonePipeline:
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
         tone = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
         audio = np.stack([tone, tone], axis=1)
-        meta = {"task_id": req.task_id, "job_id": req.job_id, "track_index": req.track_index,
-                "seed": req.seed, "models": {"backbone": "test_tone", "superres": "test_tone"},
-                "tokens": {"backbone_new": 2 * frames, "frames": frames},
-                "timings": {"delay_sec": self.s.test_delay_s}, "duration_sec": n / SAMPLE_RATE}
+        meta = {
+            "task_id": req.task_id,
+            "job_id": req.job_id,
+            "track_index": req.track_index,
+            "seed": req.seed,
+            "models": {"backbone": "test_tone", "superres": "test_tone"},
+            "tokens": {"backbone_new": 2 * frames, "frames": frames},
+            "timings": {"delay_sec": self.s.test_delay_s},
+            "duration_sec": n / SAMPLE_RATE,
+        }
         wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options())
         return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta)

@@ -65,8 +65,10 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         h = runtime.health()
         ok = h["status"] in (WorkerStatus.idle.value, WorkerStatus.busy.value)
         body = {"ready": ok, "status": h["status"], "device": h["device"]}
-        return JSONResponse(body if ok else {**body, "status": "error", "error": f"Worker is {h['status']}."},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            body if ok else {**body, "status": "error", "error": f"Worker is {h['status']}."},
+            status_code=200 if ok else 503,
+        )
 
     @app.get("/config")
     async def config() -> dict:
@@ -105,7 +107,9 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     @app.get("/download/{filename}")
     async def download(filename: str) -> FileResponse:
         path = safe_file(out_dir, filename)
-        media = {".wav": "audio/wav", ".mp3": "audio/mpeg", ".json": "application/json"}.get(path.suffix, "application/octet-stream")
+        media = {".wav": "audio/wav", ".mp3": "audio/mpeg", ".json": "application/json"}.get(
+            path.suffix, "application/octet-stream"
+        )
         return FileResponse(path, media_type=media, filename=path.name)
 
     return app

@@ -66,14 +66,28 @@ def rss_mb() -> float:
 def to_track_request(body: WorkerGenerateRequest, seed: int, task_id: str) -> TrackRequest:
     instrumental = body.raw_mode == "instrumental" or body.language.lower() == "instrumental"
     return TrackRequest(
-        lyrics=body.lyrics, duration=body.duration, genre=body.genre, language=body.language,
-        tags=body.tags, description=body.description, instrumental=instrumental,
-        backbone_name=body.backbone_name, superres_name=body.superres_name,
-        top_k_bb=body.top_k_bb, top_k_sr=body.top_k_sr, temperature=body.temperature,
-        superres_text_mode=body.superres_text_mode, seed=seed, task_id=task_id,
-        job_id=body.job_id, track_index=body.track_index,
-        extra={"raw_user_input": body.raw_user_input, "raw_mode": body.raw_mode,
-               "raw_prompt_mode": body.raw_prompt_mode},
+        lyrics=body.lyrics,
+        duration=body.duration,
+        genre=body.genre,
+        language=body.language,
+        tags=body.tags,
+        description=body.description,
+        instrumental=instrumental,
+        backbone_name=body.backbone_name,
+        superres_name=body.superres_name,
+        top_k_bb=body.top_k_bb,
+        top_k_sr=body.top_k_sr,
+        temperature=body.temperature,
+        superres_text_mode=body.superres_text_mode,
+        seed=seed,
+        task_id=task_id,
+        job_id=body.job_id,
+        track_index=body.track_index,
+        extra={
+            "raw_user_input": body.raw_user_input,
+            "raw_mode": body.raw_mode,
+            "raw_prompt_mode": body.raw_prompt_mode,
+        },
     )
 
 
@@ -168,13 +182,22 @@ class WorkerRuntime:
             self._remember(TaskView(task_id=task_id, status=TaskState.running))
         seed = body.seed_override if body.seed_override is not None else self.s.seed
         req = to_track_request(body, seed, task_id)
-        log.info("task %s: start (job %s track %d, %.2f min, seed %d)", task_id, body.job_id, body.track_index, body.duration, seed)
+        log.info(
+            "task %s: start (job %s track %d, %.2f min, seed %d)",
+            task_id,
+            body.job_id,
+            body.track_index,
+            body.duration,
+            seed,
+        )
         t0 = time.perf_counter()
         try:
             result = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, req, ctx)
         except CancelledError:
             log.info("task %s: cancelled after %.2fs", task_id, time.perf_counter() - t0)
-            self._remember(TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled."))
+            self._remember(
+                TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled.")
+            )
             raise
         except SongserveError as exc:
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(exc)))
@@ -192,9 +215,14 @@ class WorkerRuntime:
                     self.status = WorkerStatus.idle
         self.tasks_done += 1
         out = WorkerGenerateResult(
-            task_id=task_id, mp3_filename=result.mp3_filename, wav_filename=result.wav_filename,
-            json_filename=result.json_filename, duration_sec=result.duration_sec,
-            backbone_tokens=result.backbone_tokens, gpu_id=self.s.gpu_id, seed=result.seed,
+            task_id=task_id,
+            mp3_filename=result.mp3_filename,
+            wav_filename=result.wav_filename,
+            json_filename=result.json_filename,
+            duration_sec=result.duration_sec,
+            backbone_tokens=result.backbone_tokens,
+            gpu_id=self.s.gpu_id,
+            seed=result.seed,
             metadata=result.metadata,
         )
         self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
