@@ -59,16 +59,45 @@ class WorkerGenerateRequest(BaseModel):
 
 
 class WorkerGenerateResult(BaseModel):
+    """Worker → dispatcher: a finished track. ``task_id`` and ``json_filename`` are our extensions."""
+
+    model_config = ConfigDict(extra="ignore")
+
     status: Literal["ok"] = "ok"
-    task_id: str
+    task_id: str = ""
     mp3_filename: str
     wav_filename: str
-    json_filename: str
+    json_filename: str = ""
     duration_sec: float
     backbone_tokens: int
     gpu_id: int
     seed: int
     metadata: dict = {}
+
+
+class WorkerHealth(BaseModel):
+    """Worker ``GET /health``: the reference's fields, then our extensions (all optional on the wire)."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    status: str = "initializing"  # a WorkerStatus word
+    phase: str = "idle"  # a WorkerPhase word
+    gpu_id: int | None = None
+    seed: int | None = None
+    progress: float = 0
+    progress_detail: str = ""
+    runtime_mode: str | None = None
+    backbone_loaded: bool = False
+    superres_loaded: bool = False
+    decoder_loaded: bool = False
+    # extensions
+    accepting: bool = True
+    task_id: str | None = None
+    backbone_models: list[str] = Field(default_factory=list)
+    superres_models: list[str] = Field(default_factory=list)
+    device: str | None = None
+    tasks_done: int | None = None
+    error: str | None = None
 
 
 class TaskState(StrEnum):

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from songserve.api import scheduler
+from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import FieldError, JobService, QueueFull
 from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
@@ -96,7 +96,7 @@ def test_track_transitions():
 
 
 def E_(job, idx, prio=0, seq=None):  # noqa: N802
-    return scheduler.QueueEntry(job, idx, prio, seq if seq is not None else ord(job[0]))
+    return queue_order.QueueEntry(job, idx, prio, seq if seq is not None else ord(job[0]))
 
 
 def keys(entries):
@@ -105,21 +105,21 @@ def keys(entries):
 
 def test_priority_first_then_fifo():
     q = [E_("a", 0), E_("b", 0), E_("c", 0, prio=5)]
-    assert keys(scheduler.order(q, {})) == ["c0", "a0", "b0"]
+    assert keys(queue_order.order(q, {})) == ["c0", "a0", "b0"]
 
 
 def test_fair_across_jobs():
     # Job a (4 tracks) came first and two of its tracks already run; b (1 track) came later.
     q = [E_("a", 2), E_("a", 3), E_("b", 0)]
-    assert keys(scheduler.order(q, {"a": 2})) == ["b0", "a2", "a3"]
+    assert keys(queue_order.order(q, {"a": 2})) == ["b0", "a2", "a3"]
     # Nothing started yet: round robin between a and b, older job first at each level.
     q = [E_("a", i) for i in range(4)] + [E_("b", 0), E_("b", 1)]
-    assert keys(scheduler.order(q, {})) == ["a0", "b0", "a1", "b1", "a2", "a3"]
+    assert keys(queue_order.order(q, {})) == ["a0", "b0", "a1", "b1", "a2", "a3"]
 
 
 def test_fifo_within_a_job_and_priority_beats_fairness():
     q = [E_("a", 1), E_("a", 0), E_("b", 0, prio=1)]
-    assert keys(scheduler.order(q, {"b": 9})) == ["b0", "a0", "a1"]
+    assert keys(queue_order.order(q, {"b": 9})) == ["b0", "a0", "a1"]
 
 
 # ---- validation and retention through the service (no workers) ------------------------------------
@@ -159,7 +159,7 @@ def test_queue_bound_answers_queue_full_with_retry_after(service):
         svc.submit(GenerateRequest(lyrics="x", num_tracks=4))
         with pytest.raises(QueueFull) as err:
             svc.submit(GenerateRequest(lyrics="x", num_tracks=2))
-        assert err.value.retry_after >= 1
+        assert int(err.value.headers["Retry-After"]) >= 1
         svc.submit(GenerateRequest(lyrics="x", num_tracks=1))
 
     asyncio.run(go())
@@ -171,17 +171,14 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
         ids = [svc.submit(GenerateRequest(lyrics="x", num_tracks=1)).job_id for _ in range(4)]
         # Finish three of them by hand: a day old, fresh with a big file, fresh with a small file.
         for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
-            job = svc.jobs[job_id]
-            t = job.tracks[0]
-            svc.queue.pop((job_id, 0))
-            svc._set(t, TrackStatus.cancelled, finished_at=time.time() - age)
+            job = svc.dispatcher.jobs[job_id]
             job.finished_at = time.time() - age + n
-            svc.store.save_job(job, terminal=True)
-            svc.jobs.pop(job_id)
+            svc.dispatcher.cancel_queued(job, job.tracks[0])
+            svc.dispatcher.finish_if_done(job)
             p = svc.artifacts.path(job_id, 0, "wav")
             p.parent.mkdir(parents=True)
             p.write_bytes(b"\0" * size)
-        removed = svc.sweep()
+        removed = svc.retention.sweep()
         assert removed == 2  # the expired one, then the oldest fresh one until under 1 MB
         assert svc.store.load_job(ids[0]) is None and svc.store.load_job(ids[1]) is None
         assert svc.store.load_job(ids[2]) is not None and svc.store.load_job(ids[3]) is not None  # active: kept

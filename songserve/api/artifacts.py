@@ -8,13 +8,13 @@ removes finished jobs past their TTL and, oldest first, while the folder is over
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import secrets
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    from songserve.api.worker_client import WorkerClient
 
 KINDS = ("wav", "mp3", "json")
 JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
@@ -35,34 +35,13 @@ class ArtifactStore:
         p = self.path(job_id, index, kind)
         return p.is_file() and not p.is_symlink()
 
-    async def fetch(
-        self, client: httpx.AsyncClient, worker_url: str, names: dict[str, str], job_id: str, index: int
-    ) -> int:
+    async def fetch(self, worker: WorkerClient, names: dict[str, str], job_id: str, index: int) -> int:
         """Stream the worker's files for one track into place (concurrently); returns bytes written."""
         self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
         sizes = await asyncio.gather(
-            *(
-                self._fetch_one(client, f"{worker_url}/download/{names[kind]}", self.path(job_id, index, kind))
-                for kind in KINDS
-            )
+            *(worker.download(name, self.path(job_id, index, kind)) for kind, name in names.items())
         )
         return sum(sizes)
-
-    @staticmethod
-    async def _fetch_one(client: httpx.AsyncClient, url: str, dest: Path) -> int:
-        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(3)}.tmp")
-        size = 0
-        try:
-            async with client.stream("GET", url, timeout=60) as r:
-                r.raise_for_status()
-                with open(tmp, "wb") as f:
-                    async for chunk in r.aiter_bytes(1 << 16):
-                        f.write(chunk)
-                        size += len(chunk)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
 
     def remove_job(self, job_id: str) -> None:
         if JOB_ID.match(job_id):

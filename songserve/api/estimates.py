@@ -10,6 +10,7 @@ import math
 from collections import defaultdict, deque
 
 from songserve.api.store import Job
+from songserve.api.views import overall_progress
 
 
 class SpeedHistory:
@@ -41,14 +42,14 @@ class SpeedHistory:
 
     def job_eta(self, job: Job, positions: dict[tuple[str, int], int], workers: int) -> float | None:
         """Seconds until the job's last track is done, or None without history."""
-        ratio = self.ratio(job.request.get("backbone") or "")
+        ratio = self.ratio(job.request.backbone or "")
         if ratio is None:
             return None
-        seconds = job.request["duration"] * 60 * ratio
+        seconds = job.request.duration * 60 * ratio
         eta = 0.0
         for t in job.tracks:
             if t.status.running:
-                eta = max(eta, seconds * (1 - t.progress / 100))
+                eta = max(eta, seconds * (1 - overall_progress(t) / 100))
             elif (job.job_id, t.index) in positions:
                 eta = max(eta, math.ceil(positions[(job.job_id, t.index)] / max(1, workers)) * seconds)
         return round(eta, 1)

@@ -31,5 +31,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     app = create_app(s)
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
-    GracefulServer(config, drain=lambda: app.state.svc.drain(s.drain_timeout_sec)).run()
+    GracefulServer(config, drain=lambda: app.state.service.drain(s.drain_timeout_sec)).run()
     return 0

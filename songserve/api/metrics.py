@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from songserve.api.pool import WorkerState
+from songserve.api.pool import WorkerView
 from songserve.api.service import JobService
 from songserve.api.states import TrackStatus
 
 
 def render(svc: JobService) -> str:
+    d = svc.dispatcher
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
@@ -15,8 +16,8 @@ def render(svc: JobService) -> str:
         lines.append(f"# TYPE songserve_{name} {kind}")
         lines.extend(f"songserve_{name}{labels} {value:g}" for labels, value in samples)
 
-    metric("queue_length", "gauge", "Tracks waiting for a worker.", [("", len(svc.queue))])
-    metric("running_tracks", "gauge", "Tracks running on workers.", [("", len(svc.running))])
+    metric("queue_length", "gauge", "Tracks waiting for a worker.", [("", len(d.queue))])
+    metric("running_tracks", "gauge", "Tracks running on workers.", [("", len(d.running))])
     counts = svc.store.counts()
     metric(
         "tracks",
@@ -25,7 +26,7 @@ def render(svc: JobService) -> str:
         [(f'{{status="{s.value}"}}', counts.get(s.value, 0)) for s in TrackStatus],
     )
     jobs: dict[str, int] = {}
-    for job in svc.jobs.values():
+    for job in d.jobs.values():
         st = svc.view(job.job_id).status
         jobs[st] = jobs.get(st, 0) + 1
     metric(
@@ -36,12 +37,12 @@ def render(svc: JobService) -> str:
         "gauge",
         "1 for each worker's current state.",
         [
-            (f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.state is st))
-            for w in svc.pool.workers
-            for st in WorkerState
+            (f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.view is st))
+            for w in d.pool.workers
+            for st in WorkerView
         ],
     )
-    stages = sorted(svc.speed.stage_totals.items())
+    stages = sorted(d.speed.stage_totals.items())
     metric(
         "stage_seconds_sum",
         "counter",
@@ -54,7 +55,7 @@ def render(svc: JobService) -> str:
         "Finished tracks counted per stage.",
         [(f'{{stage="{k}"}}', v[1]) for k, v in stages],
     )
-    f = svc.speed.finished
+    f = d.speed.finished
     metric(
         "track_audio_seconds",
         "summary",
@@ -71,6 +72,6 @@ def render(svc: JobService) -> str:
         "track_seconds_per_audio_second",
         "gauge",
         "Mean wall seconds per second of audio (recent).",
-        [("", svc.speed.ratio() or 0.0)],
+        [("", d.speed.ratio() or 0.0)],
     )
     return "\n".join(lines) + "\n"

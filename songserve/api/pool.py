@@ -1,10 +1,20 @@
-"""The worker pool: who the workers are, what state each is in, and the health poll.
+"""The worker pool: who the workers are, what the dispatcher believes of each, and the health poll.
 
-The dispatcher's own assignment is the truth for "busy": the health poll refreshes progress and
-marks workers online/offline, but never frees a worker that holds a task. A worker is available
-only when it is online, reports ``idle``, and holds no assignment.
+Two sources of truth, kept apart:
+- ``health``: the worker's own last ``/health`` answer (a ``WorkerHealth``), never edited here;
+- the dispatcher's belief, in the handle's own fields: ``assigned`` (the track it gave the worker,
+  the one truth for "busy"), ``online``, ``stalled`` (our watchdog's verdict) and ``answered``
+  (the worker answered its last task after the latest poll, so a stale "busy" in ``health`` no
+  longer holds).
 
-Worker states (as ``/status`` shows them): offline, loading, idle, busy, error, stalled.
+The view a client sees (``/status``) is derived from both:
+
+    offline   not answering its health poll, or its connection broke
+    loading   online, still loading its models
+    idle      online, ready, nothing assigned          (the only state that takes a track)
+    busy      a track is assigned, or it reports busy
+    error     it reports its model thread died or loading failed
+    stalled   it reports a stalled model thread, or our watchdog saw no progress
 """
 
 from __future__ import annotations
@@ -18,10 +28,15 @@ from enum import StrEnum
 
 import httpx
 
+from songserve.api.worker_client import WorkerClient, WorkerUnreachable
+from songserve.schemas import WorkerHealth
+
 log = logging.getLogger(__name__)
 
+Key = tuple[str, int]  # (job_id, track index)
 
-class WorkerState(StrEnum):
+
+class WorkerView(StrEnum):
     offline = "offline"
     loading = "loading"
     idle = "idle"
@@ -33,72 +48,82 @@ class WorkerState(StrEnum):
 @dataclass
 class WorkerHandle:
     worker_id: int
-    url: str
+    client: WorkerClient
     online: bool = False
     failures: int = 0
-    health: dict = field(default_factory=dict)
-    assigned: tuple[str, int] | None = None  # (job_id, track index)
+    health: WorkerHealth = field(default_factory=WorkerHealth)
+    assigned: Key | None = None
     task_id: str | None = None
-    assigned_at: float = 0.0
+    stalled: bool = False  # our watchdog's verdict for the assigned task
+    answered: bool = False  # answered its last task since the latest poll: idle, whatever health says
     last_progress_at: float = 0.0  # monotonic
-    _last_progress: tuple = ()
+    _progress_mark: tuple[object, ...] = ()
 
     @property
-    def state(self) -> WorkerState:
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def view(self) -> WorkerView:
         if not self.online:
-            return WorkerState.offline
-        reported = self.health.get("status")
-        if reported in ("error", "stalled"):
-            return WorkerState(reported)
-        if self.assigned is not None or reported == "busy":
-            return WorkerState.busy
+            return WorkerView.offline
+        reported = self.health.status
+        if reported == "error":
+            return WorkerView.error
+        if reported == "stalled" or self.stalled:
+            return WorkerView.stalled
+        if self.assigned is not None or (reported == "busy" and not self.answered):
+            return WorkerView.busy
         if reported == "initializing":
-            return WorkerState.loading
-        return WorkerState.idle
+            return WorkerView.loading
+        return WorkerView.idle
 
     @property
     def available(self) -> bool:
-        return self.online and self.assigned is None and self.health.get("status") == "idle"
+        reported = self.health.status
+        ready = reported == "idle" or (reported == "busy" and self.answered)
+        return self.online and self.assigned is None and ready and self.health.accepting
 
-    def assign(self, key: tuple[str, int], task_id: str) -> None:
-        self.assigned, self.task_id = key, task_id
-        self.assigned_at = self.last_progress_at = time.monotonic()
-        self._last_progress = ()
+    def runs(self, task_id: str | None) -> bool:
+        """The worker's health says it is running ``task_id`` now."""
+        return task_id is not None and self.health.task_id == task_id and self.health.phase != "idle"
 
-    def release(self, task_id: str | None) -> None:
+    def assign(self, key: Key, task_id: str) -> None:
+        self.assigned, self.task_id, self.stalled = key, task_id, False
+        self.last_progress_at = time.monotonic()
+        self._progress_mark = ()
+
+    def release(self, task_id: str | None, answered: bool = True) -> None:
         """Free the worker from ``task_id``; a no-op if it has moved on to another task."""
         if self.task_id != task_id:
             return
-        self.assigned, self.task_id = None, None
-        # Until the next poll says otherwise, assume the worker is idle again (it answered us).
-        if self.online and self.health.get("status") == "busy":
-            self.health = {**self.health, "status": "idle", "phase": "idle", "progress": 0}
+        self.assigned, self.task_id, self.stalled = None, None, False
+        self.answered = answered
 
     def mark_unreachable(self) -> None:
+        """Its connection broke: not used again until a health poll answers."""
         self.online = False
-        self.health = {**self.health, "status": "unreachable"}
 
-    def note_health(self, health: dict) -> None:
-        self.health = health
-        if self.task_id and health.get("task_id") == self.task_id:
-            mark = (health.get("phase"), health.get("progress"), health.get("progress_detail"))
-            if mark != self._last_progress:
-                self._last_progress = mark
-                self.last_progress_at = time.monotonic()
+    def note_health(self, health: WorkerHealth) -> None:
+        self.health, self.online, self.failures, self.answered = health, True, 0, False
+        mark = (health.phase, health.progress, health.progress_detail)
+        if self.task_id and health.task_id == self.task_id and mark != self._progress_mark:
+            self._progress_mark = mark
+            self.last_progress_at = time.monotonic()
 
-    def public(self) -> dict:
+    def public(self) -> dict[str, object]:
         h = self.health
         return {
             "worker_id": self.worker_id,
             "url": self.url,
-            "status": self.state.value,
-            "phase": h.get("phase", "idle") if self.online else "offline",
-            "gpu_id": h.get("gpu_id", self.worker_id),
-            "device": h.get("device"),
-            "runtime_mode": h.get("runtime_mode"),
-            "progress": h.get("progress", 0),
+            "status": self.view.value,
+            "phase": h.phase if self.online else "offline",
+            "gpu_id": h.gpu_id if h.gpu_id is not None else self.worker_id,
+            "device": h.device,
+            "runtime_mode": h.runtime_mode,
+            "progress": h.progress,
             "task_id": self.task_id,
-            "tasks_done": h.get("tasks_done"),
+            "tasks_done": h.tasks_done,
         }
 
 
@@ -106,17 +131,16 @@ class WorkerPool:
     def __init__(
         self,
         urls: list[str],
-        client: httpx.AsyncClient,
+        http: httpx.AsyncClient,
         interval: float,
         offline_after: int,
-        on_change: Callable[[WorkerHandle, WorkerState], None],
+        on_change: Callable[[WorkerHandle, WorkerView], None],
     ) -> None:
-        self.workers = [WorkerHandle(i, u) for i, u in enumerate(urls)]
-        self.client = client
+        self.workers = [WorkerHandle(i, WorkerClient(http, u)) for i, u in enumerate(urls)]
         self.interval = interval
         self.offline_after = offline_after
         self.on_change = on_change
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def by_id(self, worker_id: int) -> WorkerHandle | None:
         return self.workers[worker_id] if 0 <= worker_id < len(self.workers) else None
@@ -127,28 +151,37 @@ class WorkerPool:
     def online_count(self) -> int:
         return sum(w.online for w in self.workers)
 
+    def models(self, kind: str) -> list[str]:
+        """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""
+        names: list[str] = []
+        for w in self.workers:
+            for n in w.health.backbone_models if kind == "backbone" else w.health.superres_models:
+                if n not in names:
+                    names.append(n)
+        return names
+
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
     async def _poll(self, w: WorkerHandle) -> None:
-        before = w.state
+        before = w.view
         try:
-            r = await self.client.get(f"{w.url}/health", timeout=max(2.0, 2 * self.interval))
-            r.raise_for_status()
-            w.note_health(r.json())
-            w.online, w.failures = True, 0
-        except (httpx.HTTPError, ValueError) as exc:
+            w.note_health(await w.client.health(timeout=max(2.0, 2 * self.interval)))
+        except WorkerUnreachable as exc:
             w.failures += 1
             if w.online and w.failures >= self.offline_after:
-                log.warning("worker %d (%s) offline: %s", w.worker_id, w.url, type(exc).__name__)
+                log.warning("worker %d (%s) offline: %s", w.worker_id, w.url, exc)
                 w.online = False
-        if w.state != before:
-            log.info("worker %d: %s → %s", w.worker_id, before.value, w.state.value)
+        if w.view != before:
+            log.info("worker %d: %s → %s", w.worker_id, before.value, w.view.value)
         self.on_change(w, before)
 
     async def run(self) -> None:
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # one bad iteration must not end the poll for good
+                log.exception("health poll failed; retrying")
             await asyncio.sleep(self.interval)
 
     def start(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from songserve.api.states import TrackStatus
+from songserve.schemas import GenerateRequest
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -64,10 +65,10 @@ class Track:
     started_at: float | None = None
     finished_at: float | None = None
     metadata: dict = field(default_factory=dict)
-    # live, not persisted: refreshed from the worker's /health
-    progress: int = 0
+    # live, not persisted: refreshed from the worker's /health while the track runs
+    worker_phase: str = "idle"  # a WorkerPhase word
+    phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
-    worker_phase: str = "idle"
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Job:
     job_id: str
     seq: int
     created_at: float
-    request: dict
+    request: GenerateRequest  # as accepted (after normalisation)
     cleaned_lyrics: str
     tracks: list[Track]
     priority: int = 0
@@ -113,7 +114,7 @@ class JobStore:
                     job.seq,
                     job.created_at,
                     job.priority,
-                    json.dumps(job.request),
+                    job.request.model_dump_json(),
                     job.cleaned_lyrics,
                     len(job.tracks),
                     job.idempotency_key,
@@ -201,7 +202,7 @@ def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
         job_id=row["job_id"],
         seq=row["seq"],
         created_at=row["created_at"],
-        request=json.loads(row["request"]),
+        request=GenerateRequest.model_validate_json(row["request"]),
         cleaned_lyrics=row["cleaned_lyrics"],
         priority=row["priority"],
         cancelled=bool(row["cancelled"]),
@@ -222,7 +223,6 @@ def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
                 started_at=t["started_at"],
                 finished_at=t["finished_at"],
                 metadata=json.loads(t["metadata"]),
-                progress=100 if t["status"] == "done" else 0,
             )
             for t in tracks
         ],

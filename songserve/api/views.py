@@ -6,7 +6,7 @@ from songserve.api.states import TrackStatus, job_status
 from songserve.api.store import Job, Track
 from songserve.schemas import JobView, TrackFiles, TrackView
 
-# Share of the overall progress bar each worker phase covers: (status, start %, span %).
+# The one phase table: worker phase → (track status, start of its span in the overall %, span).
 PHASES = {
     "loading_backbone": (TrackStatus.generating, 1, 0),
     "backbone": (TrackStatus.generating, 1, 69),
@@ -15,32 +15,39 @@ PHASES = {
     "loading_decoder": (TrackStatus.decoding, 90, 0),
     "decoding": (TrackStatus.decoding, 90, 9),
 }
+PHASE_TITLES = {
+    TrackStatus.generating: "Backbone generating",
+    TrackStatus.superres: "Super-Resolution Generating",
+}
 
 
-def track_from_phase(phase: str, worker_progress: int) -> tuple[TrackStatus, int]:
-    status, start, span = PHASES.get(phase, (TrackStatus.generating, 1, 0))
-    return status, max(1, min(99, start + span * worker_progress // 100))
+def status_of_phase(phase: str) -> TrackStatus:
+    """The track status a worker phase means (unknown phases count as the backbone's)."""
+    return PHASES.get(phase, (TrackStatus.generating, 1, 0))[0]
+
+
+def overall_progress(t: Track) -> int:
+    """0 while queued, 1–99 while running (from the worker's phase and its percent), 100 when done."""
+    if t.status is TrackStatus.done:
+        return 100
+    if not t.status.running:
+        return 0
+    _, start, span = PHASES.get(t.worker_phase, (t.status, 1, 0))
+    return max(1, min(99, start + span * t.phase_progress // 100))
 
 
 def phase_display(t: Track, queue_position: int) -> str:
     if t.status is TrackStatus.queued:
         return f"Queued · Position #{queue_position}" if queue_position else "Queued"
-    if t.status is TrackStatus.done:
-        return "Done"
-    if t.status is TrackStatus.error:
-        return "Error"
-    if t.status is TrackStatus.cancelled:
-        return "Cancelled"
-    phase = t.worker_phase
-    if phase.startswith("loading"):
-        return f"Loading {phase.split('_', 1)[1]} model..."
-    if t.status is TrackStatus.generating:
-        inner = max(0, (t.progress - 1) * 100 // 69)
-        detail = f" · {t.phase_detail}" if t.phase_detail else ""
-        return f"Backbone generating · {inner}%{detail}"
-    if t.status is TrackStatus.superres:
-        return f"Super-Resolution Generating · {max(0, (t.progress - 70) * 100 // 20)}%"
-    return "Decoding audio..."
+    if not t.status.running:
+        return t.status.value.capitalize()  # Done, Error, Cancelled
+    if t.worker_phase.startswith("loading"):
+        return f"Loading {t.worker_phase.split('_', 1)[1]} model..."
+    title = PHASE_TITLES.get(t.status)
+    if title is None:
+        return "Decoding audio..."
+    detail = f" · {t.phase_detail}" if t.phase_detail and t.status is TrackStatus.generating else ""
+    return f"{title} · {t.phase_progress}%{detail}"
 
 
 def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
@@ -49,7 +56,7 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
     return TrackView(
         index=t.index,
         status=t.status.value,
-        progress=100 if done else (0 if t.status is TrackStatus.queued else t.progress),
+        progress=overall_progress(t),
         phase_display=phase_display(t, queue_position),
         worker_id=t.worker_id if t.status.running else -1 if not done else t.worker_id,
         worker_phase=t.worker_phase if t.status.running else "idle",

@@ -1,0 +1,399 @@
+"""The track state machine: queue, dispatch, one attempt on one worker, retry, reconcile.
+
+A track's lifetime (the legal moves are in ``states.py``):
+
+    queued ──dispatch──▶ generating → superres → decoding ──files copied──▶ done
+      ▲                        │ the model failed with a clear sentence ──▶ error (not retried)
+      └──── retry ◀────────────┤ worker lost / unreachable / lost the task / stalled / past deadline
+                               │   (while attempts remain, else error)
+                               └ the user cancelled ─────────────────────▶ cancelled
+
+Rules that keep every accepted track moving:
+- store first: a state change is written before it shows in memory (``_set`` rolls back a failed
+  write), so memory never claims what the store does not hold;
+- one outcome per attempt: only the outcome of a track's current task id is applied;
+- one stop per attempt: offline, stall, deadline and user cancels of one attempt collapse into the
+  first (``_stop``); the worker-side cancel that follows is shielded from further cancels;
+- every background loop is supervised (``loops.py``); an unexpected error inside an attempt is a
+  retry, never a stuck track.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from songserve.api import queue_order
+from songserve.api.artifacts import ArtifactStore
+from songserve.api.estimates import SpeedHistory
+from songserve.api.loops import LoopHealth, supervised
+from songserve.api.pool import Key, WorkerHandle, WorkerPool, WorkerView
+from songserve.api.states import TrackStatus, check_transition, job_status
+from songserve.api.store import Job, JobStore, Track
+from songserve.api.views import status_of_phase
+from songserve.api.worker_client import Outcome, OutcomeKind, TaskLost, WorkerUnreachable, worker_request
+from songserve.settings import DispatcherSettings
+
+log = logging.getLogger(__name__)
+METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
+
+
+class _Retry(Exception):
+    """The track should run again; ``count`` is False when the attempt never started."""
+
+    def __init__(self, reason: str, count: bool = True) -> None:
+        super().__init__(reason)
+        self.count = count
+
+
+class ChangeFeed:
+    """A version number bumped on every visible change; SSE streams wait on it."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event = asyncio.Event()
+
+    def touch(self) -> None:
+        self.version += 1
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, since: int, timeout: float) -> int:
+        if self.version == since:
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self.version
+
+
+class Dispatcher:
+    def __init__(
+        self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: httpx.AsyncClient
+    ) -> None:
+        self.s = s
+        self.store = store
+        self.artifacts = artifacts
+        self.pool = WorkerPool(s.worker_list(), http, s.health_interval, s.offline_after_failures, self._on_worker)
+        self.speed = SpeedHistory()
+        self.changes = ChangeFeed()
+        self.loops = LoopHealth()
+        self.jobs: dict[str, Job] = {}  # active jobs only
+        self.queue: dict[Key, queue_order.QueueEntry] = {}
+        self.positions: dict[Key, int] = {}  # 1-based queue positions
+        self.running: dict[Key, asyncio.Task[None]] = {}
+        self._stopping: dict[Key, str] = {}  # attempts asked to stop, with the reason
+        self._deadlines: dict[Key, float] = {}  # monotonic
+        self._kick = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.accepting = True
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self, loop_tasks: list[tuple[str, Callable[[], Awaitable[None]], float]]) -> None:
+        """Restore active jobs from the store, reattach running tracks, start the loops."""
+        for model, ratio in reversed(self.store.finished_work_ratios()):
+            self.speed.seed(model, ratio)
+        await self.pool.poll_once()
+        reattach = []
+        for job in self.store.active_jobs():
+            self.jobs[job.job_id] = job
+            for t in job.tracks:
+                if t.status is TrackStatus.queued:
+                    self._enqueue(job, t)
+                elif t.status.running:
+                    reattach.append((job, t))
+            self.finish_if_done(job)
+        self._reorder()
+        log.info("restored %d active jobs (%d queued, %d to reconcile)", len(self.jobs), len(self.queue), len(reattach))
+        for job, t in reattach:
+            self._spawn((job.job_id, t.index), self._reattach(job, t))
+        self.pool.start()
+        loops = [("dispatch", self._dispatch_step, 0.0), ("watchdog", self._watchdog_step, 1.0), *loop_tasks]
+        for name, step, interval in loops:
+            self._tasks.append(asyncio.create_task(supervised(name, step, interval, self.loops), name=name))
+        self._kick.set()
+
+    async def drain(self, timeout: float) -> None:
+        self.accepting = False
+        if self.running:
+            log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(self.running))
+            await asyncio.wait(list(self.running.values()), timeout=timeout or None)
+
+    async def stop(self) -> None:
+        self.accepting = False
+        await self.pool.stop()
+        for t in self._tasks + list(self.running.values()):
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
+
+    def _spawn(self, key: Key, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=f"track-{key[0]}-{key[1]}")
+        self.running[key] = task
+        task.add_done_callback(functools.partial(self._task_done, key))
+
+    def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
+        if self.running.get(key) is task:
+            del self.running[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("track %s/%d: unexpected failure", *key, exc_info=task.exception())
+        self._kick.set()
+
+    # ---- queue and dispatch ---------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        """A new job (already in the store): queue its tracks and dispatch what can start now."""
+        self.jobs[job.job_id] = job
+        for t in job.tracks:
+            self._enqueue(job, t)
+        self.dispatch_now()
+
+    def _enqueue(self, job: Job, t: Track) -> None:
+        """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
+        self.queue[(job.job_id, t.index)] = queue_order.QueueEntry(job.job_id, t.index, job.priority, job.seq)
+
+    def _started_counts(self) -> dict[str, int]:
+        return {jid: sum(t.status is not TrackStatus.queued for t in j.tracks) for jid, j in self.jobs.items()}
+
+    def _reorder(self) -> None:
+        ordered = queue_order.order(self.queue.values(), self._started_counts())
+        self.positions = {(e.job_id, e.index): i + 1 for i, e in enumerate(ordered)}
+        self.changes.touch()
+
+    def dequeue(self, key: Key) -> None:
+        self.queue.pop(key, None)
+
+    def dispatch_now(self) -> None:
+        if not self.accepting:
+            return
+        ordered = queue_order.order(self.queue.values(), self._started_counts())
+        try:
+            for worker, entry in zip(self.pool.available(), ordered, strict=False):
+                self._begin(self.jobs[entry.job_id], self.jobs[entry.job_id].tracks[entry.index], worker)
+        finally:
+            self._reorder()
+
+    async def _dispatch_step(self) -> None:
+        await self._kick.wait()
+        self._kick.clear()
+        self.dispatch_now()
+
+    def _begin(self, job: Job, t: Track, w: WorkerHandle) -> None:
+        key, now = (job.job_id, t.index), time.time()
+        attempt = t.attempts + 1
+        task_id = f"{job.job_id}-{t.index}-{attempt}"
+        self._set(t, TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id, error=None,
+                  started_at=now, worker_phase="backbone", phase_progress=0, phase_detail="")  # fmt: skip
+        del self.queue[key]
+        if job.started_at is None:
+            job.started_at = now
+            self.store.save_job(job, terminal=False)
+        w.assign(key, task_id)
+        self._deadlines[key] = time.monotonic() + self._deadline(job)
+        log.info("track %s/%d: attempt %d on worker %d (task %s)", *key, attempt, w.worker_id, task_id)
+        self._spawn(key, self._attempt(job, t, w, lambda: w.client.generate(worker_request(job, t))))
+
+    def _deadline(self, job: Job) -> float:
+        return self.s.deadline_base_sec + self.s.deadline_factor * job.request.duration * 60
+
+    # ---- stopping an attempt --------------------------------------------------------------------
+    def stop_attempt(self, key: Key, reason: str) -> None:
+        """Ask a running attempt to stop and retry; later requests for the same attempt are no-ops."""
+        task = self.running.get(key)
+        if task is None or task.done() or key in self._stopping:
+            return
+        self._stopping[key] = reason
+        log.warning("track %s/%d: %s", *key, reason)
+        task.cancel(reason)
+
+    def _on_worker(self, w: WorkerHandle, before: WorkerView) -> None:
+        """Health poll result: refresh the running track's progress; stop it if the worker is lost."""
+        key = w.assigned
+        job = self.jobs.get(key[0]) if key else None
+        if key is not None and job is not None:
+            t = job.tracks[key[1]]
+            h = w.health
+            if w.online and t.status.running and w.runs(t.task_id):
+                fields = {"worker_phase": h.phase, "phase_progress": int(h.progress), "phase_detail": h.progress_detail}
+                status = status_of_phase(h.phase)
+                if status is not t.status:
+                    self._set(t, status, **fields)
+                elif any(getattr(t, k) != v for k, v in fields.items()):
+                    for k, v in fields.items():
+                        setattr(t, k, v)
+                    self.changes.touch()
+            if not w.online and before is not WorkerView.offline:
+                self.stop_attempt(key, f"worker {w.worker_id} went offline")
+            elif h.status == "stalled" and before is not WorkerView.stalled:
+                self.stop_attempt(key, f"worker {w.worker_id} reported its model thread stalled")
+        if w.available:
+            self._kick.set()
+
+    async def _watchdog_step(self) -> None:
+        """No progress for stall_timeout, or past the deadline: the track goes to another worker."""
+        now = time.monotonic()
+        for w in self.pool.workers:
+            key = w.assigned
+            if key is None:
+                continue
+            if now - w.last_progress_at > self.s.stall_timeout_sec:
+                w.stalled = True
+                self.stop_attempt(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
+            elif now > self._deadlines.get(key, math.inf):
+                self.stop_attempt(key, f"past its deadline of {self._deadline(self.jobs[key[0]]):.0f}s")
+
+    # ---- one attempt on one worker --------------------------------------------------------------
+    async def _attempt(self, job: Job, t: Track, w: WorkerHandle, obtain: Callable[[], Awaitable[Outcome]]) -> None:
+        """Get the attempt's outcome from its worker, then apply it; every failure becomes a retry."""
+        key, task_id = (job.job_id, t.index), t.task_id
+        try:
+            try:
+                outcome = await obtain()
+            except asyncio.CancelledError:
+                reason = self._stopping.get(key)
+                if reason is None:  # shutdown: the track stays running in the store and is reconciled
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                await self._cancel_on_worker(w, task_id)
+                raise _Retry(reason) from None
+            except WorkerUnreachable as exc:
+                w.mark_unreachable()
+                raise _Retry(f"worker {w.worker_id} connection lost ({exc})") from None
+            except TaskLost as exc:
+                raise _Retry(str(exc)) from None
+            # The worker answered: its model thread is free. Give it the next track while the
+            # files are copied (a failed copy retries the track like a lost worker).
+            w.release(task_id)
+            self._kick.set()
+            await self._apply(job, t, w, task_id, outcome)
+        except _Retry as exc:
+            self._retry(job, t, str(exc), exc.count)
+        except Exception as exc:
+            log.exception("track %s/%d: internal error", *key)
+            self._retry(job, t, f"internal error ({type(exc).__name__})")
+        finally:
+            self._stopping.pop(key, None)
+            self._deadlines.pop(key, None)
+            w.release(task_id, answered=False)
+            self._kick.set()
+
+    async def _cancel_on_worker(self, w: WorkerHandle, task_id: str | None) -> None:
+        """Tell the worker to stop; shielded, so a shutdown arriving meanwhile does not cut it short."""
+        if task_id is None:
+            return
+        try:
+            await asyncio.shield(w.client.cancel(task_id, timeout=2))
+        except WorkerUnreachable:
+            pass
+
+    async def _reattach(self, job: Job, t: Track) -> None:
+        """After a restart: find out what became of a track that was running on a worker."""
+        w = self.pool.by_id(t.worker_id)
+        if w is None or t.task_id is None:
+            self._retry(job, t, "its worker is no longer configured", count=False)
+            return
+        key, task_id = (job.job_id, t.index), t.task_id
+        w.assign(key, task_id)
+        self._deadlines[key] = time.monotonic() + self._deadline(job)
+
+        async def outcome() -> Outcome:
+            while True:
+                try:
+                    done = await w.client.task(task_id)
+                except WorkerUnreachable:
+                    if not w.online:
+                        raise
+                    done = None
+                if done is not None:
+                    log.info("track %s/%d: reconciled task %s (%s)", *key, task_id, done.kind.value)
+                    return done
+                await asyncio.sleep(self.s.health_interval)
+
+        await self._attempt(job, t, w, outcome)
+
+    async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
+        if t.task_id != task_id or t.status.terminal:
+            log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
+            return
+        if outcome.kind is OutcomeKind.done and outcome.result is not None:
+            res = outcome.result
+            names = {"wav": res.wav_filename, "mp3": res.mp3_filename}
+            if res.json_filename:
+                names["json"] = res.json_filename
+            try:
+                await self.artifacts.fetch(w.client, names, job.job_id, t.index)
+            except (WorkerUnreachable, OSError) as exc:
+                raise _Retry(f"could not copy the files from worker {w.worker_id} ({exc})") from None
+            now = time.time()
+            meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
+            self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta)
+            self.speed.record(res.metadata, t.duration_sec, now - (t.started_at or now))
+            log.info(
+                "track %s/%d: done (%.1fs audio, %.1fs)",
+                job.job_id,
+                t.index,
+                t.duration_sec,
+                now - (t.started_at or now),
+            )
+        elif outcome.kind is OutcomeKind.cancelled:
+            if not job.cancelled:
+                raise _Retry(f"worker {w.worker_id} stopped the task")
+            self._set(t, TrackStatus.cancelled, finished_at=time.time())
+        elif outcome.kind is OutcomeKind.busy:
+            raise _Retry(f"worker {w.worker_id} was busy", count=False)
+        else:
+            self._set(t, TrackStatus.error, error=outcome.error, finished_at=time.time())
+            log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
+        self.finish_if_done(job)
+
+    def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
+        if t.status.terminal:
+            return
+        attempts = t.attempts if count else max(0, t.attempts - 1)
+        now = time.time()
+        if job.cancelled:
+            self._set(t, TrackStatus.cancelled, attempts=attempts, finished_at=now)
+        elif attempts >= self.s.max_attempts:
+            msg = f"Track failed after {attempts} attempts: {reason}."
+            self._set(t, TrackStatus.error, attempts=attempts, error=msg, finished_at=now)
+            log.warning("track %s/%d: %s", job.job_id, t.index, msg)
+        else:
+            log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, reason)
+            self._set(t, TrackStatus.queued, attempts=attempts, worker_id=-1, worker_phase="idle", phase_progress=0)
+            self._enqueue(job, t)
+            self._reorder()
+        self.finish_if_done(job)
+
+    # ---- state changes --------------------------------------------------------------------------
+    def _set(self, t: Track, status: TrackStatus, **fields: object) -> None:
+        """Write the track's new state to the store, then keep it in memory (rolled back on failure)."""
+        check_transition(t.status, status)
+        old = {k: getattr(t, k) for k in ("status", *fields)}
+        t.status = status
+        for k, v in fields.items():
+            setattr(t, k, v)
+        try:
+            self.store.save_track(t)
+        except Exception:
+            for k, v in old.items():
+                setattr(t, k, v)
+            raise
+        self.changes.touch()
+
+    def cancel_queued(self, job: Job, t: Track) -> None:
+        self._set(t, TrackStatus.cancelled, finished_at=time.time())
+        self.dequeue((job.job_id, t.index))
+
+    def finish_if_done(self, job: Job) -> None:
+        if not all(t.status.terminal for t in job.tracks):
+            return
+        job.finished_at = job.finished_at or time.time()
+        self.store.save_job(job, terminal=True)
+        self.jobs.pop(job.job_id, None)
+        log.info("job %s: %s", job.job_id, job_status((t.status for t in job.tracks), job.cancelled).value)
+        self.changes.touch()

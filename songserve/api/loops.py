@@ -1,0 +1,65 @@
+"""Supervised background loops: one failed iteration is logged and retried, never the end of the loop.
+
+Each loop records how it is doing in ``LoopHealth``; a loop that keeps failing turns ``/ready`` red
+with its reason (and shows in ``/metrics``), so a stuck dispatcher is visible instead of silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+FAILING_AFTER = 3  # consecutive failed iterations before the loop counts as failing
+MAX_BACKOFF_SEC = 30.0
+
+
+@dataclass
+class LoopState:
+    failures: int = 0  # consecutive
+    total_failures: int = 0
+    last_error: str = ""
+    last_ok_at: float = 0.0
+
+
+class LoopHealth:
+    def __init__(self) -> None:
+        self.loops: dict[str, LoopState] = {}
+
+    def ok(self, name: str) -> None:
+        st = self.loops.setdefault(name, LoopState())
+        st.failures, st.last_ok_at = 0, time.time()
+
+    def failed(self, name: str, exc: BaseException) -> int:
+        st = self.loops.setdefault(name, LoopState())
+        st.failures += 1
+        st.total_failures += 1
+        st.last_error = f"{type(exc).__name__}: {exc}"
+        return st.failures
+
+    def failing(self) -> dict[str, str]:
+        """Loops that cannot make progress: name → the last error."""
+        return {n: st.last_error for n, st in self.loops.items() if st.failures >= FAILING_AFTER}
+
+
+async def supervised(
+    name: str, step: Callable[[], Awaitable[None]], interval: float, health: LoopHealth, *, wait_first: bool = False
+) -> None:
+    """Run ``step`` forever, ``interval`` seconds apart; failures back off exponentially up to 30 s."""
+    if wait_first:
+        await asyncio.sleep(interval)
+    while True:
+        try:
+            await step()
+        except Exception as exc:
+            n = health.failed(name, exc)
+            delay = min(MAX_BACKOFF_SEC, interval * 2**n)
+            log.exception("%s loop: iteration failed (%d in a row); retrying in %.1fs", name, n, delay)
+            await asyncio.sleep(delay)
+            continue
+        health.ok(name)
+        await asyncio.sleep(interval)

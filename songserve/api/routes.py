@@ -1,0 +1,90 @@
+"""The dispatcher's routes (shared/docs/api.md): each validates, calls one service method, shapes the answer."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from songserve import __version__
+from songserve.api import metrics
+from songserve.api.service import JobService
+from songserve.api.tags import TAGS
+from songserve.http_errors import error_response
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
+
+router = APIRouter()
+
+
+def service(request: Request) -> JobService:
+    svc: JobService = request.app.state.service
+    return svc
+
+
+Service = Depends(service)
+
+
+@router.post("/generate", response_model=GenerateAccepted)
+async def generate(
+    req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200), svc: JobService = Service
+) -> GenerateAccepted:
+    return svc.submit(req, idempotency_key)
+
+
+@router.get("/job/{job_id}", response_model=JobView)
+async def job(job_id: str, svc: JobService = Service) -> JobView:
+    return svc.view(job_id)
+
+
+@router.delete("/job/{job_id}", response_model=JobView)
+async def cancel(job_id: str, svc: JobService = Service) -> JobView:
+    return await svc.cancel(job_id)
+
+
+@router.api_route("/job/{job_id}/track/{idx}/{kind}", methods=["GET", "HEAD"])
+async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
+    f = svc.track_file(job_id, idx, kind)
+    return FileResponse(f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition)
+
+
+@router.get("/job/{job_id}/events")
+async def events(job_id: str, request: Request, svc: JobService = Service) -> StreamingResponse:
+    svc.view(job_id)  # 404 before the stream starts
+    return StreamingResponse(
+        svc.events(job_id, request.is_disconnected),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+@router.get("/status")
+async def status(svc: JobService = Service) -> dict[str, object]:
+    return svc.status()
+
+
+@router.get("/tags")
+async def tags() -> dict[str, dict[str, object]]:
+    return TAGS
+
+
+@router.get("/health")
+async def health(svc: JobService = Service) -> dict[str, object]:
+    return {"status": "ok", "version": __version__, "accepting": svc.accepting}
+
+
+@router.get("/ready")
+async def ready(svc: JobService = Service) -> JSONResponse:
+    ok, reason = svc.ready()
+    if not ok:
+        return error_response(503, reason)
+    workers = sum(w["status"] in ("idle", "busy") for w in svc.status()["workers"])  # type: ignore[attr-defined]
+    return JSONResponse({"status": "ready", "workers_ready": workers})
+
+
+@router.get("/config")
+async def config(svc: JobService = Service) -> dict[str, object]:
+    return svc.config()
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prom(svc: JobService = Service) -> PlainTextResponse:
+    return PlainTextResponse(metrics.render(svc), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,168 @@
+"""The dispatcher's only way to talk to a worker: typed calls in, typed answers out.
+
+Every worker URL is formed here, and every body is (de)serialised through the contract models in
+``songserve.schemas``. Transport failures and unreadable answers raise ``WorkerUnreachable``; a
+worker that answered is summarised as an ``Outcome``:
+
+    done       the track finished; ``result`` names its files
+    error      the model failed with a clear sentence (not retried)
+    cancelled  the worker stopped the task (ours or its own shutdown)
+    busy       the worker was running something else; the track never started
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from songserve.api.store import Job, Track
+from songserve.errors import SongserveError
+from songserve.schemas import TaskView, WorkerGenerateRequest, WorkerGenerateResult, WorkerHealth
+
+FILE_TIMEOUT = 60.0
+CONTROL_TIMEOUT = 5.0
+
+
+class WorkerUnreachable(SongserveError):
+    """No usable answer: connection refused or lost, a timeout, or a body that is not the contract."""
+
+
+class OutcomeKind(StrEnum):
+    done = "done"
+    error = "error"
+    cancelled = "cancelled"
+    busy = "busy"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: OutcomeKind
+    result: WorkerGenerateResult | None = None
+    error: str = ""
+
+
+def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
+    """The worker payload for one attempt of one track (shared/docs/api.md, "Worker payload")."""
+    r = job.request
+    natural = r.prompt_mode == "natural"
+    style = r.prompt if natural else r.tags
+    return WorkerGenerateRequest(
+        tags="" if natural else r.tags,
+        description=r.prompt if natural else "",
+        duration=r.duration,
+        lyrics=job.cleaned_lyrics,
+        backbone_name=r.backbone or "",
+        superres_name=r.superres or "",
+        top_k_bb=r.top_k_bb,
+        top_k_sr=r.top_k_sr,
+        temperature=r.temperature,
+        raw_user_input=style,
+        raw_mode=r.mode,
+        raw_prompt_mode=r.prompt_mode,
+        seed_override=t.seed,
+        task_id=t.task_id or "",
+        job_id=job.job_id,
+        track_index=t.index,
+    )
+
+
+class WorkerClient:
+    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+        self.http = http
+        self.url = url.rstrip("/")
+
+    async def _call(self, method: str, path: str, timeout: httpx.Timeout | float, **kw: object) -> httpx.Response:
+        try:
+            return await self.http.request(method, self.url + path, timeout=timeout, **kw)  # type: ignore[arg-type]
+        except httpx.HTTPError as exc:
+            raise WorkerUnreachable(f"Worker {self.url} did not answer ({type(exc).__name__}).") from exc
+
+    @staticmethod
+    def _json(r: httpx.Response) -> dict:
+        try:
+            body = r.json()
+        except ValueError:
+            raise WorkerUnreachable(f"Worker answered HTTP {r.status_code} with a body that is not JSON.") from None
+        if not isinstance(body, dict):
+            raise WorkerUnreachable(f"Worker answered HTTP {r.status_code} with a body that is not an object.")
+        return body
+
+    async def health(self, timeout: float) -> WorkerHealth:
+        r = await self._call("GET", "/health", timeout)
+        if r.status_code != 200:
+            raise WorkerUnreachable(f"Worker health answered HTTP {r.status_code}.")
+        try:
+            return WorkerHealth.model_validate(self._json(r))
+        except ValidationError as exc:
+            raise WorkerUnreachable(f"Worker health is not the contract: {exc.errors()[0]['msg']}.") from None
+
+    async def generate(self, req: WorkerGenerateRequest) -> Outcome:
+        """Run one track; returns when the worker answers (no read timeout: the caller bounds it)."""
+        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=req.model_dump())
+        return self._outcome(r.status_code, self._json(r))
+
+    def _outcome(self, code: int, body: dict) -> Outcome:
+        status = body.get("status")
+        if status == "ok":
+            try:
+                return Outcome(OutcomeKind.done, result=WorkerGenerateResult.model_validate(body))
+            except ValidationError as exc:
+                raise WorkerUnreachable(f"Worker result is not the contract: {exc.errors()[0]['msg']}.") from None
+        if status == "cancelled":
+            return Outcome(OutcomeKind.cancelled)
+        if status == "busy" or code == 409:
+            return Outcome(OutcomeKind.busy)
+        return Outcome(OutcomeKind.error, error=str(body.get("error") or f"Worker answered HTTP {code}."))
+
+    async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
+        """Ask the worker to stop ``task_id``; False when it does not know the task (nothing runs)."""
+        r = await self._call("POST", f"/cancel/{task_id}", timeout)
+        return r.status_code != 404
+
+    async def task(self, task_id: str) -> Outcome | None:
+        """What became of a task: None while it runs; raises ``TaskLost`` when the worker forgot it."""
+        r = await self._call("GET", f"/tasks/{task_id}", CONTROL_TIMEOUT)
+        if r.status_code == 404:
+            raise TaskLost(f"worker {self.url} lost task {task_id}")
+        try:
+            view = TaskView.model_validate(self._json(r))
+        except ValidationError as exc:
+            raise WorkerUnreachable(f"Worker task view is not the contract: {exc.errors()[0]['msg']}.") from None
+        if view.status == "running":
+            return None
+        if view.status == "ok" and view.result is not None:
+            return Outcome(OutcomeKind.done, result=view.result)
+        if view.status == "cancelled":
+            return Outcome(OutcomeKind.cancelled)
+        return Outcome(OutcomeKind.error, error=view.error or "The task failed on the worker.")
+
+    async def download(self, filename: str, dest: Path) -> int:
+        """Stream one result file into ``dest`` atomically (temporary name, then rename); returns bytes."""
+        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(3)}.tmp")
+        size = 0
+        try:
+            async with self.http.stream("GET", f"{self.url}/download/{filename}", timeout=FILE_TIMEOUT) as r:
+                if r.status_code != 200:
+                    raise WorkerUnreachable(f"Worker could not serve {filename} (HTTP {r.status_code}).")
+                with open(tmp, "wb") as f:
+                    async for chunk in r.aiter_bytes(1 << 16):
+                        f.write(chunk)
+                        size += len(chunk)
+            os.replace(tmp, dest)
+        except httpx.HTTPError as exc:
+            raise WorkerUnreachable(
+                f"Copying {filename} from worker {self.url} failed ({type(exc).__name__})."
+            ) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size
+
+
+class TaskLost(SongserveError):
+    """The worker does not know the task (it restarted): the track must run again."""
