@@ -151,7 +151,11 @@ class Dispatcher:
         self.jobs[job.job_id] = job
         for t in job.tracks:
             self._enqueue(job, t)
-        self.dispatch_now()
+        try:
+            self.dispatch_now()
+        except Exception:  # the job is stored and queued: the dispatch loop tries again
+            log.exception("job %s: dispatch failed; the dispatch loop will retry", job.job_id)
+            self._kick.set()
 
     def _enqueue(self, job: Job, t: Track) -> None:
         """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
@@ -268,7 +272,7 @@ class Dispatcher:
                 raise _Retry(str(exc)) from None
             # The worker answered: its model thread is free. Give it the next track while the
             # files are copied (a failed copy retries the track like a lost worker).
-            w.release(task_id)
+            w.release(task_id, answered=outcome.kind is not OutcomeKind.busy)
             self._kick.set()
             await self._apply(job, t, w, task_id, outcome)
         except _Retry as exc:

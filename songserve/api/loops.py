@@ -57,7 +57,7 @@ async def supervised(
             await step()
         except Exception as exc:
             n = health.failed(name, exc)
-            delay = min(MAX_BACKOFF_SEC, interval * 2**n)
+            delay = min(MAX_BACKOFF_SEC, max(interval, 0.05) * 2**n)
             log.exception("%s loop: iteration failed (%d in a row); retrying in %.1fs", name, n, delay)
             await asyncio.sleep(delay)
             continue

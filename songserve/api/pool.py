@@ -56,6 +56,8 @@ class WorkerHandle:
     task_id: str | None = None
     stalled: bool = False  # our watchdog's verdict for the assigned task
     answered: bool = False  # answered its last task since the latest poll: idle, whatever health says
+    health_sent_at: float = 0.0  # monotonic time the latest health answer was asked for
+    trust_after: float = 0.0  # health asked for before this (monotonic) is stale: we stopped a task since
     last_progress_at: float = 0.0  # monotonic
     _progress_mark: tuple[object, ...] = ()
 
@@ -81,7 +83,8 @@ class WorkerHandle:
     @property
     def available(self) -> bool:
         reported = self.health.status
-        ready = reported == "idle" or (reported == "busy" and self.answered)
+        fresh = self.health_sent_at >= self.trust_after
+        ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
         return self.online and self.assigned is None and ready and self.health.accepting
 
     def runs(self, task_id: str | None) -> bool:
@@ -94,18 +97,25 @@ class WorkerHandle:
         self._progress_mark = ()
 
     def release(self, task_id: str | None, answered: bool = True) -> None:
-        """Free the worker from ``task_id``; a no-op if it has moved on to another task."""
+        """Free the worker from ``task_id``; a no-op if it has moved on to another task.
+
+        ``answered``: the worker answered the task, so its model thread is free now. Otherwise (we
+        stopped the task, or it said it was busy) it is used again only after a newer health poll.
+        """
         if self.task_id != task_id:
             return
         self.assigned, self.task_id, self.stalled = None, None, False
         self.answered = answered
+        if not answered:
+            self.trust_after = time.monotonic()
 
     def mark_unreachable(self) -> None:
         """Its connection broke: not used again until a health poll answers."""
         self.online = False
 
-    def note_health(self, health: WorkerHealth) -> None:
+    def note_health(self, health: WorkerHealth, sent_at: float) -> None:
         self.health, self.online, self.failures, self.answered = health, True, 0, False
+        self.health_sent_at = sent_at
         mark = (health.phase, health.progress, health.progress_detail)
         if self.task_id and health.task_id == self.task_id and mark != self._progress_mark:
             self._progress_mark = mark
@@ -164,9 +174,9 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
 
     async def _poll(self, w: WorkerHandle) -> None:
-        before = w.view
+        before, sent_at = w.view, time.monotonic()
         try:
-            w.note_health(await w.client.health(timeout=max(2.0, 2 * self.interval)))
+            w.note_health(await w.client.health(timeout=max(2.0, 2 * self.interval)), sent_at)
         except WorkerUnreachable as exc:
             w.failures += 1
             if w.online and w.failures >= self.offline_after:

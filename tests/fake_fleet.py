@@ -1,0 +1,177 @@
+"""In-process workers behind ``httpx.MockTransport``: the dispatcher's state machine without processes.
+
+Each ``FakeWorker`` answers the worker's HTTP surface (shared/docs/api.md, "Worker") from memory. A
+test decides how each ``POST /generate`` ends by putting a ``Plan`` in the worker's queue; the request
+then waits until the plan's ``release`` event is set (or answers at once), so a test can look at the
+dispatcher while a track runs. Faults are plain flags: ``down`` refuses connections, ``forget``
+makes ``/tasks`` answer 404, ``progress`` is what ``/health`` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from songserve.api.artifacts import ArtifactStore
+from songserve.api.service import JobService
+from songserve.api.store import JobStore
+from songserve.settings import DispatcherSettings
+
+
+@dataclass
+class Plan:
+    """How one generate call ends: "ok", "error", "cancelled", "busy" or "drop" (connection lost)."""
+
+    outcome: str = "ok"
+    release: asyncio.Event | None = None  # None: answer at once
+    error: str = "The model failed."
+
+
+@dataclass
+class FakeWorker:
+    url: str
+    down: bool = False
+    forget: bool = False
+    phase: str = "idle"
+    progress: int = 0
+    task_id: str | None = None
+    plans: deque[Plan] = field(default_factory=deque)
+    generated: list[str] = field(default_factory=list)  # task ids that started
+    cancels: list[str] = field(default_factory=list)
+    finished: dict[str, dict[str, object]] = field(default_factory=dict)
+    _cancelled: set[str] = field(default_factory=set)
+
+    def health(self) -> dict[str, object]:
+        busy = self.task_id is not None
+        return {
+            "status": "busy" if busy else "idle",
+            "phase": self.phase if busy else "idle",
+            "progress": self.progress,
+            "progress_detail": "",
+            "task_id": self.task_id,
+            "backbone_models": ["default_backbone"],
+            "superres_models": ["default_superres"],
+        }
+
+    async def generate(self, body: dict[str, object]) -> httpx.Response:
+        """Runs the plan as the worker's own task: a dropped request does not stop the work."""
+        plan = self.plans.popleft() if self.plans else Plan()
+        if plan.outcome == "busy" or self.task_id is not None:
+            return httpx.Response(409, json={"status": "busy", "error": "busy"})
+        work = asyncio.ensure_future(self._work(str(body["task_id"]), plan, body.get("seed_override")))
+        status, answer = await asyncio.shield(work)
+        if plan.outcome == "drop":
+            raise httpx.RemoteProtocolError("connection lost")
+        return httpx.Response(status, json=answer)
+
+    async def _work(self, task_id: str, plan: Plan, seed: object) -> tuple[int, dict[str, object]]:
+        self.generated.append(task_id)
+        self.task_id, self.phase, self.progress = task_id, "backbone", 0
+        try:
+            if plan.release is not None:
+                while not plan.release.is_set() and task_id not in self._cancelled:
+                    await asyncio.sleep(0.005)
+        finally:
+            self.task_id, self.phase = None, "idle"
+        if task_id in self._cancelled or plan.outcome == "cancelled":
+            self.finished[task_id] = {"task_id": task_id, "status": "cancelled"}
+            return 200, {"status": "cancelled", "task_id": task_id}
+        if plan.outcome == "error":
+            self.finished[task_id] = {"task_id": task_id, "status": "error", "error": plan.error}
+            return 500, {"status": "error", "error": plan.error}
+        result: dict[str, object] = {
+            "status": "ok",
+            "task_id": task_id,
+            "wav_filename": f"{task_id}.wav",
+            "mp3_filename": f"{task_id}.mp3",
+            "json_filename": f"{task_id}.json",
+            "duration_sec": 3.0,
+            "backbone_tokens": 130,
+            "gpu_id": 0,
+            "seed": seed,
+            "metadata": {"models": {"backbone": "default_backbone"}, "timings": {"backbone_sec": 0.1}},
+        }
+        self.finished[task_id] = {"task_id": task_id, "status": "ok", "result": result}
+        return 200, result
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200, json=self.health())
+        if path == "/generate":
+            return await self.generate(json.loads(request.content))
+        if path.startswith("/cancel/"):
+            task_id = path.rsplit("/", 1)[1]
+            self.cancels.append(task_id)
+            if task_id == self.task_id:
+                self._cancelled.add(task_id)
+                return httpx.Response(200, json={"task_id": task_id, "status": "running"})
+            if task_id in self.finished:
+                return httpx.Response(200, json=self.finished[task_id])
+            return httpx.Response(404, json={"status": "error", "error": "unknown task"})
+        if path.startswith("/tasks/"):
+            task_id = path.rsplit("/", 1)[1]
+            if self.forget:
+                return httpx.Response(404, json={"status": "error", "error": "unknown task"})
+            if task_id == self.task_id:
+                return httpx.Response(200, json={"task_id": task_id, "status": "running"})
+            if task_id in self.finished:
+                return httpx.Response(200, json=self.finished[task_id])
+            return httpx.Response(404, json={"status": "error", "error": "unknown task"})
+        if path.startswith("/download/"):
+            return httpx.Response(200, content=b"RIFF" + path.encode())
+        return httpx.Response(404, json={"status": "error", "error": "No such route."})
+
+
+class FakeFleet:
+    """N fake workers and a ``JobService`` wired to them through one ``MockTransport``."""
+
+    def __init__(self, tmp: Path, n: int = 1, **settings: object) -> None:
+        self.workers = [FakeWorker(f"http://worker{i}.test") for i in range(n)]
+        by_host = {httpx.URL(w.url).host: w for w in self.workers}
+
+        async def route(request: httpx.Request) -> httpx.Response:
+            return await by_host[request.url.host].handle(request)
+
+        defaults: dict[str, object] = {"health_interval": 0.02, "stall_timeout_sec": 30.0, "sweep_interval_sec": 3600}
+        self.settings = DispatcherSettings(
+            state_dir=tmp, worker_urls=",".join(w.url for w in self.workers), **{**defaults, **settings}
+        )
+        self.tmp = tmp
+        self.http = httpx.AsyncClient(transport=httpx.MockTransport(route))
+        self.svc = self.new_service()
+
+    def new_service(self) -> JobService:
+        store = JobStore(self.tmp / "jobs.sqlite3")
+        return JobService(self.settings, store, ArtifactStore(self.tmp / "results"), self.http)
+
+    async def __aenter__(self) -> FakeFleet:
+        await self.svc.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.svc.stop()
+        self.svc.store.close()
+
+
+async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Wait until ``predicate`` holds (a safety timeout only: tests never assert on time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)

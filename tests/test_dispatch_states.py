@@ -1,0 +1,262 @@
+"""The dispatcher's track state machine, in process: fake workers behind ``httpx.MockTransport``.
+
+One behaviour per test; each waits on visible state (the job view, the fake worker's records).
+The real-process tests in test_faults.py prove the same paths end to end with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sqlite3
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from songserve.api.service import StoreUnavailable
+from songserve.schemas import GenerateRequest, JobView
+from tests.fake_fleet import FakeFleet, Plan, until
+
+pytestmark = pytest.mark.quick
+
+
+def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 30))
+
+    return run
+
+
+def body(tracks: int = 1) -> GenerateRequest:
+    return GenerateRequest(lyrics="hello", duration=0.05, num_tracks=tracks, seed=5)
+
+
+def finished(f: FakeFleet, job_id: str) -> Callable[[], bool]:
+    return lambda: all(t.status in ("done", "error", "cancelled") for t in f.svc.view(job_id).tracks)
+
+
+async def run_job(f: FakeFleet, tracks: int = 1) -> JobView:
+    job_id = f.svc.submit(body(tracks)).job_id
+    await until(finished(f, job_id))
+    return f.svc.view(job_id)
+
+
+@aio
+async def test_a_track_runs_on_an_idle_worker_and_its_files_are_copied(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 1
+        assert f.svc.artifacts.has(view.job_id, 0, "mp3")
+        assert f.svc.artifacts.has(view.job_id, 0, "json")
+        assert view.tracks[0].metadata["worker_id"] == 0
+
+
+@aio
+async def test_a_busy_answer_requeues_the_track_without_counting_an_attempt(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        f.workers[0].plans.append(Plan("busy"))
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 1
+        assert len(f.workers[0].generated) == 1
+
+
+@aio
+async def test_a_model_error_ends_the_track_without_a_retry(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        f.workers[0].plans.append(Plan("error", error="The model ran out of tune."))
+        view = await run_job(f)
+        assert view.status == "failed"
+        assert view.tracks[0].error == "The model ran out of tune."
+        assert len(f.workers[0].generated) == 1
+
+
+@aio
+async def test_a_lost_connection_retries_the_track_on_another_worker(tmp_path):
+    async with FakeFleet(tmp_path, n=2) as f:
+        f.workers[0].plans.append(Plan("drop"))
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 2
+        assert len(f.workers[1].generated) == 1
+
+
+@aio
+async def test_a_track_fails_once_its_attempts_run_out(tmp_path):
+    async with FakeFleet(tmp_path, max_attempts=2) as f:
+        f.workers[0].plans.extend([Plan("drop"), Plan("drop")])
+        view = await run_job(f)
+        assert view.status == "failed"
+        assert "after 2 attempts" in (view.tracks[0].error or "")
+
+
+@aio
+async def test_a_worker_that_stops_the_task_by_itself_gets_the_track_again(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        f.workers[0].plans.append(Plan("cancelled"))
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 2
+
+
+@aio
+async def test_progress_from_the_workers_health_moves_the_track_through_its_phases(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        release = asyncio.Event()
+        f.workers[0].plans.append(Plan(release=release))
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+        f.workers[0].phase, f.workers[0].progress = "superres", 50
+        await until(lambda: f.svc.view(job_id).tracks[0].status == "superres")
+        t = f.svc.view(job_id).tracks[0]
+        assert t.progress == 80  # 70 + 20 × 50 %
+        assert t.phase_display == "Super-Resolution Generating · 50%"
+        release.set()
+        await until(finished(f, job_id))
+        assert f.svc.view(job_id).tracks[0].progress == 100
+
+
+@aio
+async def test_a_worker_without_progress_loses_its_track_to_another(tmp_path):
+    async with FakeFleet(tmp_path, n=2, stall_timeout_sec=0.2) as f:
+        f.workers[0].plans.append(Plan(release=asyncio.Event()))  # never released, never progresses
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 2
+        assert f.workers[0].cancels == [f.workers[0].generated[0]]
+
+
+@aio
+async def test_a_track_past_its_deadline_is_stopped_and_run_again(tmp_path):
+    async with FakeFleet(tmp_path, deadline_base_sec=0.2, deadline_factor=0.0001) as f:
+        f.workers[0].plans.append(Plan(release=asyncio.Event()))
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 2
+        assert f.workers[0].cancels[:1] == [f.workers[0].generated[0]]
+
+
+@aio
+async def test_concurrent_stops_of_one_attempt_collapse_into_one_retry(tmp_path):
+    async with FakeFleet(tmp_path, n=2) as f:
+        f.workers[0].plans.append(Plan(release=asyncio.Event()))
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+        for reason in ("worker 0 went offline", "worker 0 stalled", "past its deadline"):
+            f.svc.dispatcher.stop_attempt((job_id, 0), reason)
+        await until(finished(f, job_id))
+        view = f.svc.view(job_id)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 2
+        assert len(f.workers[0].cancels) == 1
+        assert len(f.workers[1].generated) == 1
+
+
+@aio
+async def test_the_user_cancel_stops_the_running_track_and_frees_its_worker(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        f.workers[0].plans.append(Plan(release=asyncio.Event()))
+        job_id = f.svc.submit(body(tracks=2)).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+        await f.svc.cancel(job_id)
+        await until(finished(f, job_id))
+        view = f.svc.view(job_id)
+        assert view.status == "cancelled"
+        assert [t.status for t in view.tracks] == ["cancelled", "cancelled"]
+        assert f.workers[0].cancels == [f.workers[0].generated[0]]
+        assert (await run_job(f)).status == "completed"  # the worker takes the next job
+
+
+@aio
+async def test_after_a_restart_a_task_that_finished_meanwhile_is_collected_not_rerun(tmp_path):
+    f = FakeFleet(tmp_path)
+    release = asyncio.Event()
+    f.workers[0].plans.append(Plan(release=release))
+    async with f:
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+    release.set()  # the worker finishes while no dispatcher runs
+    await until(lambda: bool(f.workers[0].finished))
+    f.svc = f.new_service()
+    async with f:
+        await until(finished(f, job_id))
+        view = f.svc.view(job_id)
+    assert view.status == "completed"
+    assert view.tracks[0].attempts == 1
+    assert len(f.workers[0].generated) == 1
+
+
+@aio
+async def test_after_a_restart_a_task_the_worker_forgot_runs_again(tmp_path):
+    f = FakeFleet(tmp_path)
+    f.workers[0].plans.append(Plan(release=asyncio.Event()))
+    async with f:
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+    f.workers[0].forget, f.workers[0].task_id = True, None  # it restarted
+    f.svc = f.new_service()
+    async with f:
+        await until(finished(f, job_id))
+        view = f.svc.view(job_id)
+    assert view.status == "completed"
+    assert view.tracks[0].attempts == 2
+
+
+@aio
+async def test_a_store_write_failure_keeps_the_track_queued_until_the_store_recovers(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        store = f.svc.store
+        real_save, failures = store.save_track, []
+
+        def failing_save(t):  # type: ignore[no-untyped-def]
+            if len(failures) < 4:
+                failures.append(t.status)
+                raise sqlite3.OperationalError("database or disk is full")
+            real_save(t)
+
+        store.save_track = failing_save  # type: ignore[method-assign]
+        job_id = f.svc.submit(body()).job_id
+        assert f.svc.view(job_id).tracks[0].status == "queued"  # accepted; the write to start it failed
+        await until(finished(f, job_id))
+        assert f.svc.view(job_id).status == "completed"
+        assert len(failures) == 4
+
+
+@aio
+async def test_a_failed_write_at_submit_is_refused_and_leaves_no_job_behind(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+
+        def full(job):  # type: ignore[no-untyped-def]
+            raise sqlite3.OperationalError("database or disk is full")
+
+        f.svc.store.insert_job = full  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable) as err:
+            f.svc.submit(body())
+        assert err.value.http_status == 507
+        assert err.value.headers == {"Retry-After": "30"}
+        assert f.svc.store.counts() == {}
+        assert not f.svc.dispatcher.queue
+
+
+@aio
+async def test_a_background_loop_survives_failing_iterations_and_reports_them(tmp_path):
+    async with FakeFleet(tmp_path, sweep_interval_sec=0.01) as f:
+        calls = []
+
+        def sweep(now=None):  # type: ignore[no-untyped-def]
+            calls.append(now)
+            if len(calls) <= 3:
+                raise OSError("results disk unreadable")
+            return 0
+
+        f.svc.retention.sweep = sweep  # type: ignore[method-assign]
+        await until(lambda: len(calls) >= 3)
+        await until(lambda: "retention" in f.svc.dispatcher.loops.failing())
+        ok, reason = f.svc.ready()
+        assert not ok
+        assert "retention loop keeps failing" in reason
+        await until(lambda: len(calls) >= 5, timeout=15)
+        assert f.svc.dispatcher.loops.failing() == {}
