@@ -260,3 +260,18 @@ async def test_a_background_loop_survives_failing_iterations_and_reports_them(tm
         assert "retention loop keeps failing" in reason
         await until(lambda: len(calls) >= 5, timeout=15)
         assert f.svc.dispatcher.loops.failing() == {}
+
+
+@aio
+async def test_metrics_record_queue_waits_stages_retries_and_finished_tracks(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        f.workers[0].plans.append(Plan("drop"))
+        await run_job(f)
+        text = f.svc.dispatcher.metrics.render().decode()
+    assert "songserve_queue_wait_seconds_count 2.0" in text  # the first attempt and the retry
+    assert 'songserve_stage_seconds_count{stage="backbone"} 1.0' in text
+    assert "songserve_track_seconds_count 1.0" in text
+    assert 'songserve_track_retries_total{worker="0"} 1.0' in text
+    assert 'songserve_tracks_finished_total{status="done",worker="0"} 1.0' in text
+    assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in text
+    assert "process_cpu_seconds_total" in text

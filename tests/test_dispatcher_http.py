@@ -233,7 +233,8 @@ def test_status_tags_metrics_config_docs(one):
     assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
     assert all(v["label"] and v["tags"] for v in tags.values())
     m = httpx.get(one.url + "/metrics").text
-    assert "songserve_queue_length 0" in m and 'songserve_worker_state{worker="0",state="idle"} 1' in m
+    assert "songserve_queue_length 0.0" in m
+    assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in m
     assert httpx.get(one.url + "/config").json()["backbone_models"] == ["default_backbone"]
     assert httpx.get(one.url + "/ready").status_code == 200
     assert httpx.get(one.url + "/docs").status_code == 200

@@ -34,6 +34,7 @@ from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
+from songserve.api.metrics import DispatcherMetrics
 from songserve.api.pool import Key, WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import TrackStatus, check_transition, job_status
 from songserve.api.store import Job, JobStore, Track
@@ -83,6 +84,8 @@ class Dispatcher:
         self.artifacts = artifacts
         self.pool = WorkerPool(s.worker_list(), http, s.health_interval, s.offline_after_failures, self._on_worker)
         self.speed = SpeedHistory()
+        self.metrics = DispatcherMetrics()
+        self.metrics.watch(self)
         self.changes = ChangeFeed()
         self.loops = LoopHealth()
         self.jobs: dict[str, Job] = {}  # active jobs only
@@ -160,6 +163,7 @@ class Dispatcher:
     def _enqueue(self, job: Job, t: Track) -> None:
         """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
         self.queue[(job.job_id, t.index)] = queue_order.QueueEntry(job.job_id, t.index, job.priority, job.seq)
+        t.queued_at = time.time()
 
     def _started_counts(self) -> dict[str, int]:
         return {jid: sum(t.status is not TrackStatus.queued for t in j.tracks) for jid, j in self.jobs.items()}
@@ -194,6 +198,7 @@ class Dispatcher:
         self._set(t, TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id, error=None,
                   started_at=now, worker_phase="backbone", phase_progress=0, phase_detail="")  # fmt: skip
         del self.queue[key]
+        self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
         if job.started_at is None:
             job.started_at = now
             self.store.save_job(job, terminal=False)
@@ -336,7 +341,7 @@ class Dispatcher:
             now = time.time()
             meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
             self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta)
-            self.speed.record(res.metadata, t.duration_sec, now - (t.started_at or now))
+            self._record_done(job, t, res.metadata, now)
             log.info(
                 "track %s/%d: done (%.1fs audio, %.1fs)",
                 job.job_id,
@@ -355,9 +360,22 @@ class Dispatcher:
             log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
         self.finish_if_done(job)
 
+    def _record_done(self, job: Job, t: Track, meta: dict[str, object], now: float) -> None:
+        m, wall = self.metrics, now - (t.started_at or now)
+        models = meta.get("models")
+        self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
+        timings = meta.get("timings")
+        for stage, sec in timings.items() if isinstance(timings, dict) else ():
+            if isinstance(sec, int | float):
+                m.stage.labels(stage.removesuffix("_sec")).observe(sec)
+        m.end_to_end.observe(now - job.created_at)
+        m.track_wall.observe(wall)
+        m.track_audio.inc(t.duration_sec)
+
     def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
         if t.status.terminal:
             return
+        self.metrics.retries.labels(str(t.worker_id)).inc()
         attempts = t.attempts if count else max(0, t.attempts - 1)
         now = time.time()
         if job.cancelled:
@@ -396,6 +414,8 @@ class Dispatcher:
     def finish_if_done(self, job: Job) -> None:
         if not all(t.status.terminal for t in job.tracks):
             return
+        for t in job.tracks:
+            self.metrics.finished.labels(str(t.worker_id), t.status.value).inc()
         job.finished_at = job.finished_at or time.time()
         self.store.save_job(job, terminal=True)
         self.jobs.pop(job.job_id, None)

@@ -1,7 +1,6 @@
 """Speed history and estimates: ETA from measured seconds of work per second of audio.
 
-Fed by every finished track (per backbone model), seeded from the store at start-up; also keeps
-the per-stage and per-track totals that ``/metrics`` reports.
+Fed by every finished track (per backbone model), seeded from the store at start-up.
 """
 
 from __future__ import annotations
@@ -16,24 +15,14 @@ from songserve.api.views import overall_progress
 class SpeedHistory:
     def __init__(self, window: int = 50) -> None:
         self._ratios: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
-        self.stage_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])  # stage → [seconds, tracks]
-        self.finished = {"count": 0, "wall_sec": 0.0, "audio_sec": 0.0}
 
     def seed(self, model: str, ratio: float) -> None:
         self._ratios[model].append(ratio)
 
-    def record(self, meta: dict, audio_sec: float, wall_sec: float) -> None:
-        """One finished track: its worker metadata, seconds of audio, seconds from dispatch to done."""
-        self.finished["count"] += 1
-        self.finished["audio_sec"] += audio_sec
-        self.finished["wall_sec"] += wall_sec
+    def record(self, model: str, audio_sec: float, wall_sec: float) -> None:
+        """One finished track: its backbone model, seconds of audio, seconds from dispatch to done."""
         if audio_sec > 0 and wall_sec > 0:
-            self._ratios[(meta.get("models") or {}).get("backbone", "")].append(wall_sec / audio_sec)
-        for stage, sec in (meta.get("timings") or {}).items():
-            if isinstance(sec, int | float):
-                total = self.stage_totals[stage.removesuffix("_sec")]
-                total[0] += sec
-                total[1] += 1
+            self._ratios[model].append(wall_sec / audio_sec)
 
     def ratio(self, model: str = "") -> float | None:
         """Mean wall seconds per audio second for the model (any model when it has none yet)."""

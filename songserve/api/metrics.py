@@ -1,77 +1,120 @@
-"""``GET /metrics`` in the Prometheus text format, written by hand (no client library needed)."""
+"""``GET /metrics``: the dispatcher's Prometheus metrics, through ``prometheus-client``.
+
+Events (a track waited in the queue, finished, was retried) are counted when they happen, through
+``DispatcherMetrics``; gauges of live state (queue, workers, jobs) are read at scrape time by a
+collector over the dispatcher, so there is one representation of each fact. Every process has its
+own registry (tests run several dispatchers in one process), with the process collector in it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from songserve.api.pool import WorkerView
-from songserve.api.service import JobService
-from songserve.api.states import TrackStatus
+from songserve.api.states import TrackStatus, job_status
+
+if TYPE_CHECKING:
+    from songserve.api.dispatch import Dispatcher
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Seconds: from a second (queue waits, small stages) to an hour (a long song on a busy fleet).
+BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 
 
-def render(svc: JobService) -> str:
-    d = svc.dispatcher
-    lines: list[str] = []
+class DispatcherMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.queue_wait = Histogram(
+            "songserve_queue_wait_seconds",
+            "Seconds a track waited in the queue before a worker took it.",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.stage = Histogram(
+            "songserve_stage_seconds",
+            "Seconds per pipeline stage of finished tracks.",
+            ["stage"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.end_to_end = Histogram(
+            "songserve_track_seconds", "Seconds from submission to a finished track.", buckets=BUCKETS, registry=r
+        )
+        self.track_wall = Histogram(
+            "songserve_track_wall_seconds",
+            "Seconds from dispatch to done of finished tracks.",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.track_audio = Counter("songserve_track_audio_seconds", "Seconds of audio of finished tracks.", registry=r)
+        self.finished = Counter(
+            "songserve_tracks_finished",
+            "Tracks that reached a terminal state, by worker.",
+            ["worker", "status"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "songserve_track_retries", "Attempts that ended in a retry, by worker.", ["worker"], registry=r
+        )
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP songserve_{name} {help_}")
-        lines.append(f"# TYPE songserve_{name} {kind}")
-        lines.extend(f"songserve_{name}{labels} {value:g}" for labels, value in samples)
+    def watch(self, dispatcher: Dispatcher) -> None:
+        self.registry.register(_LiveState(dispatcher))
 
-    metric("queue_length", "gauge", "Tracks waiting for a worker.", [("", len(d.queue))])
-    metric("running_tracks", "gauge", "Tracks running on workers.", [("", len(d.running))])
-    counts = svc.store.counts()
-    metric(
-        "tracks",
-        "gauge",
-        "Stored tracks by status.",
-        [(f'{{status="{s.value}"}}', counts.get(s.value, 0)) for s in TrackStatus],
-    )
-    jobs: dict[str, int] = {}
-    for job in d.jobs.values():
-        st = svc.view(job.job_id).status
-        jobs[st] = jobs.get(st, 0) + 1
-    metric(
-        "active_jobs", "gauge", "Active jobs by status.", [(f'{{status="{k}"}}', v) for k, v in sorted(jobs.items())]
-    )
-    metric(
-        "worker_state",
-        "gauge",
-        "1 for each worker's current state.",
-        [
-            (f'{{worker="{w.worker_id}",state="{st.value}"}}', float(w.view is st))
-            for w in d.pool.workers
-            for st in WorkerView
-        ],
-    )
-    stages = sorted(d.speed.stage_totals.items())
-    metric(
-        "stage_seconds_sum",
-        "counter",
-        "Seconds spent per pipeline stage (finished tracks).",
-        [(f'{{stage="{k}"}}', v[0]) for k, v in stages],
-    )
-    metric(
-        "stage_seconds_count",
-        "counter",
-        "Finished tracks counted per stage.",
-        [(f'{{stage="{k}"}}', v[1]) for k, v in stages],
-    )
-    f = d.speed.finished
-    metric(
-        "track_audio_seconds",
-        "summary",
-        "Seconds of audio of tracks finished since start.",
-        [("_sum", f["audio_sec"]), ("_count", f["count"])],
-    )
-    metric(
-        "track_wall_seconds",
-        "summary",
-        "Wall seconds from dispatch to done, tracks finished since start.",
-        [("_sum", f["wall_sec"]), ("_count", f["count"])],
-    )
-    metric(
-        "track_seconds_per_audio_second",
-        "gauge",
-        "Mean wall seconds per second of audio (recent).",
-        [("", d.speed.ratio() or 0.0)],
-    )
-    return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveState(Collector):
+    """Gauges read from the dispatcher at scrape time."""
+
+    def __init__(self, d: Dispatcher) -> None:
+        self.d = d
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.d
+        yield GaugeMetricFamily("songserve_queue_length", "Tracks waiting for a worker.", value=len(d.queue))
+        yield GaugeMetricFamily("songserve_running_tracks", "Tracks running on workers.", value=len(d.running))
+        stored = GaugeMetricFamily("songserve_tracks", "Stored tracks by status.", labels=["status"])
+        counts = d.store.counts()
+        for st in TrackStatus:
+            stored.add_metric([st.value], counts.get(st.value, 0))
+        yield stored
+        jobs = GaugeMetricFamily("songserve_active_jobs", "Active jobs by status.", labels=["status"])
+        by_status: dict[str, int] = {}
+        for job in d.jobs.values():
+            s = job_status((t.status for t in job.tracks), job.cancelled).value
+            by_status[s] = by_status.get(s, 0) + 1
+        for s, n in sorted(by_status.items()):
+            jobs.add_metric([s], n)
+        yield jobs
+        workers = GaugeMetricFamily(
+            "songserve_worker_state", "1 for each worker's current state.", labels=["worker", "state"]
+        )
+        for w in d.pool.workers:
+            for st in WorkerView:
+                workers.add_metric([str(w.worker_id), st.value], float(w.view is st))
+        yield workers
+        failing = GaugeMetricFamily(
+            "songserve_loop_failing", "1 while a background loop keeps failing.", labels=["loop"]
+        )
+        failures = CounterMetricFamily(
+            "songserve_loop_failures", "Failed iterations of background loops.", labels=["loop"]
+        )
+        for name, state in d.loops.loops.items():
+            failing.add_metric([name], float(name in d.loops.failing()))
+            failures.add_metric([name], state.total_failures)
+        yield failing
+        yield failures
+        ratio = d.speed.ratio()
+        yield GaugeMetricFamily(
+            "songserve_track_seconds_per_audio_second",
+            "Mean wall seconds per second of audio (recent).",
+            value=ratio or 0.0,
+        )

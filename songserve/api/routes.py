@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
 from songserve.api import metrics
@@ -86,5 +86,5 @@ async def config(svc: JobService = Service) -> dict[str, object]:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def prom(svc: JobService = Service) -> PlainTextResponse:
-    return PlainTextResponse(metrics.render(svc), media_type="text/plain; version=0.0.4")
+async def prom(svc: JobService = Service) -> Response:
+    return Response(svc.dispatcher.metrics.render(), media_type=metrics.CONTENT_TYPE)

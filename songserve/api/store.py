@@ -69,6 +69,7 @@ class Track:
     worker_phase: str = "idle"  # a WorkerPhase word
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
+    queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
 
 
 @dataclass
