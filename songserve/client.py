@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -25,9 +25,9 @@ class ClientError(Exception):
     pass
 
 
-def _check(r: httpx.Response) -> dict:
+def _check(r: httpx.Response) -> dict[str, Any]:
     try:
-        body = r.json()
+        body: dict[str, Any] = r.json()
     except ValueError:
         body = {}
     if r.status_code >= 400:

@@ -21,7 +21,7 @@ class SongserveError(Exception):
 
     http_status = 500
     headers: dict[str, str] | None = None
-    detail: list[dict] | None = None
+    detail: list[dict[str, object]] | None = None
 
 
 class ConfigError(SongserveError):

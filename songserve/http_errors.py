@@ -7,6 +7,8 @@ Every error answer is ``{"status": "error", "error": "<sentence>"}`` (validation
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,17 +20,17 @@ from songserve.errors import BusyError, SongserveError
 log = logging.getLogger(__name__)
 
 
-def error_response(status: int, message: str, headers: dict | None = None, **extra: object) -> JSONResponse:
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, **extra: object) -> JSONResponse:
     body = {"status": "error", "error": message, **extra}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _field(loc: tuple) -> str:
+def _field(loc: tuple[object, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts) or "body"
 
 
-def validation_message(errors: list[dict]) -> str:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
     first = errors[0]
     msg = str(first.get("msg", "is invalid")).rstrip(".")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

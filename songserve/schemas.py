@@ -7,7 +7,7 @@ rename them. Unknown request fields are ignored.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,7 +72,7 @@ class WorkerGenerateResult(BaseModel):
     backbone_tokens: int
     gpu_id: int
     seed: int
-    metadata: dict = {}
+    metadata: dict[str, Any] = {}
 
 
 class WorkerHealth(BaseModel):
@@ -167,7 +167,7 @@ class TrackView(BaseModel):
     attempts: int = 0
     queue_position: int = 0
     files: TrackFiles | None = None
-    metadata: dict = {}
+    metadata: dict[str, Any] = {}
 
 
 class JobView(BaseModel):

@@ -21,7 +21,7 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._drain = drain
         self._draining = False
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or not self.started:

@@ -83,8 +83,8 @@ class _LiveState(Collector):
         yield GaugeMetricFamily("songserve_running_tracks", "Tracks running on workers.", value=len(d.running))
         stored = GaugeMetricFamily("songserve_tracks", "Stored tracks by status.", labels=["status"])
         counts = d.store.counts()
-        for st in TrackStatus:
-            stored.add_metric([st.value], counts.get(st.value, 0))
+        for status in TrackStatus:
+            stored.add_metric([status.value], counts.get(status.value, 0))
         yield stored
         jobs = GaugeMetricFamily("songserve_active_jobs", "Active jobs by status.", labels=["status"])
         by_status: dict[str, int] = {}

@@ -133,9 +133,11 @@ class JobService:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if idempotency_key and (existing := self.store.job_by_key(idempotency_key)):
             view = self.view(existing)
-            status = "queued" if view.queue_position else "accepted"
             return GenerateAccepted(
-                status=status, job_id=existing, num_tracks=len(view.tracks), queue_position=view.queue_position
+                status="queued" if view.queue_position else "accepted",
+                job_id=existing,
+                num_tracks=len(view.tracks),
+                queue_position=view.queue_position,
             )
         lyrics = self._validate(req)
         if len(d.queue) + req.num_tracks > self.s.max_queue:

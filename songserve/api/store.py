@@ -12,6 +12,7 @@ import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from songserve.api.states import TrackStatus
 from songserve.schemas import GenerateRequest
@@ -64,7 +65,7 @@ class Track:
     duration_sec: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
     # live, not persisted: refreshed from the worker's /health while the track runs
     worker_phase: str = "idle"  # a WorkerPhase word
     phase_progress: int = 0  # the worker's percent within that phase

@@ -1,6 +1,6 @@
 """The tag catalogue for tag-mode frontends (``GET /tags``): our own, four categories."""
 
-TAGS: dict[str, dict] = {
+TAGS: dict[str, dict[str, object]] = {
     "genre_style": {
         "label": "Genre & style",
         "tags": [

@@ -17,6 +17,7 @@ import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
@@ -84,7 +85,7 @@ class WorkerClient:
             raise WorkerUnreachable(f"Worker {self.url} did not answer ({type(exc).__name__}).") from exc
 
     @staticmethod
-    def _json(r: httpx.Response) -> dict:
+    def _json(r: httpx.Response) -> dict[str, Any]:
         try:
             body = r.json()
         except ValueError:
@@ -107,7 +108,7 @@ class WorkerClient:
         r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=req.model_dump())
         return self._outcome(r.status_code, self._json(r))
 
-    def _outcome(self, code: int, body: dict) -> Outcome:
+    def _outcome(self, code: int, body: dict[str, Any]) -> Outcome:
         status = body.get("status")
         if status == "ok":
             try:
