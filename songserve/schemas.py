@@ -87,9 +87,9 @@ class WorkerHealth(BaseModel):
     progress: float = 0
     progress_detail: str = ""
     runtime_mode: str | None = None
-    backbone_loaded: bool = False
-    superres_loaded: bool = False
-    decoder_loaded: bool = False
+    backbone_loaded: bool | str | None = False  # the reference worker reports the loaded model's name
+    superres_loaded: bool | str | None = False
+    decoder_loaded: bool | str | None = False
     # extensions
     accepting: bool = True
     task_id: str | None = None
@@ -98,6 +98,23 @@ class WorkerHealth(BaseModel):
     device: str | None = None
     tasks_done: int | None = None
     error: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``songserve`` for our workers (their health always carries ``task_id``), else ``reference``."""
+        return "songserve" if "task_id" in self.model_fields_set else "reference"
+
+
+class WorkerConfig(BaseModel):
+    """Worker ``GET /config``: the models it offers (the reference's fields), then our extensions."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    backbone_models: list[str] = Field(default_factory=list)
+    superres_models: list[str] = Field(default_factory=list)
+    runtime_mode: str | None = None
+    genre_options: list[str] = Field(default_factory=list)
+    language_options: list[str] = Field(default_factory=list)
 
 
 class TaskState(StrEnum):

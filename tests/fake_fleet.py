@@ -107,6 +107,10 @@ class FakeWorker:
         path = request.url.path
         if path == "/health":
             return httpx.Response(200, json=self.health())
+        if path == "/config":
+            return httpx.Response(
+                200, json={"backbone_models": ["default_backbone"], "superres_models": ["default_superres"]}
+            )
         if path == "/generate":
             return await self.generate(json.loads(request.content))
         if path.startswith("/cancel/"):

@@ -170,3 +170,30 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.0) -> ServerProcess:
+    """The reference worker's stand-in (tests/reference_worker.py), its requests logged as JSON lines."""
+    port = free_port()
+    args = [
+        "tests/reference_worker.py",
+        "--worker-port",
+        str(port),
+        "--output-dir",
+        str(tmp / f"{name}_audio"),
+        "--delay-s",
+        str(delay),
+        "--requests-log",
+        str(tmp / f"{name}_requests.jsonl"),
+    ]
+    return ServerProcess(args, port, tmp / f"{name}.log")
+
+
+def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Cluster:
+    """A dispatcher over workers that are already started (any kind)."""
+    for w in workers:
+        w.wait_healthy()
+    c = Cluster.__new__(Cluster)
+    c.tmp, c.api_args, c.workers, c.api = tmp, api_args, workers, None
+    c.start_api()
+    return c

@@ -29,7 +29,7 @@ from enum import StrEnum
 import httpx
 
 from songserve.api.worker_client import WorkerClient, WorkerUnreachable
-from songserve.schemas import WorkerHealth
+from songserve.schemas import WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class WorkerHandle:
     online: bool = False
     failures: int = 0
     health: WorkerHealth = field(default_factory=WorkerHealth)
+    config: WorkerConfig | None = None  # its /config, read when it comes online
     assigned: Key | None = None
     task_id: str | None = None
     stalled: bool = False  # our watchdog's verdict for the assigned task
@@ -88,8 +89,17 @@ class WorkerHandle:
         return self.online and self.assigned is None and ready and self.health.accepting
 
     def runs(self, task_id: str | None) -> bool:
-        """The worker's health says it is running ``task_id`` now."""
-        return task_id is not None and self.health.task_id == task_id and self.health.phase != "idle"
+        """The worker's health says it is running ``task_id`` now.
+
+        A reference worker reports no task id: while we hold it for ``task_id`` and it reports
+        busy, the task it runs is ours (each worker gets one task at a time from us).
+        """
+        h = self.health
+        if task_id is None or h.phase == "idle":
+            return False
+        if self.client.reference:
+            return self.task_id == task_id and h.status == "busy"
+        return h.task_id == task_id
 
     def assign(self, key: Key, task_id: str) -> None:
         self.assigned, self.task_id, self.stalled = key, task_id, False
@@ -117,7 +127,7 @@ class WorkerHandle:
         self.health, self.online, self.failures, self.answered = health, True, 0, False
         self.health_sent_at = sent_at
         mark = (health.phase, health.progress, health.progress_detail)
-        if self.task_id and health.task_id == self.task_id and mark != self._progress_mark:
+        if self.runs(self.task_id) and mark != self._progress_mark:
             self._progress_mark = mark
             self.last_progress_at = time.monotonic()
 
@@ -134,6 +144,7 @@ class WorkerHandle:
             "progress": h.progress,
             "task_id": self.task_id,
             "tasks_done": h.tasks_done,
+            "kind": self.client.kind,
         }
 
 
@@ -165,7 +176,8 @@ class WorkerPool:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""
         names: list[str] = []
         for w in self.workers:
-            for n in w.health.backbone_models if kind == "backbone" else w.health.superres_models:
+            source = w.config if w.config is not None else w.health
+            for n in source.backbone_models if kind == "backbone" else source.superres_models:
                 if n not in names:
                     names.append(n)
         return names
@@ -182,9 +194,17 @@ class WorkerPool:
             if w.online and w.failures >= self.offline_after:
                 log.warning("worker %d (%s) offline: %s", w.worker_id, w.url, exc)
                 w.online = False
+        if w.online and (w.config is None or before is WorkerView.offline):
+            try:
+                w.config = await w.client.config()
+            except WorkerUnreachable as exc:  # models fall back to its health; asked again next poll
+                log.warning("worker %d: no config (%s)", w.worker_id, exc)
         if w.view != before:
-            log.info("worker %d: %s → %s", w.worker_id, before.value, w.view.value)
-        self.on_change(w, before)
+            log.info("worker %d: %s → %s (%s worker)", w.worker_id, before.value, w.view.value, w.client.kind)
+        try:
+            self.on_change(w, before)
+        except Exception:  # e.g. the store could not write a phase change: the next poll tries again
+            log.exception("worker %d: applying its health failed", w.worker_id)
 
     async def run(self) -> None:
         while True:

@@ -8,10 +8,19 @@ worker that answered is summarised as an ``Outcome``:
     error      the model failed with a clear sentence (not retried)
     cancelled  the worker stopped the task (ours or its own shutdown)
     busy       the worker was running something else; the track never started
+
+Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
+- ``songserve``: our worker, with task ids, ``/cancel``, ``/tasks`` and a JSON file per track;
+- ``reference``: the reference backend's worker. It has no task ids: progress comes from its health
+  while it runs our track; no ``/cancel``: a cancel discards its result; no ``/tasks``: a track it
+  ran before a dispatcher restart is re-queued; no JSON file; whole-minute durations, the
+  instrumental prompt only for ``language: "Instrumental"``, and the reference dispatcher's
+  ``superres_text_mode``. Its errors carry a traceback: the last line is kept as the sentence.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from dataclasses import dataclass
@@ -24,10 +33,12 @@ from pydantic import ValidationError
 
 from songserve.api.store import Job, Track
 from songserve.errors import SongserveError
-from songserve.schemas import TaskView, WorkerGenerateRequest, WorkerGenerateResult, WorkerHealth
+from songserve.schemas import TaskView, WorkerConfig, WorkerGenerateRequest, WorkerGenerateResult, WorkerHealth
 
 FILE_TIMEOUT = 60.0
 CONTROL_TIMEOUT = 5.0
+SONGSERVE, REFERENCE = "songserve", "reference"
+REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the reference dispatcher sends
 
 
 class WorkerUnreachable(SongserveError):
@@ -73,10 +84,33 @@ def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
     )
 
 
+def reference_request(req: WorkerGenerateRequest) -> dict[str, Any]:
+    """Our payload as the reference worker reads it (its ``GenerateRequest``)."""
+    instrumental = req.raw_mode == "instrumental"
+    return {
+        **req.model_dump(exclude={"task_id", "job_id", "track_index"}),
+        "language": "Instrumental" if instrumental else "",
+        "lyrics": "" if instrumental else req.lyrics,
+        "duration": max(1, math.ceil(req.duration - 1e-9)),  # it takes whole minutes only
+        "superres_text_mode": REFERENCE_SUPERRES_TEXT_MODE,
+    }
+
+
+def _sentence(error: str) -> str:
+    """The reference worker sends a whole traceback as its error: keep its last line."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "The task failed on the worker."
+
+
 class WorkerClient:
     def __init__(self, http: httpx.AsyncClient, url: str) -> None:
         self.http = http
         self.url = url.rstrip("/")
+        self.kind = SONGSERVE  # updated from every health answer
+
+    @property
+    def reference(self) -> bool:
+        return self.kind == REFERENCE
 
     async def _call(self, method: str, path: str, timeout: httpx.Timeout | float, **kw: object) -> httpx.Response:
         try:
@@ -99,13 +133,25 @@ class WorkerClient:
         if r.status_code != 200:
             raise WorkerUnreachable(f"Worker health answered HTTP {r.status_code}.")
         try:
-            return WorkerHealth.model_validate(self._json(r))
+            health = WorkerHealth.model_validate(self._json(r))
         except ValidationError as exc:
             raise WorkerUnreachable(f"Worker health is not the contract: {exc.errors()[0]['msg']}.") from None
+        self.kind = health.kind
+        return health
+
+    async def config(self) -> WorkerConfig:
+        r = await self._call("GET", "/config", CONTROL_TIMEOUT)
+        if r.status_code != 200:
+            raise WorkerUnreachable(f"Worker config answered HTTP {r.status_code}.")
+        try:
+            return WorkerConfig.model_validate(self._json(r))
+        except ValidationError as exc:
+            raise WorkerUnreachable(f"Worker config is not the contract: {exc.errors()[0]['msg']}.") from None
 
     async def generate(self, req: WorkerGenerateRequest) -> Outcome:
         """Run one track; returns when the worker answers (no read timeout: the caller bounds it)."""
-        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=req.model_dump())
+        body = reference_request(req) if self.reference else req.model_dump()
+        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=body)
         return self._outcome(r.status_code, self._json(r))
 
     def _outcome(self, code: int, body: dict[str, Any]) -> Outcome:
@@ -119,15 +165,25 @@ class WorkerClient:
             return Outcome(OutcomeKind.cancelled)
         if status == "busy" or code == 409:
             return Outcome(OutcomeKind.busy)
-        return Outcome(OutcomeKind.error, error=str(body.get("error") or f"Worker answered HTTP {code}."))
+        if code == 503:  # draining: it takes no new task, another worker will
+            return Outcome(OutcomeKind.busy)
+        error = str(body.get("error") or f"Worker answered HTTP {code}.")
+        return Outcome(OutcomeKind.error, error=_sentence(error) if self.reference else error)
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
-        """Ask the worker to stop ``task_id``; False when it does not know the task (nothing runs)."""
+        """Ask the worker to stop ``task_id``; False when it does not know the task (nothing runs).
+
+        A reference worker cannot stop a task: False, so the caller discards the attempt instead.
+        """
+        if self.reference:
+            return False
         r = await self._call("POST", f"/cancel/{task_id}", timeout)
         return r.status_code != 404
 
     async def task(self, task_id: str) -> Outcome | None:
         """What became of a task: None while it runs; raises ``TaskLost`` when the worker forgot it."""
+        if self.reference:
+            raise TaskLost(f"worker {self.url} (reference) cannot report task {task_id}")
         r = await self._call("GET", f"/tasks/{task_id}", CONTROL_TIMEOUT)
         if r.status_code == 404:
             raise TaskLost(f"worker {self.url} lost task {task_id}")
@@ -149,7 +205,9 @@ class WorkerClient:
         size = 0
         try:
             async with self.http.stream("GET", f"{self.url}/download/{filename}", timeout=FILE_TIMEOUT) as r:
-                if r.status_code != 200:
+                # The reference worker answers a missing file with 200 and a JSON error body.
+                json_error = r.headers.get("content-type", "").startswith("application/json") and dest.suffix != ".json"
+                if r.status_code != 200 or json_error:
                     raise WorkerUnreachable(f"Worker could not serve {filename} (HTTP {r.status_code}).")
                 with open(tmp, "wb") as f:
                     async for chunk in r.aiter_bytes(1 << 16):
