@@ -98,6 +98,8 @@ class WorkerHealth(BaseModel):
     device: str | None = None
     tasks_done: int | None = None
     error: str | None = None
+    disk_free_mb: float | None = None  # the output folder's disk
+    disk_low: bool = False  # below the worker's MIN_FREE_DISK_MB: it should get no new track
 
     @property
     def kind(self) -> str:
@@ -130,6 +132,7 @@ class TaskView(BaseModel):
     task_id: str
     status: TaskState
     error: str | None = None
+    error_kind: str | None = None  # environment, model or request
     result: WorkerGenerateResult | None = None
     progress: int = 0
     phase: str = "idle"

@@ -148,6 +148,10 @@ class DispatcherSettings(BaseSettings):
     results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
     sweep_interval_sec: float = Field(60.0, gt=0)
     drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for running tracks")
+    bench_after_failures: int = Field(
+        3, ge=1, description="a worker whose tracks fail this many times in a row for environment reasons is benched"
+    )
+    bench_sec: float = Field(60.0, gt=0, description="how long a benched worker gets no new track")
     api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
     public_page: bool = Field(True, description="with an API key: the page and /tags stay public")
     worker_token: str = Field("", description="shared secret sent to the workers")

@@ -32,6 +32,7 @@ class Plan:
     outcome: str = "ok"
     release: asyncio.Event | None = None  # None: answer at once
     error: str = "The model failed."
+    environment: bool = False  # an error of the worker's own (its disk, memory): error_kind environment
 
 
 @dataclass
@@ -39,12 +40,14 @@ class FakeWorker:
     url: str
     down: bool = False
     forget: bool = False
+    disk_low: bool = False
     phase: str = "idle"
     progress: int = 0
     task_id: str | None = None
     plans: deque[Plan] = field(default_factory=deque)
     generated: list[str] = field(default_factory=list)  # task ids that started
     cancels: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # task ids whose files the dispatcher released
     finished: dict[str, dict[str, object]] = field(default_factory=dict)
     _cancelled: set[str] = field(default_factory=set)
 
@@ -58,6 +61,7 @@ class FakeWorker:
             "task_id": self.task_id,
             "backbone_models": ["default_backbone"],
             "superres_models": ["default_superres"],
+            "disk_low": self.disk_low,
         }
 
     async def generate(self, body: dict[str, object]) -> httpx.Response:
@@ -84,8 +88,9 @@ class FakeWorker:
             self.finished[task_id] = {"task_id": task_id, "status": "cancelled"}
             return 200, {"status": "cancelled", "task_id": task_id}
         if plan.outcome == "error":
-            self.finished[task_id] = {"task_id": task_id, "status": "error", "error": plan.error}
-            return 500, {"status": "error", "error": plan.error}
+            kind = "environment" if plan.environment else "model"
+            self.finished[task_id] = {"task_id": task_id, "status": "error", "error": plan.error, "error_kind": kind}
+            return 500, {"status": "error", "error": plan.error, "error_kind": kind}
         result: dict[str, object] = {
             "status": "ok",
             "task_id": task_id,
@@ -131,6 +136,9 @@ class FakeWorker:
             if task_id in self.finished:
                 return httpx.Response(200, json=self.finished[task_id])
             return httpx.Response(404, json={"status": "error", "error": "unknown task"})
+        if path.startswith("/files/") and request.method == "DELETE":
+            self.removed.append(path.rsplit("/", 1)[1])
+            return httpx.Response(200, json={"removed": []})
         if path.startswith("/download/"):
             return httpx.Response(200, content=b"RIFF" + path.encode())
         return httpx.Response(404, json={"status": "error", "error": "No such route."})

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from songserve.api.service import StoreUnavailable
+from songserve.api.service import FieldError, GoneError, StoreUnavailable
 from songserve.schemas import GenerateRequest, JobView
 from tests.fake_fleet import FakeFleet, Plan, until
 
@@ -275,3 +275,76 @@ async def test_metrics_record_queue_waits_stages_retries_and_finished_tracks(tmp
     assert 'songserve_tracks_finished_total{status="done",worker="0"} 1.0' in text
     assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in text
     assert "process_cpu_seconds_total" in text
+
+
+@aio
+async def test_collected_files_are_removed_on_the_worker(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        await run_job(f)
+        assert f.workers[0].removed == f.workers[0].generated
+
+
+@aio
+async def test_an_environment_failure_moves_the_track_to_another_worker_without_counting_it(tmp_path):
+    async with FakeFleet(tmp_path, n=2, max_attempts=1) as f:
+        f.workers[0].plans.append(Plan("error", error="The worker's output disk is full (…/audio).", environment=True))
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].attempts == 1
+        assert view.tracks[0].metadata["worker_id"] == 1
+
+
+@aio
+async def test_a_worker_failing_tracks_for_environment_reasons_is_benched_and_shown_degraded(tmp_path):
+    async with FakeFleet(tmp_path, n=2, bench_after_failures=2) as f:
+        disk_full = Plan("error", error="The worker's output disk is full (…/audio).", environment=True)
+        f.workers[0].plans.extend([disk_full, disk_full])
+        hold = asyncio.Event()
+        f.workers[1].plans.append(Plan(release=hold))  # keep worker 1 busy: worker 0 gets both tracks
+        first = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[1].task_id is not None)
+        second = f.svc.submit(body()).job_id
+        await until(lambda: f.svc.status()["workers"][0]["status"] == "degraded")
+        assert len(f.workers[0].generated) == 2
+        assert "environment failures in a row" in f.svc.status()["workers"][0]["degraded_reason"]
+        hold.set()  # worker 1 frees up and takes both tracks; worker 0 stays benched
+        for job_id in (first, second):
+            assert (await until_done(f, job_id)).status == "completed"
+        assert len(f.workers[0].generated) == 2
+
+
+async def until_done(f: FakeFleet, job_id: str) -> JobView:
+    await until(finished(f, job_id))
+    return f.svc.view(job_id)
+
+
+@aio
+async def test_a_worker_with_a_nearly_full_disk_gets_no_track(tmp_path):
+    async with FakeFleet(tmp_path, n=2) as f:
+        f.workers[0].disk_low = True
+        await until(lambda: f.svc.status()["workers"][0]["status"] == "degraded")
+        view = await run_job(f, tracks=2)
+        assert view.status == "completed"
+        assert f.workers[0].generated == []
+
+
+@aio
+async def test_an_idempotency_key_reused_with_another_body_is_refused(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        first = f.svc.submit(body(), idempotency_key="k1")
+        assert f.svc.submit(body(), idempotency_key="k1").job_id == first.job_id
+        with pytest.raises(FieldError) as err:
+            f.svc.submit(body(tracks=2), idempotency_key="k1")
+        assert err.value.detail[0]["loc"] == ["body", "Idempotency-Key"]
+
+
+@aio
+async def test_a_done_tracks_missing_or_damaged_file_answers_gone(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        view = await run_job(f)
+        f.svc.artifacts.path(view.job_id, 0, "mp3").unlink()
+        f.svc.artifacts.path(view.job_id, 0, "wav").write_bytes(b"")
+        for kind in ("mp3", "wav"):
+            with pytest.raises(GoneError) as err:
+                f.svc.track_file(view.job_id, 0, kind)
+            assert err.value.http_status == 410

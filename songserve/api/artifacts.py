@@ -51,5 +51,9 @@ class ArtifactStore:
         d = self.root / job_id
         return sum(p.stat().st_size for p in d.glob("*") if p.is_file()) if d.is_dir() else 0
 
+    def sizes(self, job_id: str, index: int) -> dict[str, int]:
+        """Bytes of each file a track has (recorded when it is done, checked when it is served)."""
+        return {kind: self.path(job_id, index, kind).stat().st_size for kind in KINDS if self.has(job_id, index, kind)}
+
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())

@@ -47,11 +47,13 @@ METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
 
 
 class _Retry(Exception):
-    """The track should run again; ``count`` is False when the attempt never started."""
+    """The track should run again; ``count`` is False when the attempt never started, or when the
+    worker failed it for an environment reason (``environment``: disk, memory, writes)."""
 
-    def __init__(self, reason: str, count: bool = True) -> None:
+    def __init__(self, reason: str, count: bool = True, environment: bool = False) -> None:
         super().__init__(reason)
-        self.count = count
+        self.count = count and not environment
+        self.environment = environment
 
 
 class ChangeFeed:
@@ -180,9 +182,17 @@ class Dispatcher:
         if not self.accepting:
             return
         ordered = queue_order.order(self.queue.values(), self._started_counts())
+        free = self.pool.available()
         try:
-            for worker, entry in zip(self.pool.available(), ordered, strict=False):
-                self._begin(self.jobs[entry.job_id], self.jobs[entry.job_id].tracks[entry.index], worker)
+            for entry in ordered:
+                if not free:
+                    break
+                job = self.jobs[entry.job_id]
+                t = job.tracks[entry.index]
+                # A track that just failed on a worker for an environment reason goes elsewhere if it can.
+                w = next((w for w in free if w.worker_id != t.avoid_worker), free[0])
+                free.remove(w)
+                self._begin(job, t, w)
         finally:
             self._reorder()
 
@@ -281,6 +291,8 @@ class Dispatcher:
             self._kick.set()
             await self._apply(job, t, w, task_id, outcome)
         except _Retry as exc:
+            if exc.environment:
+                t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
             self._retry(job, t, str(exc), exc.count)
         except Exception as exc:
             log.exception("track %s/%d: internal error", *key)
@@ -340,8 +352,11 @@ class Dispatcher:
                 raise _Retry(f"could not copy the files from worker {w.worker_id} ({exc})") from None
             now = time.time()
             meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
+            meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
             self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta)
             self._record_done(job, t, res.metadata, now)
+            w.track_succeeded()
+            await self._remove_worker_files(w, task_id)
             log.info(
                 "track %s/%d: done (%.1fs audio, %.1fs)",
                 job.job_id,
@@ -356,9 +371,23 @@ class Dispatcher:
         elif outcome.kind is OutcomeKind.busy:
             raise _Retry(f"worker {w.worker_id} was busy", count=False)
         else:
+            s = self.s
+            if w.track_failed(outcome.environment, s.bench_after_failures, s.bench_sec, outcome.error):
+                self._kick.set()
+            if outcome.environment and t.env_failures + 1 < s.max_attempts * max(1, len(self.pool.workers)):
+                raise _Retry(f"worker {w.worker_id}: {outcome.error}", environment=True)
             self._set(t, TrackStatus.error, error=outcome.error, finished_at=time.time())
             log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
         self.finish_if_done(job)
+
+    async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
+        """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
+        if task_id is None:
+            return
+        try:
+            await w.client.remove_files(task_id)
+        except WorkerUnreachable as exc:
+            log.info("worker %d: files of %s not removed (%s)", w.worker_id, task_id, exc)
 
     def _record_done(self, job: Job, t: Track, meta: dict[str, object], now: float) -> None:
         m, wall = self.metrics, now - (t.started_at or now)

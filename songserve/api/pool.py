@@ -15,6 +15,8 @@ The view a client sees (``/status``) is derived from both:
     busy      a track is assigned, or it reports busy
     error     it reports its model thread died or loading failed
     stalled   it reports a stalled model thread, or our watchdog saw no progress
+    degraded  online but out of rotation: benched after failing tracks for environment reasons
+              (disk, memory, writes) several times in a row, or its output disk is nearly full
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class WorkerView(StrEnum):
     busy = "busy"
     error = "error"
     stalled = "stalled"
+    degraded = "degraded"
 
 
 @dataclass
@@ -60,6 +63,9 @@ class WorkerHandle:
     health_sent_at: float = 0.0  # monotonic time the latest health answer was asked for
     trust_after: float = 0.0  # health asked for before this (monotonic) is stale: we stopped a task since
     last_progress_at: float = 0.0  # monotonic
+    env_failures: int = 0  # tracks failed in a row for environment reasons
+    benched_until: float = 0.0  # monotonic
+    bench_reason: str = ""
     _progress_mark: tuple[object, ...] = ()
 
     @property
@@ -77,6 +83,8 @@ class WorkerHandle:
             return WorkerView.stalled
         if self.assigned is not None or (reported == "busy" and not self.answered):
             return WorkerView.busy
+        if self.degraded_reason:
+            return WorkerView.degraded
         if reported == "initializing":
             return WorkerView.loading
         return WorkerView.idle
@@ -86,7 +94,32 @@ class WorkerHandle:
         reported = self.health.status
         fresh = self.health_sent_at >= self.trust_after
         ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
-        return self.online and self.assigned is None and ready and self.health.accepting
+        return self.online and self.assigned is None and ready and self.health.accepting and not self.degraded_reason
+
+    @property
+    def degraded_reason(self) -> str:
+        if time.monotonic() < self.benched_until:
+            return self.bench_reason
+        if self.health.disk_low:
+            return f"its output disk is nearly full ({self.health.disk_free_mb} MB free)"
+        return ""
+
+    def track_failed(self, environment: bool, bench_after: int, bench_sec: float, reason: str) -> bool:
+        """Count a failed track; returns True when this failure benches the worker."""
+        if not environment:
+            self.env_failures = 0
+            return False
+        self.env_failures += 1
+        if self.env_failures < bench_after:
+            return False
+        self.env_failures = 0
+        self.benched_until = time.monotonic() + bench_sec
+        self.bench_reason = f"benched for {bench_sec:.0f}s after {bench_after} environment failures in a row: {reason}"
+        log.warning("worker %d: %s", self.worker_id, self.bench_reason)
+        return True
+
+    def track_succeeded(self) -> None:
+        self.env_failures = 0
 
     def runs(self, task_id: str | None) -> bool:
         """The worker's health says it is running ``task_id`` now.
@@ -145,6 +178,8 @@ class WorkerHandle:
             "task_id": self.task_id,
             "tasks_done": h.tasks_done,
             "kind": self.client.kind,
+            "degraded_reason": self.degraded_reason or None,
+            "disk_free_mb": h.disk_free_mb,
         }
 
 

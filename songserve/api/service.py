@@ -66,6 +66,12 @@ class FieldError(RequestError):
         self.detail = [{"loc": ["body", field], "msg": message, "type": "value_error"}]
 
 
+class GoneError(SongserveError):
+    """A done track whose file was removed or damaged on disk (HTTP 410)."""
+
+    http_status = 410
+
+
 @dataclass(frozen=True)
 class TrackFile:
     path: Path
@@ -132,6 +138,9 @@ class JobService:
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if idempotency_key and (existing := self.store.job_by_key(idempotency_key)):
+            fields = set(GenerateRequest.model_fields)
+            if self._load(existing).request.model_dump(include=fields) != req.model_dump(include=fields):
+                raise FieldError("Idempotency-Key", "was already used with a different request body")
             view = self.view(existing)
             return GenerateAccepted(
                 status="queued" if view.queue_position else "accepted",
@@ -221,8 +230,15 @@ class JobService:
         view = self.view(job_id)
         if not 0 <= idx < len(view.tracks):
             raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
-        if view.tracks[idx].status != TrackStatus.done or not self.artifacts.has(job_id, idx, kind):
+        track = view.tracks[idx]
+        if track.status != TrackStatus.done:
             raise NotFoundError(f"Track {idx} of job {job_id} is not done.")
+        expected = (track.metadata.get("file_bytes") or {}).get(kind)
+        size = self.artifacts.sizes(job_id, idx).get(kind)
+        if not size or (expected is not None and size != expected):
+            what = "is missing" if size is None else "is empty" if not size else "does not have its recorded size"
+            log.error("job %s track %d: the %s file %s", job_id, idx, kind, what)
+            raise GoneError(f"The {kind} file of track {idx} of job {job_id} {what}; generate the song again.")
         media, disposition = MEDIA[kind]
         return TrackFile(self.artifacts.path(job_id, idx, kind), media, f"{job_id}_track{idx}.{kind}", disposition)
 

@@ -71,6 +71,8 @@ class Track:
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
     queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
+    avoid_worker: int = -1  # its last attempt failed there for an environment reason: prefer another
+    env_failures: int = 0  # attempts that failed for environment reasons (not counted as attempts)
 
 
 @dataclass

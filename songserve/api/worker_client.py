@@ -57,6 +57,7 @@ class Outcome:
     kind: OutcomeKind
     result: WorkerGenerateResult | None = None
     error: str = ""
+    environment: bool = False  # the failure is the worker's (disk, memory, writes), not the track's
 
 
 def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
@@ -168,7 +169,8 @@ class WorkerClient:
         if code == 503:  # draining: it takes no new task, another worker will
             return Outcome(OutcomeKind.busy)
         error = str(body.get("error") or f"Worker answered HTTP {code}.")
-        return Outcome(OutcomeKind.error, error=_sentence(error) if self.reference else error)
+        environment = body.get("error_kind") == "environment"
+        return Outcome(OutcomeKind.error, error=_sentence(error) if self.reference else error, environment=environment)
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
         """Ask the worker to stop ``task_id``; False when it does not know the task (nothing runs).
@@ -197,7 +199,16 @@ class WorkerClient:
             return Outcome(OutcomeKind.done, result=view.result)
         if view.status == "cancelled":
             return Outcome(OutcomeKind.cancelled)
-        return Outcome(OutcomeKind.error, error=view.error or "The task failed on the worker.")
+        environment = view.error_kind == "environment"
+        return Outcome(OutcomeKind.error, error=view.error or "The task failed on the worker.", environment=environment)
+
+    async def remove_files(self, task_id: str) -> None:
+        """Tell the worker its files for ``task_id`` are collected (it deletes them); best effort."""
+        if self.reference:
+            return
+        r = await self._call("DELETE", f"/files/{task_id}", CONTROL_TIMEOUT)
+        if r.status_code not in (200, 404):
+            raise WorkerUnreachable(f"Worker could not remove the files of {task_id} (HTTP {r.status_code}).")
 
     async def download(self, filename: str, dest: Path) -> int:
         """Stream one result file into ``dest`` atomically (temporary name, then rename); returns bytes."""
