@@ -29,11 +29,11 @@ from songserve.api import scheduler
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.estimates import SpeedHistory
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerState
+from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.states import TERMINAL_JOB, TrackStatus, check_transition, job_status
 from songserve.api.store import Job, JobStore, Track
 from songserve.api.views import job_view, track_from_phase
-from songserve.errors import NotFoundError, RequestError, SongserveError, UnavailableError
-from songserve.lyrics import clean_lyrics
+from songserve.errors import NotFoundError, SongserveError, UnavailableError
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 from songserve.settings import DispatcherSettings
 
@@ -48,16 +48,6 @@ class QueueFull(SongserveError):
         super().__init__(message)
         self.retry_after = retry_after
         self.headers = {"Retry-After": str(retry_after)}
-
-
-class FieldError(RequestError):
-    """A request field out of its configured range: 422 with ``detail`` naming the field."""
-
-    http_status = 422
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"Field '{field}': {message}.")
-        self.detail = [{"loc": ["body", field], "msg": message, "type": "value_error"}]
 
 
 class _Retry(Exception):
@@ -157,27 +147,22 @@ class JobService:
         return self.version
 
     # ---- submit / cancel / view ---------------------------------------------------------------
-    def _validate(self, req: GenerateRequest) -> str:
+    def _validate(self, req: GenerateRequest) -> NormalizedRequest:
         if req.model_extra:
             new = set(req.model_extra) - self._unknown_fields_logged
             if new:
                 log.info("ignoring unknown request fields: %s", ", ".join(sorted(new)))
                 self._unknown_fields_logged |= new
         s = self.s
-        if not s.min_duration <= req.duration <= s.max_duration:
-            raise FieldError("duration", f"must be between {s.min_duration} and {s.max_duration} minutes")
-        if req.num_tracks > s.max_tracks:
-            raise FieldError("num_tracks", f"must be at most {s.max_tracks}")
-        lyrics = clean_lyrics(req.lyrics) if req.mode == "vocal" else ""
-        if len(lyrics) > s.max_lyrics_chars:
-            raise FieldError("lyrics", f"must be at most {s.max_lyrics_chars} characters after cleaning")
-        if req.mode == "vocal" and not lyrics:
-            raise FieldError("lyrics", "is empty after cleaning; a vocal song needs lyrics")
-        for name, value in (("backbone", req.backbone), ("superres", req.superres)):
-            offered = self.models(name)
-            if value and offered and value not in offered:
-                raise FieldError(name, f"must be one of {', '.join(offered)}")
-        return lyrics
+        limits = RequestLimits(
+            s.min_duration,
+            s.max_duration,
+            s.max_tracks,
+            s.max_lyrics_chars,
+            tuple(self.models("backbone")),
+            tuple(self.models("superres")),
+        )
+        return normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
 
     def models(self, kind: str) -> list[str]:
         names: list[str] = []
@@ -200,7 +185,8 @@ class JobService:
                     num_tracks=len(view.tracks),
                     queue_position=view.queue_position,
                 )
-        lyrics = self._validate(req)
+        norm = self._validate(req)
+        req, lyrics = norm.request, norm.cleaned_lyrics
         if len(self.queue) + req.num_tracks > self.s.max_queue:
             retry = max(1, int(self.speed.queue_wait(len(self.queue), self.pool.online_count())))
             raise QueueFull(f"The queue is full ({len(self.queue)} tracks waiting); try again later.", retry)
@@ -221,6 +207,8 @@ class JobService:
         for t in job.tracks:
             self._enqueue(job, t)
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
+        if norm.adjusted:
+            log.info("job %s: read as the reference reads it: %s", job_id, norm.adjusted)
         idle = len(self.pool.available())
         self._dispatch_now()
         position = self._job_position(job)
@@ -230,6 +218,7 @@ class JobService:
             job_id=job_id,
             num_tracks=req.num_tracks,
             queue_position=position,
+            adjusted=norm.adjusted,
         )
 
     def _load(self, job_id: str) -> Job:
