@@ -157,9 +157,7 @@ def _one_pass(text: str, mode: CleaningMode) -> str:
     # preserve-scripts: everything but the folding first, then fold look-alikes word by word on the
     # result (so a deleted zero-width character cannot split a word differently on a second pass).
     text = _PATTERN.sub(lambda m: m.group(0) if m.group(0) in _LOOKALIKES else _TABLE[m.group(0)], text)
-    out = [
-        _LOOKALIKES[c] if c in _LOOKALIKES and _word_has_latin(text, i) else c for i, c in enumerate(text)
-    ]
+    out = [_LOOKALIKES[c] if c in _LOOKALIKES and _word_has_latin(text, i) else c for i, c in enumerate(text)]
     return "".join(out).strip()
 
 
