@@ -70,11 +70,11 @@ def _differs(sent: Any, used: Any) -> bool:
     return bool(sent != used)
 
 
-def _clamp(name: str, value: float, low: float, high: float, strict: bool, unit: str = "") -> float:
+def _clamp(name: str, value: float, low: float, high: float, strict: bool) -> float:
     if low <= value <= high:
         return value
     if strict:
-        raise FieldError(name, f"must be between {low:g} and {high:g}{unit}")
+        raise FieldError(name, f"must be between {low:g} and {high:g}")
     return min(max(value, low), high)
 
 
