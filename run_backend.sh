@@ -8,8 +8,9 @@
 #
 # Environment: API_PORT (8889), WORKER_BASE_PORT (8001), BASE_MASTER_PORT (8791), BASE_SEED (1283),
 # MEGATRON_ARGS, WORKER_HOST (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s),
-# STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset), and the checkpoint settings the worker
-# reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
+# STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset; "off" or empty = no token, for a dispatcher
+# that sends none, such as the reference one, on a trusted network), and the checkpoint settings the
+# worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -72,7 +73,7 @@ while [ $# -gt 0 ]; do
     --worker-urls) WORKER_URLS=${2:-}; shift 2 ;;
     --worker-urls=*) WORKER_URLS=${1#*=}; shift ;;
     --no-follow) FOLLOW=0; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -89,7 +90,10 @@ done
 
 # ---- set-up (first run only) ------------------------------------------------------------------
 bash scripts/setup
-if [ -z "${WORKER_TOKEN:-}" ]; then
+if [ "${WORKER_TOKEN+set}" = set ] && { [ -z "$WORKER_TOKEN" ] || [ "$WORKER_TOKEN" = off ]; }; then
+  WORKER_TOKEN=""  # a foreign dispatcher that sends no token (the reference one) can drive the workers
+  say "WORKER_TOKEN is off: anyone who can reach the workers can use them; use this on a trusted network only"
+elif [ -z "${WORKER_TOKEN:-}" ]; then
   WORKER_TOKEN=$($PY -c 'import secrets; print(secrets.token_hex(16))')
   [ $API = 1 ] || say "generated WORKER_TOKEN=$WORKER_TOKEN: start the dispatcher with the same value"
   [ $WORKERS = 1 ] || say "note: WORKER_TOKEN is unset; set it to the workers' token if they were started with one"

@@ -3,6 +3,7 @@
     SongserveError                 a human sentence, safe to show a client
     ├── ConfigError                bad settings or a missing/mismatched checkpoint: refuse to start
     ├── RequestError               a request that cannot be served as asked (HTTP 4xx)
+    │   ├── FieldError             a request field that cannot be served (HTTP 422, ``detail`` names it)
     │   └── NotFoundError          an unknown job, track, task or file (HTTP 404)
     ├── UnavailableError           draining or not ready (HTTP 503)
     ├── BusyError                  the worker already runs a task (HTTP 409)
@@ -30,6 +31,16 @@ class ConfigError(SongserveError):
 
 class RequestError(SongserveError):
     http_status = 400
+
+
+class FieldError(RequestError):
+    """A request field that cannot be served as sent: 422 with ``detail`` naming the field."""
+
+    http_status = 422
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"Field '{field}': {message}.")
+        self.detail = [{"loc": ["body", field], "msg": message, "type": "value_error"}]
 
 
 class NotFoundError(RequestError):

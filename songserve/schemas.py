@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 # ---- worker -------------------------------------------------------------------------------------
 
@@ -142,18 +142,27 @@ class TaskView(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """``POST /generate``. Ranges that are configurable are checked again against the settings."""
+    """``POST /generate``, parsed the way the reference backend parses it.
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric
+    strings and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or
+    ``prompt_mode``, any length of ``tags`` and ``prompt``. Their ranges are applied afterwards by
+    ``songserve.api.requests.normalize`` (clamped as the reference does, or 422 in strict mode),
+    which also reports every change; for that it needs the values as sent, kept in ``sent``.
+    ``duration`` is a float: fractions of a minute are our extension. Our extensions keep their own
+    ranges here (422 naming the field).
+    """
 
-    mode: Literal["vocal", "instrumental"] = "vocal"
-    prompt_mode: Literal["tags", "natural"] = "tags"
-    prompt: str = Field("", max_length=1000)
-    tags: str = Field("", max_length=1000)
+    model_config = ConfigDict(extra="allow")
+
+    mode: str = Field("vocal", description="instrumental, or anything else = vocal")
+    prompt_mode: str = Field("tags", description="tags, or anything else = natural")
+    prompt: str = Field("", description="natural-language style prompt (any length; the prompt builder shortens)")
+    tags: str = Field("", description="comma-separated tags (any length; the prompt builder shortens)")
     lyrics: str = Field("", max_length=50_000, description="≤ 10,000 characters after cleaning")
-    duration: float = Field(3.0, gt=0, description="minutes")
-    top_k_bb: int = Field(80, ge=1, le=200)
-    temperature: float = Field(1.0, ge=0.6, le=1.4)
+    duration: float = Field(3.0, allow_inf_nan=False, description="minutes; out of range is clamped")
+    top_k_bb: int = Field(80, description="backbone top-k; clamped into 1–200")
+    temperature: float = Field(1.0, allow_inf_nan=False, description="backbone temperature; clamped into 0.6–1.4")
     num_tracks: int = Field(2, ge=1)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     top_k_sr: int = Field(10, ge=1, le=1024)
@@ -161,12 +170,31 @@ class GenerateRequest(BaseModel):
     superres: str | None = None
     priority: int = Field(0, ge=0, le=9)
 
+    _sent: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_sent_values(cls, data: Any, handler: ModelWrapValidatorHandler[GenerateRequest]) -> GenerateRequest:
+        model = handler(data)
+        if isinstance(data, dict):
+            model._sent = {k: data[k] for k in cls.model_fields if k in data}
+        return model
+
+    @property
+    def sent(self) -> dict[str, Any]:
+        """The declared fields present in the body, as sent (before coercion)."""
+        return self._sent
+
 
 class GenerateAccepted(BaseModel):
     status: Literal["accepted", "queued"]
     job_id: str
     num_tracks: int
     queue_position: int
+    adjusted: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='(extension) values read differently from how they were sent: {"field": {"from", "to"}}',
+    )
 
 
 class TrackFiles(BaseModel):

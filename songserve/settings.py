@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
@@ -159,7 +159,19 @@ class DispatcherSettings(BaseSettings):
         "", description="comma-separated extra origins allowed by CORS (localhost ports always are)"
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    strict_requests: bool = Field(
+        False, description="422 for out-of-range values instead of reading them as the reference backend does"
+    )
+    lyrics_cleaning: Literal["reference", "preserve-scripts"] = Field(
+        "reference", description="reference = the reference backend's cleaning; preserve-scripts keeps non-Latin words"
+    )
+    tags_file: Path | None = Field(None, description="JSON tag catalogue served at /tags; unset = the built-in one")
     log_level: str = "INFO"
+
+    @field_validator("tags_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
 
     def worker_list(self) -> list[str]:
         urls = [u.strip().rstrip("/") for u in self.worker_urls.split(",") if u.strip()]

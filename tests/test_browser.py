@@ -44,6 +44,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(site.url + "/")
     page.wait_for_selector("#tag-chips button")  # the tag catalogue loaded
+    assert page.input_value("#tags").startswith("Mandopop, Female Vocals")  # the reference's default selections
     page.click("#tag-chips button >> nth=0")
     page.fill("#lyrics", "[verse]\nhello browser\nsecond line")
     page.fill("#duration", "0.05")
@@ -64,22 +65,23 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     assert played[0] > 0.1 and abs(played[1] - 2.97) < 0.2
 
     # A second, long job: cancel it from its card.
-    page.fill("#duration", "5")
+    page.fill("#duration", "50")  # read as 10 minutes, as the reference reads it, and said so on the card
     page.click("#generate")
     page.wait_for_function("document.querySelectorAll('.job').length === 2")
     long_card = page.locator(".job").first
+    assert long_card.locator(".job-note").inner_text() == "Adjusted: duration 50 → 10"
     long_card.locator(".track .phase").wait_for()
     long_card.locator("button.cancel").click()
     page.wait_for_function(
         "document.querySelector('.job .job-status').textContent.startsWith('cancelled')", timeout=20_000
     )
 
-    # A readable error: a vocal song with no lyrics.
-    page.fill("#lyrics", "")
+    # A readable error: more tracks than the server allows.
+    page.fill("#num_tracks", "9")
     page.click("#generate")
     err = page.locator("#form-error")
     err.wait_for(state="visible")
-    assert "lyrics" in err.inner_text()
+    assert "num_tracks" in err.inner_text()
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
     assert Path(ARTIFACTS / "browser.png").stat().st_size > 10_000

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from songserve.api.service import FieldError, GoneError, StoreUnavailable
+from songserve.api.service import GoneError, StoreUnavailable
+from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest, JobView
 from tests.fake_fleet import FakeFleet, Plan, until
 

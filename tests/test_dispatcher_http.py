@@ -185,11 +185,11 @@ def test_queue_full_429_and_validation_422(tmp_path):
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["status"] == "error" and "queue is full" in r.json()["error"]
         for body, field in [
-            ({"lyrics": "x", "duration": 99}, "duration"),
-            ({"lyrics": "x", "top_k_bb": "80"}, "top_k_bb"),
-            ({"lyrics": "x", "temperature": 3}, "temperature"),
-            ({"lyrics": "★"}, "lyrics"),
-            ({"lyrics": "x", "mode": "choir"}, "mode"),
+            ({"lyrics": "x", "duration": "long"}, "duration"),  # out of range is clamped; not a number is 422
+            ({"lyrics": "x", "top_k_bb": 80.5}, "top_k_bb"),
+            ({"lyrics": "x", "temperature": [1]}, "temperature"),
+            ({"lyrics": 7}, "lyrics"),
+            ({"lyrics": "x", "mode": None}, "mode"),
             ({"lyrics": "x", "priority": 10}, "priority"),
         ]:
             r = httpx.post(c.url + "/generate", json=body)

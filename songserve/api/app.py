@@ -16,6 +16,7 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.routes import router
 from songserve.api.service import JobService
 from songserve.api.store import JobStore
+from songserve.api.tags import TAGS, load_catalogue
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.settings import DispatcherSettings
@@ -31,6 +32,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
         async with httpx.AsyncClient(headers=headers, limits=limits) as http:
             store = JobStore(s.state_dir / "jobs.sqlite3")
+            app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
             app.state.service = svc = JobService(s, store, ArtifactStore(s.state_dir / "results"), http)
             await svc.start()
             try:

@@ -353,7 +353,9 @@ class Dispatcher:
             now = time.time()
             meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-            self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta)
+            # The seed the worker used (a worker reads seed_override 0 as its own seed, as the reference).
+            seed = res.seed if res.seed is not None else t.seed
+            self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta, seed=seed)
             self._record_done(job, t, res.metadata, now)
             w.track_succeeded()
             await self._remove_worker_files(w, task_id)

@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from songserve.api import tags
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import DispatcherSettings, load_settings, log_non_default
@@ -19,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         s = load_settings(DispatcherSettings, sys.argv[1:] if argv is None else argv)
         s.worker_list()
+        tags.load_catalogue(s.tags_file or tags.BUILTIN)  # a bad file refuses start-up here
     except ConfigError as exc:
         print(f"dispatcher: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from songserve import __version__
 from songserve.api import metrics
 from songserve.api.service import JobService
-from songserve.api.tags import TAGS
 from songserve.http_errors import error_response
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 
@@ -62,8 +61,9 @@ async def status(svc: JobService = Service) -> dict[str, object]:
 
 
 @router.get("/tags")
-async def tags() -> dict[str, dict[str, object]]:
-    return TAGS
+async def tags(request: Request) -> dict[str, dict[str, object]]:
+    catalogue: dict[str, dict[str, object]] = request.app.state.tags
+    return catalogue
 
 
 @router.get("/health")

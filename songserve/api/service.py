@@ -20,12 +20,12 @@ import httpx
 from songserve import __version__
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
+from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.store import Job, JobStore, Track
 from songserve.api.views import job_view
-from songserve.errors import NotFoundError, RequestError, SongserveError, UnavailableError
-from songserve.lyrics import clean_lyrics
+from songserve.errors import FieldError, NotFoundError, RequestError, SongserveError, UnavailableError
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
 from songserve.settings import DispatcherSettings
 
@@ -54,16 +54,6 @@ class StoreUnavailable(SongserveError):
         )
         self.http_status = 507 if full else 503
         self.headers = {"Retry-After": "30"}
-
-
-class FieldError(RequestError):
-    """A request field out of its configured range: 422 with ``detail`` naming the field."""
-
-    http_status = 422
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"Field '{field}': {message}.")
-        self.detail = [{"loc": ["body", field], "msg": message, "type": "value_error"}]
 
 
 class GoneError(SongserveError):
@@ -111,32 +101,30 @@ class JobService:
         await self.dispatcher.stop()
 
     # ---- submit ---------------------------------------------------------------------------------
-    def _validate(self, req: GenerateRequest) -> str:
+    def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
+        """The request as it will be served (``requests.normalize``), unknown fields logged once."""
         if req.model_extra:
             new = set(req.model_extra) - self._unknown_fields_logged
             if new:
                 log.info("ignoring unknown request fields: %s", ", ".join(sorted(new)))
                 self._unknown_fields_logged |= new
-        s = self.s
-        if not s.min_duration <= req.duration <= s.max_duration:
-            raise FieldError("duration", f"must be between {s.min_duration} and {s.max_duration} minutes")
-        if req.num_tracks > s.max_tracks:
-            raise FieldError("num_tracks", f"must be at most {s.max_tracks}")
-        lyrics = clean_lyrics(req.lyrics) if req.mode == "vocal" else ""
-        if len(lyrics) > s.max_lyrics_chars:
-            raise FieldError("lyrics", f"must be at most {s.max_lyrics_chars} characters after cleaning")
-        if req.mode == "vocal" and not lyrics:
-            raise FieldError("lyrics", "is empty after cleaning; a vocal song needs lyrics")
-        for name, value in (("backbone", req.backbone), ("superres", req.superres)):
-            offered = self.dispatcher.pool.models(name)
-            if value and offered and value not in offered:
-                raise FieldError(name, f"must be one of {', '.join(offered)}")
-        return lyrics
+        s, pool = self.s, self.dispatcher.pool
+        limits = RequestLimits(
+            s.min_duration,
+            s.max_duration,
+            s.max_tracks,
+            s.max_lyrics_chars,
+            tuple(pool.models("backbone")),
+            tuple(pool.models("superres")),
+        )
+        return normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
 
     def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
+        norm = self._normalize(req)
+        req, lyrics = norm.request, norm.cleaned_lyrics
         if idempotency_key and (existing := self.store.job_by_key(idempotency_key)):
             fields = set(GenerateRequest.model_fields)
             if self._load(existing).request.model_dump(include=fields) != req.model_dump(include=fields):
@@ -147,13 +135,13 @@ class JobService:
                 job_id=existing,
                 num_tracks=len(view.tracks),
                 queue_position=view.queue_position,
+                adjusted=norm.adjusted,
             )
-        lyrics = self._validate(req)
         if len(d.queue) + req.num_tracks > self.s.max_queue:
             retry = max(1, int(d.speed.queue_wait(len(d.queue), d.pool.online_count())))
             raise QueueFull(f"The queue is full ({len(d.queue)} tracks waiting); try again later.", retry)
         job_id = secrets.token_hex(8)
-        base_seed = req.seed if req.seed is not None else secrets.randbelow(2**31 - 64)
+        base_seed = req.seed if req.seed is not None else 1 + secrets.randbelow(2**31 - 65)  # 0: "the worker's own"
         try:
             job = Job(
                 job_id=job_id,
@@ -170,6 +158,8 @@ class JobService:
             log.error("submit: the store cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
+        if norm.adjusted:
+            log.info("job %s: read as the reference reads it: %s", job_id, norm.adjusted)
         idle = len(d.pool.available())
         d.add(job)
         position = self._job_position(job)
@@ -179,6 +169,7 @@ class JobService:
             job_id=job_id,
             num_tracks=req.num_tracks,
             queue_position=position,
+            adjusted=norm.adjusted,
         )
 
     # ---- view and cancel ------------------------------------------------------------------------

@@ -131,10 +131,11 @@ class JobStore:
 
     def save_track(self, t: Track) -> None:
         self.db.execute(
-            "UPDATE tracks SET status=?, attempts=?, worker_id=?, task_id=?, error=?, duration_sec=?,"
+            "UPDATE tracks SET status=?, seed=?, attempts=?, worker_id=?, task_id=?, error=?, duration_sec=?,"
             " started_at=?, finished_at=?, metadata=? WHERE job_id=? AND idx=?",
             (
                 t.status.value,
+                t.seed,
                 t.attempts,
                 t.worker_id,
                 t.task_id,

@@ -1,103 +1,72 @@
-"""The tag catalogue for tag-mode frontends (``GET /tags``): our own, four categories."""
+"""The tag catalogue for tag-mode frontends (``GET /tags``).
 
-TAGS: dict[str, dict[str, object]] = {
-    "genre_style": {
-        "label": "Genre & style",
-        "tags": [
-            "pop",
-            "rock",
-            "indie",
-            "folk",
-            "jazz",
-            "blues",
-            "soul",
-            "r&b",
-            "hip hop",
-            "rap",
-            "electronic",
-            "house",
-            "techno",
-            "ambient",
-            "lo-fi",
-            "classical",
-            "orchestral",
-            "country",
-            "metal",
-            "punk",
-            "reggae",
-            "latin",
-            "k-pop",
-            "c-pop",
-            "ballad",
-            "disco",
-            "funk",
-            "gospel",
-            "cinematic",
-        ],
-    },
-    "vocal_instrument": {
-        "label": "Vocals & instruments",
-        "tags": [
-            "female vocal",
-            "male vocal",
-            "duet",
-            "choir",
-            "rap vocal",
-            "whisper",
-            "piano",
-            "acoustic guitar",
-            "electric guitar",
-            "bass",
-            "drums",
-            "strings",
-            "violin",
-            "cello",
-            "synth",
-            "saxophone",
-            "trumpet",
-            "flute",
-            "808",
-            "harp",
-        ],
-    },
-    "emotion_mood": {
-        "label": "Emotion & mood",
-        "tags": [
-            "happy",
-            "sad",
-            "melancholic",
-            "romantic",
-            "energetic",
-            "calm",
-            "dreamy",
-            "dark",
-            "uplifting",
-            "nostalgic",
-            "angry",
-            "hopeful",
-            "playful",
-            "epic",
-            "mellow",
-            "tense",
-        ],
-    },
-    "production_other": {
-        "label": "Production & other",
-        "tags": [
-            "slow tempo",
-            "mid tempo",
-            "fast tempo",
-            "live recording",
-            "studio",
-            "reverb",
-            "lo-fi texture",
-            "polished",
-            "minimal",
-            "big chorus",
-            "instrumental break",
-            "fade out",
-            "acoustic",
-            "analog",
-        ],
-    },
+Why this shape: the reference backend serves its ``backend/tags.json`` verbatim, and the reference
+frontend reads it as ``{category_key: {"tags": [...]}}`` for the four keys ``genre_style``,
+``vocal_instrument``, ``emotion_mood`` and ``production_other``, shown as "Genre/Style",
+"Vocals/Instruments", "Emotion/Mood" and "Rhythm/Production/Other", with "Mandopop", "Female Vocals",
+"Acoustic Guitar", "Piano", "Atmospheric" and "Modern Production" selected by default. Our contract
+(shared/docs/api.md) is the same object with a ``label`` in each category, so a reference-style file
+maps onto it one to one: each key stays, its ``tags`` list stays in order, and a missing ``label``
+is filled from the frontend's names above (a bare list of tags is accepted as a category too).
+
+The built-in catalogue (``tags.json`` next to this module) uses those keys, labels and the
+TitleCase vocabulary, including every default selection of the reference frontend. ``TAGS_FILE``
+replaces it with any file of that shape (the reference's own ``tags.json`` included); a file that
+is missing or malformed refuses start-up with one line naming the path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from songserve.errors import ConfigError
+
+BUILTIN = Path(__file__).with_name("tags.json")
+LABELS = {
+    "genre_style": "Genre/Style",
+    "vocal_instrument": "Vocals/Instruments",
+    "emotion_mood": "Emotion/Mood",
+    "production_other": "Rhythm/Production/Other",
 }
+# The reference frontend's default selections: a catalogue without them leaves its chips unticked.
+REFERENCE_DEFAULTS = ("Mandopop", "Female Vocals", "Acoustic Guitar", "Piano", "Atmospheric", "Modern Production")
+
+
+def _category(key: str, value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, list):
+        value = {"tags": value}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: category {key!r} must be an object with a 'tags' list.")
+    tags = value.get("tags")
+    if not isinstance(tags, list) or not tags:
+        raise ConfigError(f"{where}: category {key!r} needs a non-empty 'tags' list.")
+    clean: list[str] = []
+    for tag in tags:
+        if not isinstance(tag, str) or not tag.strip():
+            raise ConfigError(f"{where}: category {key!r} has a tag that is not a non-empty string: {tag!r}.")
+        clean.append(tag.strip())
+    label = value.get("label", LABELS.get(key, key.replace("_", " ").title()))
+    if not isinstance(label, str) or not label.strip():
+        raise ConfigError(f"{where}: category {key!r} has a 'label' that is not a non-empty string.")
+    return {"label": label.strip(), "tags": clean}
+
+
+def load_catalogue(path: Path | str) -> dict[str, dict[str, Any]]:
+    """Read and check a catalogue file; ``ConfigError`` names the path and what is wrong."""
+    where = f"TAGS_FILE {path}"
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file.") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot be read ({exc}).") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}).") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{where}: must be a JSON object of categories.")
+    return {str(key): _category(str(key), value, where) for key, value in raw.items()}
+
+
+TAGS: dict[str, dict[str, Any]] = load_catalogue(BUILTIN)

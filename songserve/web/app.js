@@ -38,23 +38,61 @@ document.querySelectorAll("input[name=prompt_mode]").forEach((r) => r.addEventLi
 }));
 $("instrumental").addEventListener("change", () => { $("lyrics-set").hidden = $("instrumental").checked; });
 
+// The catalogue from /tags (the reference's groups and TitleCase vocabulary), one row of chips per
+// group; the reference frontend's default selections are filled in when the field is empty.
+const REFERENCE_DEFAULTS = ["Mandopop", "Female Vocals", "Acoustic Guitar", "Piano", "Atmospheric", "Modern Production"];
+const CHIPS_SHOWN = 12;
+
+function selectedTags() { return $("tags").value.split(",").map((s) => s.trim()).filter(Boolean); }
+
+function markChips() {
+  const chosen = new Set(selectedTags().map((t) => t.toLowerCase()));
+  document.querySelectorAll("#tag-chips button.chip").forEach((b) => {
+    b.setAttribute("aria-pressed", chosen.has(b.textContent.toLowerCase()) ? "true" : "false");
+  });
+}
+
 async function loadTags() {
   try {
-    const tags = await api("tags");
-    for (const category of Object.values(tags)) {
-      for (const tag of category.tags.slice(0, 8)) {
+    const catalogue = await api("tags");
+    const all = new Set();
+    for (const category of Object.values(catalogue)) {
+      const group = document.createElement("div");
+      group.className = "tag-group";
+      const label = document.createElement("span");
+      label.className = "tag-label muted"; label.textContent = category.label;
+      group.appendChild(label);
+      category.tags.forEach((tag, i) => {
+        all.add(tag);
         const b = document.createElement("button");
-        b.type = "button"; b.textContent = tag; b.title = category.label;
+        b.type = "button"; b.className = "chip"; b.textContent = tag; b.title = category.label;
+        b.hidden = i >= CHIPS_SHOWN;
         b.addEventListener("click", () => {
-          const parts = $("tags").value.split(",").map((s) => s.trim()).filter(Boolean);
-          if (!parts.includes(tag)) parts.push(tag);
+          const parts = selectedTags();
+          const at = parts.findIndex((p) => p.toLowerCase() === tag.toLowerCase());
+          if (at >= 0) parts.splice(at, 1); else parts.push(tag);
           $("tags").value = parts.join(", ");
+          markChips();
         });
-        $("tag-chips").appendChild(b);
+        group.appendChild(b);
+      });
+      if (category.tags.length > CHIPS_SHOWN) {
+        const more = document.createElement("button");
+        more.type = "button"; more.className = "more"; more.textContent = `+${category.tags.length - CHIPS_SHOWN} more`;
+        more.addEventListener("click", () => {
+          group.querySelectorAll("button.chip").forEach((b) => { b.hidden = false; });
+          more.remove();
+        });
+        group.appendChild(more);
       }
+      $("tag-chips").appendChild(group);
     }
+    if (!$("tags").value.trim()) $("tags").value = REFERENCE_DEFAULTS.filter((t) => all.has(t)).join(", ");
+    markChips();
+    document.querySelectorAll("#tag-chips button.chip[aria-pressed=true]").forEach((b) => { b.hidden = false; });
   } catch (_) { /* the chips are a convenience */ }
 }
+$("tags").addEventListener("input", markChips);
 
 async function refreshStatus() {
   try {
@@ -84,7 +122,7 @@ $("gen-form").addEventListener("submit", async (event) => {
     const accepted = await api("generate", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
-    followJob(accepted.job_id, body);
+    followJob(accepted.job_id, body, accepted.adjusted);
   } catch (e) {
     showError($("form-error"), e.message);
   } finally {
@@ -93,9 +131,17 @@ $("gen-form").addEventListener("submit", async (event) => {
 });
 
 // ---- a job card --------------------------------------------------------------------------------
-function followJob(jobId, request) {
+// What the server read differently from what was sent (out-of-range values, as the reference reads them).
+function adjustedNote(adjusted) {
+  const parts = Object.entries(adjusted || {}).map(([field, c]) => `${field} ${JSON.stringify(c.from)} → ${JSON.stringify(c.to)}`);
+  return parts.length ? `Adjusted: ${parts.join(", ")}` : "";
+}
+
+function followJob(jobId, request, adjusted) {
   const card = $("job-tpl").content.firstElementChild.cloneNode(true);
   card.dataset.jobId = jobId;
+  const note = card.querySelector(".job-note");
+  note.textContent = adjustedNote(adjusted); note.hidden = !note.textContent;
   card.querySelector(".job-title").textContent = (request.tags || request.prompt || "Untitled") + ` · ${jobId.slice(0, 8)}`;
   card.querySelector(".cancel").addEventListener("click", async () => {
     try { render(card, await api(`job/${jobId}`, { method: "DELETE" })); }

@@ -180,7 +180,8 @@ class WorkerRuntime:
             ctx = TaskContext(task_id)
             self._current, self.status = ctx, WorkerStatus.busy
             self._remember(TaskView(task_id=task_id, status=TaskState.running))
-        seed = body.seed_override if body.seed_override is not None else self.s.seed
+        # None or 0 = the worker's own seed, as the reference backend reads seed_override.
+        seed = body.seed_override or self.s.seed
         req = to_track_request(body, seed, task_id)
         log.info(
             "task %s: start (job %s track %d, %.2f min, seed %d)",

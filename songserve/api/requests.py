@@ -1,0 +1,153 @@
+"""Read a ``POST /generate`` body as the reference backend reads it, and say what was changed.
+
+Why: scripts written for the reference backend (``backend/backend_api.py`` of the public Khala
+repository) must get a song here wherever they got one there (shared/docs/api.md, ``POST /generate``).
+The reference parses the body leniently (pydantic's lax mode: ``"3"`` and ``3.0`` are 3), then
+clamps ``duration`` into 1–10 minutes, ``top_k_bb`` into 1–200 and ``temperature`` into 0.6–1.4,
+treats any ``mode`` but ``instrumental`` as vocal and any ``prompt_mode`` but ``tags`` as natural,
+and generates a vocal song whose lyrics are empty. ``normalize`` does the same, within our
+configured duration range (fractions of a minute are our extension: zero or negative becomes the
+reference's 1 minute, a positive value below our minimum becomes that minimum), and reports every
+value it reads differently from how it was sent in ``adjusted`` (``{"duration": {"from": 15, "to":
+10.0}}``), coercions included, so a client can see what it will get.
+
+One deliberate difference: for a ``mode`` that is neither ``vocal`` nor ``instrumental`` the
+reference keeps the vocal prompt but drops the lyrics (it cleans lyrics only when ``mode ==
+"vocal"``); here such a request is vocal with its lyrics, as api.md specifies.
+
+Strict mode (``STRICT_REQUESTS=1``) refuses, with a 422 naming the field, every value that the
+lenient reading would change beyond a type coercion: out-of-range numbers, unknown ``mode`` and
+``prompt_mode`` words, empty lyrics for a vocal song, and tags or prompts over 1,000 characters.
+Our extensions (``num_tracks``, ``seed``, ``top_k_sr``, ``backbone``, ``superres``, ``priority``)
+are validated the same way in both modes.
+
+The function is pure (no settings, no I/O); the caller logs the adjustments with the job id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from songserve.errors import FieldError
+from songserve.lyrics import CLEANING_MODES, CleaningMode, clean_lyrics
+from songserve.schemas import GenerateRequest
+
+# The reference's ranges and defaults (its ``clamp_generate_request``).
+TOP_K_BB_RANGE = (1, 200)
+TEMPERATURE_RANGE = (0.6, 1.4)
+NON_POSITIVE_DURATION = 1.0  # minutes: the reference's floor for 0 and below
+STRICT_TEXT_CHARS = 1000  # strict mode only: the former limit on tags and prompt
+MODES = ("vocal", "instrumental")  # the first is what an unknown word reads as
+PROMPT_MODES = ("tags", "natural")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The dispatcher's configured limits and the model names its workers offer."""
+
+    min_duration: float = 0.05
+    max_duration: float = 10.0
+    max_tracks: int = 4
+    max_lyrics_chars: int = 10_000
+    backbones: tuple[str, ...] = ()
+    superres: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NormalizedRequest:
+    """The request with the values that will be used, its cleaned lyrics, and what changed."""
+
+    request: GenerateRequest
+    cleaned_lyrics: str
+    adjusted: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _differs(sent: Any, used: Any) -> bool:
+    """A coercion or a change: ``"3"`` → 3 and 15 → 10 differ; 3 → 3.0 does not."""
+    if isinstance(sent, bool) or isinstance(sent, str) != isinstance(used, str):
+        return True
+    return bool(sent != used)
+
+
+def _clamp(name: str, value: float, low: float, high: float, strict: bool) -> float:
+    if low <= value <= high:
+        return value
+    if strict:
+        raise FieldError(name, f"must be between {low:g} and {high:g}")
+    return min(max(value, low), high)
+
+
+def _duration(value: float, limits: RequestLimits, strict: bool) -> float:
+    low, high = limits.min_duration, limits.max_duration
+    if low <= value <= high:
+        return value
+    if strict:
+        raise FieldError("duration", f"must be between {low:g} and {high:g} minutes")
+    if value <= 0:
+        return min(max(NON_POSITIVE_DURATION, low), high)
+    return min(max(value, low), high)
+
+
+def _word(name: str, value: str, allowed: tuple[str, str], strict: bool) -> str:
+    """The reference's reading: the second word only when sent exactly, else the first."""
+    if value in allowed:
+        return value
+    if strict:
+        raise FieldError(name, f"must be one of {', '.join(allowed)}")
+    first, second = allowed
+    return second if value == second else first
+
+
+def normalize(
+    req: GenerateRequest,
+    limits: RequestLimits,
+    *,
+    strict: bool = False,
+    cleaning: CleaningMode = "reference",
+) -> NormalizedRequest:
+    """Apply the reference's reading (or, with ``strict``, refuse what it would change).
+
+    Raises ``FieldError`` (HTTP 422 naming the field) for values no reading can serve.
+    """
+    if cleaning not in CLEANING_MODES:
+        raise ValueError(f"unknown lyrics cleaning mode {cleaning!r}")
+    mode = _word("mode", req.mode, MODES, strict)
+    # Any prompt_mode but "tags" is natural (the reference tests for "tags" only).
+    prompt_mode = "tags" if req.prompt_mode == "tags" else "natural"
+    if strict and req.prompt_mode not in PROMPT_MODES:
+        raise FieldError("prompt_mode", f"must be one of {', '.join(PROMPT_MODES)}")
+    if strict:
+        for name in ("tags", "prompt"):
+            if len(getattr(req, name)) > STRICT_TEXT_CHARS:
+                raise FieldError(name, f"must be at most {STRICT_TEXT_CHARS} characters")
+    used: dict[str, Any] = {
+        "mode": mode,
+        "prompt_mode": prompt_mode,
+        "duration": _duration(req.duration, limits, strict),
+        "top_k_bb": int(_clamp("top_k_bb", req.top_k_bb, *TOP_K_BB_RANGE, strict)),
+        "temperature": _clamp("temperature", req.temperature, *TEMPERATURE_RANGE, strict),
+    }
+
+    if req.num_tracks > limits.max_tracks:
+        raise FieldError("num_tracks", f"must be at most {limits.max_tracks}")
+    for name, value, offered in (
+        ("backbone", req.backbone, limits.backbones),
+        ("superres", req.superres, limits.superres),
+    ):
+        if value and offered and value not in offered:
+            raise FieldError(name, f"must be one of {', '.join(offered)}")
+
+    lyrics = clean_lyrics(req.lyrics, cleaning) if mode == "vocal" else ""
+    if len(lyrics) > limits.max_lyrics_chars:
+        raise FieldError("lyrics", f"must be at most {limits.max_lyrics_chars} characters after cleaning")
+    if strict and mode == "vocal" and not lyrics:
+        raise FieldError("lyrics", "is empty after cleaning; a vocal song needs lyrics")
+
+    final = req.model_copy(update=used)
+    adjusted: dict[str, dict[str, Any]] = {}
+    for name, sent in req.sent.items():
+        now = getattr(final, name)
+        if _differs(sent, now):
+            adjusted[name] = {"from": sent, "to": now}
+    return NormalizedRequest(request=final, cleaned_lyrics=lyrics, adjusted=adjusted)
