@@ -146,7 +146,10 @@ class DispatcherSettings(BaseSettings):
     offline_after_failures: int = Field(2, ge=1, description="missed health polls before a worker is offline")
     result_ttl_sec: float = Field(24 * 3600.0, gt=0, description="finished jobs and files are removed after this")
     results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
-    sweep_interval_sec: float = Field(60.0, gt=0)
+    sweep_interval_sec: float = Field(60.0, gt=0, description="seconds between retention sweeps")
+    store_damaged: Literal["refuse", "move-aside"] = Field(
+        "refuse", description="a damaged jobs.sqlite3 at start-up: refuse to start, or move it aside and start fresh"
+    )
     drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for running tracks")
     api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
     public_page: bool = Field(True, description="with an API key: the page and /tags stay public")

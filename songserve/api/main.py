@@ -6,6 +6,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from songserve.api.store import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import DispatcherSettings, load_settings, log_non_default
@@ -24,6 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging("api", s.log_level)
     log_non_default(s)
+    try:  # a damaged store refuses start-up here, in one line, before uvicorn starts
+        prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.state_dir / "results")
+    except ConfigError as exc:
+        print(f"dispatcher: {exc}", file=sys.stderr)
+        return 2
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
 
     from songserve.api.app import create_app
