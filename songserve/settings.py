@@ -65,6 +65,15 @@ class WorkerSettings(BaseSettings):
         30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled"
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    min_free_disk_mb: float = Field(
+        500.0, ge=0, description="below this much free space on the output disk, /health says disk_low"
+    )
+    output_ttl_sec: float = Field(
+        86400.0, ge=0, description="output files older than this are removed (a safety net); 0 = never"
+    )
+    header_timeout_sec: float = Field(
+        10.0, gt=0, description="a connection that has not sent its request headers in this time is closed"
+    )
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
     test_hang: bool = Field(False, description="test pipeline: the model thread hangs (fault-injection tests)")
@@ -158,6 +167,9 @@ class DispatcherSettings(BaseSettings):
         "", description="comma-separated extra origins allowed by CORS (localhost ports always are)"
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    header_timeout_sec: float = Field(
+        10.0, gt=0, description="a connection that has not sent its request headers in this time is closed"
+    )
     log_level: str = "INFO"
 
     def worker_list(self) -> list[str]:

@@ -33,9 +33,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
 
     from songserve.api.app import create_app
-    from songserve.serving import GracefulServer
+    from songserve.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(s)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        http=header_timeout_protocol(s.header_timeout_sec),
+    )
     GracefulServer(config, drain=lambda: app.state.svc.drain(s.drain_timeout_sec)).run()
     return 0
