@@ -372,18 +372,27 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+def _shown(path: Path) -> str:
+    """A folder as a client may see it: its last name only (the full path is in the worker's log)."""
+    return f"…/{path.name}" if path.name else str(path)
+
+
 def classify_failure(exc: BaseException, out_dir: Path) -> tuple[ErrorKind, str]:
     """(kind, sentence) for an unexpected task failure; never a bare exception class name for the disk."""
     if _is_out_of_memory(exc):
         return ErrorKind.environment, "The worker ran out of memory."
     if isinstance(exc, OSError):
         where = Path(exc.filename) if exc.filename else out_dir
+        inside = where == out_dir or out_dir in where.parents
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return ErrorKind.environment, f"The worker's output disk is full ({where})."
+            return ErrorKind.environment, f"The worker's output disk is full ({_shown(out_dir if inside else where)})."
         reason = exc.strerror or type(exc).__name__
-        if where == out_dir or out_dir in where.parents:
-            return ErrorKind.environment, f"The worker could not write its output files in {out_dir} ({reason})."
-        return ErrorKind.environment, f"The worker hit a system error on {where} ({reason})."
+        if inside:
+            return (
+                ErrorKind.environment,
+                f"The worker could not write its output files in {_shown(out_dir)} ({reason}).",
+            )
+        return ErrorKind.environment, f"The worker hit a system error on {_shown(where)} ({reason})."
     return ErrorKind.model, f"The task failed inside the model ({type(exc).__name__})."
 
 
