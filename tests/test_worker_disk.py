@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from songserve.errors import TaskError
+from songserve.errors import NotFoundError, RequestError, TaskError
 from songserve.pipeline import export
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.export import ExportError, Mp3Options, write_track
@@ -243,3 +243,23 @@ def test_sweep_removes_only_old_export_files(tmp_path: Path) -> None:
         os.utime(tmp_path / name, (old, old))
     assert sweep_outputs(tmp_path, ttl_sec=3600, now=old + 7200) == 4
     assert sorted(os.listdir(tmp_path)) == ["keep.txt", "link.wav", "new.wav"]
+
+
+def test_files_of_a_forgotten_task_are_found_by_their_json(tmp_path: Path) -> None:
+    """After a restart the worker no longer remembers the task: its JSON still names the files."""
+    s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path / "out")
+    rt = WorkerRuntime(s, TonePipeline(s), torch.device("cpu"))
+    rt.status = rt.status.idle
+    other = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="other", duration=0.01)))
+    done = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="gone", duration=0.01)))
+    rt._tasks.clear()  # what a restart forgets
+    removed = rt.remove_task_files("gone")
+    assert sorted(removed) == sorted([done.wav_filename, done.mp3_filename, done.json_filename])
+    assert sorted(os.listdir(s.output_dir)) == sorted([other.wav_filename, other.mp3_filename, other.json_filename])
+    with pytest.raises(NotFoundError):
+        rt.remove_task_files("never-ran")
+    rt._current = TaskContext("running")
+    with pytest.raises(RequestError, match="still running"):
+        rt.remove_task_files("running")
+    rt._current = None
+    rt.shutdown()
