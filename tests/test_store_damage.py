@@ -243,3 +243,20 @@ def test_orphans_are_result_folders_without_a_job(tmp_path: Path) -> None:
     store.insert_job(_job("aaaa1111", 1))
     assert arts.orphans(store.job_ids(), min_age_sec=0) == ["bbbb2222", "cccc3333"]
     assert store.load_job("aaaa1111").tracks[0].status is TrackStatus.queued
+
+
+def test_a_locked_store_is_refused_but_never_moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holding the store's lock is not damage: refuse, and touch nothing."""
+    path = _filled_store(tmp_path, jobs=1)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **kw: real(*a, **{**kw, "timeout": 0.1}))  # not 5 s
+    try:
+        with pytest.raises(ConfigError, match="cannot be checked .*locked.*nothing was changed"):
+            prepare_store(path, "move-aside")
+        assert path.exists() and list(tmp_path.glob("*.damaged-*")) == []
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()

@@ -32,6 +32,7 @@ from songserve.errors import ConfigError
 log = logging.getLogger(__name__)
 SQLITE_HEADER = b"SQLite format 3\x00"
 DamagePolicy = Literal["refuse", "move-aside"]
+DAMAGE_WORDS = ("malformed", "not a database", "corrupt")  # SQLite's words for a broken file
 
 
 @dataclass
@@ -253,7 +254,8 @@ def diagnose(path: Path, results_dir: Path | None = None) -> str | None:
 
     A missing file is a new store. A 0-byte file is new only when no result folder exists beside
     it: otherwise jobs existed and the file lost them, and starting silently would orphan them.
-    Raises ``NewerSchemaError`` for a store written by a newer build (not damage: never moved aside).
+    Raises ``NewerSchemaError`` for a store written by a newer build, and ``ConfigError`` when the
+    file cannot be read for another reason (locked, I/O error): neither is damage, neither is moved aside.
     """
     if not path.exists():
         return None
@@ -275,6 +277,9 @@ def diagnose(path: Path, results_dir: Path | None = None) -> str | None:
         finally:
             db.close()
     except sqlite3.DatabaseError as exc:
+        if not any(word in str(exc).lower() for word in DAMAGE_WORDS):
+            # locked by another process, an I/O error, …: the file may be fine; never move it aside
+            raise ConfigError(f"The job store {path} cannot be checked ({exc}); nothing was changed.") from None
         return f"is damaged ({exc})"
     if [tuple(r) for r in rows] != [("ok",)]:
         first = " ".join(str(rows[0][0]).split()) if rows else "no answer"
