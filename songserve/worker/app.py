@@ -123,7 +123,9 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             raise
         except SongserveError as exc:  # the error body carries the kind: environment, model or request
             kind = error_kind_of(exc)
-            extra = {"error_kind": kind.value} if kind else {}
+            extra: dict[str, object] = {"error_kind": kind.value} if kind else {}
+            if exc.detail:
+                extra["detail"] = exc.detail
             return error_response(exc.http_status, str(exc), headers=exc.headers, task_id=body.task_id, **extra)
         return JSONResponse(result.model_dump())
 
