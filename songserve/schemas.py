@@ -32,30 +32,47 @@ class WorkerStatus(StrEnum):
     stalled = "stalled"  # a task made no progress past its deadline
 
 
+# Every worker field is bounded; names and ids also have a pattern (no newline to forge a log line,
+# no control characters in a name). pydantic refuses lone surrogates in any string ("\ud800" is
+# valid JSON but not valid Unicode). Bad input is a 422 naming the field, never a 500.
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
+WORD_PATTERN = r"^[A-Za-z_]*$"
+MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
+
+
+class ErrorKind(StrEnum):
+    """Why a task failed: whose fault, so the dispatcher knows whether another worker may succeed."""
+
+    environment = "environment"  # disk full, out of memory, a write error: this worker, not the track
+    model = "model"  # the model or the export failed on this input
+    request = "request"  # the request cannot be served as asked (unknown model name, …)
+
+
 class WorkerGenerateRequest(BaseModel):
     """Dispatcher → worker ``POST /generate``."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
-    genre: str = ""
-    language: str = ""
-    tags: str = ""
-    description: str = ""
+    genre: str = Field("", max_length=200, pattern=NO_CONTROL)
+    language: str = Field("", max_length=100, pattern=NO_CONTROL)
+    tags: str = Field("", max_length=50_000)  # the dispatcher accepts any length; the prompt builder shortens
+    description: str = Field("", max_length=50_000)
     duration: float = Field(0.5, gt=0, le=15, description="minutes")
     lyrics: str = Field("", max_length=20000)
-    backbone_name: str = ""
-    superres_name: str = ""
+    backbone_name: str = Field("", max_length=200, pattern=NO_CONTROL)
+    superres_name: str = Field("", max_length=200, pattern=NO_CONTROL)
     top_k_bb: int = Field(80, ge=1, le=1024)
     top_k_sr: int = Field(10, ge=1, le=1024)
     temperature: float = Field(1.0, gt=0, le=5)
-    superres_text_mode: str = "default"
-    raw_user_input: str = ""
-    raw_mode: str = "vocal"
-    raw_prompt_mode: str = "tags"
-    seed_override: int | None = Field(None, ge=0)
-    task_id: str = Field("", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
-    job_id: str = Field("", max_length=64)
-    track_index: int = Field(0, ge=0)
+    superres_text_mode: str = Field("default", max_length=32, pattern=WORD_PATTERN)
+    raw_user_input: str = Field("", max_length=50_000)
+    raw_mode: str = Field("vocal", max_length=32, pattern=WORD_PATTERN)
+    raw_prompt_mode: str = Field("tags", max_length=32, pattern=WORD_PATTERN)
+    seed_override: int | None = Field(None, ge=0, le=MAX_SEED)
+    task_id: str = Field("", max_length=64, pattern=ID_PATTERN)
+    job_id: str = Field("", max_length=64, pattern=ID_PATTERN)
+    track_index: int = Field(0, ge=0, le=1000)
 
 
 class WorkerGenerateResult(BaseModel):
@@ -73,6 +90,7 @@ class WorkerGenerateResult(BaseModel):
     gpu_id: int
     seed: int
     metadata: dict[str, Any] = {}
+    error_kind: ErrorKind | None = None  # always None on success; the field is shared with error bodies
 
 
 class WorkerHealth(BaseModel):
@@ -132,7 +150,7 @@ class TaskView(BaseModel):
     task_id: str
     status: TaskState
     error: str | None = None
-    error_kind: str | None = None  # environment, model or request
+    error_kind: ErrorKind | None = None
     result: WorkerGenerateResult | None = None
     progress: int = 0
     phase: str = "idle"

@@ -1,7 +1,13 @@
-"""Running an app under uvicorn with a graceful drain on SIGTERM/SIGINT.
+"""Running an app under uvicorn with a graceful drain on SIGTERM/SIGINT, and a header-read timeout.
 
 The first signal runs ``drain`` while the app keeps answering (new work gets 503 from the app),
 then the server exits with status 0; a second signal stops at once.
+
+uvicorn's h11 protocol waits forever for a client to finish its request headers (its keep-alive
+timer is cancelled by the first byte), so a few hundred "slowloris" connections that trickle
+bytes hold sockets and memory indefinitely. ``header_timeout_protocol`` closes a connection whose
+request line and headers are not complete within ``HEADER_TIMEOUT_SEC`` of its opening, or of the
+end of its previous response; the clock never runs while a request is being handled.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +51,52 @@ class GracefulServer(uvicorn.Server):
             log.exception("drain failed")
         finally:
             self.should_exit = True
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for receiving each request's headers."""
+
+    header_timeout: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        # h11 stays IDLE on the client's side until the request line and all headers are in.
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # keep-alive: the next request's headers have the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        log.debug(
+            "closing a connection from %s: no complete request headers in %.1fs", self.client, self.header_timeout
+        )
+        self.transport.close()
+
+
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """The protocol class to pass as ``uvicorn.Config(http=...)`` for a given header timeout."""
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": float(seconds)})

@@ -65,6 +65,15 @@ class WorkerSettings(BaseSettings):
         30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled"
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    min_free_disk_mb: float = Field(
+        500.0, ge=0, description="below this much free space on the output disk, /health says disk_low"
+    )
+    output_ttl_sec: float = Field(
+        86400.0, ge=0, description="output files older than this are removed (a safety net); 0 = never"
+    )
+    header_timeout_sec: float = Field(
+        10.0, gt=0, description="a connection that has not sent its request headers in this time is closed"
+    )
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
     test_hang: bool = Field(False, description="test pipeline: the model thread hangs (fault-injection tests)")
@@ -146,7 +155,10 @@ class DispatcherSettings(BaseSettings):
     offline_after_failures: int = Field(2, ge=1, description="missed health polls before a worker is offline")
     result_ttl_sec: float = Field(24 * 3600.0, gt=0, description="finished jobs and files are removed after this")
     results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
-    sweep_interval_sec: float = Field(60.0, gt=0)
+    sweep_interval_sec: float = Field(60.0, gt=0, description="seconds between retention sweeps")
+    store_damaged: Literal["refuse", "move-aside"] = Field(
+        "refuse", description="a damaged jobs.sqlite3 at start-up: refuse to start, or move it aside and start fresh"
+    )
     drain_timeout_sec: float = Field(30.0, ge=0, description="on SIGTERM, wait this long for running tracks")
     bench_after_failures: int = Field(
         3, ge=1, description="a worker whose tracks fail this many times in a row for environment reasons is benched"
@@ -166,6 +178,9 @@ class DispatcherSettings(BaseSettings):
         "reference", description="reference = the reference backend's cleaning; preserve-scripts keeps non-Latin words"
     )
     tags_file: Path | None = Field(None, description="JSON tag catalogue served at /tags; unset = the built-in one")
+    header_timeout_sec: float = Field(
+        10.0, gt=0, description="a connection that has not sent its request headers in this time is closed"
+    )
     log_level: str = "INFO"
 
     @field_validator("tags_file", mode="before")

@@ -349,3 +349,20 @@ async def test_a_done_tracks_missing_or_damaged_file_answers_gone(tmp_path):
             with pytest.raises(GoneError) as err:
                 f.svc.track_file(view.job_id, 0, kind)
             assert err.value.http_status == 410
+
+
+@aio
+async def test_retention_removes_results_folders_that_no_job_owns(tmp_path):
+    import os
+    import time
+
+    async with FakeFleet(tmp_path) as f:
+        kept = await run_job(f)
+        orphan = f.svc.artifacts.root / "ab12cd34ef56ab78"
+        orphan.mkdir()
+        (orphan / "track_0.wav").write_bytes(b"x")
+        old = time.time() - 3600
+        os.utime(orphan, (old, old))
+        f.svc.retention.sweep()
+        assert not orphan.exists()
+        assert f.svc.artifacts.has(kept.job_id, 0, "wav")

@@ -2,14 +2,18 @@
 
 Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>`` under a
 temporary name, then renamed, so results survive a worker's restart and its cleanup. Retention
-removes finished jobs past their TTL and, oldest first, while the folder is over its size cap.
+removes finished jobs past their TTL and, oldest first, while the folder is over its size cap, and
+asks ``orphans`` for folders no job row owns (a store moved aside or restored from an older backup).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
+import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +50,23 @@ class ArtifactStore:
     def remove_job(self, job_id: str) -> None:
         if JOB_ID.match(job_id):
             shutil.rmtree(self.root / job_id, ignore_errors=True)
+
+    def orphans(self, known_ids: Collection[str], min_age_sec: float = 300.0) -> list[str]:
+        """Job folders (sorted) that no known job owns: candidates for retention to report or remove.
+
+        Only folders named like a job id count (anything else in the folder is not ours to touch).
+        A folder changed within ``min_age_sec`` is skipped: its job row may be newer than the
+        caller's ``known_ids``.
+        """
+        known = set(known_ids)
+        cutoff = time.time() - min_age_sec
+        out = []
+        for entry in os.scandir(self.root):
+            if entry.name in known or not JOB_ID.match(entry.name):
+                continue
+            if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime <= cutoff:
+                out.append(entry.name)
+        return sorted(out)
 
     def job_bytes(self, job_id: str) -> int:
         d = self.root / job_id

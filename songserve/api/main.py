@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from songserve.api import tags
+from songserve.api.store import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import DispatcherSettings, load_settings, log_non_default
@@ -26,12 +27,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging("api", s.log_level)
     log_non_default(s)
+    try:  # a damaged store refuses start-up here, in one line, before uvicorn starts
+        prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.state_dir / "results")
+    except ConfigError as exc:
+        print(f"dispatcher: {exc}", file=sys.stderr)
+        return 2
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
 
     from songserve.api.app import create_app
-    from songserve.serving import GracefulServer
+    from songserve.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(s)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        http=header_timeout_protocol(s.header_timeout_sec),
+    )
     GracefulServer(config, drain=lambda: app.state.service.drain(s.drain_timeout_sec)).run()
     return 0

@@ -1,6 +1,8 @@
 """Retention: finished jobs and their files leave after their TTL, and oldest first over the size cap.
 
-Active jobs are never touched: only jobs the store marks terminal are candidates.
+Active jobs are never touched: only jobs the store marks terminal are candidates. Results folders
+that no job in the store owns (a store replaced after damage, a crash between a delete and its
+folder's removal) are reported and removed once they are a few minutes old.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class Retention:
                 removed += 1
                 if total <= self.max_bytes:
                     break
+        for job_id in self.artifacts.orphans(self.store.job_ids()):
+            log.warning("retention: removing results folder %s, which no job in the store owns", job_id)
+            self.artifacts.remove_job(job_id)
+            removed += 1
         if removed:
-            log.info("retention: removed %d finished jobs", removed)
+            log.info("retention: removed %d finished jobs or orphaned folders", removed)
         return removed
 
     def _remove(self, job_id: str) -> None:

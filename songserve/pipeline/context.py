@@ -19,7 +19,8 @@ class Progress:
     done: int = 0
     total: int = 0
     detail: str = ""
-    updated_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)  # wall clock, for people and /health
+    updated_mono: float = field(default_factory=time.monotonic)  # for stall checks: immune to clock steps
 
     @property
     def percent(self) -> int:

@@ -3,13 +3,20 @@
 Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``. MP3 goes through
 ``soundfile``'s bundled libsndfile (no system package), constant bitrate, highest quality by
 default. Each file is written under a temporary name in the same folder, then renamed.
+
+A failed export leaves nothing behind (neither its temporary file nor the files of the track it
+already wrote) and raises ``ExportError``, an ``OSError`` whose errno says what happened:
+``ENOSPC`` when the disk is full. libsndfile reports a full disk as a bare ``LibsndfileError``
+with no errno, so the free space is measured after a failure to tell the two apart.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,11 +37,37 @@ def new_basename(now: float | None = None) -> str:
     return f"{stamp}_{secrets.token_hex(4)}"
 
 
-def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class ExportError(OSError):
+    """One file of a track could not be written (``errno`` ENOSPC/EDQUOT: the disk is full)."""
+
+
+def _export_error(path: Path, need_bytes: int, exc: Exception) -> ExportError:
+    """Say what a write failure was, in terms of the disk: full, or another write error."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code not in FULL_ERRNOS:
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        if free is not None and free < need_bytes + (1 << 20):
+            code = errno.ENOSPC
+    if code in FULL_ERRNOS:
+        return ExportError(code, f"No space left on device writing {path.name}", str(path.parent))
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc) or type(exc).__name__)
+    return ExportError(code or errno.EIO, f"Could not write {path.name}: {reason}", str(path.parent))
+
+
+def _atomic(path: Path, write: Callable[[Path], object], need_bytes: int = 0) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        raise _export_error(path, need_bytes, exc) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -44,25 +77,39 @@ def write_track(
     out_dir: Path, audio: np.ndarray, sample_rate: int, metadata: dict, mp3: Mp3Options
 ) -> tuple[str, str, str, dict]:
     """audio (samples, channels) float32 in [-1, 1] → (wav, mp3, json) names and the metadata written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _export_error(out_dir / "x", 0, exc) from exc
     base = new_basename()
     wav, mp3_name, meta = f"{base}.wav", f"{base}.mp3", f"{base}.json"
     audio = np.clip(audio, -1.0, 1.0)
+    wav_bytes = audio.shape[0] * (audio.shape[1] if audio.ndim > 1 else 1) * 2
+    written: list[Path] = []
     t0 = time.perf_counter()
-    _atomic(out_dir / wav, lambda p: sf.write(p, audio, sample_rate, format="WAV", subtype="PCM_16"))
-    _atomic(
-        out_dir / mp3_name,
-        lambda p: sf.write(
-            p,
-            audio,
-            sample_rate,
-            format="MP3",
-            subtype="MPEG_LAYER_III",
-            bitrate_mode=mp3.bitrate_mode,
-            compression_level=mp3.compression_level,
-        ),
-    )
-    timings = {**metadata.get("timings", {}), "export_sec": time.perf_counter() - t0}
-    metadata = {**metadata, "timings": timings, "files": {"wav": wav, "mp3": mp3_name, "json": meta}}
-    _atomic(out_dir / meta, lambda p: p.write_text(json.dumps(metadata, indent=2, ensure_ascii=False)))
+    try:
+        _atomic(out_dir / wav, lambda p: sf.write(p, audio, sample_rate, format="WAV", subtype="PCM_16"), wav_bytes)
+        written.append(out_dir / wav)
+        _atomic(
+            out_dir / mp3_name,
+            lambda p: sf.write(
+                p,
+                audio,
+                sample_rate,
+                format="MP3",
+                subtype="MPEG_LAYER_III",
+                bitrate_mode=mp3.bitrate_mode,
+                compression_level=mp3.compression_level,
+            ),
+            wav_bytes // 4,
+        )
+        written.append(out_dir / mp3_name)
+        timings = {**metadata.get("timings", {}), "export_sec": time.perf_counter() - t0}
+        metadata = {**metadata, "timings": timings, "files": {"wav": wav, "mp3": mp3_name, "json": meta}}
+        text = json.dumps(metadata, indent=2, ensure_ascii=False)
+        _atomic(out_dir / meta, lambda p: p.write_text(text, encoding="utf-8"), len(text.encode()))
+    except BaseException:
+        for path in written:  # a failed track leaves no files behind
+            path.unlink(missing_ok=True)
+        raise
     return wav, mp3_name, meta, metadata

@@ -1,7 +1,13 @@
-"""The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``."""
+"""The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
+
+Besides the routes, a small background task sweeps output files past ``OUTPUT_TTL_SEC``; the
+dispatcher removes each task's files with ``DELETE /files/{task_id}`` once it has copied them.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -11,12 +17,14 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 
 from songserve import __version__
-from songserve.errors import CancelledError, NotFoundError
-from songserve.http_errors import install_error_handlers
+from songserve.errors import BusyError, CancelledError, NotFoundError, SongserveError
+from songserve.http_errors import error_response, install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
-from songserve.schemas import TaskView, WorkerGenerateRequest, WorkerStatus
-from songserve.worker.runtime import WorkerRuntime
+from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
+from songserve.worker.runtime import WorkerRuntime, error_kind_of
 
+log = logging.getLogger(__name__)
+TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
 LANGUAGES = ["en", "zh", "Instrumental"]
@@ -32,11 +40,25 @@ def safe_file(folder: Path, name: str) -> Path:
     return path
 
 
+def sweep_interval(ttl_sec: float) -> float:
+    """How often to sweep: often enough for the TTL to hold within ~10 %, never busier than once a second."""
+    return min(max(ttl_sec / 10, 1.0), 600.0)
+
+
+async def sweep_loop(runtime: WorkerRuntime) -> None:
+    """Remove old output files forever; one failed sweep is logged and the next one runs."""
+    interval = sweep_interval(runtime.s.output_ttl_sec)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(runtime.sweep_outputs)
+        except Exception:  # noqa: BLE001 (a safety net must not die)
+            log.exception("output sweep failed; retrying in %.0fs", interval)
+
+
 def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
         async def load() -> None:
             try:
                 await runtime.start()
@@ -45,8 +67,11 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
                     on_load_failure(exc)
 
         task = asyncio.create_task(load())
+        sweeper = asyncio.create_task(sweep_loop(runtime)) if runtime.s.output_ttl_sec > 0 else None
         yield
         task.cancel()
+        if sweeper is not None:
+            sweeper.cancel()
         runtime.shutdown()
 
     app = FastAPI(title="songserve worker", version=__version__, lifespan=lifespan)
@@ -94,6 +119,14 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             result = await runtime.generate(body)
         except CancelledError as exc:
             return JSONResponse({"status": "cancelled", "task_id": body.task_id, "error": str(exc)})
+        except BusyError:
+            raise
+        except SongserveError as exc:  # the error body carries the kind: environment, model or request
+            kind = error_kind_of(exc)
+            extra: dict[str, object] = {"error_kind": kind.value} if kind else {}
+            if exc.detail:
+                extra["detail"] = exc.detail
+            return error_response(exc.http_status, str(exc), headers=exc.headers, task_id=body.task_id, **extra)
         return JSONResponse(result.model_dump())
 
     @app.post("/cancel/{task_id}")
@@ -103,6 +136,14 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     @app.get("/tasks/{task_id}")
     async def task(task_id: str) -> TaskView:
         return runtime.task(task_id)
+
+    @app.delete("/files/{task_id}")
+    async def remove_files(task_id: str) -> dict:
+        """The dispatcher has copied this task's files: the worker deletes its own copies."""
+        if not TASK_ID.match(task_id):
+            raise NotFoundError(f"Task {task_id[:64]!r} is not known to this worker.")
+        removed = await asyncio.to_thread(runtime.remove_task_files, task_id)
+        return {"status": "ok", "task_id": task_id, "removed": removed}
 
     @app.get("/download/{filename}")
     async def download(filename: str) -> FileResponse:

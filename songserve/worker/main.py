@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
 
-    from songserve.serving import GracefulServer
+    from songserve.serving import GracefulServer, header_timeout_protocol
     from songserve.worker.app import create_app
 
     server: uvicorn.Server | None = None
@@ -68,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(runtime, on_load_failure)
-    config = uvicorn.Config(app, host=s.host, port=s.worker_port, log_level="warning")
+    config = uvicorn.Config(
+        app, host=s.host, port=s.worker_port, log_level="warning", http=header_timeout_protocol(s.header_timeout_sec)
+    )
     server = GracefulServer(config, drain=lambda: runtime.drain(s.drain_timeout_sec))
     server.run()
     code = 2 if failed else 0

@@ -5,19 +5,30 @@ answering ``/health`` while a track generates. One task at a time; a second gets
 Finished tasks are remembered (bounded) so a dispatcher that lost the connection can collect them.
 
 States (``WorkerStatus``):  initializing → idle ⇄ busy;  any → error (loading failed / thread died).
+
+A failed task carries an ``ErrorKind`` (``classify_failure``): a full disk, a write error or out of
+memory is the worker's environment, not the track, so the dispatcher may try another worker; the
+sentence names the disk when it is the disk. The worker reports its output disk in ``/health``
+(``disk_report``) and removes its own output files: per task once collected (``remove_task_files``)
+and by age as a safety net (``sweep_outputs``). Stalls are measured on the monotonic clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import json
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -34,6 +45,7 @@ from songserve.errors import (
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.types import Pipeline, TrackRequest, TrackResult
 from songserve.schemas import (
+    ErrorKind,
     TaskState,
     TaskView,
     WorkerGenerateRequest,
@@ -45,6 +57,27 @@ from songserve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_TASKS = 256
+OUTPUT_SUFFIXES = (".wav", ".mp3", ".json", ".tmp")  # what export writes; nothing else is ever removed
+OUTPUT_NAME = re.compile(r"^\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+
+
+class ClassifiedTaskError(TaskError):
+    """A task failure with its kind (environment, model or request), for the error body and ``TaskView``."""
+
+    def __init__(self, message: str, kind: ErrorKind) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def error_kind_of(exc: BaseException) -> ErrorKind | None:
+    """The kind of a task failure raised by ``generate``; None for refusals that are not failures."""
+    if isinstance(exc, ClassifiedTaskError):
+        return exc.kind
+    if isinstance(exc, RequestError):
+        return ErrorKind.request
+    if isinstance(exc, TaskError):
+        return ErrorKind.model
+    return None
 
 
 def pick_device(choice: str) -> torch.device:
@@ -100,6 +133,7 @@ class WorkerRuntime:
         self.phase = WorkerPhase.idle.value
         self.error: str | None = None
         self.started_at = time.time()
+        self._started_mono = time.monotonic()
         self.tasks_done = 0
         self.accepting = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -170,6 +204,7 @@ class WorkerRuntime:
         task_id = body.task_id or uuid.uuid4().hex[:12]
         if not self.accepting:
             raise UnavailableError("The worker is shutting down and takes no new task.")
+        self.check_model_names(body)
         with self._lock:
             if self.status is not WorkerStatus.idle:
                 if self.status is WorkerStatus.busy and self._current is not None:
@@ -201,13 +236,15 @@ class WorkerRuntime:
             )
             raise
         except SongserveError as exc:
-            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(exc)))
+            kind = error_kind_of(exc)
+            log.warning("task %s: %s error: %s", task_id, kind.value if kind else "task", exc)
+            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(exc), error_kind=kind))
             raise
         except Exception as exc:  # out of memory, encoder or disk errors: local to this task
             log.exception("task %s: failed", task_id)
-            message = _task_error_sentence(exc)
-            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message))
-            raise TaskError(message) from None
+            kind, message = classify_failure(exc, self.s.output_dir)
+            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
+            raise ClassifiedTaskError(message, kind) from None
         finally:
             with self._lock:
                 self._current = None
@@ -229,6 +266,15 @@ class WorkerRuntime:
         self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, result.duration_sec)
         return out
+
+    def check_model_names(self, body: WorkerGenerateRequest) -> None:
+        """Refuse an unknown model name before any work (not after the whole backbone stage)."""
+        for what, name, known in (
+            ("backbone", body.backbone_name, self._models["backbone_models"]),
+            ("superres", body.superres_name, self._models["superres_models"]),
+        ):
+            if name and name not in known:
+                raise RequestError(f"Unknown {what} model {name!r}; available: {', '.join(known)}.")
 
     def _run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:  # on the model thread
         with torch.inference_mode():
@@ -254,17 +300,46 @@ class WorkerRuntime:
             view = view.model_copy(update={"progress": p.percent, "phase": p.phase})
         return view
 
+    # -- output files ---------------------------------------------------------------------------
+    def remove_task_files(self, task_id: str) -> list[str]:
+        """Delete one finished task's WAV/MP3/JSON (the dispatcher has copied them); returns the names removed.
+
+        The names come from the remembered task, or, for a task this process no longer remembers
+        (restarted, or evicted), from the JSON files that name it. Removing twice is not an error.
+        """
+        ctx = self._current
+        if ctx is not None and ctx.task_id == task_id:
+            raise RequestError(f"Task {task_id} is still running; its files can be removed once it ends.")
+        view = self._tasks.get(task_id)
+        if view is not None and view.result is not None:
+            r = view.result
+            names = [r.wav_filename, r.mp3_filename, r.json_filename]
+        else:
+            names = _names_from_metadata(self.s.output_dir, task_id)
+            if not names and view is None:
+                raise NotFoundError(f"Task {task_id} is not known to this worker and has no files.")
+        removed = [n for n in names if _remove_output(self.s.output_dir, n)]
+        log.info("task %s: removed %d output file(s)", task_id, len(removed))
+        return removed
+
+    def sweep_outputs(self) -> int:
+        """The safety net: remove output files older than ``OUTPUT_TTL_SEC`` (a running task's are younger)."""
+        if self.s.output_ttl_sec <= 0:
+            return 0
+        return sweep_outputs(self.s.output_dir, self.s.output_ttl_sec)
+
     # -- reporting ------------------------------------------------------------------------------
     def health(self) -> dict:
         ctx = self._current
-        progress, detail, phase, updated = 0, "", self.phase, None
+        progress, detail, phase, updated, quiet_sec = 0, "", self.phase, None, 0.0
         if ctx is not None:
             p = ctx.snapshot()
             progress, detail, updated = p.percent, p.detail, p.updated_at
+            quiet_sec = time.monotonic() - p.updated_mono  # a wall-clock step must not look like a stall
             if p.phase != "idle":
                 phase = p.phase
         status = self.status.value
-        if ctx is not None and updated is not None and time.time() - updated > self.s.stall_timeout_sec:
+        if ctx is not None and quiet_sec > self.s.stall_timeout_sec:
             status = WorkerStatus.stalled.value  # the model thread made no progress past its deadline
         out = {
             "status": status,
@@ -283,17 +358,109 @@ class WorkerRuntime:
             "device": str(self.device),
             "rss_mb": round(rss_mb(), 1),
             "tasks_done": self.tasks_done,
-            "uptime_sec": round(time.time() - self.started_at, 1),
+            "uptime_sec": round(time.monotonic() - self._started_mono, 1),
             "error": self.error,
+            **disk_report(self.s.output_dir, self.s.min_free_disk_mb),
         }
         if self.device.type == "cuda":
             out["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
         return out
 
 
-def _task_error_sentence(exc: Exception) -> str:
+def _is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return "The task ran out of memory."
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _shown(path: Path) -> str:
+    """A folder as a client may see it: its last name only (the full path is in the worker's log)."""
+    return f"…/{path.name}" if path.name else str(path)
+
+
+def classify_failure(exc: BaseException, out_dir: Path) -> tuple[ErrorKind, str]:
+    """(kind, sentence) for an unexpected task failure; never a bare exception class name for the disk."""
+    if _is_out_of_memory(exc):
+        return ErrorKind.environment, "The worker ran out of memory."
     if isinstance(exc, OSError):
-        return f"The task could not write its files: {exc.strerror or type(exc).__name__}."
-    return f"The task failed inside the model ({type(exc).__name__})."
+        where = Path(exc.filename) if exc.filename else out_dir
+        inside = where == out_dir or out_dir in where.parents
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ErrorKind.environment, f"The worker's output disk is full ({_shown(out_dir if inside else where)})."
+        reason = exc.strerror or type(exc).__name__
+        if inside:
+            return (
+                ErrorKind.environment,
+                f"The worker could not write its output files in {_shown(out_dir)} ({reason}).",
+            )
+        return ErrorKind.environment, f"The worker hit a system error on {_shown(where)} ({reason})."
+    return ErrorKind.model, f"The task failed inside the model ({type(exc).__name__})."
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def disk_report(out_dir: Path, min_free_mb: float) -> dict:
+    """``/health``'s view of the output disk: free MB, whether it is below ``MIN_FREE_DISK_MB``, file count."""
+    try:
+        free_mb: float | None = round(shutil.disk_usage(_existing(out_dir)).free / 2**20, 1)
+    except OSError:
+        free_mb = None
+    files = 0
+    try:
+        with os.scandir(out_dir) as it:
+            files = sum(1 for e in it if e.is_file(follow_symlinks=False))
+    except OSError:
+        pass
+    return {"disk_free_mb": free_mb, "disk_low": free_mb is None or free_mb < min_free_mb, "output_files": files}
+
+
+def _remove_output(out_dir: Path, name: str) -> bool:
+    """Remove one output file by plain name (no paths, no links, only export's suffixes)."""
+    if not OUTPUT_NAME.match(name) or ".." in name or not name.endswith(OUTPUT_SUFFIXES):
+        return False
+    path = out_dir / name
+    if path.is_symlink() or not path.is_file():
+        return False
+    path.unlink(missing_ok=True)
+    return True
+
+
+def _names_from_metadata(out_dir: Path, task_id: str) -> list[str]:
+    """The files of ``task_id`` as recorded in its JSON (for tasks this process does not remember)."""
+    found: list[str] = []
+    try:
+        entries = [e for e in os.scandir(out_dir) if e.name.endswith(".json") and not e.name.startswith(".")]
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            meta = json.loads(Path(entry.path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("task_id") == task_id:
+            files = meta.get("files") or {}
+            found += [str(files[k]) for k in ("wav", "mp3") if k in files] + [entry.name]
+    return found
+
+
+def sweep_outputs(out_dir: Path, ttl_sec: float, now: float | None = None) -> int:
+    """Remove export's files in ``out_dir`` last changed more than ``ttl_sec`` ago; returns how many."""
+    cutoff = (time.time() if now is None else now) - ttl_sec
+    removed = 0
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < cutoff and _remove_output(out_dir, entry.name):
+                removed += 1
+        except OSError as exc:
+            log.warning("output sweep: could not remove %s: %s", entry.name, exc.strerror or exc)
+    if removed:
+        log.info("output sweep: removed %d file(s) older than %.0fs from %s", removed, ttl_sec, out_dir)
+    return removed

@@ -1,0 +1,121 @@
+"""Forward-only schema migrations for the job store, versioned by SQLite's ``PRAGMA user_version``.
+
+Why: a later build adds columns; an old store must be brought forward at start-up, exactly once,
+even when two dispatchers start on one state folder. Each step runs in one ``BEGIN IMMEDIATE``
+transaction (SQLite's write lock) together with the version bump, so a crash mid-step leaves the
+store at the previous version, and a second process waits, then sees the new version and skips.
+
+To change the schema: append a step with the next number; never edit a step that has shipped.
+A store whose version is above ``SCHEMA_VERSION`` was written by a newer build and is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Version 1 is the schema every store had before versioning (user_version 0): ``IF NOT EXISTS``
+# makes it a no-op on such a store and a creation on a new one.
+V1_JOBS = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    cancelled INTEGER NOT NULL DEFAULT 0,
+    priority INTEGER NOT NULL DEFAULT 0,
+    request TEXT NOT NULL,
+    cleaned_lyrics TEXT NOT NULL,
+    num_tracks INTEGER NOT NULL,
+    idempotency_key TEXT UNIQUE,
+    terminal INTEGER NOT NULL DEFAULT 0
+)"""
+V1_TRACKS = """
+CREATE TABLE IF NOT EXISTS tracks (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
+    idx INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    seed INTEGER NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    worker_id INTEGER NOT NULL DEFAULT -1,
+    task_id TEXT,
+    error TEXT,
+    duration_sec REAL NOT NULL DEFAULT 0,
+    started_at REAL,
+    finished_at REAL,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (job_id, idx)
+)"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    what: str
+    statements: tuple[str, ...] = ()
+    # for steps SQL alone cannot express (back-filling values); runs inside the same transaction
+    apply: Callable[[sqlite3.Connection], None] | None = None
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "jobs and tracks",
+        (
+            V1_JOBS,
+            V1_TRACKS,
+            "CREATE INDEX IF NOT EXISTS jobs_terminal ON jobs(terminal, finished_at)",
+            "CREATE INDEX IF NOT EXISTS tracks_status ON tracks(status)",
+        ),
+    ),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+class NewerSchemaError(Exception):
+    """The store was written by a newer build; opening it here could lose what that build stored."""
+
+    def __init__(self, found: int, known: int) -> None:
+        super().__init__(f"schema version {found}, newer than this build's {known}")
+        self.found, self.known = found, known
+
+
+def user_version(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA user_version").fetchone()[0])
+
+
+def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
+    """Bring ``db`` (autocommit connection) to the last version; returns the versions applied.
+
+    Raises ``NewerSchemaError`` for a store above the last known version.
+    """
+    known = migrations[-1].version
+    applied: list[int] = []
+    for step in migrations:
+        if user_version(db) >= step.version:  # cheap read first: the usual start applies nothing
+            continue
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            current = user_version(db)  # re-read under the write lock: another process may have won
+            if current < step.version:
+                for sql in step.statements:
+                    db.execute(sql)
+                if step.apply is not None:
+                    step.apply(db)
+                db.execute(f"PRAGMA user_version = {int(step.version)}")
+                applied.append(step.version)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        if applied and applied[-1] == step.version:
+            log.info("job store: schema migrated to version %d (%s)", step.version, step.what)
+    found = user_version(db)
+    if found > known:
+        raise NewerSchemaError(found, known)
+    return applied
