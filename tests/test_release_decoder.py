@@ -274,3 +274,40 @@ def test_full_size_decoder_matches_a_plain_weight_norm_implementation(tmp_path):
     assert ours.shape == ref.shape == (1, 2, 3 * 2048)
     assert ref.abs().max() > 1e-3
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_dir, tmp_path, release):
+    """Real worker processes: the refusal names the setting; with it set, a track decodes through HTTP."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.support import ROOT, start_worker
+
+    blob = _blob(release[1])
+    blob["callbacks"]["Custom"] = TrainerOnlyState()
+    torch.save(blob, tmp_path / "pickled.ckpt")
+    flags = ["--checkpoints-dir", str(tiny_dir), "--decoder-config-path", str(release[0])]
+    flags += ["--decoder-checkpoint-path", str(tmp_path / "pickled.ckpt")]
+    out = subprocess.run(
+        [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("worker: Decoder checkpoint") and f"set {TRUST_SETTING}=1" in last
+
+    w = start_worker(tmp_path, *flags, env={TRUST_SETTING: "1"}, name="trusting")
+    try:
+        w.wait_healthy()
+        body = {"lyrics": "[verse]\nhello", "tags": "pop", "duration": 2 / 60, "seed_override": 3}
+        r = httpx.post(w.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "ok" and r.json()["duration_sec"] > 0
+        assert "full unpickling" in w.log_tail()
+    finally:
+        w.stop()
