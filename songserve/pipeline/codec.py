@@ -21,7 +21,7 @@ from torch import nn
 
 from songserve.errors import ConfigError
 from songserve.pipeline.codec_config import CodecConfig, read_codec_config
-from songserve.pipeline.codec_load import fill, plan_sources, read_checkpoint, tensors_of
+from songserve.pipeline.codec_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
 
 __all__ = ["Codec", "CodecConfig", "fold_weight_norm", "load_codec", "weight_norm_state"]
 
@@ -89,7 +89,11 @@ class Decoder(nn.Module):
 class Codebook(nn.Module):
     def __init__(self, size: int, dim: int, latent_dim: int, factorised: bool) -> None:
         super().__init__()
-        self.codebook = nn.Embedding(size, dim)
+        # Built empty, then initialised as nn.Embedding would be, except on the meta device, where
+        # normal_ has no kernel and would pull in torch's decomposition machinery (~4 s of imports).
+        self.codebook = nn.Embedding(size, dim, _weight=torch.empty(size, dim))
+        if self.codebook.weight.device.type != "meta":
+            nn.init.normal_(self.codebook.weight)
         self.out_proj: nn.Conv1d | None = nn.Conv1d(dim, latent_dim, 1) if factorised else None
 
 
@@ -193,6 +197,20 @@ def weight_norm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 # ---- loading ------------------------------------------------------------------------------------
 
 
+def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a meta-built module uninitialised storage (``to_empty`` goes through torch's reference
+    ops for meta tensors, which imports sympy: ~1.5 s)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False
+                )
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, device=device, dtype=b.dtype)
+
+
 def load_codec(
     config_path: Path,
     checkpoint_path: Path,
@@ -218,11 +236,10 @@ def load_codec(
         codec = Codec(cfg)
     targets = dict(codec.state_dict(keep_vars=True))
     sources = plan_sources({k: v.shape for k, v in targets.items()}, state, checkpoint_path, config_path, mapped=mapped)
-    codec = codec.to_empty(device=device)
-    if dtype != torch.float32:
-        codec = codec.to(dtype)
+    _materialise(codec, device, dtype)
     own = codec.state_dict(keep_vars=True)
     for name, src in sources.items():
+        prepare_destination(own[name].data)
         fill(own[name].data, src, mapped=mapped)
     del raw, state, sources
     codec = codec.to(device).eval()

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 TRUST_SETTING = "TRUST_CHECKPOINT_PICKLE"
 _SLICE_BYTES = 16 << 20
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux ≥ 5.14: map a range's pages in one call instead of one fault each
+_MADV_POPULATE_WRITE = 23
 
 
 def _safe_globals() -> list[Any]:
@@ -286,17 +288,27 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _libc_madvise()
 
 
-def _drop_pages(t: torch.Tensor) -> None:
-    """Give back the whole pages under ``t`` of a private, read-only file mapping (they re-read from
-    the file if touched again), so a large checkpoint never sits in memory beside the model."""
+def _advise(t: torch.Tensor, advice: int, align: int = mmap.PAGESIZE) -> None:
+    """madvise() the whole ``align``-sized pages under a contiguous CPU tensor (errors are ignored:
+    every use here is an optimisation, and older kernels lack some advice values)."""
     if _MADVISE is None or t.device.type != "cpu" or not t.is_contiguous():
         return
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    page = mmap.PAGESIZE
-    lo, hi = math.ceil(start / page) * page, (end // page) * page
+    lo, hi = math.ceil(start / align) * align, (end // align) * align
     if hi > lo:
-        _MADVISE(lo, hi - lo, _MADV_DONTNEED)
+        _MADVISE(lo, hi - lo, advice)
+
+
+def _drop_pages(t: torch.Tensor) -> None:
+    """Give back the pages under ``t`` of a private, read-only file mapping (they re-read from the
+    file if touched again), so a large checkpoint never sits in memory beside the model."""
+    _advise(t, _MADV_DONTNEED)
+
+
+def prepare_destination(t: torch.Tensor) -> None:
+    """Map a freshly allocated weight's pages in one call rather than one fault per page when filled."""
+    _advise(t, _MADV_POPULATE_WRITE)
 
 
 @torch.no_grad()
@@ -310,6 +322,8 @@ def fill(dest: torch.Tensor, src: Source, *, mapped: bool) -> None:
             dest.copy_(s)
             return
         for sl in _slices(rows, row_bytes):
+            if mapped:
+                _advise(s[sl], _MADV_POPULATE_READ)
             dest[sl].copy_(s[sl])
             if mapped:
                 _drop_pages(s[sl])
@@ -317,9 +331,13 @@ def fill(dest: torch.Tensor, src: Source, *, mapped: bool) -> None:
     assert src.g is not None and src.v is not None
     g = src.g.reshape(-1).float()
     for sl in _slices(rows, row_bytes):
+        if mapped:
+            _advise(src.v[sl], _MADV_POPULATE_READ)
         v = src.v[sl].float()
-        norm = v.flatten(1).norm(dim=1)
-        scale = (g[sl] / norm).view(-1, *([1] * (v.dim() - 1)))
-        dest[sl].copy_(v * scale)
+        scale = (g[sl] / v.flatten(1).norm(dim=1)).view(-1, *([1] * (v.dim() - 1)))
+        if dest.dtype == v.dtype and dest.device == v.device:
+            torch.mul(v, scale, out=dest[sl])  # one pass, no temporary
+        else:
+            dest[sl].copy_(v * scale)
         if mapped:
             _drop_pages(src.v[sl])
