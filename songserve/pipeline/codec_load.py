@@ -228,20 +228,20 @@ def plan_sources(
                 raise missing(f"{base}.weight_v" if base and name.startswith("decoder.") and len(shape) == 3 else name)
         if src.shape != shape:
             raise ConfigError(
-                f"Decoder checkpoint {path}: 'generator.{src.key}' has shape {tuple(src.shape)}, "
-                f"but {config} needs {tuple(shape)}."
+                f"Decoder checkpoint {path} does not match {config}: 'generator.{src.key}' has shape "
+                f"{tuple(src.shape)}, the config needs {tuple(shape)}."
             )
         if src.g is not None and src.g.numel() != shape[0]:
             raise ConfigError(
-                f"Decoder checkpoint {path}: the weight-norm scale of 'generator.{src.key}' has "
-                f"{src.g.numel()} entries, {shape[0]} needed."
+                f"Decoder checkpoint {path} does not match {config}: the weight-norm scale of "
+                f"'generator.{src.key}' has {src.g.numel()} entries, {shape[0]} needed."
             )
         out[name] = src
     extra = sorted(set(pool) - used)
     if extra:
         raise ConfigError(
-            f"Decoder checkpoint {path} has the key 'generator.{extra[0]}', which {config} does not use "
-            f"({len(extra)} such keys); wrong config for this checkpoint?"
+            f"Decoder checkpoint {path} does not match {config}: it has the key 'generator.{extra[0]}', "
+            f"which the config does not use ({len(extra)} such keys)."
         )
     if release:
         _warn_if_embed_differs(pool, sum(1 for n in targets if _CODEBOOK.match(n)), path, mapped)
