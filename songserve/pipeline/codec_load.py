@@ -75,7 +75,10 @@ def _safe_globals() -> list[Any]:
     try:  # numpy scalars and small arrays (e.g. a callback's best score); numpy is optional here
         import numpy as np
 
-        out += [np.dtype, np.ndarray, np.core.multiarray.scalar, np.core.multiarray._reconstruct]  # type: ignore[attr-defined]
+        core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it; files from numpy 1 say "core"
+        for fn in (core.multiarray.scalar, core.multiarray._reconstruct):
+            out += [fn, (fn, f"numpy.core.multiarray.{fn.__name__}"), (fn, f"numpy._core.multiarray.{fn.__name__}")]
+        out += [np.dtype, np.ndarray]
         out += [type(np.dtype(t)) for t in ("float16", "float32", "float64", "int32", "int64", "bool")]
     except (ImportError, AttributeError):
         pass
