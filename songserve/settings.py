@@ -46,6 +46,9 @@ class WorkerSettings(BaseSettings):
     decoder_config_path: Path | None = None
     decoder_checkpoint_path: Path | None = None
     megatron_args: str = Field("", description="Megatron-LM flags overriding the model configs")
+    trust_checkpoint_pickle: bool = Field(
+        False, description="unpickle decoder checkpoints fully (runs code from the file): only for trusted files"
+    )
     output_dir: Path = Field(ROOT / "generated_audio", description="where WAV, MP3 and JSON are written")
     mp3_bitrate_mode: Literal["CONSTANT", "VARIABLE", "AVERAGE"] = "CONSTANT"
     mp3_compression_level: float = Field(0.0, ge=0.0, le=1.0, description="0 = highest quality")

@@ -1,100 +1,31 @@
 """The DAC-style codec decoder: RVQ dequantisation, then the DAC decoder network.
 
 Written in the project because the ``descript-audio-codec`` package cannot be imported beside
-torch 2.13 (shared/docs/audio-cpu.md). Loads two weight layouts with strict key checks:
-- reference: YAML config (``encoder``/``decoder``/``quantizer`` sections) + a checkpoint whose
-  decoder and quantizer weights sit under ``generator.``;
-- DAC: ``{"state_dict": …, "metadata": {"kwargs": …}}`` as DAC saves it.
-Weight norm (old ``weight_g``/``weight_v`` or new ``parametrizations.weight.original0/1``) is folded
-into plain weights at load. Long codes decode in chunks with context on each side, which gives the
-one-pass output (≥ 12 frames of context) with bounded memory.
+torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``codec_config``, the checkpoint
+layouts (the release's Lightning file, the tiny set's, DAC's own) and safe, low-memory reading in
+``codec_load``. Weight norm is folded into plain weights at load. Long codes decode in chunks with
+context on each side, which gives the one-pass output (≥ 12 frames of context) with bounded memory.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from songserve.errors import ConfigError
+from songserve.pipeline.codec_config import CodecConfig, read_codec_config
+from songserve.pipeline.codec_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
 
+__all__ = ["Codec", "CodecConfig", "fold_weight_norm", "load_codec", "weight_norm_state"]
 
-@dataclass(frozen=True)
-class CodecConfig:
-    sample_rate: int = 44100
-    latent_dim: int = 128
-    n_filters: int = 192  # decoder's first conv has n_filters · 2^len(rates) channels
-    rates: tuple[int, ...] = (8, 8, 8, 4)
-    channels: int = 2
-    n_codebooks: int = 64
-    codebook_size: int = 1024
-    codebook_dim: int | None = None  # DAC's factorised codebooks (with out_proj); None = latent_dim
-    final_tanh: bool = False
-
-    @property
-    def hop(self) -> int:
-        return math.prod(self.rates)
-
-    @property
-    def frame_rate(self) -> float:
-        return self.sample_rate / self.hop
-
-    def to_yaml_dict(self) -> dict:
-        return {
-            "sample_rate": self.sample_rate,
-            "encoder": {"n_filters": self.n_filters // 2, "latent_dim": self.latent_dim},
-            "decoder": {
-                "n_filters": self.n_filters,
-                "upsampling_ratios": list(self.rates),
-                "output_channels": self.channels,
-                "final_tanh": self.final_tanh,
-            },
-            "quantizer": {
-                "n_codebooks": self.n_codebooks,
-                "codebook_size": self.codebook_size,
-                "latent_dim": self.latent_dim,
-            },
-        }
-
-    @classmethod
-    def from_yaml_dict(cls, raw: dict, source: str) -> CodecConfig:
-        try:
-            dec, q = raw["decoder"], raw["quantizer"]
-            return cls(
-                sample_rate=int(raw.get("sample_rate", 44100)),
-                latent_dim=int(q["latent_dim"]),
-                n_filters=int(dec["n_filters"]),
-                rates=tuple(int(r) for r in dec["upsampling_ratios"]),
-                channels=int(dec.get("output_channels", 2)),
-                n_codebooks=int(q["n_codebooks"]),
-                codebook_size=int(q["codebook_size"]),
-                codebook_dim=int(q["codebook_dim"]) if q.get("codebook_dim") else None,
-                final_tanh=bool(dec.get("final_tanh", False)),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"Decoder config {source} is missing or has a bad field: {exc}.") from None
-
-    @classmethod
-    def from_dac_kwargs(cls, kw: dict) -> CodecConfig:
-        rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
-        return cls(
-            sample_rate=int(kw.get("sample_rate", 44100)),
-            latent_dim=int(
-                kw.get("latent_dim") or kw.get("encoder_dim", 64) * 2 ** len(kw.get("encoder_rates", (2, 4, 8, 8)))
-            ),
-            n_filters=int(kw.get("decoder_dim", 1536)) // 2 ** len(rates),
-            rates=rates,
-            channels=1,
-            n_codebooks=int(kw.get("n_codebooks", 9)),
-            codebook_size=int(kw.get("codebook_size", 1024)),
-            codebook_dim=int(kw.get("codebook_dim", 8)),
-            final_tanh=True,
-        )
+log = logging.getLogger(__name__)
 
 
 # ---- network (DAC's module tree, so checkpoint keys line up) ------------------------------------
@@ -158,7 +89,11 @@ class Decoder(nn.Module):
 class Codebook(nn.Module):
     def __init__(self, size: int, dim: int, latent_dim: int, factorised: bool) -> None:
         super().__init__()
-        self.codebook = nn.Embedding(size, dim)
+        # Built empty, then initialised as nn.Embedding would be, except on the meta device, where
+        # normal_ has no kernel and would pull in torch's decomposition machinery (~4 s of imports).
+        self.codebook = nn.Embedding(size, dim, _weight=torch.empty(size, dim))
+        if self.codebook.weight.device.type != "meta":
+            nn.init.normal_(self.codebook.weight)
         self.out_proj: nn.Conv1d | None = nn.Conv1d(dim, latent_dim, 1) if factorised else None
 
 
@@ -220,7 +155,7 @@ class Codec(nn.Module):
         return torch.cat(pieces, dim=-1)
 
 
-# ---- loading ------------------------------------------------------------------------------------
+# ---- weight norm helpers (tests and the tiny-set builder) ------------------------------------------
 
 _WN_OLD = re.compile(r"^(.*)\.weight_([gv])$")
 _WN_NEW = re.compile(r"^(.*)\.parametrizations\.weight\.original([01])$")
@@ -259,50 +194,62 @@ def weight_norm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _decoder_keys(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Keep decoder and quantizer weights (the encoder is not needed to decode)."""
-    out = {}
-    for key, value in state.items():
-        if not key.startswith(prefix):
-            continue
-        key = key[len(prefix) :]
-        if key.startswith("encoder.") or key.endswith((".in_proj.weight_g", ".in_proj.weight_v", ".in_proj.bias")):
-            continue
-        if key.startswith(("decoder.", "quantizer.")):
-            out[key] = value
-    return out
+# ---- loading ------------------------------------------------------------------------------------
 
 
-def load_codec(config_path: Path, checkpoint_path: Path, device: torch.device) -> Codec:
-    """Load a reference-format (YAML + ``generator.``) or DAC-format decoder, strictly."""
-    import yaml
+def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give a meta-built module uninitialised storage (``to_empty`` goes through torch's reference
+    ops for meta tensors, which imports sympy: ~1.5 s)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False
+                )
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty(b.shape, device=device, dtype=b.dtype)
 
-    if not checkpoint_path.is_file():
-        raise ConfigError(f"Decoder checkpoint {checkpoint_path} does not exist.")
-    try:
-        raw = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(f"Decoder checkpoint {checkpoint_path} could not be read: {exc}") from exc
+
+def load_codec(
+    config_path: Path,
+    checkpoint_path: Path,
+    device: torch.device,
+    *,
+    trust_pickle: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> Codec:
+    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``codec_load``).
+
+    Built on the meta device and materialised empty, so no weight is randomly initialised and then
+    overwritten; ``trust_pickle`` (the worker's ``TRUST_CHECKPOINT_PICKLE``) allows full unpickling.
+    """
+    t0 = time.perf_counter()
+    raw, mapped = read_checkpoint(checkpoint_path, trust_pickle=trust_pickle)
     if isinstance(raw, dict) and "metadata" in raw and "state_dict" in raw:  # DAC's own format
-        cfg = CodecConfig.from_dac_kwargs(raw["metadata"].get("kwargs", {}))
-        state = _decoder_keys(raw["state_dict"], "")
+        meta = raw["metadata"] if isinstance(raw["metadata"], dict) else {}
+        cfg = CodecConfig.from_dac_kwargs(meta.get("kwargs", {}))
     else:
-        if not config_path.is_file():
-            raise ConfigError(f"Decoder config {config_path} does not exist.")
-        try:
-            cfg_raw = yaml.safe_load(config_path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"Decoder config {config_path} is not valid YAML: {exc}") from None
-        if not isinstance(cfg_raw, dict):
-            raise ConfigError(f"Decoder config {config_path} is not a mapping.")
-        cfg = CodecConfig.from_yaml_dict(cfg_raw, str(config_path))
-        sd: dict = raw.get("state_dict", raw) if isinstance(raw, dict) else {}
-        sd = sd["generator"] if isinstance(sd.get("generator"), dict) else sd
-        state = _decoder_keys(sd, "generator.") or _decoder_keys(sd, "")
-    codec = Codec(cfg)
-    try:
-        codec.load_state_dict(fold_weight_norm(state), strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[1].strip() if "\n" in str(exc) else str(exc)
-        raise ConfigError(f"Decoder checkpoint {checkpoint_path} does not match {config_path}: {first}") from None
-    return codec.to(device).eval()
+        cfg = read_codec_config(config_path)
+    state = tensors_of(raw, checkpoint_path)
+    with torch.device("meta"):
+        codec = Codec(cfg)
+    targets = dict(codec.state_dict(keep_vars=True))
+    sources = plan_sources({k: v.shape for k, v in targets.items()}, state, checkpoint_path, config_path, mapped=mapped)
+    _materialise(codec, device, dtype)
+    own = codec.state_dict(keep_vars=True)
+    for name, src in sources.items():
+        prepare_destination(own[name].data)
+        fill(own[name].data, src, mapped=mapped)
+    del raw, state, sources
+    codec = codec.to(device).eval()
+    log.info(
+        "decoder loaded from %s (%s) in %.2f s: %d codebooks, hop %d, %.1f M parameters",
+        checkpoint_path,
+        config_path.name,
+        time.perf_counter() - t0,
+        cfg.n_codebooks,
+        cfg.hop,
+        sum(p.numel() for p in codec.parameters()) / 1e6,
+    )
+    return codec

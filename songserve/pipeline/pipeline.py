@@ -84,7 +84,12 @@ class ModelPipeline:
             self.superres = {n: SuperRes(self._gpt(p)) for n, p in self.ckpt.superres.items()}
         if self.codec is None:
             self.phase_hook("loading_decoder")
-            self.codec = load_codec(self.ckpt.decoder_config, self.ckpt.decoder_checkpoint, self.device)
+            self.codec = load_codec(
+                self.ckpt.decoder_config,
+                self.ckpt.decoder_checkpoint,
+                self.device,
+                trust_pickle=self.s.trust_checkpoint_pickle,
+            )
 
     def _unload_stage2(self) -> None:
         self.superres, self.codec = {}, None

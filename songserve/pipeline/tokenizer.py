@@ -1,17 +1,27 @@
-"""Text tokenizers: the tiny set's sentencepiece model, or a Hugging Face ``tokenizer.json``.
+"""Text tokenizers: the tiny set's sentencepiece model, or a Hugging Face ``tokenizer.json`` folder.
 
 Which one is used depends on what the configured path holds (``load_tokenizer``). Both expose the
-same small seam, ``TextTokenizer``, and both know the prompt's special tokens as single ids.
+same small seam, ``TextTokenizer``, and both know the prompt's special tokens as single ids, always
+looked up by name: in the release's Llama-3.1 tokenizer the duration tokens
+``<|reserved_special_token_0..15|>`` are ids 128002, 128003, 128005, 128011…128023 (not consecutive).
+A released folder (``tokenizer.json`` + ``tokenizer_config.json``) is read with the ``tokenizers``
+library alone; the config's ``added_tokens_decoder`` and BOS/EOS names are checked against the
+tokenizer. ``check_text_vocab`` is the start-up check that a model's text vocabulary (where its
+audio ids begin) is this tokenizer's size.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 from songserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 BOS = "<|begin_of_text|>"
 EOD = "<|end_of_text|>"
@@ -102,10 +112,67 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
             raise
         except Exception as exc:  # the libraries raise assorted types for corrupt files
             raise ConfigError(f"Tokenizer file {c} could not be read: {exc}") from exc
-        for piece in SPECIAL_TOKENS[:7]:
+        if c.suffix == ".json" and (c.parent / "tokenizer_config.json").is_file():
+            check_tokenizer_config(tok, c.parent / "tokenizer_config.json")
+        for piece in SPECIAL_TOKENS:
             tok.token_id(piece)
         return tok
     raise ConfigError(f"Tokenizer path {p} holds neither tokenizer.json nor tokenizer.model.")
+
+
+def check_tokenizer_config(tok: TextTokenizer, path: Path) -> None:
+    """The config's ``added_tokens_decoder`` ids and BOS/EOS names must agree with the tokenizer."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"Tokenizer config {path} could not be read: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"Tokenizer config {path} is not a JSON object.")
+    decoder = cfg.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict):
+        raise ConfigError(f"Tokenizer config {path}: 'added_tokens_decoder' is not an object.")
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or not str(key).isdigit():
+            raise ConfigError(f"Tokenizer config {path}: 'added_tokens_decoder' entry {key!r} is malformed.")
+        try:
+            actual = tok.token_id(content)
+        except ConfigError:
+            raise ConfigError(
+                f"Tokenizer config {path} lists {content} at id {key}, but tokenizer.json does not have it."
+            ) from None
+        if actual != int(key):
+            raise ConfigError(
+                f"Tokenizer config {path} lists {content} at id {key}, but tokenizer.json has it at {actual}."
+            )
+    for role in ("bos_token", "eos_token"):
+        name = cfg.get(role)
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str):
+            try:
+                tok.token_id(name)
+            except ConfigError:
+                raise ConfigError(f"Tokenizer config {path}: {role} {name} is not in tokenizer.json.") from None
+
+
+def special_token_ids(tok: TextTokenizer) -> dict[str, int]:
+    """Every prompt special token's id, by name (for the start-up log and metadata)."""
+    return {piece: tok.token_id(piece) for piece in SPECIAL_TOKENS}
+
+
+def check_text_vocab(tok: TextTokenizer, model_text_vocab: int, model: str) -> int:
+    """Refuse a model whose text vocabulary differs from the tokenizer's size; return that size.
+
+    The size is where the model's audio ids begin (q0 at ``T``), so a mismatch would shift every
+    audio token, silently: this is a start-up check, one line naming both numbers.
+    """
+    size = int(tok.vocab_size)
+    if size != model_text_vocab:
+        raise ConfigError(
+            f"Tokenizer {getattr(tok, 'source', '?')} has {size} ids, but model {model} has a text vocabulary of "
+            f"{model_text_vocab} (its audio ids start there); use the tokenizer the model was trained with."
+        )
+    return size
 
 
 # A small built-in corpus of lyric-like lines, English and Chinese, for the tiny set's tokenizer.

@@ -1,0 +1,232 @@
+"""The decoder's configuration, read from either YAML schema the project meets.
+
+- the published release's schema (``models/Decoder/dac_rvq_1024_64_golden.yaml``)::
+
+      encoder:   {input_channel, n_filters, strides, d_latent}
+      decoder:   {d_latent, n_filters, rates, out_channel}
+      quantizer: {dim: ${encoder.d_latent}, codebook_size, num_quantizers, decay, q_dropout}
+
+  with OmegaConf-style ``${a.b}`` interpolation, resolved here by a small resolver (omegaconf is
+  not a dependency for one feature);
+- the project's own schema (``latent_dim``, ``upsampling_ratios``, ``n_codebooks``, …), which the
+  default tiny set writes.
+
+A missing or bad field refuses with one line naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from songserve.errors import ConfigError
+
+_REF = re.compile(r"\$\{([^${}]+)\}")
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    sample_rate: int = 44100
+    latent_dim: int = 128
+    n_filters: int = 192  # decoder's first conv has n_filters · 2^len(rates) channels
+    rates: tuple[int, ...] = (8, 8, 8, 4)
+    channels: int = 2
+    n_codebooks: int = 64
+    codebook_size: int = 1024
+    codebook_dim: int | None = None  # DAC's factorised codebooks (with out_proj); None = latent_dim
+    final_tanh: bool = False
+
+    @property
+    def hop(self) -> int:
+        return math.prod(self.rates)
+
+    @property
+    def frame_rate(self) -> float:
+        return self.sample_rate / self.hop
+
+    def to_yaml_dict(self) -> dict:
+        """The project's schema (what the default tiny set writes)."""
+        return {
+            "sample_rate": self.sample_rate,
+            "encoder": {"n_filters": self.n_filters // 2, "latent_dim": self.latent_dim},
+            "decoder": {
+                "n_filters": self.n_filters,
+                "upsampling_ratios": list(self.rates),
+                "output_channels": self.channels,
+                "final_tanh": self.final_tanh,
+            },
+            "quantizer": {
+                "n_codebooks": self.n_codebooks,
+                "codebook_size": self.codebook_size,
+                "latent_dim": self.latent_dim,
+            },
+        }
+
+    @classmethod
+    def from_yaml_dict(cls, raw: dict, source: str) -> CodecConfig:
+        """Either schema; the release's is recognised by its ``decoder.rates`` / ``quantizer.num_quantizers``."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"Decoder config {source} is not a mapping.")
+        resolved = resolve_interpolations(raw, source)
+        f = _Fields(resolved, source)
+        dec, q = f.section("decoder"), f.section("quantizer")
+        if "rates" in dec or "num_quantizers" in q:
+            return cls._from_release(f)
+        return cls(
+            sample_rate=f.integer("sample_rate", 44100),
+            latent_dim=f.integer("quantizer.latent_dim"),
+            n_filters=f.integer("decoder.n_filters"),
+            rates=f.int_list("decoder.upsampling_ratios"),
+            channels=f.integer("decoder.output_channels", 2),
+            n_codebooks=f.integer("quantizer.n_codebooks"),
+            codebook_size=f.integer("quantizer.codebook_size"),
+            codebook_dim=f.integer("quantizer.codebook_dim", 0) or None,
+            final_tanh=f.boolean("decoder.final_tanh", False),
+        )
+
+    @classmethod
+    def _from_release(cls, f: _Fields) -> CodecConfig:
+        # The encoder is never built, but its section is part of the schema: check it is well formed.
+        f.integer("encoder.input_channel")
+        f.integer("encoder.n_filters")
+        f.int_list("encoder.strides")
+        f.integer("encoder.d_latent")
+        f.number("quantizer.decay")
+        f.integer("quantizer.q_dropout")
+        d_latent = f.integer("decoder.d_latent")
+        dim = f.integer("quantizer.dim")
+        if dim != d_latent:
+            raise ConfigError(
+                f"Decoder config {f.source}: key 'quantizer.dim' ({dim}) must equal 'decoder.d_latent' ({d_latent})."
+            )
+        return cls(
+            sample_rate=f.integer("sample_rate", 44100),
+            latent_dim=d_latent,
+            n_filters=f.integer("decoder.n_filters"),
+            rates=f.int_list("decoder.rates"),
+            channels=f.integer("decoder.out_channel"),
+            n_codebooks=f.integer("quantizer.num_quantizers"),
+            codebook_size=f.integer("quantizer.codebook_size"),
+            final_tanh=False,  # the release's decoder ends at its last conv (shared/docs/model.md)
+        )
+
+    @classmethod
+    def from_dac_kwargs(cls, kw: dict) -> CodecConfig:
+        rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
+        return cls(
+            sample_rate=int(kw.get("sample_rate", 44100)),
+            latent_dim=int(
+                kw.get("latent_dim") or kw.get("encoder_dim", 64) * 2 ** len(kw.get("encoder_rates", (2, 4, 8, 8)))
+            ),
+            n_filters=int(kw.get("decoder_dim", 1536)) // 2 ** len(rates),
+            rates=rates,
+            channels=1,
+            n_codebooks=int(kw.get("n_codebooks", 9)),
+            codebook_size=int(kw.get("codebook_size", 1024)),
+            codebook_dim=int(kw.get("codebook_dim", 8)),
+            final_tanh=True,
+        )
+
+
+def read_codec_config(path: Path) -> CodecConfig:
+    """Read and validate a decoder YAML file (either schema)."""
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"Decoder config {path} does not exist.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"Decoder config {path} is not valid YAML: {first}") from None
+    return CodecConfig.from_yaml_dict(raw, str(path))
+
+
+# ---- ${a.b} interpolation ---------------------------------------------------------------------
+
+
+def resolve_interpolations(raw: dict, source: str) -> dict:
+    """Replace ``${a.b}`` by the value at that dotted key (whole-string references keep their type)."""
+
+    def lookup(dotted: str, at: str, seen: tuple[str, ...]) -> Any:
+        if dotted in seen:
+            raise ConfigError(f"Decoder config {source}: key '{at}' has a circular reference ${{{dotted}}}.")
+        node: Any = raw
+        for part in dotted.strip().split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"Decoder config {source}: key '{at}' refers to ${{{dotted}}}, which does not exist.")
+            node = node[part]
+        return resolve(node, dotted, (*seen, dotted))
+
+    def resolve(node: Any, at: str, seen: tuple[str, ...]) -> Any:
+        if isinstance(node, dict):
+            return {k: resolve(v, f"{at}.{k}" if at else str(k), seen) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v, f"{at}[{i}]", seen) for i, v in enumerate(node)]
+        if not isinstance(node, str) or "${" not in node:
+            return node
+        whole = _REF.fullmatch(node)
+        if whole:
+            return lookup(whole.group(1), at, seen)
+        return _REF.sub(lambda m: str(lookup(m.group(1), at, seen)), node)
+
+    return resolve(raw, "", ())
+
+
+class _Fields:
+    """Typed access by dotted key, each failure one line naming the file and the key."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: dict, source: str) -> None:
+        self.raw, self.source = raw, source
+
+    def _get(self, dotted: str, default: Any) -> Any:
+        node: Any = self.raw
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node or node[part] is None:
+                if default is not self._MISSING:
+                    return default
+                raise ConfigError(f"Decoder config {self.source} is missing the key '{dotted}'.")
+            node = node[part]
+        return node
+
+    def _bad(self, dotted: str, want: str, value: Any) -> ConfigError:
+        return ConfigError(f"Decoder config {self.source}: key '{dotted}' must be {want} (got {value!r}).")
+
+    def section(self, name: str) -> dict:
+        value = self._get(name, self._MISSING)
+        if not isinstance(value, dict):
+            raise self._bad(name, "a mapping", value)
+        return value
+
+    def integer(self, dotted: str, default: Any = _MISSING) -> int:
+        value = self._get(dotted, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self._bad(dotted, "a non-negative integer", value)
+        return value
+
+    def number(self, dotted: str, default: Any = _MISSING) -> float:
+        value = self._get(dotted, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._bad(dotted, "a number", value)
+        return float(value)
+
+    def boolean(self, dotted: str, default: Any = _MISSING) -> bool:
+        value = self._get(dotted, default)
+        if not isinstance(value, bool):
+            raise self._bad(dotted, "true or false", value)
+        return value
+
+    def int_list(self, dotted: str) -> tuple[int, ...]:
+        value = self._get(dotted, self._MISSING)
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        ):
+            raise self._bad(dotted, "a list of positive integers", value)
+        return tuple(value)
