@@ -197,3 +197,21 @@ def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Clust
     c.tmp, c.api_args, c.workers, c.api = tmp, api_args, workers, None
     c.start_api()
     return c
+
+
+def mount_tmpfs(where: Path, size: str) -> str | None:
+    """Mount a small tmpfs at ``where``; returns why it cannot be done, or None (unmount with umount)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return "needs root on Linux to mount a tmpfs"
+    where.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    return None if out.returncode == 0 else f"mount not allowed here: {out.stderr.decode(errors='replace').strip()}"
+
+
+def fill_disk(folder: Path, leave_bytes: int = 0) -> Path:
+    """Fill the file system of ``folder`` up to ``leave_bytes`` of free space; returns the filler file."""
+    st = os.statvfs(folder)
+    filler = folder / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave_bytes))
+    return filler

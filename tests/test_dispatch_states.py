@@ -366,3 +366,24 @@ async def test_retention_removes_results_folders_that_no_job_owns(tmp_path):
         f.svc.retention.sweep()
         assert not orphan.exists()
         assert f.svc.artifacts.has(kept.job_id, 0, "wav")
+
+
+@aio
+async def test_a_track_whose_outcome_could_not_be_stored_runs_again_once_the_store_recovers(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        store = f.svc.store
+        real_save, full = store.save_track, [True]
+
+        def save(t):  # type: ignore[no-untyped-def]
+            if full[0] and t.status.value in ("done", "queued"):
+                raise sqlite3.OperationalError("database or disk is full")
+            real_save(t)
+
+        store.save_track = save  # type: ignore[method-assign]
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: bool(f.workers[0].finished))  # it ran; "done" and the retry could not be written
+        await until(lambda: not f.svc.dispatcher.running)
+        assert f.svc.view(job_id).tracks[0].status == "generating"
+        full[0] = False  # space returns: the watchdog's repair re-queues it, and it runs again
+        await until(finished(f, job_id))
+        assert f.svc.view(job_id).status == "completed"

@@ -27,7 +27,7 @@ from songserve.pipeline.types import TrackRequest, TrackResult
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker.runtime import WorkerRuntime, classify_failure, sweep_outputs
-from tests.support import start_worker, wait_for
+from tests.support import mount_tmpfs, start_worker, wait_for
 
 TOKEN = "disk-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -109,18 +109,9 @@ def test_old_output_files_are_swept(tmp_path: Path) -> None:
         w.stop()
 
 
-def _mount_tmpfs(where: Path, size: str) -> str | None:
-    """Mount a small tmpfs; the reason it cannot be done, or None."""
-    if os.name != "posix" or os.geteuid() != 0:
-        return "needs root on Linux to mount a tmpfs"
-    where.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-    return None if out.returncode == 0 else f"mount not allowed here: {out.stderr.decode(errors='replace').strip()}"
-
-
 def test_full_output_disk_is_named_and_leaves_no_files(tmp_path: Path) -> None:
     mnt = tmp_path / "small"
-    reason = _mount_tmpfs(mnt, "2m")
+    reason = mount_tmpfs(mnt, "2m")
     if reason:
         print(f"skipped: {reason}")
         pytest.skip(reason)

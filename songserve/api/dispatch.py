@@ -24,6 +24,7 @@ import asyncio
 import functools
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -204,7 +205,8 @@ class Dispatcher:
     def _begin(self, job: Job, t: Track, w: WorkerHandle) -> None:
         key, now = (job.job_id, t.index), time.time()
         attempt = t.attempts + 1
-        task_id = f"{job.job_id}-{t.index}-{attempt}"
+        # Unique per try: attempts that did not count (busy, environment) must not reuse a task id.
+        task_id = f"{job.job_id}-{t.index}-{attempt}-{secrets.token_hex(3)}"
         self._set(t, TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id, error=None,
                   started_at=now, worker_phase="backbone", phase_progress=0, phase_detail="")  # fmt: skip
         del self.queue[key]
@@ -254,7 +256,12 @@ class Dispatcher:
             self._kick.set()
 
     async def _watchdog_step(self) -> None:
-        """No progress for stall_timeout, or past the deadline: the track goes to another worker."""
+        """No progress for stall_timeout, or past the deadline: the track goes to another worker.
+
+        Also repairs what a failed store write left behind: a track that shows running with no
+        attempt behind it goes back to the queue, a job whose tracks all ended is finished.
+        """
+        self._repair()
         now = time.monotonic()
         for w in self.pool.workers:
             key = w.assigned
@@ -265,6 +272,13 @@ class Dispatcher:
                 self.stop_attempt(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
             elif now > self._deadlines.get(key, math.inf):
                 self.stop_attempt(key, f"past its deadline of {self._deadline(self.jobs[key[0]]):.0f}s")
+
+    def _repair(self) -> None:
+        for job in list(self.jobs.values()):
+            for t in job.tracks:
+                if t.status.running and (job.job_id, t.index) not in self.running:
+                    self._retry(job, t, "its last state change could not be stored", count=False)
+            self.finish_if_done(job)
 
     # ---- one attempt on one worker --------------------------------------------------------------
     async def _attempt(self, job: Job, t: Track, w: WorkerHandle, obtain: Callable[[], Awaitable[Outcome]]) -> None:
