@@ -93,6 +93,18 @@ class WorkerGenerateResult(BaseModel):
     error_kind: ErrorKind | None = None  # always None on success; the field is shared with error bodies
 
 
+class TakeHealth(BaseModel):
+    """One take of the batch a worker runs (``/health``'s ``tasks``), with its own progress."""
+
+    model_config = ConfigDict(extra="allow")
+
+    task_id: str
+    phase: str = "idle"
+    progress: float = 0
+    progress_detail: str = ""
+    cancelled: bool = False
+
+
 class WorkerHealth(BaseModel):
     """Worker ``GET /health``: the reference's fields, then our extensions (all optional on the wire)."""
 
@@ -118,6 +130,18 @@ class WorkerHealth(BaseModel):
     error: str | None = None
     disk_free_mb: float | None = None  # the output folder's disk
     disk_low: bool = False  # below the worker's MIN_FREE_DISK_MB: it should get no new track
+    tasks: list[TakeHealth] = Field(default_factory=list)  # the takes of the running batch
+
+    def take(self, task_id: str) -> TakeHealth | None:
+        """The progress of one running take: its own entry, or the whole worker's for a single task."""
+        for t in self.tasks:
+            if t.task_id == task_id:
+                return t
+        if self.task_id == task_id:
+            return TakeHealth(
+                task_id=task_id, phase=self.phase, progress=self.progress, progress_detail=self.progress_detail
+            )
+        return None
 
     @property
     def kind(self) -> str:
@@ -135,6 +159,7 @@ class WorkerConfig(BaseModel):
     runtime_mode: str | None = None
     genre_options: list[str] = Field(default_factory=list)
     language_options: list[str] = Field(default_factory=list)
+    max_batch: int = 1  # takes of one request it runs as one batch (POST /generate_batch); 1 = /generate only
 
 
 class TaskState(StrEnum):

@@ -167,6 +167,10 @@ class DispatcherSettings(BaseSettings):
         3, ge=1, description="a worker whose tracks fail this many times in a row for environment reasons is benched"
     )
     bench_sec: float = Field(60.0, gt=0, description="how long a benched worker gets no new track")
+    pack_tracks: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="run a job's tracks as one batch on a worker: auto = when more are queued than workers are free",
+    )
     api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
     public_page: bool = Field(True, description="with an API key: the page and /tags stay public")
     worker_token: str = Field("", description="shared secret sent to the workers")

@@ -40,10 +40,12 @@ class FakeWorker:
     url: str
     down: bool = False
     forget: bool = False
+    max_batch: int = 1
+    batches: list[list[str]] = field(default_factory=list)  # task ids of each /generate_batch call
     disk_low: bool = False
     phase: str = "idle"
     progress: int = 0
-    task_id: str | None = None
+    running: list[str] = field(default_factory=list)  # task ids it runs now (several: a batch)
     plans: deque[Plan] = field(default_factory=deque)
     generated: list[str] = field(default_factory=list)  # task ids that started
     cancels: list[str] = field(default_factory=list)
@@ -59,6 +61,7 @@ class FakeWorker:
             "progress": self.progress,
             "progress_detail": "",
             "task_id": self.task_id,
+            "tasks": [{"task_id": i, "phase": self.phase, "progress": self.progress} for i in self.running],
             "backbone_models": ["default_backbone"],
             "superres_models": ["default_superres"],
             "disk_low": self.disk_low,
@@ -75,15 +78,40 @@ class FakeWorker:
             raise httpx.RemoteProtocolError("connection lost")
         return httpx.Response(status, json=answer)
 
+    async def generate_batch(self, takes: list[dict[str, object]]) -> httpx.Response:
+        """All takes as one work unit with one plan; each take answers like ``/generate``."""
+        plan = self.plans.popleft() if self.plans else Plan()
+        if self.task_id is not None:
+            return httpx.Response(409, json={"status": "busy", "error": "busy"})
+        ids = [str(t["task_id"]) for t in takes]
+        self.batches.append(ids)
+        work = [
+            asyncio.ensure_future(self._work(i, plan, t.get("seed_override"))) for i, t in zip(ids, takes, strict=True)
+        ]
+        answers = await asyncio.shield(asyncio.gather(*work))
+        return httpx.Response(200, json={"status": "ok", "results": [a for _, a in answers]})
+
+    @property
+    def task_id(self) -> str | None:
+        return self.running[0] if self.running else None
+
+    @task_id.setter
+    def task_id(self, value: str | None) -> None:  # None: the worker restarted, it runs nothing
+        self.running = [] if value is None else [value]
+
     async def _work(self, task_id: str, plan: Plan, seed: object) -> tuple[int, dict[str, object]]:
         self.generated.append(task_id)
-        self.task_id, self.phase, self.progress = task_id, "backbone", 0
+        self.running.append(task_id)
+        self.phase, self.progress = "backbone", 0
         try:
             if plan.release is not None:
                 while not plan.release.is_set() and task_id not in self._cancelled:
                     await asyncio.sleep(0.005)
         finally:
-            self.task_id, self.phase = None, "idle"
+            if task_id in self.running:
+                self.running.remove(task_id)
+            if not self.running:
+                self.phase = "idle"
         if task_id in self._cancelled or plan.outcome == "cancelled":
             self.finished[task_id] = {"task_id": task_id, "status": "cancelled"}
             return 200, {"status": "cancelled", "task_id": task_id}
@@ -113,15 +141,16 @@ class FakeWorker:
         if path == "/health":
             return httpx.Response(200, json=self.health())
         if path == "/config":
-            return httpx.Response(
-                200, json={"backbone_models": ["default_backbone"], "superres_models": ["default_superres"]}
-            )
+            models = {"backbone_models": ["default_backbone"], "superres_models": ["default_superres"]}
+            return httpx.Response(200, json={**models, "max_batch": self.max_batch})
+        if path == "/generate_batch":
+            return await self.generate_batch(json.loads(request.content)["takes"])
         if path == "/generate":
             return await self.generate(json.loads(request.content))
         if path.startswith("/cancel/"):
             task_id = path.rsplit("/", 1)[1]
             self.cancels.append(task_id)
-            if task_id == self.task_id:
+            if task_id in self.running:
                 self._cancelled.add(task_id)
                 return httpx.Response(200, json={"task_id": task_id, "status": "running"})
             if task_id in self.finished:
@@ -131,7 +160,7 @@ class FakeWorker:
             task_id = path.rsplit("/", 1)[1]
             if self.forget:
                 return httpx.Response(404, json={"status": "error", "error": "unknown task"})
-            if task_id == self.task_id:
+            if task_id in self.running:
                 return httpx.Response(200, json={"task_id": task_id, "status": "running"})
             if task_id in self.finished:
                 return httpx.Response(200, json=self.finished[task_id])
@@ -147,8 +176,8 @@ class FakeWorker:
 class FakeFleet:
     """N fake workers and a ``JobService`` wired to them through one ``MockTransport``."""
 
-    def __init__(self, tmp: Path, n: int = 1, **settings: object) -> None:
-        self.workers = [FakeWorker(f"http://worker{i}.test") for i in range(n)]
+    def __init__(self, tmp: Path, n: int = 1, max_batch: int = 1, **settings: object) -> None:
+        self.workers = [FakeWorker(f"http://worker{i}.test", max_batch=max_batch) for i in range(n)]
         by_host = {httpx.URL(w.url).host: w for w in self.workers}
 
         async def route(request: httpx.Request) -> httpx.Response:

@@ -387,3 +387,36 @@ async def test_a_track_whose_outcome_could_not_be_stored_runs_again_once_the_sto
         full[0] = False  # space returns: the watchdog's repair re-queues it, and it runs again
         await until(finished(f, job_id))
         assert f.svc.view(job_id).status == "completed"
+
+
+@aio
+async def test_a_four_track_job_is_packed_onto_the_one_idle_worker(tmp_path):
+    async with FakeFleet(tmp_path, max_batch=4) as f:
+        view = await run_job(f, tracks=4)
+        assert view.status == "completed"
+        assert [len(b) for b in f.workers[0].batches] == [4]
+        assert {t.metadata["worker_id"] for t in view.tracks} == {0}
+
+
+@aio
+async def test_four_idle_workers_each_get_one_track_of_a_four_track_job(tmp_path):
+    async with FakeFleet(tmp_path, n=4, max_batch=4) as f:
+        view = await run_job(f, tracks=4)
+        assert view.status == "completed"
+        assert [len(w.generated) for w in f.workers] == [1, 1, 1, 1]
+        assert all(w.batches == [] for w in f.workers)
+
+
+@aio
+async def test_each_take_of_a_batch_moves_with_its_own_progress_and_finishes(tmp_path):
+    async with FakeFleet(tmp_path, max_batch=2, pack_tracks="always") as f:
+        hold = asyncio.Event()
+        f.workers[0].plans.append(Plan(release=hold))
+        job_id = f.svc.submit(body(tracks=2)).job_id
+        await until(lambda: len(f.workers[0].running) == 2)
+        f.workers[0].phase, f.workers[0].progress = "superres", 50
+        await until(lambda: all(t.status == "superres" for t in f.svc.view(job_id).tracks))
+        hold.set()
+        view = await until_done(f, job_id)
+        assert view.status == "completed"
+        assert [len(b) for b in f.workers[0].batches] == [2]

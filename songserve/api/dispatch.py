@@ -119,7 +119,7 @@ class Dispatcher:
         self._reorder()
         log.info("restored %d active jobs (%d queued, %d to reconcile)", len(self.jobs), len(self.queue), len(reattach))
         for job, t in reattach:
-            self._spawn((job.job_id, t.index), self._reattach(job, t))
+            self._spawn([(job.job_id, t.index)], self._reattach(job, t))
         self.pool.start()
         loops = [("dispatch", self._dispatch_step, 0.0), ("watchdog", self._watchdog_step, 1.0), *loop_tasks]
         for name, step, interval in loops:
@@ -139,10 +139,12 @@ class Dispatcher:
             t.cancel()
         await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
 
-    def _spawn(self, key: Key, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro, name=f"track-{key[0]}-{key[1]}")
-        self.running[key] = task
-        task.add_done_callback(functools.partial(self._task_done, key))
+    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> None:
+        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch)."""
+        task = asyncio.create_task(coro, name=f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}")
+        for key in keys:
+            self.running[key] = task
+            task.add_done_callback(functools.partial(self._task_done, key))
 
     def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
         if self.running.get(key) is task:
@@ -180,44 +182,74 @@ class Dispatcher:
         self.queue.pop(key, None)
 
     def dispatch_now(self) -> None:
+        """Pair queued tracks (in queue order) with available workers.
+
+        A worker that runs batches gets more queued takes of the same job when that finishes the
+        job sooner: more tracks are queued than workers are free (``PACK_TRACKS=auto``), or always
+        (``always``). Otherwise tracks spread over idle workers, one each.
+        """
         if not self.accepting:
             return
         ordered = queue_order.order(self.queue.values(), self._started_counts())
         free = self.pool.available()
+        taken: set[Key] = set()
         try:
             for entry in ordered:
                 if not free:
                     break
+                if (entry.job_id, entry.index) in taken:
+                    continue
                 job = self.jobs[entry.job_id]
                 t = job.tracks[entry.index]
                 # A track that just failed on a worker for an environment reason goes elsewhere if it can.
                 w = next((w for w in free if w.worker_id != t.avoid_worker), free[0])
                 free.remove(w)
-                self._begin(job, t, w)
+                tracks = [
+                    t,
+                    *self._pack(job, w, len(ordered) - len(taken) - 1, len(free), taken | {(job.job_id, t.index)}),
+                ]
+                taken.update((job.job_id, x.index) for x in tracks)
+                self._begin(job, tracks, w)
         finally:
             self._reorder()
+
+    def _pack(self, job: Job, w: WorkerHandle, queued_after: int, free_after: int, taken: set[Key]) -> list[Track]:
+        """More queued takes of ``job`` for ``w`` to run in the same batch (may be none)."""
+        mode = self.s.pack_tracks
+        if w.max_batch <= 1 or mode == "never" or (mode == "auto" and queued_after <= free_after):
+            return []
+        more = [x for x in job.tracks if x.status is TrackStatus.queued and (job.job_id, x.index) not in taken]
+        room = w.max_batch - 1
+        if mode == "auto":
+            room = min(room, queued_after - free_after)  # leave the free workers their share
+        return more[: max(0, room)]
 
     async def _dispatch_step(self) -> None:
         await self._kick.wait()
         self._kick.clear()
         self.dispatch_now()
 
-    def _begin(self, job: Job, t: Track, w: WorkerHandle) -> None:
-        key, now = (job.job_id, t.index), time.time()
-        attempt = t.attempts + 1
-        # Unique per try: attempts that did not count (busy, environment) must not reuse a task id.
-        task_id = f"{job.job_id}-{t.index}-{attempt}-{secrets.token_hex(3)}"
-        self._set(t, TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id, error=None,
-                  started_at=now, worker_phase="backbone", phase_progress=0, phase_detail="")  # fmt: skip
-        del self.queue[key]
-        self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
+    def _begin(self, job: Job, tracks: list[Track], w: WorkerHandle) -> None:
+        """Start one attempt of ``tracks`` (takes of one job) on ``w``: one batch when several."""
+        now = time.time()
+        for t in tracks:
+            key, attempt = (job.job_id, t.index), t.attempts + 1
+            # Unique per try: attempts that did not count (busy, environment) must not reuse a task id.
+            task_id = f"{job.job_id}-{t.index}-{attempt}-{secrets.token_hex(3)}"
+            self._set(t, TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id, error=None,
+                      started_at=now, worker_phase="backbone", phase_progress=0, phase_detail="")  # fmt: skip
+            del self.queue[key]
+            self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
+            w.assign(key, task_id)
+            self._deadlines[key] = time.monotonic() + self._deadline(job)
+            log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *key, attempt, w.worker_id,
+                     task_id, len(tracks))  # fmt: skip
         if job.started_at is None:
             job.started_at = now
             self.store.save_job(job, terminal=False)
-        w.assign(key, task_id)
-        self._deadlines[key] = time.monotonic() + self._deadline(job)
-        log.info("track %s/%d: attempt %d on worker %d (task %s)", *key, attempt, w.worker_id, task_id)
-        self._spawn(key, self._attempt(job, t, w, lambda: w.client.generate(worker_request(job, t))))
+        reqs = [worker_request(job, t) for t in tracks]
+        keys = [(job.job_id, t.index) for t in tracks]
+        self._spawn(keys, self._attempt(job, tracks, w, lambda: w.client.generate_batch(reqs)))
 
     def _deadline(self, job: Job) -> float:
         return self.s.deadline_base_sec + self.s.deadline_factor * job.request.duration * 60
@@ -233,15 +265,17 @@ class Dispatcher:
         task.cancel(reason)
 
     def _on_worker(self, w: WorkerHandle, before: WorkerView) -> None:
-        """Health poll result: refresh the running track's progress; stop it if the worker is lost."""
-        key = w.assigned
-        job = self.jobs.get(key[0]) if key else None
-        if key is not None and job is not None:
+        """Health poll result: refresh the running tracks' progress; stop them if the worker is lost."""
+        for task_id, key in list(w.assigned.items()):
+            job = self.jobs.get(key[0])
+            if job is None:
+                continue
             t = job.tracks[key[1]]
-            h = w.health
-            if w.online and t.status.running and w.runs(t.task_id):
-                fields = {"worker_phase": h.phase, "phase_progress": int(h.progress), "phase_detail": h.progress_detail}
-                status = status_of_phase(h.phase)
+            take = w.progress_of(task_id) if w.online and t.status.running and t.task_id == task_id else None
+            if take is not None:
+                fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
+                          "phase_detail": take.progress_detail}  # fmt: skip
+                status = status_of_phase(take.phase)
                 if status is not t.status:
                     self._set(t, status, **fields)
                 elif any(getattr(t, k) != v for k, v in fields.items()):
@@ -250,7 +284,7 @@ class Dispatcher:
                     self.changes.touch()
             if not w.online and before is not WorkerView.offline:
                 self.stop_attempt(key, f"worker {w.worker_id} went offline")
-            elif h.status == "stalled" and before is not WorkerView.stalled:
+            elif w.health.status == "stalled" and before is not WorkerView.stalled:
                 self.stop_attempt(key, f"worker {w.worker_id} reported its model thread stalled")
         if w.available:
             self._kick.set()
@@ -264,14 +298,13 @@ class Dispatcher:
         self._repair()
         now = time.monotonic()
         for w in self.pool.workers:
-            key = w.assigned
-            if key is None:
-                continue
-            if now - w.last_progress_at > self.s.stall_timeout_sec:
-                w.stalled = True
-                self.stop_attempt(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
-            elif now > self._deadlines.get(key, math.inf):
-                self.stop_attempt(key, f"past its deadline of {self._deadline(self.jobs[key[0]]):.0f}s")
+            stalled = bool(w.assigned) and now - w.last_progress_at > self.s.stall_timeout_sec
+            for key in list(w.assigned.values()):
+                if stalled:
+                    w.stalled = True
+                    self.stop_attempt(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
+                elif now > self._deadlines.get(key, math.inf):
+                    self.stop_attempt(key, f"past its deadline of {self._deadline(self.jobs[key[0]]):.0f}s")
 
     def _repair(self) -> None:
         for job in list(self.jobs.values()):
@@ -281,18 +314,23 @@ class Dispatcher:
             self.finish_if_done(job)
 
     # ---- one attempt on one worker --------------------------------------------------------------
-    async def _attempt(self, job: Job, t: Track, w: WorkerHandle, obtain: Callable[[], Awaitable[Outcome]]) -> None:
-        """Get the attempt's outcome from its worker, then apply it; every failure becomes a retry."""
-        key, task_id = (job.job_id, t.index), t.task_id
+    async def _attempt(
+        self, job: Job, tracks: list[Track], w: WorkerHandle, obtain: Callable[[], Awaitable[list[Outcome]]]
+    ) -> None:
+        """Get the attempt's outcomes from its worker (one per take), then apply each; every
+        failure becomes a retry of the tracks it touched."""
+        keys = [(job.job_id, t.index) for t in tracks]
+        task_ids = [t.task_id for t in tracks]
         try:
             try:
-                outcome = await obtain()
+                outcomes = await obtain()
             except asyncio.CancelledError:
-                reason = self._stopping.get(key)
-                if reason is None:  # shutdown: the track stays running in the store and is reconciled
+                reason = next((self._stopping[k] for k in keys if k in self._stopping), None)
+                if reason is None:  # shutdown: the tracks stay running in the store and are reconciled
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                await self._cancel_on_worker(w, task_id)
+                for task_id in task_ids:
+                    await self._cancel_on_worker(w, task_id)
                 raise _Retry(reason) from None
             except WorkerUnreachable as exc:
                 w.mark_unreachable()
@@ -301,21 +339,33 @@ class Dispatcher:
                 raise _Retry(str(exc)) from None
             # The worker answered: its model thread is free. Give it the next track while the
             # files are copied (a failed copy retries the track like a lost worker).
-            w.release(task_id, answered=outcome.kind is not OutcomeKind.busy)
+            busy = any(o.kind is OutcomeKind.busy for o in outcomes)
+            for task_id in task_ids:
+                w.release(task_id, answered=not busy)
             self._kick.set()
-            await self._apply(job, t, w, task_id, outcome)
+            for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
+                try:
+                    await self._apply(job, t, w, task_id, outcome)
+                except _Retry as exc:
+                    self._retry_after(job, t, w, exc)
         except _Retry as exc:
-            if exc.environment:
-                t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
-            self._retry(job, t, str(exc), exc.count)
+            for t in tracks:
+                self._retry_after(job, t, w, exc)
         except Exception as exc:
-            log.exception("track %s/%d: internal error", *key)
-            self._retry(job, t, f"internal error ({type(exc).__name__})")
+            log.exception("track %s/%d: internal error", *keys[0])
+            for t in tracks:
+                self._retry(job, t, f"internal error ({type(exc).__name__})")
         finally:
-            self._stopping.pop(key, None)
-            self._deadlines.pop(key, None)
-            w.release(task_id, answered=False)
+            for key, task_id in zip(keys, task_ids, strict=True):
+                self._stopping.pop(key, None)
+                self._deadlines.pop(key, None)
+                w.release(task_id, answered=False)
             self._kick.set()
+
+    def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: _Retry) -> None:
+        if exc.environment:
+            t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
+        self._retry(job, t, str(exc), exc.count)
 
     async def _cancel_on_worker(self, w: WorkerHandle, task_id: str | None) -> None:
         """Tell the worker to stop; shielded, so a shutdown arriving meanwhile does not cut it short."""
@@ -336,7 +386,7 @@ class Dispatcher:
         w.assign(key, task_id)
         self._deadlines[key] = time.monotonic() + self._deadline(job)
 
-        async def outcome() -> Outcome:
+        async def outcome() -> list[Outcome]:
             while True:
                 try:
                     done = await w.client.task(task_id)
@@ -346,10 +396,10 @@ class Dispatcher:
                     done = None
                 if done is not None:
                     log.info("track %s/%d: reconciled task %s (%s)", *key, task_id, done.kind.value)
-                    return done
+                    return [done]
                 await asyncio.sleep(self.s.health_interval)
 
-        await self._attempt(job, t, w, outcome)
+        await self._attempt(job, [t], w, outcome)
 
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         if t.task_id != task_id or t.status.terminal:

@@ -2,10 +2,10 @@
 
 Two sources of truth, kept apart:
 - ``health``: the worker's own last ``/health`` answer (a ``WorkerHealth``), never edited here;
-- the dispatcher's belief, in the handle's own fields: ``assigned`` (the track it gave the worker,
-  the one truth for "busy"), ``online``, ``stalled`` (our watchdog's verdict) and ``answered``
-  (the worker answered its last task after the latest poll, so a stale "busy" in ``health`` no
-  longer holds).
+- the dispatcher's belief, in the handle's own fields: ``assigned`` (the tracks it gave the worker
+  by task id, several when a job's takes run as one batch: the one truth for "busy"), ``online``,
+  ``stalled`` (our watchdog's verdict) and ``answered`` (the worker answered its last task after
+  the latest poll, so a stale "busy" in ``health`` no longer holds).
 
 The view a client sees (``/status``) is derived from both:
 
@@ -31,7 +31,7 @@ from enum import StrEnum
 import httpx
 
 from songserve.api.worker_client import WorkerClient, WorkerUnreachable
-from songserve.schemas import WorkerConfig, WorkerHealth
+from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ class WorkerHandle:
     failures: int = 0
     health: WorkerHealth = field(default_factory=WorkerHealth)
     config: WorkerConfig | None = None  # its /config, read when it comes online
-    assigned: Key | None = None
-    task_id: str | None = None
+    assigned: dict[str, Key] = field(default_factory=dict)  # task id → the track it runs
     stalled: bool = False  # our watchdog's verdict for the assigned task
     answered: bool = False  # answered its last task since the latest poll: idle, whatever health says
     health_sent_at: float = 0.0  # monotonic time the latest health answer was asked for
@@ -81,7 +80,7 @@ class WorkerHandle:
             return WorkerView.error
         if reported == "stalled" or self.stalled:
             return WorkerView.stalled
-        if self.assigned is not None or (reported == "busy" and not self.answered):
+        if self.assigned or (reported == "busy" and not self.answered):
             return WorkerView.busy
         if self.degraded_reason:
             return WorkerView.degraded
@@ -94,7 +93,12 @@ class WorkerHandle:
         reported = self.health.status
         fresh = self.health_sent_at >= self.trust_after
         ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
-        return self.online and self.assigned is None and ready and self.health.accepting and not self.degraded_reason
+        return self.online and not self.assigned and ready and self.health.accepting and not self.degraded_reason
+
+    @property
+    def max_batch(self) -> int:
+        """Takes of one request it runs as one batch (1: no batch endpoint, e.g. the reference's)."""
+        return max(1, self.config.max_batch) if self.config is not None and not self.client.reference else 1
 
     @property
     def degraded_reason(self) -> str:
@@ -121,23 +125,29 @@ class WorkerHandle:
     def track_succeeded(self) -> None:
         self.env_failures = 0
 
-    def runs(self, task_id: str | None) -> bool:
-        """The worker's health says it is running ``task_id`` now.
+    def progress_of(self, task_id: str | None) -> TakeHealth | None:
+        """The worker's health for ``task_id`` while it runs it, else None.
 
         A reference worker reports no task id: while we hold it for ``task_id`` and it reports
-        busy, the task it runs is ours (each worker gets one task at a time from us).
+        busy, the task it runs is ours (it gets one task at a time from us).
         """
         h = self.health
         if task_id is None or h.phase == "idle":
-            return False
+            return None
         if self.client.reference:
-            return self.task_id == task_id and h.status == "busy"
-        return h.task_id == task_id
+            if task_id in self.assigned and h.status == "busy":
+                return TakeHealth(
+                    task_id=task_id, phase=h.phase, progress=h.progress, progress_detail=h.progress_detail
+                )
+            return None
+        return h.take(task_id)
 
     def assign(self, key: Key, task_id: str) -> None:
-        self.assigned, self.task_id, self.stalled = key, task_id, False
-        self.last_progress_at = time.monotonic()
-        self._progress_mark = ()
+        if not self.assigned:
+            self.stalled = False
+            self.last_progress_at = time.monotonic()
+            self._progress_mark = ()
+        self.assigned[task_id] = key
 
     def release(self, task_id: str | None, answered: bool = True) -> None:
         """Free the worker from ``task_id``; a no-op if it has moved on to another task.
@@ -145,12 +155,13 @@ class WorkerHandle:
         ``answered``: the worker answered the task, so its model thread is free now. Otherwise (we
         stopped the task, or it said it was busy) it is used again only after a newer health poll.
         """
-        if self.task_id != task_id:
+        if task_id not in self.assigned:
             return
-        self.assigned, self.task_id, self.stalled = None, None, False
-        self.answered = answered
+        del self.assigned[task_id]
         if not answered:
             self.trust_after = time.monotonic()
+        if not self.assigned:
+            self.stalled, self.answered = False, answered
 
     def mark_unreachable(self) -> None:
         """Its connection broke: not used again until a health poll answers."""
@@ -159,8 +170,9 @@ class WorkerHandle:
     def note_health(self, health: WorkerHealth, sent_at: float) -> None:
         self.health, self.online, self.failures, self.answered = health, True, 0, False
         self.health_sent_at = sent_at
-        mark = (health.phase, health.progress, health.progress_detail)
-        if self.runs(self.task_id) and mark != self._progress_mark:
+        takes = [self.progress_of(task_id) for task_id in self.assigned]
+        mark = tuple((t.phase, t.progress, t.progress_detail) for t in takes if t is not None)
+        if mark and mark != self._progress_mark:
             self._progress_mark = mark
             self.last_progress_at = time.monotonic()
 
@@ -175,7 +187,8 @@ class WorkerHandle:
             "device": h.device,
             "runtime_mode": h.runtime_mode,
             "progress": h.progress,
-            "task_id": self.task_id,
+            "task_id": next(iter(self.assigned), None),
+            "task_ids": list(self.assigned),
             "tasks_done": h.tasks_done,
             "kind": self.client.kind,
             "degraded_reason": self.degraded_reason or None,

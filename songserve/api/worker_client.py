@@ -155,6 +155,20 @@ class WorkerClient:
         r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=body)
         return self._outcome(r.status_code, self._json(r))
 
+    async def generate_batch(self, reqs: list[WorkerGenerateRequest]) -> list[Outcome]:
+        """Run takes of one request as one batch (``POST /generate_batch``): one outcome per take."""
+        if len(reqs) == 1:
+            return [await self.generate(reqs[0])]
+        body = {"takes": [r.model_dump() for r in reqs]}
+        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body)
+        answer = self._json(r)
+        results = answer.get("results")
+        if r.status_code != 200 or answer.get("status") != "ok" or not isinstance(results, list):
+            return [self._outcome(r.status_code, answer)] * len(reqs)  # the batch as a whole: busy, refused
+        if len(results) != len(reqs) or not all(isinstance(x, dict) for x in results):
+            raise WorkerUnreachable(f"Worker answered {len(results)} results for {len(reqs)} takes.")
+        return [self._outcome(200 if x.get("status") == "ok" else 500, x) for x in results]
+
     def _outcome(self, code: int, body: dict[str, Any]) -> Outcome:
         status = body.get("status")
         if status == "ok":
