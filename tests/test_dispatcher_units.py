@@ -18,6 +18,8 @@ from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
 from songserve.settings import DispatcherSettings
 
+pytestmark = pytest.mark.quick
+
 # ---- lyrics cleaning: every rule of api.md ----------------------------------------------------------
 
 
