@@ -364,3 +364,38 @@ def test_vocab_tokenizer_mismatch_refuses_at_start(release_dir, tmp_path, tiny_d
     w.stop()
     assert code == 2, log
     assert "text vocabulary 128256" in log and "tokenizer's" in log
+
+
+def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from songserve.pipeline import pipeline as pl
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(output_dir=tmp_path, runtime_mode="one_shot")
+    pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)
+    refs: list[weakref.ref] = []
+    load = pipe._gpt
+
+    def tracked(path, kind, name):  # noqa: ANN001, ANN202
+        gpt = load(path, kind, name)
+        if kind == "superres":
+            refs.append(weakref.ref(gpt.model))
+        return gpt
+
+    alive_at_release: list[int] = []
+
+    def release(device):  # noqa: ANN001, ANN202
+        gc.collect()
+        alive_at_release.append(sum(r() is not None for r in refs))
+
+    monkeypatch.setattr(pipe, "_gpt", tracked)
+    monkeypatch.setattr(pl, "release_memory", release)
+    pipe.load()
+    r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=1 / 60, seed=1, task_id="t"), TaskContext("t"))
+    assert len(refs) == 2 and alive_at_release == [0, 0]
+    assert set(r.metadata["load_sec"]) == {"backbone", "superres", "decoder"}
