@@ -120,19 +120,29 @@ def _release_shaped_model(device, **changes):  # noqa: ANN001, ANN003, ANN202
     return arch, build_model(arch, device, torch.float32)
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, legacy):
-    from songserve.pipeline.gpt_checkpoint import load_model, release_args, save_release_checkpoint
+@pytest.mark.parametrize(
+    ("legacy", "disk_dtype", "direct"),
+    [(False, torch.float32, True), (False, torch.bfloat16, True), (False, torch.float32, False), (True, None, False)],
+)
+def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monkeypatch, legacy, disk_dtype, direct):
+    """torch_dist read in place (same dtype, and bf16 files into fp32), megatron's reader, legacy files."""
+    from songserve.pipeline import gpt_checkpoint as gc_
 
     arch, model = _release_shaped_model(megatron_cpu)
-    save_release_checkpoint(tmp_path / "bb", model, release_args(arch), legacy=legacy)
+    if disk_dtype is not None:
+        model = model.to(disk_dtype)
+    used: list[bool] = []
+    real = gc_._direct_read
+    monkeypatch.setattr(gc_, "_direct_read", lambda r, d: used.append(direct) or (real(r, d) if direct else False))
+    gc_.save_release_checkpoint(tmp_path / "bb", model, gc_.release_args(arch), legacy=legacy)
     if legacy:
         keys = torch.load(tmp_path / "bb" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys["model"]
-    got = load_model(tmp_path / "bb", megatron_cpu, torch.float32, kind="backbone")
-    want = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    got = gc_.load_model(tmp_path / "bb", megatron_cpu, torch.float32, kind="backbone")
+    assert used == ([] if legacy else [direct])
+    want = {k: v.float() for k, v in model.state_dict().items() if "_extra_state" not in k}
     have = got.model.state_dict()
-    assert all(torch.equal(want[k], have[k]) for k in want)
+    assert all(have[k].dtype == torch.float32 and torch.equal(want[k], have[k]) for k in want)
 
 
 def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):

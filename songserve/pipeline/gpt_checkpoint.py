@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
+import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -157,6 +159,112 @@ def _request(model: Any, metadata: dict | None, stored: dict[str, tuple[int, ...
     return out
 
 
+class _FileSlice(io.RawIOBase):
+    """A seekable read-only window [offset, offset + length) of an open file (one DCP item)."""
+
+    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self.f, self.base, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.base + self.pos)
+        got = self.f.readinto(memoryview(buf)[:n])
+        self.pos += got
+        return got
+
+
+def _read_into(f: BinaryIO, offset: int, dst: torch.Tensor, stored: torch.dtype) -> None:
+    """Copy ``dst.numel()`` elements of dtype ``stored`` at ``offset`` into ``dst``, without a full temporary."""
+    flat = dst.view(-1)
+    f.seek(offset)
+    if dst.device.type == "cpu" and dst.dtype == stored:
+        view = memoryview(flat.view(torch.uint8).numpy())
+        got = 0
+        while got < len(view):
+            k = f.readinto(view[got:])
+            if not k:
+                raise OSError(f"unexpected end of file at byte {offset + got}")
+            got += k
+        return
+    step = max(1, _CHUNK_BYTES // stored.itemsize)
+    buf = torch.empty(min(step, flat.numel()), dtype=stored)
+    for a in range(0, flat.numel(), step):
+        part = buf[: min(step, flat.numel() - a)]
+        if f.readinto(memoryview(part.view(torch.uint8).numpy())) != part.numel() * stored.itemsize:
+            raise OSError(f"unexpected end of file near byte {offset + a * stored.itemsize}")
+        flat[a : a + part.numel()].copy_(part)
+
+
+_CHUNK_BYTES = 64 << 20
+
+
+def _direct_read(request: dict[str, Any], it_dir: Path) -> bool:
+    """Read each tensor of the request straight from the .distcp files into its parameter.
+
+    torch's reader loads every item into a new tensor and then copies it: twice the time and a
+    temporary as large as the largest tensor (the embedding). Items of a torch_dist file are
+    uncompressed zip records, so when every requested tensor is one whole stored chunk we read its
+    bytes in place. Returns False (having read nothing) when anything is unusual, and the caller
+    falls back to megatron's loader.
+    """
+    import re
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    md = FileSystemReader(str(it_dir)).read_metadata()
+    jobs: list[tuple[str, int, int, torch.Tensor, torch.dtype]] = []
+    for v in request.values():
+        for sh in v if isinstance(v, list) else [v]:
+            tmd = md.state_dict_metadata.get(sh.key)
+            if not isinstance(sh, ShardedTensor) or not isinstance(tmd, TensorStorageMetadata):
+                return False
+            if sh.flattened_range is not None or not sh.data.is_contiguous():
+                return False
+            chunk = next((c for c in tmd.chunks if tuple(c.offsets) == tuple(sh.global_offset)), None)
+            if chunk is None or math.prod(chunk.sizes) != sh.data.numel():
+                return False
+            info = md.storage_data.get(MetadataIndex(sh.key, chunk.offsets))
+            if info is None or info.transform_descriptors:
+                return False
+            jobs.append((info.relative_path, info.offset, info.length, sh.data, tmd.properties.dtype))
+    by_file: dict[str, list[tuple[int, int, torch.Tensor, torch.dtype]]] = {}
+    for rel, off, length, dst, dtype in jobs:
+        by_file.setdefault(rel, []).append((off, length, dst, dtype))
+    plans: list[tuple[str, int, torch.Tensor, torch.dtype]] = []
+    for rel, items in by_file.items():
+        with open(it_dir / rel, "rb") as f:
+            for off, length, dst, dtype in items:
+                reader = torch._C.PyTorchFileReader(_FileSlice(f, off, length))  # noqa: SLF001
+                data = [r for r in reader.get_all_records() if re.fullmatch(r"(.*/)?data/\d+", r)]
+                if len(data) != 1:
+                    return False
+                start = reader.get_record_offset(data[0])
+                if start + dst.numel() * dtype.itemsize > length:
+                    return False
+                plans.append((rel, off + start, dst, dtype))
+    for rel in by_file:
+        with open(it_dir / rel, "rb", buffering=0) as f:
+            for _, at, dst, dtype in (p for p in sorted(plans, key=lambda p: p[1]) if p[0] == rel):
+                _read_into(f, at, dst, dtype)  # type: ignore[arg-type]
+    return True
+
+
 def _load_torch_dist(model: Any, it_dir: Path, path: Path) -> None:
     from megatron.core import dist_checkpointing
 
@@ -164,6 +272,10 @@ def _load_torch_dist(model: Any, it_dir: Path, path: Path) -> None:
         common = dist_checkpointing.load_common_state_dict(str(it_dir))
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     request = _request(model, metadata, _stored_tensors(it_dir), path)
+    with torch.no_grad():
+        if _direct_read(request, it_dir):
+            return
+    log.info("%s: the files are not plain whole-tensor items; loading through megatron's reader", path)
     params = model.state_dict(keep_vars=True)
     with safe_unpickling():
         loaded = dist_checkpointing.load(request, str(it_dir))
