@@ -193,10 +193,16 @@ def describe_overrides(flags: dict[str, Any], saved: dict[str, Any] | None, sour
         if k in flags and flags[k] not in (1, None):
             raise ConfigError(f"{source}: --{k.replace('_', '-')} {flags[k]} is not supported (one GPU per worker).")
     for k, v in flags.items():
+        if (source, k, str(v)) in _LOGGED:  # one_shot reloads superres per request: say it once
+            continue
+        _LOGGED.add((source, k, str(v)))
         if k in SPEED_FLAGS:
             log.info("%s: --%s %s accepted: %s", source, k.replace("_", "-"), v, SPEED_FLAGS[k])
         elif k not in _ARCH_KEYS and (saved is None or k not in saved):
             log.warning("%s: --%s is not a model setting the worker knows; ignored", source, k.replace("_", "-"))
+
+
+_LOGGED: set[tuple[str, str, str]] = set()
 
 
 # ---- mapping -----------------------------------------------------------------------------------
