@@ -285,6 +285,18 @@ def test_missing_saved_arg_refuses_naming_it(tmp_path):
         resolve_arch(tmp_path / "bb", "backbone")
 
 
+def test_a_tensor_the_model_needs_and_the_file_lacks_refuses_naming_it(release_dir, megatron_cpu):
+    from songserve.pipeline.gpt_checkpoint import load_model
+
+    with pytest.raises(ConfigError, match=r"has no tensor 'decoder\.layers\.2\.") as exc:
+        load_model(release_dir / "checkpoints" / "backbone", megatron_cpu, torch.float32, "--num-layers 3", "backbone")
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match=r"linear_proj.weight is \[32, 32\] in the file, \[32, 64\]"):
+        load_model(
+            release_dir / "checkpoints" / "backbone", megatron_cpu, torch.float32, "--kv-channels 16", "backbone"
+        )
+
+
 def test_flags_override_saved_args_and_speed_flags_are_accepted(release_dir, caplog):
     from songserve.pipeline.gpt_checkpoint import resolve_arch
 

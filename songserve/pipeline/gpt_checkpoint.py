@@ -285,7 +285,7 @@ def _load_torch_dist(model: Any, it_dir: Path, path: Path) -> None:
         halves = val if isinstance(val, list) else [val]
         dests = torch.chunk(target, len(halves), dim=0)
         for dst, src in zip(dests, halves, strict=True):
-            if src.data_ptr() != dst.data_ptr():  # not loaded in place: copy (a few small tensors)
+            if src.data_ptr() != dst.data_ptr():  # megatron's reader returned a new tensor: copy it in
                 dst.copy_(src)
 
 
