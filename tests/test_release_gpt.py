@@ -352,7 +352,8 @@ def test_worker_serves_the_release_set_with_only_checkpoints_dir(release_dir, tm
         assert cfg["checkpoints"]["tokenizer"].endswith("models/Tokenizer")
         assert cfg["architectures"]["backbone"]["text_vocab"] == T
         out = _five_seconds(w)
-        assert out["metadata"]["load_sec"]["superres"] > 0 if "metadata" in out else True
+        meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30).json()
+        assert meta["load_sec"]["superres"] > 0 and meta["models"]["superres"] == "superresolution"
         assert "checkpoint set (release layout)" in w.log_tail(200_000)
     finally:
         w.stop()
