@@ -2,11 +2,21 @@
 
 With nothing configured the worker uses the tiny set in ``checkpoints/tiny`` and builds it once.
 Any configured path that is missing refuses start-up with one line naming it.
+
+Two layouts under ``CHECKPOINTS_DIR``:
+- the project's own: ``backbone/``, ``superres/``, ``tokenizer/``, ``decoder/config.yaml`` + ``model.pth``;
+- the published release's, so a user sets nothing but the folder they downloaded: the root holding
+  ``checkpoints/`` and ``models/`` (or ``checkpoints/`` itself, ``models/`` beside it) with
+  ``checkpoints/backbone/``, ``checkpoints/superresolution/``, ``checkpoints/dac_rvq_*.ckpt``,
+  ``models/Tokenizer/`` and ``models/Decoder/*.yaml``. Model names follow the folder names.
+Every path stays overridable by its own setting (relative paths are taken from ``CHECKPOINTS_DIR``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from songserve.errors import ConfigError
@@ -14,6 +24,8 @@ from songserve.settings import DEFAULT_TINY_DIR, WorkerSettings, parse_model_map
 
 DEFAULT_BACKBONE = "default_backbone"
 DEFAULT_SUPERRES = "default_superres"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,35 @@ class CheckpointSet:
     decoder_config: Path
     decoder_checkpoint: Path
     tiny: bool
+    layout: str = "own"  # "own" or "release"
+    found: dict[str, str] = field(default_factory=dict)  # what was found where, for /config and the log
+
+    def summary(self) -> str:
+        return f"checkpoint set ({self.layout} layout): " + ", ".join(f"{k}={v}" for k, v in self.found.items())
+
+
+@dataclass(frozen=True)
+class _Release:
+    checkpoints: Path
+    models: Path
+
+
+def release_layout(base: Path) -> _Release | None:
+    """Where the release's two folders are, if ``base`` is a release root or its ``checkpoints/``."""
+    if (base / "checkpoints").is_dir() and not (base / "backbone").is_dir():
+        return _Release(base / "checkpoints", base / "models")
+    if (base / "superresolution").is_dir() or any(base.glob("dac_rvq_*.ckpt")):
+        return _Release(base, base.parent / "models")
+    return None
+
+
+def _one(folder: Path, pattern: str, setting: str) -> Path:
+    hits = sorted(folder.glob(pattern))
+    if not hits:
+        raise ConfigError(f"No {folder / pattern} found for the release layout; set {setting}.")
+    if len(hits) > 1:
+        log.warning("several %s: using %s (set %s to choose)", folder / pattern, hits[-1].name, setting)
+    return hits[-1]
 
 
 def _configured(s: WorkerSettings) -> bool:
@@ -54,24 +95,29 @@ def resolve(s: WorkerSettings) -> CheckpointSet:
         p = Path(p)
         return p if p.is_absolute() else base / p
 
-    ckpt = CheckpointSet(
-        tokenizer=under(s.tokenizer_path or "tokenizer"),
-        backbones={
-            k: under(v)
-            for k, v in (
-                parse_model_map(s.backbone_models, "BACKBONE_MODELS") or {DEFAULT_BACKBONE: "backbone"}
-            ).items()
-        },
-        superres={
-            k: under(v)
-            for k, v in (
-                parse_model_map(s.superres_models, "SUPERRES_MODELS") or {DEFAULT_SUPERRES: "superres"}
-            ).items()
-        },
-        decoder_config=under(s.decoder_config_path or "decoder/config.yaml"),
-        decoder_checkpoint=under(s.decoder_checkpoint_path or "decoder/model.pth"),
-        tiny=tiny,
-    )
+    rel = None if tiny else release_layout(base)
+    if rel is not None:
+        ckpt = _resolve_release(s, rel, under)
+    else:
+        ckpt = CheckpointSet(
+            tokenizer=under(s.tokenizer_path or "tokenizer"),
+            backbones={
+                k: under(v)
+                for k, v in (
+                    parse_model_map(s.backbone_models, "BACKBONE_MODELS") or {DEFAULT_BACKBONE: "backbone"}
+                ).items()
+            },
+            superres={
+                k: under(v)
+                for k, v in (
+                    parse_model_map(s.superres_models, "SUPERRES_MODELS") or {DEFAULT_SUPERRES: "superres"}
+                ).items()
+            },
+            decoder_config=under(s.decoder_config_path or "decoder/config.yaml"),
+            decoder_checkpoint=under(s.decoder_checkpoint_path or "decoder/model.pth"),
+            tiny=tiny,
+        )
+        ckpt.found.update(_found(ckpt))
     checks = [
         ("TOKENIZER_PATH", ckpt.tokenizer),
         ("DECODER_CONFIG_PATH", ckpt.decoder_config),
@@ -82,4 +128,42 @@ def resolve(s: WorkerSettings) -> CheckpointSet:
     for setting, path in checks:
         if not path.exists():
             raise ConfigError(f"{setting} {path} does not exist.")
+    log.info("%s", ckpt.summary())
+    return ckpt
+
+
+def _found(ckpt: CheckpointSet) -> dict[str, str]:
+    out = {f"backbone[{k}]": str(p) for k, p in ckpt.backbones.items()}
+    out.update({f"superres[{k}]": str(p) for k, p in ckpt.superres.items()})
+    out.update(
+        tokenizer=str(ckpt.tokenizer),
+        decoder_config=str(ckpt.decoder_config),
+        decoder_checkpoint=str(ckpt.decoder_checkpoint),
+    )
+    return out
+
+
+def _resolve_release(s: WorkerSettings, rel: _Release, under: Callable[[Path | str], Path]) -> CheckpointSet:
+    """The release's paths, each replaced by its setting when that is set."""
+
+    def models(setting: str, text: str, folder: str) -> dict[str, Path]:
+        given = parse_model_map(text, setting)
+        if given:
+            return {k: under(v) for k, v in given.items()}
+        return {folder: rel.checkpoints / folder}
+
+    ckpt = CheckpointSet(
+        tokenizer=under(s.tokenizer_path) if s.tokenizer_path else rel.models / "Tokenizer",
+        backbones=models("BACKBONE_MODELS", s.backbone_models, "backbone"),
+        superres=models("SUPERRES_MODELS", s.superres_models, "superresolution"),
+        decoder_config=under(s.decoder_config_path)
+        if s.decoder_config_path
+        else _one(rel.models / "Decoder", "*.yaml", "DECODER_CONFIG_PATH"),
+        decoder_checkpoint=under(s.decoder_checkpoint_path)
+        if s.decoder_checkpoint_path
+        else _one(rel.checkpoints, "dac_rvq_*.ckpt", "DECODER_CHECKPOINT_PATH"),
+        tiny=False,
+        layout="release",
+    )
+    ckpt.found.update(_found(ckpt))
     return ckpt

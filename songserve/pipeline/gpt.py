@@ -6,19 +6,17 @@ What differs from a text GPT (shared/docs/model.md):
 - the caller projects hidden states onto a slice of the output matrix (one codebook's 1,024 rows),
   never the whole vocabulary, so the model runs with its output layer switched off.
 
-Checkpoints are Megatron-LM directories: ``latest_checkpointed_iteration.txt`` and ``iter_N/``
-holding either a ``torch_dist`` checkpoint (what the tiny builder writes) or a legacy
-``mp_rank_00/model_optim_rng.pt``; the architecture comes from ``model_config.json`` beside them,
-overridden by ``MEGATRON_ARGS``.
+Architecture: ``GPTArch``, from Megatron-LM's saved args (``megatron_args.py``) or from an
+optional ``model_config.json``; checkpoint I/O lives in ``gpt_checkpoint.py``. Models are built on
+the meta device when they are about to be loaded, so no weight is randomly initialised and then
+overwritten (that cost more than reading the file at real sizes).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +36,13 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 @dataclass(frozen=True)
 class GPTArch:
+    """Everything that decides what the network computes, plus the serving limits that go with it.
+
+    ``vocab_size`` is the real vocabulary (T + levels·1024); the model's embedding and output rows
+    are ``padded_vocab_size`` (Megatron-LM pads to a multiple of 128). The padded rows are loaded
+    and never sampled: both stages project onto one codebook window at a time.
+    """
+
     kind: str  # "backbone" or "superres"
     num_layers: int
     hidden_size: int
@@ -52,94 +57,179 @@ class GPTArch:
     position_embedding_type: str = "learned_absolute"
     gated_linear_unit: bool = False
     share_embeddings_and_output_weights: bool = False
+    padded_vocab_size: int | None = None  # None: = vocab_size
+    kv_channels: int | None = None  # None: hidden_size / num_attention_heads
+    norm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False  # Megatron-LM's --apply-layernorm-1p
+    qk_layernorm: bool = False
+    activation: str | None = None  # gelu | silu | squared_relu; None: silu when gated, else gelu
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    rotary_interpolation_factor: float | None = None
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    num_tokens_to_generate: int | None = None  # the launcher's budget (backbone new tokens)
+    inference_max_seq_length: int | None = None  # the launcher's KV-cache context
+
+    @property
+    def rows(self) -> int:
+        """Rows of the embedding and output matrices as stored (padded)."""
+        return self.padded_vocab_size or self.vocab_size
+
+    @property
+    def activation_name(self) -> str:
+        return self.activation or ("silu" if self.gated_linear_unit else "gelu")
 
     @classmethod
-    def from_dir(cls, path: Path, megatron_args: str = "") -> GPTArch:
-        cfg_file = path / MODEL_CONFIG
+    def from_json(cls, cfg_file: Path, overrides: dict[str, Any] | None = None) -> GPTArch:
         try:
             raw = json.loads(cfg_file.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"Checkpoint {path} has no {MODEL_CONFIG}.") from None
+            raise ConfigError(f"Checkpoint {cfg_file.parent} has no {MODEL_CONFIG}.") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{cfg_file} is not valid JSON: {exc}.") from None
-        raw.update(parse_megatron_args(megatron_args))
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{cfg_file} must hold a JSON object.")
+        raw.update(overrides or {})
+        return cls.from_fields(raw, str(cfg_file))
+
+    @classmethod
+    def from_fields(cls, raw: dict[str, Any], source: str) -> GPTArch:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - names
         if unknown:
-            raise ConfigError(f"{cfg_file} has unknown keys: {', '.join(sorted(unknown))}.")
+            raise ConfigError(f"{source} has unknown keys: {', '.join(sorted(unknown))}.")
         try:
-            return cls(**raw)
+            arch = cls(**raw)
         except TypeError as exc:
-            raise ConfigError(f"{cfg_file} is incomplete: {exc}.") from None
+            raise ConfigError(f"{source} is incomplete: {exc}.") from None
+        if arch.activation_name not in _ACTIVATIONS:
+            raise ConfigError(f"{source}: activation {arch.activation_name!r} is not one of {', '.join(_ACTIVATIONS)}.")
+        return arch
+
+    @classmethod
+    def from_dir(cls, path: Path, megatron_args: str = "") -> GPTArch:
+        return cls.from_json(path / MODEL_CONFIG, parse_megatron_args(megatron_args))
 
 
-_ARG_MAP = {
-    "--num-layers": ("num_layers", int),
-    "--hidden-size": ("hidden_size", int),
-    "--num-attention-heads": ("num_attention_heads", int),
-    "--ffn-hidden-size": ("ffn_hidden_size", int),
-    "--num-query-groups": ("num_query_groups", int),
-    "--seq-length": ("max_sequence_length", int),
-    "--max-position-embeddings": ("max_sequence_length", int),
-    "--normalization": ("normalization", str),
-    "--position-embedding-type": ("position_embedding_type", str),
-}
+_ACTIVATIONS = ("gelu", "silu", "squared_relu")
 
 
 def parse_megatron_args(text: str) -> dict[str, object]:
-    """The subset of Megatron-LM's flags that shape the model; other flags are logged and ignored."""
-    if not text.strip():
-        return {}
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    for flag, (dest, typ) in _ARG_MAP.items():
-        parser.add_argument(flag, dest=dest, type=typ)
-    parser.add_argument("--swiglu", dest="gated_linear_unit", action="store_true", default=None)
-    parser.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_true", default=None)
-    try:
-        ns, rest = parser.parse_known_args(shlex.split(text))
-    except (argparse.ArgumentError, ValueError) as exc:
-        raise ConfigError(f"MEGATRON_ARGS could not be parsed: {exc}.") from None
-    if rest:
-        log.warning("MEGATRON_ARGS: ignoring %s", " ".join(rest))
-    out = {k: v for k, v in vars(ns).items() if v is not None and k != "untie"}
-    if ns.untie:
-        out["share_embeddings_and_output_weights"] = False
-    return out
+    """Megatron-LM flags → the ``GPTArch`` fields they override (for ``model_config.json`` sets)."""
+    from songserve.pipeline.megatron_args import flags_to_arch_overrides, parse_flags
+
+    return flags_to_arch_overrides(parse_flags(text)) if text.strip() else {}
 
 
-def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype) -> Any:
-    """Build the GPTModel (local layer spec: no transformer-engine or apex) in eval mode."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+class ZeroCenteredNorm(torch.nn.Module):
+    """LayerNorm / RMSNorm storing ``gamma − 1`` (Megatron-LM's ``--apply-layernorm-1p``).
+
+    megatron-core implements zero-centred gamma only in its Transformer-Engine and apex norms; the
+    local spec's torch norms refuse it. Parameter names match theirs, so checkpoints are unchanged.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.shape = (hidden_size,)
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight + 1
+        if self.rms:
+            return torch.nn.functional.rms_norm(x, self.shape, w, self.eps)
+        return torch.nn.functional.layer_norm(x, self.shape, w, self.bias, self.eps)
+
+
+def _activation(name: str) -> Any:
+    if name == "squared_relu":
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
+    return {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}[name]
+
+
+def transformer_config(arch: GPTArch, dtype: torch.dtype, init: bool = True) -> Any:
+    """Every math-changing field of ``arch`` on megatron-core's ``TransformerConfig``."""
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
         ffn_hidden_size=arch.ffn_hidden_size,
         normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        layernorm_zero_centered_gamma=arch.layernorm_zero_centered_gamma,
+        qk_layernorm=arch.qk_layernorm,
         gated_linear_unit=arch.gated_linear_unit,
+        activation_func=_activation(arch.activation_name),
+        bias_activation_fusion=False,
+        add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.add_qkv_bias,
+        rotary_interleaved=arch.rotary_interleaved,
+        apply_rope_fusion=False,
         use_cpu_initialization=True,
+        perform_initialization=init,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         cuda_graph_scope=[],
     )
+
+
+def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype, init: bool = True) -> Any:
+    """Build the GPTModel (local layer spec: no transformer-engine or apex) in eval mode.
+
+    ``init=False`` builds on the meta device and only allocates (``to_empty``): for a model whose
+    weights are loaded next, random initialisation would be wasted work.
+    """
+    import contextlib
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
     from songserve.pipeline.attention import SdpaDotProductAttention
 
-    spec = get_gpt_layer_local_spec(normalization=arch.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_sequence_length,
-        position_embedding_type=arch.position_embedding_type,
-        share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
-    )
+    config = transformer_config(arch, dtype, init)
+    spec = get_gpt_layer_local_spec(normalization=arch.normalization, qk_layernorm=arch.qk_layernorm)
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = SdpaDotProductAttention
+    final_norm = None
+    if arch.layernorm_zero_centered_gamma:
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+        if arch.qk_layernorm:
+            attn.q_layernorm = attn.k_layernorm = ZeroCenteredNorm
+        final_norm = ZeroCenteredNorm
+    layers: Any = spec
+    if final_norm is not None:
+        layers = TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=final_norm)
+    with torch.device("meta") if not init else contextlib.nullcontext():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layers,
+            vocab_size=arch.rows,
+            max_sequence_length=arch.max_sequence_length,
+            position_embedding_type=arch.position_embedding_type,
+            rotary_percent=arch.rotary_percent,
+            rotary_base=arch.rotary_base,
+            rope_scaling=arch.rope_scaling,
+            rope_scaling_factor=arch.rope_scaling_factor,
+            seq_len_interpolation_factor=arch.rotary_interpolation_factor,
+            share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
+        )
+    if not init:
+        return model.to_empty(device=device).eval()
     return model.to(device).eval()
 
 
@@ -148,6 +238,7 @@ class AcousticGPT:
 
     def __init__(self, arch: GPTArch, model: Any) -> None:
         self.arch = arch
+        self.load_sec = 0.0  # set by the loader: reported in /health and the track metadata
         self.model: Any = model  # megatron's GPTModel: submodules are dynamic attributes
         # Hidden states out: _postprocess returns before the output layer when post_process is
         # off; the final layer norm stays (it belongs to the decoder block).
@@ -222,61 +313,18 @@ def full_mask(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(1, 1, n, n, dtype=torch.bool, device=device)
 
 
-# ---- checkpoints -------------------------------------------------------------------------------
+# ---- checkpoints (gpt_checkpoint.py; kept importable from here) --------------------------------------
 
 
-def _iteration_dir(path: Path) -> Path:
-    tracker = path / TRACKER
-    if not tracker.is_file():
-        return path
-    it = tracker.read_text().strip()
-    return path / ("release" if it == "release" else f"iter_{int(it):07d}")
+def load_model(
+    path: Path, device: torch.device, dtype: torch.dtype, megatron_args: str = "", kind: str | None = None
+) -> AcousticGPT:
+    from songserve.pipeline.gpt_checkpoint import load_model as _load
+
+    return _load(path, device, dtype, megatron_args, kind)
 
 
 def save_checkpoint(path: Path, arch: GPTArch, model: Any, iteration: int = 1) -> None:
-    """Write a Megatron-LM style torch_dist checkpoint plus ``model_config.json``."""
-    from megatron.core import dist_checkpointing
+    from songserve.pipeline.gpt_checkpoint import save_checkpoint as _save
 
-    from songserve.pipeline.megatron_env import cpu_checkpoint_io
-
-    it_dir = path / f"iter_{iteration:07d}"
-    it_dir.mkdir(parents=True, exist_ok=True)
-    with cpu_checkpoint_io():
-        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(it_dir))
-    (path / TRACKER).write_text(str(iteration))
-    (path / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(arch), indent=2) + "\n")
-
-
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, megatron_args: str = "") -> AcousticGPT:
-    """Build the model from the directory's config and load its weights with strict key checks."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not path.is_dir():
-        raise ConfigError(f"Checkpoint directory {path} does not exist.")
-    arch = GPTArch.from_dir(path, megatron_args)
-    it_dir = _iteration_dir(path)
-    model = build_model(arch, device, dtype)
-    legacy = it_dir / "mp_rank_00" / "model_optim_rng.pt"
-    try:
-        if (it_dir / ".metadata").is_file():
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(it_dir))
-            state = loaded["model"]
-        elif legacy.is_file():
-            # Operator-provided Megatron-LM files pickle their args; they are trusted like code.
-            state = torch.load(legacy, map_location=device, weights_only=False)["model"]
-        else:
-            raise ConfigError(f"Checkpoint {it_dir} holds neither a torch_dist checkpoint nor {legacy.name}.")
-        state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-    except ConfigError:
-        raise
-    except (Exception, CheckpointException) as exc:  # many types; torch's is a BaseException
-        reason = [ln for ln in str(exc).splitlines() if ln.strip()][-1:] or [type(exc).__name__]
-        raise ConfigError(f"Checkpoint {path} does not match its model config: {reason[0].strip()}") from None
-    if missing or unexpected:
-        raise ConfigError(
-            f"Checkpoint {path} does not match its model config: missing {missing[:3]}, unexpected {unexpected[:3]}."
-        )
-    return AcousticGPT(arch, model.to(device=device, dtype=dtype))
+    _save(path, arch, model, iteration)

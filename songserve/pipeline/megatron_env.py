@@ -4,9 +4,11 @@ megatron-core assumes CUDA in six places (shared/docs/megatron-cpu.md); on the C
 works round the ones that start-up and checkpoint I/O hit:
   1. the model-parallel RNG tracker asserts CUDA: use the inference (no-op) tracker, seed torch;
   2. the global memory buffer allocates on the current CUDA device: install a CPU one;
+  4. RoPE's ``get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on first use: on a
+     machine without CUDA it stays where it is (prefill, KV-cached steps and non-causal passes);
   6. ``dist_checkpointing.save`` synchronises CUDA and makes CUDA tensors: redirect both.
-The other three (default causal mask, RoPE's device, the KV-cache allocation) are handled where the
-model is driven, in ``gpt.py``.
+The other two (default causal mask, the KV-cache allocation) are handled where the model is
+driven, in ``gpt.py``.
 """
 
 from __future__ import annotations
@@ -68,7 +70,27 @@ def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0) -> 
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
         parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()  # noqa: SLF001 (see 2.)
+        _rope_stays_on_cpu()
     torch.manual_seed(seed)
+
+
+def _rope_stays_on_cpu() -> None:
+    """Replace ``RotaryEmbedding.get_emb`` by the same computation without the move to CUDA (4.)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    if getattr(RotaryEmbedding.get_emb, "songserve_cpu", False):
+        return
+
+    def get_emb(self: RotaryEmbedding, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+    get_emb.songserve_cpu = True  # type: ignore[attr-defined]
+    RotaryEmbedding.get_emb = get_emb  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

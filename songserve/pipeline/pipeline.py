@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from songserve.errors import RequestError
+from songserve.errors import ConfigError, RequestError
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import Backbone
 from songserve.pipeline.checkpoints import CheckpointSet
 from songserve.pipeline.codec import Codec, CodecConfig, load_codec
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.export import Mp3Options, write_track
-from songserve.pipeline.gpt import AcousticGPT, load_model
+from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.superres import SuperRes
 from songserve.pipeline.types import TrackRequest, TrackResult
@@ -46,6 +46,20 @@ def release_memory(device: torch.device) -> None:
             pass
 
 
+def _arch_summary(a: GPTArch) -> dict[str, Any]:
+    return {
+        "layers": a.num_layers,
+        "hidden": a.hidden_size,
+        "heads": a.num_attention_heads,
+        "query_groups": a.num_query_groups or a.num_attention_heads,
+        "position_embedding": a.position_embedding_type,
+        "normalization": f"{a.normalization} eps={a.norm_epsilon:g}",
+        "vocab": a.vocab_size,
+        "padded_vocab": a.rows,
+        "text_vocab": a.text_vocab_size,
+    }
+
+
 class ModelPipeline:
     def __init__(self, settings: WorkerSettings, ckpt: CheckpointSet, device: torch.device) -> None:
         self.s = settings
@@ -57,6 +71,7 @@ class ModelPipeline:
         self.superres: dict[str, SuperRes] = {}
         self.codec: Codec | None = None
         self.codec_cfg = CodecConfig()
+        self.load_sec: dict[str, float] = {}
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
@@ -67,39 +82,61 @@ class ModelPipeline:
         self.phase_hook("loading_backbone")
         self.tokenizer = tk.load_tokenizer(self.ckpt.tokenizer)
         eod = self.tokenizer.token_id(tk.EOD)
+        t0 = time.perf_counter()
         for name, path in self.ckpt.backbones.items():
-            self.backbones[name] = Backbone(self._gpt(path), eod)
+            self.backbones[name] = Backbone(self._gpt(path, "backbone", name), eod)
+        self.load_sec["backbone"] = round(time.perf_counter() - t0, 3)
         self._load_stage2()
         assert self.codec is not None
         self.codec_cfg = self.codec.cfg  # rates and frame size, kept when one_shot unloads the codec
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
 
-    def _gpt(self, path: Path) -> AcousticGPT:
-        return load_model(path, self.device, self.dtype, self.s.megatron_args)
+    def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
+        gpt = load_model(path, self.device, self.dtype, self.s.megatron_args, kind)
+        self._check_vocab(gpt, kind, name)
+        return gpt
+
+    def _check_vocab(self, gpt: AcousticGPT, kind: str, name: str) -> None:
+        """The model's text ids must be the tokenizer's: one line naming both numbers."""
+        assert self.tokenizer is not None
+        a, n = gpt.arch, self.tokenizer.vocab_size
+        if a.text_vocab_size != n:
+            levels = (a.vocab_size - a.text_vocab_size) // 1024
+            raise ConfigError(
+                f"{kind} {name!r}: text vocabulary {a.text_vocab_size} (vocab_size {a.vocab_size} − {levels}×1024) "
+                f"does not match the tokenizer's {n} ids ({self.ckpt.tokenizer})."
+            )
 
     def _load_stage2(self) -> None:
         if not self.superres:
             self.phase_hook("loading_superres")
-            self.superres = {n: SuperRes(self._gpt(p)) for n, p in self.ckpt.superres.items()}
+            t0 = time.perf_counter()
+            self.superres = {n: SuperRes(self._gpt(p, "superres", n)) for n, p in self.ckpt.superres.items()}
+            self.load_sec["superres"] = round(time.perf_counter() - t0, 3)
         if self.codec is None:
             self.phase_hook("loading_decoder")
+            t0 = time.perf_counter()
             self.codec = load_codec(
                 self.ckpt.decoder_config,
                 self.ckpt.decoder_checkpoint,
                 self.device,
                 trust_pickle=self.s.trust_checkpoint_pickle,
             )
+            self.load_sec["decoder"] = round(time.perf_counter() - t0, 3)
 
     def _unload_stage2(self) -> None:
+        """Drop every reference this object holds, then return the memory (callers drop theirs first)."""
+        self.superres.clear()
         self.superres, self.codec = {}, None
         release_memory(self.device)
 
-    def loaded(self) -> dict[str, bool]:
+    def loaded(self) -> dict[str, Any]:
         return {
             "backbone_loaded": bool(self.backbones),
             "superres_loaded": bool(self.superres),
             "decoder_loaded": self.codec is not None,
+            "load_sec": dict(self.load_sec),  # the latest load of each stage
         }
 
     def describe(self) -> dict:
@@ -110,6 +147,9 @@ class ModelPipeline:
             "frame_rate": round(self.codec_cfg.frame_rate, 2),
             "channels": self.codec_cfg.channels,
             "tiny_checkpoints": self.ckpt.tiny,
+            "checkpoint_layout": self.ckpt.layout,
+            "checkpoints": dict(self.ckpt.found),
+            "architectures": {n: _arch_summary(b.gpt.arch) for n, b in self.backbones.items()},
         }
 
     # -- one track ------------------------------------------------------------------------------
@@ -155,6 +195,7 @@ class ModelPipeline:
             timings["backbone_sec"],
         )
 
+        superres: SuperRes | None = None
         try:
             t = time.perf_counter()
             self._load_stage2()
@@ -191,6 +232,7 @@ class ModelPipeline:
             timings["decoder_sec"] = time.perf_counter() - t
         finally:
             if self.s.runtime_mode == "one_shot":
+                superres = None  # this frame's reference would keep the model alive through the release
                 self._unload_stage2()
 
         duration_sec = audio.shape[0] / cfg.sample_rate
@@ -215,6 +257,7 @@ class ModelPipeline:
             "channels": int(audio.shape[1]),
             "device": str(self.device),
             "runtime_mode": self.s.runtime_mode,
+            "load_sec": dict(self.load_sec),
         }
         ctx.report("decoding", 1, 1, "writing files")
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)

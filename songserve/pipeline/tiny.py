@@ -1,6 +1,7 @@
 """Build the tiny checkpoint set of the real architecture, deterministically.
 
     python -m songserve.pipeline.tiny [--out checkpoints/tiny] [--force]
+    python -m songserve.pipeline.tiny --layout release OUT     # the published release's layout
 
 Same layout and on-disk formats a real set has, with small widths and depths (the real frame rate,
 21.53 frames/s, and 44.1 kHz stereo are kept):
@@ -9,6 +10,13 @@ Same layout and on-disk formats a real set has, with small widths and depths (th
     backbone/                        Megatron-LM torch_dist checkpoint + model_config.json
     superres/                        the same, vocabulary T + 64·1024
     decoder/config.yaml, model.pth   YAML + checkpoint with ``generator.``-prefixed, weight-normed keys
+
+``--layout release`` writes the layout and formats of the published release at tiny widths
+(``RELEASE_LAYOUT`` below): Megatron-LM torch_dist checkpoints with the architecture in the saved
+``args`` (no model_config.json), Transformer-Engine names, per-layer keys, split SwiGLU, padded
+vocabulary rows, and the release's architecture family (RoPE base 500000, RMSNorm ε 1e-6, SwiGLU,
+grouped-query attention, dense-layer biases, untied output) with the Llama-3 text vocabulary
+(128,256: backbone vocab 130,304 padded to 130,432, superres 193,792 padded to 193,920).
 
 The weights are seeded random: the set is untrained, so it sounds like noise of the right shape
 and length. The set is written to a temporary folder and renamed into place, under a file lock,
@@ -87,25 +95,92 @@ def _build_into(tmp: Path) -> None:
     )
 
 
-def is_built(out: Path) -> bool:
+RELEASE_VERSION = 1
+RELEASE_LAYOUT = {
+    "backbone": "checkpoints/backbone",
+    "superres": "checkpoints/superresolution",
+    "decoder_checkpoint": "checkpoints/dac_rvq_2490000.ckpt",
+    "decoder_config": "models/Decoder/dac_rvq_1024_64_golden.yaml",
+    "tokenizer": "models/Tokenizer",
+}
+
+
+def release_arch(kind: str, text_vocab: int) -> GPTArch:
+    """The release's architecture family at tiny widths (2 layers, hidden 32, 4 heads in 2 groups)."""
+    vocab = text_vocab + (2 if kind == "backbone" else 64) * CODEBOOK
+    padded = -(-(vocab + 1) // 128) * 128  # NullTokenizer's extra id, padded to a multiple of 128
+    return GPTArch(
+        kind,
+        2,
+        32,
+        4,
+        96,
+        text_vocab,
+        vocab,
+        4096,
+        2048,
+        num_query_groups=2,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        position_embedding_type="rope",
+        rotary_base=500000,
+        gated_linear_unit=True,
+        add_bias_linear=True,
+        share_embeddings_and_output_weights=False,
+        padded_vocab_size=padded,
+    )
+
+
+def _build_release_into(tmp: Path) -> None:
+    from songserve.pipeline.codec_release import write_release_decoder
+    from songserve.pipeline.gpt import build_model
+    from songserve.pipeline.gpt_checkpoint import release_args, save_release_checkpoint
+    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.tokenizer_release import write_release_tokenizer
+
+    cpu = torch.device("cpu")
+    init_megatron(cpu, 0, seed=SEED)
+    text_vocab = write_release_tokenizer(tmp / RELEASE_LAYOUT["tokenizer"])
+    log.info("tokenizer: %d ids", text_vocab)
+    for i, kind in enumerate(("backbone", "superres")):
+        torch.manual_seed(SEED + i)
+        arch = release_arch(kind, text_vocab)
+        model = build_model(arch, cpu, torch.float32)
+        save_release_checkpoint(tmp / RELEASE_LAYOUT[kind], model, release_args(arch))
+        log.info("%s: %d parameters", kind, sum(p.numel() for p in model.parameters()))
+    torch.manual_seed(SEED + 2)
+    write_release_decoder(tmp / RELEASE_LAYOUT["decoder_config"], tmp / RELEASE_LAYOUT["decoder_checkpoint"])
+    (tmp / "MANIFEST.json").write_text(
+        json.dumps({"release_version": RELEASE_VERSION, "seed": SEED, "built_at": time.time()}) + "\n"
+    )
+
+
+def is_built(out: Path, key: str = "tiny_version", version: int = TINY_VERSION) -> bool:
     try:
-        return json.loads((out / "MANIFEST.json").read_text()).get("tiny_version") == TINY_VERSION
+        return json.loads((out / "MANIFEST.json").read_text()).get(key) == version
     except (OSError, ValueError):
         return False
 
 
-def ensure_tiny_set(out: Path, force: bool = False) -> Path:
+def ensure_release_set(out: Path, force: bool = False) -> Path:
+    """Build the release-shaped tiny set at ``out`` unless a current one is there."""
+    return ensure_tiny_set(out, force, layout="release")
+
+
+def ensure_tiny_set(out: Path, force: bool = False, layout: str = "default") -> Path:
     """Build the set at ``out`` unless a current one is there; safe to call from many processes."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_built(out) and not force:
+        release = layout == "release"
+        current = is_built(out, "release_version", RELEASE_VERSION) if release else is_built(out)
+        if current and not force:
             return out
         tmp = out.parent / f".{out.name}.building"
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
         log.info("building the tiny checkpoint set in %s", out)
-        _build_into(tmp)
+        (_build_release_into if release else _build_into)(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         log.info("tiny checkpoint set ready in %.1f s", time.perf_counter() - t0)
@@ -116,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     from songserve.settings import DEFAULT_TINY_DIR
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_TINY_DIR)
+    ap.add_argument("out_dir", type=Path, nargs="?", help="same as --out")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--layout", choices=("default", "release"), default="default")
     ap.add_argument("--force", action="store_true", help="rebuild even if a current set is there")
     args = ap.parse_args(argv)
+    out = args.out_dir or args.out
+    if out is None and args.layout == "release":
+        ap.error("--layout release needs an output folder")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
-    print(ensure_tiny_set(args.out, args.force))
+    print(ensure_tiny_set(out or DEFAULT_TINY_DIR, args.force, args.layout))
     return 0
 
 

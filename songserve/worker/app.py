@@ -110,6 +110,9 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "formats": ["wav", "mp3"],
             "device": str(runtime.device),
             "tiny_checkpoints": d.get("tiny_checkpoints", False),
+            "checkpoint_layout": d.get("checkpoint_layout"),  # extension: what was found where
+            "checkpoints": d.get("checkpoints", {}),
+            "architectures": d.get("architectures", {}),
             "version": __version__,
         }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -41,12 +42,39 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
     return WorkerRuntime(s, ModelPipeline(s, ckpt, device), device)
 
 
+def split_megatron_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The worker's own flags, and the Megatron-LM flags the reference launcher appends after them.
+
+    ``run_backend.sh`` starts each worker as ``--worker-port P --runtime-mode M --seed S`` followed
+    by Megatron flags (``--tensor-model-parallel-size 1 … --bf16``); those become overrides of the
+    checkpoint's saved args (after ``MEGATRON_ARGS``), not "unrecognized arguments".
+    """
+    own = {"--" + name.replace("_", "-") for name in WorkerSettings.model_fields} | {"-h", "--help"}
+    worker: list[str] = []
+    megatron: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        dest = worker if tok.split("=", 1)[0] in own else megatron
+        dest.append(tok)
+        takes_value = "=" not in tok and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if takes_value:
+            dest.append(argv[i + 1])
+            i += 1
+        i += 1
+    return worker, megatron
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     setup_logging(f"worker[{os.environ.get('WORKER_INDEX', '-')}]")
     try:
-        s = load_settings(WorkerSettings, sys.argv[1:] if argv is None else argv)
+        own, megatron = split_megatron_flags(sys.argv[1:] if argv is None else argv)
+        s = load_settings(WorkerSettings, own)
+        if megatron:
+            s = s.model_copy(update={"megatron_args": f"{s.megatron_args} {shlex.join(megatron)}".strip()})
+            log.info("Megatron flags from the command line: %s", shlex.join(megatron))
         log_non_default(s)
         runtime = build_runtime(s)
     except ConfigError as exc:
