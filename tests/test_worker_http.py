@@ -200,7 +200,7 @@ def test_failure_inside_a_task_is_local_and_clear(tmp_path):
         r = httpx.post(w.url + "/generate", json={"duration": 0.05, "task_id": "disk"}, timeout=60)
         assert r.status_code == 500
         body = r.json()
-        assert body["status"] == "error" and body["error"].startswith("The task could not write its files")
+        assert body["status"] == "error" and body["error"].startswith("The worker could not write its output files")
         assert str(tmp_path) not in body["error"] and "Traceback" not in r.text
         assert "Traceback" in w.log_tail(20_000)  # the traceback goes to the log
         h = httpx.get(w.url + "/health").json()
