@@ -70,7 +70,8 @@ def plan_length(
         )
     budget = requested if min_share >= 1.0 else min(max_new_tokens, room) // 2
     estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
-    return LengthPlan(budget, min(budget, math.ceil(min_share * requested)), estimate)
+    floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
+    return LengthPlan(budget, min(budget, floor), estimate)
 
 
 @dataclass
