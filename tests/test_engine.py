@@ -293,3 +293,143 @@ def test_kv_bytes_per_take(backbone):
     s = dm.spec
     assert dm.kv_bytes_per_take(1000) == 2 * s.num_layers * s.groups * s.head_dim * 1000 * 4
     assert isinstance(backbone.gpt, AcousticGPT) and math.isfinite(dm.spec.scale)
+
+
+# ---- super-resolution batched --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def superres(tiny_dir, megatron_cpu):
+    from songserve.pipeline.superres import SuperRes
+
+    return SuperRes(load_model(tiny_dir / "superres", megatron_cpu, torch.float32))
+
+
+def test_superres_forward_equals_megatron_with_its_all_visible_mask(superres):
+    from songserve.pipeline.gpt import full_mask
+
+    gpt, dm = superres.gpt, superres.dm
+    grid = torch.randint(0, gpt.arch.vocab_size, (1, 30, 64))
+    grid[:, :12, 1:] = -1
+    pos = torch.arange(30).view(1, -1)
+    with torch.inference_mode():
+        ref = gpt.hidden(grid, pos, full_mask(30, gpt.device))[:, 0]
+        got = dm.forward(dm.embed(grid, pos), causal=False)[0]
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_superres_batch_of_different_lengths_equals_each_take_alone(superres, backbone):
+    coarse = [_run(backbone, [s], frames=f)[0][0].codes for s, f in ((51, 30), (52, 18), (53, 30))]
+    prompt = list(range(3, 15))
+    gens = [torch.Generator().manual_seed(60 + i) for i in range(3)]
+    ctxs = [TaskContext(f"sr{i}") for i in range(3)]
+    batch = superres.generate_batch(prompt, coarse, top_k=10, generators=gens, ctxs=ctxs)
+    for i, c in enumerate(coarse):
+        alone = superres.generate(prompt, c, top_k=10, generator=torch.Generator().manual_seed(60 + i), ctx=ctxs[i])
+        assert batch[i].shape == (64, c.shape[1])
+        agree = (batch[i] == alone).float().mean().item()
+        # padded rows go through a masked softmax: equal to float rounding, so draws agree (nearly) everywhere
+        assert agree > 0.99, (i, agree)
+    assert all(x.snapshot().done == 62 for x in ctxs)
+
+
+# ---- the worker: POST /generate_batch, park ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir, tmp_path_factory):
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path_factory.mktemp("batch"), "--runtime-mode", "keep_loaded", name="batch")
+    w.wait_healthy()
+    yield w
+    w.stop()
+
+
+def _body(seed: int, task_id: str, **kw) -> dict:
+    body = {"lyrics": "[verse]\nhello world", "tags": "pop, piano", "duration": 3 / 60}
+    return {**body, "seed_override": seed, "task_id": task_id, "job_id": "jb", "track_index": seed % 4, **kw}
+
+
+def _samples(w, name: str):
+    import io
+
+    import httpx
+    import soundfile as sf
+
+    r = httpx.get(f"{w.url}/download/{name}", timeout=30)
+    assert r.status_code == 200
+    return sf.read(io.BytesIO(r.content))[0]
+
+
+def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
+    import httpx
+    import numpy as np
+
+    cfg = httpx.get(worker.url + "/config", timeout=10).json()
+    assert cfg["max_batch"] == 4 and cfg["kv_bytes_per_take"] > 0
+    takes = [_body(70 + i, f"b{i}") for i in range(2)]
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=120)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["task_id"] for x in results] == ["b0", "b1"] and all(x["status"] == "ok" for x in results)
+    meta = results[1]["metadata"]
+    assert meta["batch_size"] == 2 and meta["timings"]["backbone_sec"] > 0 and meta["stopped_by"] == "budget"
+    alone = httpx.post(worker.url + "/generate", json=_body(71, "a1"), timeout=120).json()
+    assert alone["status"] == "ok" and alone["metadata"]["batch_size"] == 1
+    assert np.array_equal(_samples(worker, results[1]["wav_filename"]), _samples(worker, alone["wav_filename"]))
+    assert not np.array_equal(_samples(worker, results[0]["wav_filename"]), _samples(worker, alone["wav_filename"]))
+
+
+def test_generate_batch_refuses_takes_of_different_requests(worker):
+    import httpx
+
+    takes = [_body(1, "d0"), _body(2, "d1", tags="rock")]
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=60)
+    assert r.status_code == 400 and "differ only in seed" in r.json()["error"]
+
+
+def test_cancelling_one_take_of_a_batch_over_http(worker):
+    import concurrent.futures as cf
+
+    import httpx
+
+    from tests.support import wait_for
+
+    takes = [_body(80 + i, f"c{i}", duration=0.5) for i in range(2)]
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, worker.url + "/generate_batch", json={"takes": takes}, timeout=180)
+
+        def both_running():
+            h = httpx.get(worker.url + "/health", timeout=5).json()
+            tasks = {t["task_id"]: t for t in h.get("tasks", [])}
+            return len(tasks) == 2 and tasks["c1"]["phase"] == "backbone" and tasks["c1"]["progress_detail"]
+
+        wait_for(both_running, timeout=60, interval=0.02)
+        c = httpx.post(worker.url + "/cancel/c1", timeout=10)
+        assert c.status_code == 200
+        r = fut.result()
+    results = r.json()["results"]
+    assert results[0]["status"] == "ok" and results[1]["status"] == "cancelled"
+    assert results[0]["metadata"]["tokens"]["frames"] == int(0.5 * 60 * 44100 / 2048)
+    assert httpx.get(worker.url + "/tasks/c1", timeout=5).json()["status"] == "cancelled"
+
+
+def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(worker, tmp_path):
+    import httpx
+    import numpy as np
+
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path, "--runtime-mode", "park", name="park")
+    try:
+        w.wait_healthy()
+        h = httpx.get(w.url + "/health", timeout=10).json()
+        assert h["runtime_mode"] == "park" and h["parked"] == ["decoder", "superres"]
+        parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
+        assert parked["status"] == "ok"
+        assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
+        kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
+        assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
+    finally:
+        w.stop()
