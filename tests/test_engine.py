@@ -433,3 +433,33 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
         assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
     finally:
         w.stop()
+
+
+def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    pipe = ModelPipeline(
+        WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
+    )
+    pipe.load()
+    assert pipe.parked == {"superres", "decoder"}
+    seen = {}
+    sr = next(iter(pipe.superres.values()))
+    real_sr, real_dec = sr.generate_batch, pipe.codec.decode
+
+    def spy_sr(*a, **k):
+        seen["superres"] = set(pipe.parked)
+        return real_sr(*a, **k)
+
+    def spy_dec(*a, **k):
+        seen["decoder"] = set(pipe.parked)
+        return real_dec(*a, **k)
+
+    monkeypatch.setattr(sr, "generate_batch", spy_sr)
+    monkeypatch.setattr(pipe.codec, "decode", spy_dec)
+    pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
+    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
+    assert pipe.parked == {"superres", "decoder"}

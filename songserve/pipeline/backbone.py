@@ -100,7 +100,7 @@ class Backbone:
         self.dm = DecodeModel(gpt.model, gpt.output_weight)
         self.prefill_chunk = prefill_chunk
         self.check_every = check_every
-        self.compiled: StepFn | None = None  # set by ``songserve.pipeline.compiled`` when COMPILE is on
+        self.compiled: StepFn | None = None  # a CompiledStep or GraphedStep, set at load when COMPILE is on
         self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
 
     def max_frames(self, prompt_len: int) -> int:
@@ -173,7 +173,8 @@ class Backbone:
         dm, P = self.dm, len(prompt)
         total = 2 * min(plan.budget_frames, self.max_frames(P))
         B = len(takes)
-        cache = dm.new_cache(B, P + total)
+        cache_for = getattr(self.compiled, "cache_for", None)  # CUDA graphs: the captured cache
+        cache = cache_for(B, P + total) if cache_for is not None else dm.new_cache(B, P + total)
         dm.rope_tables(P + total)
         h = self.prefill(prompt, cache, [t.ctx for t in takes]).expand(B, -1)
         dev = dm.device

@@ -388,3 +388,101 @@ class CompiledStep:
             "graphs": sorted(f"{b}x{n}" for b, n in self.graphs),
             "fallback": self.failed,
         }
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    out: torch.Tensor
+
+
+class GraphedStep:
+    """CUDA: the step captured as a CUDA graph per (batch, KV length bucket), by hand.
+
+    Why by hand rather than ``mode="reduce-overhead"``: capture takes seconds instead of an
+    inductor compile of every layer, and the graph's inputs are explicit. A graph reads fixed
+    addresses, so each batch size decodes into one persistent cache of the full context
+    (``cache_for``), and the token and position are copied into static buffers before each replay
+    (device-to-device, no host sync). Capturing a new bucket mid-song is safe: the warm-up runs
+    write exactly what the real step writes (same token, same position, same prefix).
+    Any failure falls back to the eager step for good, with one log line.
+    """
+
+    def __init__(self, dm: DecodeModel, max_len: int) -> None:
+        self.dm = dm
+        self.max_len = max_len
+        self.caches: dict[int, KVCache] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.failed: str | None = None
+        self.pool = None
+
+    @property
+    def graphs(self) -> set[tuple[int, int]]:
+        return set(self._graphs)
+
+    def cache_for(self, batch: int, length: int) -> KVCache:
+        """The persistent cache for this batch size (graphs captured on it read its addresses)."""
+        if self.failed is not None or length > self.max_len:
+            return self.dm.new_cache(batch, length)
+        if batch not in self.caches:
+            self.caches[batch] = self.dm.new_cache(batch, self.max_len)
+        return self.caches[batch]
+
+    def _capture(
+        self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> _Graph:
+        st, sp = tokens.clone(), pos.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.dm.step(st, sp, k, v, kv_len, True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.dm.step(st, sp, k, v, kv_len, True)
+        self.pool = graph.pool()
+        return _Graph(graph, st, sp, out)
+
+    def __call__(
+        self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, masked: bool
+    ) -> torch.Tensor:
+        batch = int(tokens.shape[0])
+        own = self.caches.get(batch)
+        if self.failed is not None or own is None or own.k.data_ptr() != k.data_ptr():
+            return self.dm.step(tokens, pos, k, v, kv_len, masked)
+        key = (batch, kv_len)
+        g = self._graphs.get(key)
+        try:
+            if g is None:
+                g = self._graphs[key] = self._capture(tokens, pos, k, v, kv_len)
+            g.tokens.copy_(tokens)
+            g.pos.copy_(pos)
+            g.graph.replay()
+        except Exception as exc:  # noqa: BLE001 (capture failed: eager from now on, said once)
+            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            log.warning("CUDA graph capture failed for batch %d, kv %d; eager from now on (%s)", *key, self.failed)
+            return self.dm.step(tokens, pos, k, v, kv_len, masked)
+        return g.out
+
+    def warm(self, batches: list[int], kv_lens: list[int]) -> None:
+        """Capture the given shapes now, at load."""
+        self.dm.rope_tables(self.max_len)
+        for b in batches:
+            cache = self.cache_for(b, self.max_len)
+            tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
+            pos = torch.zeros(1, dtype=torch.long, device=self.dm.device)
+            for n in kv_lens:
+                self(tokens, pos, cache.k, cache.v, min(n, self.max_len), True)
+                if self.failed:
+                    return
+
+    def describe(self) -> dict:
+        return {
+            "compiled": False,
+            "cuda_graphs": self.failed is None,
+            "graphs": sorted(f"{b}x{n}" for b, n in self._graphs),
+            "fallback": self.failed,
+        }

@@ -27,7 +27,7 @@ from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan,
 from songserve.pipeline.checkpoints import CheckpointSet
 from songserve.pipeline.codec import Codec, CodecConfig, load_codec
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, want_compile
+from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
 from songserve.pipeline.export import Mp3Options, write_track
 from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
@@ -63,6 +63,7 @@ class ModelPipeline:
         self.codec_cfg = CodecConfig()
         self._superres_arch: dict[str, GPTArch] = {}
         self.parked: set[str] = set()  # park mode: stages whose weights wait in host memory now
+        self._host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # park: tensor → its host copy
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
@@ -87,10 +88,13 @@ class ModelPipeline:
         if want_compile(self.s.compile, self.device):
             self.phase_hook("compiling")
             for bb in self.backbones.values():
-                bb.compiled = CompiledStep(bb.dm)
-                bb.compiled.warm(sorted({1, self.s.max_batch}), [bb.bucket])
-                if bb.compiled.failed:
-                    bb.compiled = None
+                step: CompiledStep | GraphedStep
+                if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
+                    step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+                else:
+                    step = CompiledStep(bb.dm)
+                step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                bb.compiled = None if step.failed else step
 
     # -- park mode: stage weights wait in host memory ---------------------------------------------
     def _modules(self, stage: str) -> list[torch.nn.Module]:
@@ -99,14 +103,16 @@ class ModelPipeline:
         return [self.codec] if self.codec is not None else []
 
     def _park(self, stage: str) -> None:
-        """Move a stage's weights to host memory (pinned on CUDA, so the way back is a fast copy)."""
+        """Weights back to their host copy (pinned on CUDA). The copy is made once, at the first
+        park, and kept: parking later costs nothing, unparking is one host→device copy."""
         if self.s.runtime_mode != "park" or stage in self.parked:
             return
-        for m in self._modules(stage):
-            m.to("cpu")
-            if self.device.type == "cuda":
-                for p in list(m.parameters()) + list(m.buffers()):
-                    p.data = p.data.pin_memory()
+        if stage not in self._host:
+            tensors = [t for m in self._modules(stage) for t in (*m.parameters(), *m.buffers())]
+            pin = self.device.type == "cuda"
+            self._host[stage] = [(t, t.data.to("cpu").pin_memory() if pin else t.data.to("cpu")) for t in tensors]
+        for t, host in self._host[stage]:
+            t.data = host
         self._retarget(stage, torch.device("cpu"))
         self.parked.add(stage)
         if self.device.type == "cuda":
@@ -115,8 +121,8 @@ class ModelPipeline:
     def _unpark(self, stage: str) -> None:
         if stage not in self.parked:
             return
-        for m in self._modules(stage):
-            m.to(self.device, non_blocking=True)
+        for t, host in self._host[stage]:
+            t.data = host.to(self.device, non_blocking=True)
         self._retarget(stage, self.device)
         self.parked.discard(stage)
 
