@@ -27,7 +27,7 @@ import torch
 
 from songserve.errors import CancelledError, RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import DecodeModel, KVCache
+from songserve.pipeline.decode import CompiledStep, DecodeModel, GraphedStep, KVCache
 from songserve.pipeline.gpt import AcousticGPT
 from songserve.pipeline.sampling import sample_rows
 from songserve.pipeline.types import BackboneResult
@@ -100,7 +100,7 @@ class Backbone:
         self.dm = DecodeModel(gpt.model, gpt.output_weight)
         self.prefill_chunk = prefill_chunk
         self.check_every = check_every
-        self.compiled: StepFn | None = None  # a CompiledStep or GraphedStep, set at load when COMPILE is on
+        self.compiled: CompiledStep | GraphedStep | None = None  # set at load when COMPILE is on
         self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
 
     def max_frames(self, prompt_len: int) -> int:
@@ -173,8 +173,10 @@ class Backbone:
         dm, P = self.dm, len(prompt)
         total = 2 * min(plan.budget_frames, self.max_frames(P))
         B = len(takes)
-        cache_for = getattr(self.compiled, "cache_for", None)  # CUDA graphs: the captured cache
-        cache = cache_for(B, P + total) if cache_for is not None else dm.new_cache(B, P + total)
+        if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
+            cache = self.compiled.cache_for(B, P + total)
+        else:
+            cache = dm.new_cache(B, P + total)
         dm.rope_tables(P + total)
         h = self.prefill(prompt, cache, [t.ctx for t in takes]).expand(B, -1)
         dev = dm.device
@@ -188,7 +190,7 @@ class Backbone:
         pos = torch.tensor([P], device=dev)
         saved: dict[int, list[torch.Tensor]] = {}  # step → generator states after an end-of-audio-able draw
         last_check, t0 = 0, time.perf_counter()
-        step_fn = self.compiled or dm.step
+        step_fn: StepFn = self.compiled or dm.step
 
         def finish(i: int, n_codes: int, stopped_by: str) -> None:
             codes = buf[:n_codes, i].to("cpu")

@@ -416,7 +416,7 @@ class GraphedStep:
         self.caches: dict[int, KVCache] = {}
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.failed: str | None = None
-        self.pool = None
+        self.pool: Any = None  # one memory pool shared by every captured graph
 
     @property
     def graphs(self) -> set[tuple[int, int]]:

@@ -191,7 +191,7 @@ class ModelPipeline:
                 "max_new_tokens": min(self.s.max_new_tokens, ctx_len),
                 "kv_bytes_per_take": bb.dm.kv_bytes_per_take(ctx_len),
             }
-        first = next(iter(out.get("backbones", {}).values()), {})
+        first: dict[str, Any] = next(iter(out.get("backbones", {}).values()), {})
         out.update(
             {k: first[k] for k in ("max_sequence_length", "max_prompt_length", "kv_bytes_per_take") if k in first}
         )
@@ -303,9 +303,9 @@ class ModelPipeline:
                 ctxs[i].report("superres", 0, 62)
             coarse = []
             for i in live:
-                r = bbs[i]
-                assert r is not None
-                coarse.append(r.codes)
+                got = bbs[i]
+                assert got is not None
+                coarse.append(got.codes)
             codes_list = superres.generate_batch(
                 sr_prompt, coarse, top_k=req.top_k_sr, generators=[gens[i] for i in live], ctxs=[ctxs[i] for i in live]
             )

@@ -99,9 +99,9 @@ class SuperRes:
         F = max(lens)
         grid = torch.full((B, P + F, self.levels), -1, dtype=torch.long, device=dev)  # (B, S, C)
         grid[:, :P, 0] = torch.tensor(prompt, device=dev)
-        for r, c in enumerate(coarse):
+        for r, rows in enumerate(coarse):
             for lvl in range(2):
-                grid[r, P : P + lens[r], lvl] = T + lvl * CODEBOOK + c[lvl].to(dev)
+                grid[r, P : P + lens[r], lvl] = T + lvl * CODEBOOK + rows[lvl].to(dev)
         pos = torch.arange(P + F, device=dev).view(1, -1).expand(B, -1)
         padding = None
         if min(lens) != F:  # rows of different lengths: mask the padding keys
