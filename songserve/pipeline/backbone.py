@@ -114,7 +114,7 @@ class Backbone:
         equals a one-pass prefill (same causal attention, only split over the key axis's prefix)."""
         dev = self.dm.device
         ids = torch.tensor(prompt, device=dev).view(1, -1)
-        row0 = KVCache(cache.k[:, :1], cache.v[:, :1])
+        row0 = cache.rows(0, 1)
         h = None
         for a in range(0, len(prompt), self.prefill_chunk):
             if all(c.cancelled() for c in ctxs):

@@ -10,8 +10,11 @@ zero-centred gamma, biases, gated MLP and its activation, GQA, RoPE or learned p
 scale) is read from the model's own ``TransformerConfig`` and rotary module, so any GPTModel the
 checkpoint loader builds runs here unchanged.
 
-Layout: the static KV cache is ``(layers, batch, groups, length, head_dim)`` per K and V, the
-layout SDPA reads without a transpose; prefill writes a prefix, the step writes one column.
+Layout: the static KV cache is one ``(batch, groups, length, head_dim)`` tensor per layer for K and
+for V, the layout SDPA reads without a transpose; prefill writes a prefix, the step writes one
+column in place. Separate tensors (not one stacked buffer) matter under ``torch.compile``: an
+in-place write into a graph input is kept in place, where a write into a view of one big input
+is functionalised into a copy of the whole cache on every token.
 """
 
 from __future__ import annotations
@@ -66,27 +69,31 @@ class LayerWeights:
 class KVCache:
     """A static cache: fixed (batch, length) buffers; rows can be copied, dropped or moved."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k, self.v = k, v  # (layers, B, G, L, D)
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v  # per layer (B, G, L, D)
 
     @property
     def batch(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.k[0].shape[0])
 
     @property
     def length(self) -> int:
-        return int(self.k.shape[3])
+        return int(self.k[0].shape[2])
+
+    def rows(self, a: int, b: int) -> KVCache:
+        """A view of rows [a, b) (prefill writes row 0 only)."""
+        return KVCache([t[a:b] for t in self.k], [t[a:b] for t in self.v])
 
     def broadcast_row0(self, upto: int) -> None:
         """Copy row 0's first ``upto`` positions (a shared prefill) into every other row."""
         if self.batch > 1:
-            self.k[:, 1:, :, :upto] = self.k[:, :1, :, :upto]
-            self.v[:, 1:, :, :upto] = self.v[:, :1, :, :upto]
+            for t in (*self.k, *self.v):
+                t[1:, :, :upto] = t[:1, :, :upto]
 
     def keep_rows(self, rows: list[int]) -> KVCache:
         """A smaller cache holding only ``rows`` (finished rows stop costing)."""
-        idx = torch.tensor(rows, device=self.k.device)
-        return KVCache(self.k.index_select(1, idx), self.v.index_select(1, idx))
+        idx = torch.tensor(rows, device=self.k[0].device)
+        return KVCache([t.index_select(0, idx) for t in self.k], [t.index_select(0, idx) for t in self.v])
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, spec: StepSpec) -> torch.Tensor:
@@ -175,11 +182,12 @@ class DecodeModel:
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         s = self.spec
-        shape = (s.num_layers, batch, s.groups, length, s.head_dim)
-        return KVCache(
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-        )
+        shape = (batch, s.groups, length, s.head_dim)
+
+        def one() -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(s.num_layers)]
+
+        return KVCache(one(), one())
 
     def rope_tables(self, length: int) -> None:
         """cos/sin for positions [0, length), computed as megatron does (fp32 freqs, cast at use)."""
@@ -280,9 +288,9 @@ class DecodeModel:
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             if cache is not None:
-                cache.k[i, :, :, start:end] = k
-                cache.v[i, :, :, start:end] = v
-                k, v = cache.k[i, :, :, :end], cache.v[i, :, :, :end]
+                cache.k[i][:, :, start:end] = k
+                cache.v[i][:, :, start:end] = v
+                k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.spec.scale, enable_gqa=True
             )
@@ -294,8 +302,8 @@ class DecodeModel:
         self,
         tokens: torch.Tensor,  # (B,) long, on the device
         pos: torch.Tensor,  # (1,) long, on the device: the write position
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
         kv_len: int,  # static: keys [0, kv_len) are read
         masked: bool,  # static: False when kv_len == pos + 1 exactly (no mask at all)
     ) -> torch.Tensor:
@@ -322,7 +330,7 @@ class DecodeModel:
             k_cache[i].index_copy_(2, pos, k)
             v_cache[i].index_copy_(2, pos, v)
             o = F.scaled_dot_product_attention(
-                q, k_cache[i, :, :, :kv_len], v_cache[i, :, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
+                q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
             x = self._finish_layer(lw, x, o.reshape(B, 1, -1))
         return self.final(x)[:, 0]
@@ -352,7 +360,13 @@ class CompiledStep:
         self.failed: str | None = None
 
     def __call__(
-        self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, masked: bool
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        kv_len: int,
+        masked: bool,
     ) -> torch.Tensor:
         if self.failed is not None:
             return self.dm.step(tokens, pos, k, v, kv_len, masked)
@@ -447,11 +461,17 @@ class GraphedStep:
         return _Graph(graph, st, sp, out)
 
     def __call__(
-        self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, masked: bool
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        kv_len: int,
+        masked: bool,
     ) -> torch.Tensor:
         batch = int(tokens.shape[0])
         own = self.caches.get(batch)
-        if self.failed is not None or own is None or own.k.data_ptr() != k.data_ptr():
+        if self.failed is not None or own is None or own.k[0].data_ptr() != k[0].data_ptr():
             return self.dm.step(tokens, pos, k, v, kv_len, masked)
         key = (batch, kv_len)
         g = self._graphs.get(key)
