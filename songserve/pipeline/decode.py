@@ -445,7 +445,7 @@ class GraphedStep:
         return self.caches[batch]
 
     def _capture(
-        self, tokens: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+        self, tokens: torch.Tensor, pos: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], kv_len: int
     ) -> _Graph:
         st, sp = tokens.clone(), pos.clone()
         side = torch.cuda.Stream()
