@@ -463,3 +463,23 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
     assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
     assert pipe.parked == {"superres", "decoder"}
+
+
+def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
+    """Scheduling tests run against tone workers: the batch endpoint works there too."""
+    import httpx
+
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path, "--pipeline", "test", "--max-batch", "3", name="tone")
+    try:
+        w.wait_healthy()
+        assert httpx.get(w.url + "/config", timeout=10).json()["max_batch"] == 3
+        takes = [_body(i, f"tone{i}") for i in range(3)]
+        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [x["status"] for x in r.json()["results"]] == ["ok"] * 3
+        assert [x["seed"] for x in r.json()["results"]] == [0, 1, 2]
+        assert httpx.get(w.url + "/health", timeout=10).json()["tasks_done"] == 3
+    finally:
+        w.stop()

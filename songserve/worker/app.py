@@ -96,7 +96,10 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "tiny_checkpoints": d.get("tiny_checkpoints", False),
             "version": __version__,
             # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
-            **(runtime.pipeline.limits() if hasattr(runtime.pipeline, "limits") else {"max_batch": 1}),
+            # (the test tone runs a batch's takes in turn, so packing can be tested against it too)
+            **(
+                runtime.pipeline.limits() if hasattr(runtime.pipeline, "limits") else {"max_batch": runtime.s.max_batch}
+            ),
         }
 
     @app.post("/generate")
