@@ -483,3 +483,31 @@ def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
         assert httpx.get(w.url + "/health", timeout=10).json()["tasks_done"] == 3
     finally:
         w.stop()
+
+
+def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    import dataclasses
+
+    from songserve.pipeline import pipeline as pl
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(output_dir=tmp_path, runtime_mode="keep_loaded", max_batch=4)
+    pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)
+    pipe.load()
+    req = TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=0)
+    reqs = [dataclasses.replace(req, seed=i, task_id=f"m{i}") for i in range(3)]
+    monkeypatch.setattr(pl, "_mem_available", lambda: 10**12)
+    together = pipe.run_batch(reqs, [TaskContext(r.task_id + "b") for r in reqs])
+    assert [r.metadata["batch_size"] for r in together] == [3, 3, 3]
+    tokens = together[0].metadata["tokens"]
+    per_take = next(iter(pipe.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
+    monkeypatch.setattr(pl, "_mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
+    out = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    assert [r.metadata["batch_size"] for r in out] == [2, 2, 1]
+    for a, b in zip(out, together, strict=True):  # splitting changes no take's audio
+        assert a.metadata["tokens"] == b.metadata["tokens"]
+        import soundfile as sf
+
+        assert (sf.read(tmp_path / a.wav_filename)[0] == sf.read(tmp_path / b.wav_filename)[0]).all()
