@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # songserve launcher: one worker per GPU id, then the dispatcher, then follow the logs.
 #
-#   bash run_backend.sh [--gpus 0,1] [--runtime-mode one_shot|keep_loaded] [--no-follow]
+#   bash run_backend.sh [--gpus 0,1] [--runtime-mode one_shot|keep_loaded|park] [--no-follow]
 #   bash run_backend.sh --workers-only [--gpus …]          workers for a dispatcher elsewhere
 #   bash run_backend.sh --api-only --worker-urls URL,URL   a dispatcher for workers elsewhere
 #   bash run_backend.sh stop                               stop everything this launcher started
@@ -79,7 +79,7 @@ while [ $# -gt 0 ]; do
 done
 [[ "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--gpus must be comma-separated GPU ids such as 0 or 0,1; got '$GPUS'"
 [ "$(tr ',' '\n' <<<"$GPUS" | sort | uniq -d)" = "" ] || die "--gpus lists an id twice: '$GPUS'"
-[[ "$MODE" =~ ^(one_shot|keep_loaded)$ ]] || die "--runtime-mode must be one_shot or keep_loaded; got '$MODE'"
+[[ "$MODE" =~ ^(one_shot|keep_loaded|park)$ ]] || die "--runtime-mode must be one_shot, keep_loaded or park; got '$MODE'"
 [ $WORKERS = 1 ] || [ -n "$WORKER_URLS" ] || die "--api-only needs --worker-urls URL,URL,…"
 [ $WORKERS = 1 ] || [ $API = 1 ] || die "--workers-only and --api-only together start nothing"
 IFS=, read -r -a GPU_IDS <<<"$GPUS"

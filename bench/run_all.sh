@@ -10,7 +10,7 @@ command -v wrk >/dev/null || { apt-get install -y -qq wrk >/dev/null 2>&1 || ech
 .venv/bin/python -m songserve.pipeline.tiny >/dev/null
 out=bench/results.txt
 : >"$out"
-for script in bench/p[0-9]_*.py; do
+for script in $(ls bench/p[0-9]*_*.py | sort -V); do
   name=$(basename "$script" .py)
   .venv/bin/python -m "bench.$name" "$@" 2>"/tmp/songserve-$name.err" | tee -a "$out" \
     || echo "$name failed: see /tmp/songserve-$name.err" | tee -a "$out"

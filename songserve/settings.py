@@ -34,7 +34,11 @@ class WorkerSettings(BaseSettings):
 
     worker_port: int = Field(8001, ge=1, le=65535, description="HTTP port")
     host: str = Field("127.0.0.1", description="bind address (loopback unless told otherwise)")
-    runtime_mode: Literal["one_shot", "keep_loaded"] = "one_shot"
+    runtime_mode: Literal["one_shot", "keep_loaded", "park"] = Field(
+        "one_shot",
+        description="one_shot: superres + decoder loaded per request; keep_loaded: resident; "
+        "park: kept in (pinned) host memory, moved to the device for their stage",
+    )
     seed: int = Field(1283, ge=0, description="base seed for requests without seed_override")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu_id: int = Field(0, ge=0, description="reported GPU id (the launcher sets CUDA_VISIBLE_DEVICES)")
@@ -52,9 +56,23 @@ class WorkerSettings(BaseSettings):
     output_dir: Path = Field(ROOT / "generated_audio", description="where WAV, MP3 and JSON are written")
     mp3_bitrate_mode: Literal["CONSTANT", "VARIABLE", "AVERAGE"] = "CONSTANT"
     mp3_compression_level: float = Field(0.0, ge=0.0, le=1.0, description="0 = highest quality")
-    eoa_min_share: float = Field(
-        0.9, ge=0.0, le=1.0, description="share of the frame budget before end-of-audio is accepted"
+    eoa_min_share: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="share of the requested length before end-of-audio is accepted; 1.0 = exactly the requested "
+        "length; unset = 0 for a real set (the model ends the song), 1.0 for the tiny set (its end-of-audio is noise)",
     )
+    max_new_tokens: int = Field(
+        23552,
+        ge=2,
+        description="backbone token budget (the reference's --num-tokens-to-generate), capped by the context",
+    )
+    prefill_chunk: int = Field(512, ge=1, description="prompt tokens per prefill chunk (a cancel lands between chunks)")
+    compile: Literal["auto", "0", "1"] = Field(
+        "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
+    )
+    max_batch: int = Field(4, ge=1, le=64, description="most takes of one request run as one batch")
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")

@@ -9,11 +9,11 @@ import pytest
 
 from tests.support import ROOT
 
-SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("p[0-9]_*.py"))
+SCRIPTS = sorted((p.stem for p in (ROOT / "bench").glob("p[0-9]*_*.py")), key=lambda s: int(s[1:].split("_")[0]))
 
 
 def test_every_figure_has_a_script():
-    assert [s[:2] for s in SCRIPTS] == [f"p{i}" for i in range(1, 9)]
+    assert [s.split("_")[0] for s in SCRIPTS] == [f"p{i}" for i in range(1, 11)]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -23,4 +23,4 @@ def test_benchmark_smoke(script, tiny_dir):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith(script[:2].upper() + " ")
+    assert line.startswith(script.split("_")[0].upper() + " ")

@@ -1,34 +1,139 @@
-"""Backbone stage: autoregressive q0/q1 sampling with a KV cache.
+"""Backbone stage: autoregressive q0/q1 sampling for one take or a batch of takes of one prompt.
 
 The backbone writes q0, q1, q0, q1, … (two tokens per audio frame). Each step projects only onto
-the next token's codebook window, plus the end-of-document row once ``min_share`` of the frame
-budget is written, so the requested length is honoured. Per-token cost is one query position
-against the cache: it does not grow with the sequence beyond attention itself.
+the next token's codebook window, plus the end-of-document row once ``min_frames`` are written.
+
+Why the loop looks like this (issue 14):
+- the prompt is prefilled once, in chunks with a cancellation check between them, and its KV is
+  copied to every take's row; each take samples with its own seeded generator, so take *i* draws
+  exactly what it would draw alone;
+- the per-token work is ``DecodeModel.step`` (static shapes, position on the device) plus device
+  sampling: nothing per token converts a tensor to a Python value. Every ``check_every`` tokens
+  the loop synchronises once: it reads the new codes, ends rows on their end-of-audio, drops
+  cancelled rows, publishes progress, and (eager mode) shrinks the batch to the rows still running;
+- a row that ended keeps drawing until that check, so its generator is rewound to the state right
+  after its end-of-audio draw: the later stages see the same generator as a take run alone.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from songserve.errors import CancelledError, RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.gpt import AcousticGPT, causal_mask
-from songserve.pipeline.sampling import sample
+from songserve.pipeline.decode import CompiledStep, DecodeModel, GraphedStep, KVCache
+from songserve.pipeline.gpt import AcousticGPT
+from songserve.pipeline.sampling import sample_rows
 from songserve.pipeline.types import BackboneResult
 
+log = logging.getLogger(__name__)
 CODEBOOK = 1024
+TOKENS_PER_MINUTE = 2584  # the reference's progress estimate: 21.53 frames/s × 2 × 60
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    """How long a song may run: the reference's semantics (end-of-audio ends it) with our floor."""
+
+    budget_frames: int  # the most frames (tokens / 2) the loop writes
+    min_frames: int  # end-of-audio is offered from this frame on
+    estimate_tokens: int  # progress denominator: 2,584 × (d + 0.8)
+
+
+def plan_length(
+    prompt_len: int,
+    duration_min: float,
+    frame_rate: float,
+    *,
+    context: int,
+    max_new_tokens: int,
+    min_share: float,
+) -> LengthPlan:
+    """The request's frame budget, or a ``RequestError`` naming the limit before any work.
+
+    ``min_share`` ≥ 1 means exact length (the tiny set: its end-of-audio is untrained noise), so
+    the budget is the requested length. Otherwise the budget is the reference's token budget,
+    capped by the context, and the model ends the song itself.
+    """
+    requested = max(1, int(duration_min * 60 * frame_rate))
+    room = context - prompt_len
+    if prompt_len + 2 * requested > context:
+        raise RequestError(
+            f"The request needs {prompt_len} prompt tokens plus {2 * requested} audio tokens "
+            f"({duration_min:g} min), more than the model's context of {context} tokens (max_sequence_length)."
+        )
+    budget = requested if min_share >= 1.0 else min(max_new_tokens, room) // 2
+    estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
+    floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
+    return LengthPlan(budget, min(budget, floor), estimate)
+
+
+@dataclass
+class Take:
+    """One row of a batch: its generator (seeded per take) and its task context."""
+
+    generator: torch.Generator
+    ctx: TaskContext
+
+
+StepFn = Callable[..., torch.Tensor]
 
 
 class Backbone:
-    def __init__(self, gpt: AcousticGPT, eod_id: int) -> None:
+    def __init__(
+        self,
+        gpt: AcousticGPT,
+        eod_id: int,
+        *,
+        prefill_chunk: int = 512,
+        check_every: int = 16,
+    ) -> None:
         self.gpt = gpt
         self.eod_id = eod_id
         self.text_vocab = gpt.arch.text_vocab_size
+        self.dm = DecodeModel(gpt.model, gpt.output_weight)
+        self.prefill_chunk = prefill_chunk
+        self.check_every = check_every
+        self.compiled: CompiledStep | GraphedStep | None = None  # set at load when COMPILE is on
+        self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
 
     def max_frames(self, prompt_len: int) -> int:
-        return max(0, (self.gpt.arch.max_sequence_length - prompt_len) // 2)
+        return max(0, (self.gpt.arch.context_length - prompt_len) // 2)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], cache: KVCache, ctxs: list[TaskContext]) -> torch.Tensor:
+        """Prompt → hidden at its last position (1, H); KV written to row 0, then copied to all rows.
+
+        Chunks of ``prefill_chunk`` tokens with a cancellation check between them; the result
+        equals a one-pass prefill (same causal attention, only split over the key axis's prefix)."""
+        dev = self.dm.device
+        ids = torch.tensor(prompt, device=dev).view(1, -1)
+        row0 = cache.rows(0, 1)
+        h = None
+        for a in range(0, len(prompt), self.prefill_chunk):
+            if all(c.cancelled() for c in ctxs):
+                raise CancelledError(f"Task {ctxs[0].task_id} was cancelled.")
+            b = min(len(prompt), a + self.prefill_chunk)
+            pos = torch.arange(a, b, device=dev).view(1, -1)
+            h = self.dm.forward(self.dm.embed(ids[:, a:b], pos), start=a, cache=row0)[:, -1]
+        assert h is not None
+        cache.broadcast_row0(len(prompt))
+        return h
+
+    def _kv_len(self, end: int, cache_len: int) -> tuple[int, bool]:
+        """Eager: exactly the written prefix, no mask. Compiled: a power-of-two bucket with a mask."""
+        if self.compiled is None:
+            return end, False
+        n = self.bucket
+        while n < end:
+            n *= 2
+        return min(n, cache_len), True
 
     @torch.inference_mode()
     def generate(
@@ -43,38 +148,138 @@ class Backbone:
         min_share: float = 0.9,
         top_p: float | None = None,
     ) -> BackboneResult:
-        gpt, dev = self.gpt, self.gpt.device
+        """One take with a budget of ``frames``; end-of-audio from ``min_share`` of it."""
         budget = min(frames, self.max_frames(len(prompt)))
-        min_frames = math.ceil(min_share * budget)
-        total = 2 * budget
-        cache = gpt.new_kv_context(len(prompt) + total)
-        ids = torch.tensor(prompt, device=dev).view(1, -1, 1)
-        pos = torch.arange(len(prompt), device=dev).view(1, -1)
-        h = gpt.hidden(ids, pos, causal_mask(len(prompt), dev), cache)[-1]  # (B, H)
-        cache.increment_sequence_len_offset(len(prompt))
+        plan = LengthPlan(budget, math.ceil(min_share * budget), 2 * budget)
+        result = self.generate_batch(
+            prompt, plan, [Take(generator, ctx)], top_k=top_k, temperature=temperature, top_p=top_p
+        )[0]
+        if result is None:
+            raise CancelledError(f"Task {ctx.task_id} was cancelled.")
+        return result
 
-        codes: list[int] = []
-        stopped_by, t0 = "budget", time.perf_counter()
-        for t in range(total):
-            ctx.check()
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompt: list[int],
+        plan: LengthPlan,
+        takes: list[Take],
+        *,
+        top_k: int,
+        temperature: float,
+        top_p: float | None = None,
+    ) -> list[BackboneResult | None]:
+        """N takes of one prompt as one batch; ``None`` for a take cancelled on its own."""
+        dm, P = self.dm, len(prompt)
+        total = 2 * min(plan.budget_frames, self.max_frames(P))
+        B = len(takes)
+        if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
+            cache = self.compiled.cache_for(B, P + total)
+        else:
+            cache = dm.new_cache(B, P + total)
+        dm.rope_tables(P + total)
+        h = self.prefill(prompt, cache, [t.ctx for t in takes]).expand(B, -1)
+        dev = dm.device
+
+        rows = list(range(B))  # original take index of each active row
+        slots = list(range(B))  # its row in h and the cache (compiled mode keeps ended rows' slots)
+        results: list[BackboneResult | None] = [None] * B
+        buf = torch.zeros(max(total, 1), B, dtype=torch.long, device=dev)  # codes, column = take
+        rows_t = torch.arange(B, device=dev)
+        slots_t = rows_t
+        pos = torch.tensor([P], device=dev)
+        saved: dict[int, list[torch.Tensor]] = {}  # step → generator states after an end-of-audio-able draw
+        last_check, t0 = 0, time.perf_counter()
+        step_fn: StepFn = self.compiled or dm.step
+
+        def finish(i: int, n_codes: int, stopped_by: str) -> None:
+            codes = buf[:n_codes, i].to("cpu")
+            grid = codes.view(-1, 2).t().contiguous() if n_codes else torch.zeros(2, 0, dtype=torch.long)
+            results[i] = BackboneResult(grid, P, n_codes, stopped_by)
+
+        t = 0
+        while t < total and rows:
             level = t % 2
             start = self.text_vocab + level * CODEBOOK
-            logits = gpt.project(h, start, start + CODEBOOK)  # (B, 1024)
-            eod_allowed = level == 0 and len(codes) // 2 >= min_frames
+            full = len(slots) == h.shape[0]
+            hs = h if full else h.index_select(0, slots_t)
+            logits = self.gpt.project(hs, start, start + CODEBOOK)
+            eod_allowed = level == 0 and t // 2 >= plan.min_frames
             if eod_allowed:
-                logits = torch.cat([logits, gpt.project(h, self.eod_id, self.eod_id + 1)], dim=-1)
-            code = int(sample(logits, top_k, generator, temperature, top_p)[0])
-            if code == CODEBOOK:  # the appended end-of-document row
-                stopped_by = "end_of_audio"
-                break
-            codes.append(code)
-            if t % 16 == 0 or t + 1 == total:  # progress for /health; formatting every token costs
-                rate = (t + 1) / max(time.perf_counter() - t0, 1e-9)
-                ctx.report("backbone", t + 1, total, f"{rate:.0f} tok/s · {t + 1} tokens")
-            if t + 1 == total:
-                break
-            step = torch.tensor([[[start + code]]], device=dev)
-            h = gpt.hidden(step, torch.tensor([[len(prompt) + t]], device=dev), None, cache)[-1]
-            cache.increment_sequence_len_offset(1)
-        grid = torch.tensor(codes, dtype=torch.long).view(-1, 2).t().contiguous()  # (2, frames)
-        return BackboneResult(grid, len(prompt), len(codes), stopped_by)
+                logits = torch.cat([logits, self.gpt.project(hs, self.eod_id, self.eod_id + 1)], dim=-1)
+            gens = [takes[r].generator for r in rows]
+            code = sample_rows(logits, top_k, gens, temperature, top_p)  # (b,) on the device
+            buf[t].index_copy_(0, rows_t, code)
+            if eod_allowed:
+                saved[t] = [g.get_state() for g in gens]
+            last = t + 1 == total
+            if not last:
+                step_in = start + code.clamp(max=CODEBOOK - 1)  # a row that just ended feeds any valid id
+                if not full:
+                    step_in = torch.full((h.shape[0],), start, device=dev).index_copy_(0, slots_t, step_in)
+                kv_len, masked = self._kv_len(P + t + 1, cache.length)
+                h = step_fn(step_in, pos, cache.k, cache.v, kv_len, masked)
+                pos += 1
+            t += 1
+            if t - last_check >= self.check_every or last:
+                h, cache, rows, slots = self._check(
+                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last
+                )
+                rows_t, slots_t = _long(rows, dev), _long(slots, dev)
+                saved.clear()
+                last_check = t
+        for i in rows:  # budget reached
+            finish(i, total, "budget")
+        return results
+
+    def _check(
+        self,
+        takes: list[Take],
+        rows: list[int],
+        slots: list[int],
+        buf: torch.Tensor,
+        a: int,
+        t: int,
+        saved: dict[int, list[torch.Tensor]],
+        finish: Callable[[int, int, str], None],
+        h: torch.Tensor,
+        cache: KVCache,
+        plan: LengthPlan,
+        t0: float,
+        last: bool,
+    ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
+        """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
+        block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
+        keep: list[int] = []
+        for j, i in enumerate(rows):
+            hits = (block[:, j] == CODEBOOK).nonzero()
+            if len(hits):
+                step = a + int(hits[0, 0])
+                takes[i].generator.set_state(saved[step][j])  # as if it had stopped right there
+                finish(i, step, "end_of_audio")
+                log.info("task %s: end of audio after %d tokens", takes[i].ctx.task_id, step)
+            elif takes[i].ctx.cancelled():
+                log.info("task %s: cancelled in the backbone at token %d", takes[i].ctx.task_id, t)
+            else:
+                keep.append(j)
+        rate = t / max(time.perf_counter() - t0, 1e-9)
+        for j in keep:
+            takes[rows[j]].ctx.report(
+                "backbone",
+                min(t, plan.estimate_tokens),
+                plan.estimate_tokens,
+                f"{t}/{plan.estimate_tokens} tokens · {rate:.0f} tok/s",
+            )
+        new_rows = [rows[j] for j in keep]
+        if len(keep) == len(rows) or not new_rows or last:
+            return h, cache, new_rows, [slots[j] for j in keep]
+        if self.compiled is None:  # eager: finished rows stop costing
+            kept_slots = [slots[j] for j in keep]
+            idx = _long(kept_slots, h.device)
+            return h.index_select(0, idx), cache.keep_rows(kept_slots), new_rows, list(range(len(keep)))
+        # compiled: keep the batch shape (its graph); ended rows cost the tail but are never read
+        return h, cache, new_rows, [slots[j] for j in keep]
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

@@ -14,6 +14,8 @@ Every path stays overridable by its own setting (relative paths are taken from `
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ class CheckpointSet:
     decoder_checkpoint: Path
     tiny: bool
     layout: str = "own"  # "own" or "release"
+    untrained: bool = False  # seeded random weights (a set built by pipeline/tiny.py): its end-of-audio is noise
     found: dict[str, str] = field(default_factory=dict)  # what was found where, for /config and the log
 
     def summary(self) -> str:
@@ -128,8 +131,21 @@ def resolve(s: WorkerSettings) -> CheckpointSet:
     for setting, path in checks:
         if not path.exists():
             raise ConfigError(f"{setting} {path} does not exist.")
-    log.info("%s", ckpt.summary())
+    if tiny or _untrained(base):
+        ckpt = dataclasses.replace(ckpt, untrained=True)
+    log.info("%s%s", ckpt.summary(), " (untrained: seeded random weights)" if ckpt.untrained else "")
     return ckpt
+
+
+def _untrained(base: Path) -> bool:
+    """A set that pipeline/tiny.py built says so in its MANIFEST.json (at the root, or above checkpoints/)."""
+    for folder in (base, base.parent):
+        try:
+            manifest = json.loads((folder / "MANIFEST.json").read_text())
+        except (OSError, ValueError):
+            continue
+        return isinstance(manifest, dict) and manifest.get("untrained") is True
+    return False
 
 
 def _found(ckpt: CheckpointSet) -> dict[str, str]:

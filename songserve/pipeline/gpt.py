@@ -80,6 +80,14 @@ class GPTArch:
         return self.padded_vocab_size or self.vocab_size
 
     @property
+    def context_length(self) -> int:
+        """Positions generation may use: the launcher's ``--inference-max-seq-length`` where the
+        positions allow it (RoPE has no table), else the trained ``max_sequence_length``."""
+        if self.inference_max_seq_length and self.position_embedding_type == "rope":
+            return self.inference_max_seq_length
+        return min(self.max_sequence_length, self.inference_max_seq_length or self.max_sequence_length)
+
+    @property
     def activation_name(self) -> str:
         return self.activation or ("silu" if self.gated_linear_unit else "gelu")
 

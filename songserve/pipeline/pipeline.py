@@ -1,13 +1,16 @@
-"""The model pipeline for one track: prompt → backbone → super-resolution → decoder → files.
+"""The model pipeline for one request's takes: prompt → backbone → super-resolution → decoder → files.
 
 Tokenizer and backbone stay resident. In ``one_shot`` mode super-resolution and decoder are loaded
-for each request and released afterwards; in ``keep_loaded`` mode they stay. All model work runs
-on the worker's single model thread, under ``torch.inference_mode``.
+for each request and released afterwards; in ``keep_loaded`` mode they stay; in ``park`` mode they
+wait in (pinned, on CUDA) host memory and move to the device only for their stage. All model work
+runs on the worker's single model thread, under ``torch.inference_mode``. Several takes of one
+request run as one batch (``run_batch``); ``run`` is a batch of one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import logging
 import time
@@ -18,17 +21,18 @@ from typing import Any
 
 import torch
 
-from songserve.errors import ConfigError, RequestError
+from songserve.errors import CancelledError, ConfigError, RequestError
 from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import Backbone
+from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
 from songserve.pipeline.checkpoints import CheckpointSet
 from songserve.pipeline.codec import Codec, CodecConfig, load_codec
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
 from songserve.pipeline.export import Mp3Options, write_track
 from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.superres import SuperRes
-from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 from songserve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,9 @@ class ModelPipeline:
         self.codec: Codec | None = None
         self.codec_cfg = CodecConfig()
         self.load_sec: dict[str, float] = {}
+        self._superres_arch: dict[str, GPTArch] = {}
+        self.parked: set[str] = set()  # park mode: stages whose weights wait in host memory now
+        self._host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # park: tensor → its host copy
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
@@ -84,13 +91,64 @@ class ModelPipeline:
         eod = self.tokenizer.token_id(tk.EOD)
         t0 = time.perf_counter()
         for name, path in self.ckpt.backbones.items():
-            self.backbones[name] = Backbone(self._gpt(path, "backbone", name), eod)
+            self.backbones[name] = Backbone(self._gpt(path, "backbone", name), eod, prefill_chunk=self.s.prefill_chunk)
         self.load_sec["backbone"] = round(time.perf_counter() - t0, 3)
         self._load_stage2()
         assert self.codec is not None
         self.codec_cfg = self.codec.cfg  # rates and frame size, kept when one_shot unloads the codec
+        self._superres_arch = {n: sr.gpt.arch for n, sr in self.superres.items()}
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
+        if self.s.runtime_mode == "park":
+            self._park("superres")
+            self._park("decoder")
+        if want_compile(self.s.compile, self.device):
+            self.phase_hook("compiling")
+            for bb in self.backbones.values():
+                step: CompiledStep | GraphedStep
+                if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
+                    step = GraphedStep(bb.dm, bb.gpt.arch.context_length)
+                else:
+                    step = CompiledStep(bb.dm)
+                step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                bb.compiled = None if step.failed else step
+
+    # -- park mode: stage weights wait in host memory ---------------------------------------------
+    def _modules(self, stage: str) -> list[torch.nn.Module]:
+        if stage == "superres":
+            return [sr.gpt.model for sr in self.superres.values()]
+        return [self.codec] if self.codec is not None else []
+
+    def _park(self, stage: str) -> None:
+        """Weights back to their host copy (pinned on CUDA). The copy is made once, at the first
+        park, and kept: parking later costs nothing, unparking is one host→device copy."""
+        if self.s.runtime_mode != "park" or stage in self.parked:
+            return
+        if stage not in self._host:
+            tensors = [t for m in self._modules(stage) for t in (*m.parameters(), *m.buffers())]
+            pin = self.device.type == "cuda"
+            self._host[stage] = [(t, t.data.to("cpu").pin_memory() if pin else t.data.to("cpu")) for t in tensors]
+        for t, host in self._host[stage]:
+            t.data = host
+        self._retarget(stage, torch.device("cpu"))
+        self.parked.add(stage)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _unpark(self, stage: str) -> None:
+        if stage not in self.parked:
+            return
+        for t, host in self._host[stage]:
+            t.data = host.to(self.device, non_blocking=True)
+        self._retarget(stage, self.device)
+        self.parked.discard(stage)
+
+    def _retarget(self, stage: str, device: torch.device) -> None:
+        """Cached device fields follow the weights (the parameter objects themselves are kept)."""
+        if stage == "superres":
+            for sr in self.superres.values():
+                sr.gpt.device = sr.dm.device = device
+                sr.dm._rope_cos = sr.dm._rope_sin = None  # rebuilt on the next use, where the weights are
 
     def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
         gpt = load_model(path, self.device, self.dtype, self.s.megatron_args, kind)
@@ -132,12 +190,17 @@ class ModelPipeline:
         release_memory(self.device)
 
     def loaded(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "backbone_loaded": bool(self.backbones),
             "superres_loaded": bool(self.superres),
             "decoder_loaded": self.codec is not None,
             "load_sec": dict(self.load_sec),  # the latest load of each stage
         }
+        if self.s.runtime_mode == "park":
+            out["parked"] = sorted(self.parked)
+        compiled = [bb.compiled.describe() for bb in self.backbones.values() if bb.compiled is not None]
+        out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
+        return out
 
     def describe(self) -> dict:
         return {
@@ -152,7 +215,45 @@ class ModelPipeline:
             "architectures": {n: _arch_summary(b.gpt.arch) for n, b in self.backbones.items()},
         }
 
-    # -- one track ------------------------------------------------------------------------------
+    # -- limits, reported in /config ---------------------------------------------------------------
+    def min_share(self) -> float:
+        """EOA_MIN_SHARE, or its default: exact length for the tiny set, none for a real set."""
+        if self.s.eoa_min_share is not None:
+            return self.s.eoa_min_share
+        return 1.0 if self.ckpt.untrained else 0.0
+
+    def limits(self) -> dict:
+        """What the dispatcher needs to refuse or pack requests before sending them."""
+        out: dict[str, Any] = {"max_new_tokens": self.s.max_new_tokens, "max_batch": self.s.max_batch}
+        out["eoa_min_share"] = self.min_share()
+        out["tokens_per_minute"] = TOKENS_PER_MINUTE
+        for name, bb in self.backbones.items():
+            arch = bb.gpt.arch
+            ctx_len = arch.context_length
+            out.setdefault("backbones", {})[name] = {
+                "max_sequence_length": ctx_len,
+                "max_prompt_length": arch.max_prompt_length,
+                "max_new_tokens": min(self.s.max_new_tokens, ctx_len),
+                "kv_bytes_per_take": bb.dm.kv_bytes_per_take(ctx_len),
+            }
+        first: dict[str, Any] = next(iter(out.get("backbones", {}).values()), {})
+        out.update(
+            {k: first[k] for k in ("max_sequence_length", "max_prompt_length", "kv_bytes_per_take") if k in first}
+        )
+        if self._superres_arch:
+            out["superres_max_prompt_length"] = min(a.max_prompt_length for a in self._superres_arch.values())
+        return out
+
+    def _fit(self, n: int, per_take: int) -> int:
+        """How many takes fit one batch: MAX_BATCH, then free memory (a batch is split, never OOM)."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = _mem_available()
+        fit = int(0.8 * free // max(per_take, 1)) if free else n
+        return max(1, min(n, self.s.max_batch, fit))
+
+    # -- takes --------------------------------------------------------------------------------------
     def _pick(self, table: dict[str, Any], name: str, what: str) -> tuple[str, Any]:
         if not name:
             return next(iter(table.items()))
@@ -161,12 +262,24 @@ class ModelPipeline:
         return name, table[name]
 
     def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
-        assert self.tokenizer is not None
-        timings: dict[str, float] = {}
-        t_all = time.perf_counter()
-        bb_name, backbone = self._pick(self.backbones, req.backbone_name, "backbone")
-        gen = torch.Generator(device=self.device).manual_seed(req.seed)
+        out = self.run_batch([req], [ctx])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
+    def run_batch(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
+        """Several takes of one request (differing only in seed / task id / track index) as batches.
+
+        Returns per take its result or the exception that ended it (``CancelledError`` when only
+        that take was cancelled). A request error (bad model name, too long) raises for all."""
+        assert self.tokenizer is not None and reqs and len(reqs) == len(ctxs)
+        shared = [asdict(dataclasses.replace(r, seed=0, task_id="", track_index=0)) for r in reqs]
+        if any(x != shared[0] for x in shared[1:]):
+            raise RequestError(
+                "A batch holds takes of one request: they may differ only in seed, task_id, track_index."
+            )
+        req = reqs[0]
+        bb_name, backbone = self._pick(self.backbones, req.backbone_name, "backbone")
         style = style_of(req.description, req.tags, req.genre)
         vocal_lang = req.language if req.superres_text_mode == "full" else ""
         bb_prompt = build_prompt(
@@ -174,67 +287,130 @@ class ModelPipeline:
             PromptRequest(style, req.lyrics, req.duration, vocal_lang, req.instrumental),
             backbone.gpt.arch.max_prompt_length,
         )
-        frames = max(1, int(req.duration * 60 * self.codec_cfg.frame_rate))  # a hard budget: never longer than asked
+        arch = backbone.gpt.arch
+        plan = plan_length(
+            len(bb_prompt),
+            req.duration,
+            self.codec_cfg.frame_rate,
+            context=arch.context_length,
+            max_new_tokens=self.s.max_new_tokens,
+            min_share=self.min_share(),
+        )
+        per_take = backbone.dm.kv_bytes_per_take(len(bb_prompt) + 2 * plan.budget_frames)
+        size = self._fit(len(reqs), per_take)
+        out: list[TrackResult | BaseException] = []
+        for a in range(0, len(reqs), size):
+            out += self._run_batch(reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan)
+        return out
+
+    def _run_batch(
+        self,
+        reqs: list[TrackRequest],
+        ctxs: list[TaskContext],
+        bb_name: str,
+        backbone: Backbone,
+        bb_prompt: list[int],
+        plan: LengthPlan,
+    ) -> list[TrackResult | BaseException]:
+        assert self.tokenizer is not None
+        req, B = reqs[0], len(reqs)
+        timings: dict[str, float] = {}
+        t_all = time.perf_counter()
+        gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
+        takes = [Take(g, c) for g, c in zip(gens, ctxs, strict=True)]
+        ids = ",".join(r.task_id for r in reqs)
 
         t = time.perf_counter()
-        bb = backbone.generate(
-            bb_prompt,
-            frames,
-            top_k=req.top_k_bb,
-            temperature=req.temperature,
-            generator=gen,
-            ctx=ctx,
-            min_share=self.s.eoa_min_share,
-        )
+        bbs = backbone.generate_batch(bb_prompt, plan, takes, top_k=req.top_k_bb, temperature=req.temperature)
         timings["backbone_sec"] = time.perf_counter() - t
-        log.info(
-            "task %s: backbone %d tokens (%s) in %.2fs",
-            req.task_id,
-            bb.new_tokens,
-            bb.stopped_by,
-            timings["backbone_sec"],
-        )
+        for r, bb in zip(reqs, bbs, strict=True):
+            if bb is not None:
+                log.info("task %s: backbone %d tokens (%s), batch of %d", r.task_id, bb.new_tokens, bb.stopped_by, B)
+        live = [i for i, bb in enumerate(bbs) if bb is not None]
+        results: list[TrackResult | BaseException] = [CancelledError(f"Task {r.task_id} was cancelled.") for r in reqs]
+        if not live:
+            return results
 
         superres: SuperRes | None = None
         try:
             t = time.perf_counter()
             self._load_stage2()
+            self._unpark("superres")
             timings["load_sec"] = time.perf_counter() - t
             sr_name, superres = self._pick(self.superres, req.superres_name, "superres")
             sr_style = style_of("" if req.superres_text_mode != "full" else req.description, req.tags, req.genre)
             sr_prompt = build_prompt(
                 self.tokenizer,
-                PromptRequest(sr_style, req.lyrics, req.duration, vocal_lang, req.instrumental),
+                PromptRequest(sr_style, req.lyrics, req.duration, vocal_lang_of(req), req.instrumental),
                 superres.gpt.arch.max_prompt_length,
             )
             t = time.perf_counter()
-            ctx.report("superres", 0, 62)
-            codes = superres.generate(sr_prompt, bb.codes, top_k=req.top_k_sr, generator=gen, ctx=ctx)
+            for i in live:
+                ctxs[i].report("superres", 0, 62)
+            coarse = []
+            for i in live:
+                got = bbs[i]
+                assert got is not None
+                coarse.append(got.codes)
+            codes_list = superres.generate_batch(
+                sr_prompt, coarse, top_k=req.top_k_sr, generators=[gens[i] for i in live], ctxs=[ctxs[i] for i in live]
+            )
             timings["superres_sec"] = time.perf_counter() - t
-
+            self._park("superres")
             t = time.perf_counter()
-            assert self.codec is not None
-            cfg = self.codec.cfg
-            ctx.report("decoding", 0, 1)
-
-            def on_chunk(done: int, total: int) -> None:
-                ctx.check()
-                ctx.report("decoding", done, total, f"chunk {done}/{total}")
-
-            with torch.inference_mode():
-                wave = self.codec.decode(
-                    codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
-                    self.s.decode_chunk_frames,
-                    self.s.decode_context_frames,
-                    on_chunk,
-                )[0]
-            audio = wave.float().t().cpu().numpy()  # (samples, channels)
-            timings["decoder_sec"] = time.perf_counter() - t
+            self._unpark("decoder")
+            timings["load_sec"] += time.perf_counter() - t
+            for i, codes in zip(live, codes_list, strict=True):
+                bb = bbs[i]
+                assert bb is not None
+                if ctxs[i].cancelled():
+                    continue
+                try:
+                    results[i] = self._finish_take(
+                        reqs[i], ctxs[i], codes, bb, dict(timings), t_all, B, bb_name, sr_name, len(sr_prompt)
+                    )
+                except CancelledError as exc:
+                    results[i] = exc
+            self._park("decoder")
         finally:
             if self.s.runtime_mode == "one_shot":
                 superres = None  # this frame's reference would keep the model alive through the release
                 self._unload_stage2()
+        log.info("tasks %s: batch of %d done in %.2fs", ids, B, time.perf_counter() - t_all)
+        return results
 
+    def _finish_take(
+        self,
+        req: TrackRequest,
+        ctx: TaskContext,
+        codes: torch.Tensor,
+        bb: BackboneResult,
+        timings: dict[str, float],
+        t_all: float,
+        batch_size: int,
+        bb_name: str,
+        sr_name: str,
+        sr_prompt_len: int,
+    ) -> TrackResult:
+        """Decoder and files for one take of a batch."""
+        t = time.perf_counter()
+        assert self.codec is not None
+        cfg = self.codec.cfg
+        ctx.report("decoding", 0, 1)
+
+        def on_chunk(done: int, total: int) -> None:
+            ctx.check()
+            ctx.report("decoding", done, total, f"chunk {done}/{total}")
+
+        with torch.inference_mode():
+            wave = self.codec.decode(
+                codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
+                self.s.decode_chunk_frames,
+                self.s.decode_context_frames,
+                on_chunk,
+            )[0]
+        audio = wave.float().t().cpu().numpy()  # (samples, channels)
+        timings["decoder_sec"] = time.perf_counter() - t
         duration_sec = audio.shape[0] / cfg.sample_rate
         metadata = {
             "task_id": req.task_id,
@@ -246,10 +422,12 @@ class ModelPipeline:
             "tokens": {
                 "backbone_prompt": bb.prompt_tokens,
                 "backbone_new": bb.new_tokens,
-                "superres_prompt": len(sr_prompt),
+                "superres_prompt": sr_prompt_len,
                 "frames": int(codes.shape[1]),
                 "stopped_by": bb.stopped_by,
             },
+            "stopped_by": bb.stopped_by,
+            "batch_size": batch_size,
             "timings": timings,
             "duration_sec": duration_sec,
             "requested_sec": req.duration * 60,
@@ -267,3 +445,18 @@ class ModelPipeline:
             "task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all
         )
         return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata)
+
+
+def vocal_lang_of(req: TrackRequest) -> str:
+    return req.language if req.superres_text_mode == "full" else ""
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

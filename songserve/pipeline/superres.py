@@ -2,9 +2,13 @@
 
 Grid rows: the text prompt in column 0, then one row per audio frame holding q0..q(c-1) as
 vocabulary ids (level c uses ids [T + c·1024, T + (c+1)·1024)). For each level the task marker
-T − 1 − c (reference: 128255 − c) replaces the last text position, the network runs with a
-padding-only mask, and the audio rows' hidden states are projected onto level c's rows only.
-Songs longer than the model's context run in consecutive windows with the same prompt.
+T − 1 − c (reference: 128255 − c) replaces the last text position, the network runs all-visible,
+and the audio rows' hidden states are projected onto level c's rows only. Songs longer than the
+model's context run in consecutive windows with the same prompt.
+
+Several takes of one prompt run as one batch (issue 14): rows of different lengths are padded
+with ``-1`` and their padding keys masked; a batch of equal lengths runs with no mask at all. Each
+take samples its own frames with its own generator, exactly the draws it makes alone.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.gpt import AcousticGPT, full_mask
+from songserve.pipeline.decode import DecodeModel
+from songserve.pipeline.gpt import AcousticGPT
 from songserve.pipeline.sampling import sample
 
 CODEBOOK = 1024
@@ -21,6 +26,7 @@ CODEBOOK = 1024
 class SuperRes:
     def __init__(self, gpt: AcousticGPT) -> None:
         self.gpt = gpt
+        self.dm = DecodeModel(gpt.model, gpt.output_weight)
         self.text_vocab = gpt.arch.text_vocab_size
         self.levels = (gpt.arch.vocab_size - self.text_vocab) // CODEBOOK  # 64
 
@@ -35,45 +41,83 @@ class SuperRes:
         ctx: TaskContext,
     ) -> torch.Tensor:
         """Returns codes (levels, frames)."""
-        frames = coarse.shape[1]
-        window = self.gpt.arch.max_sequence_length - len(prompt)
+        return self.generate_batch(prompt, [coarse], top_k=top_k, generators=[generator], ctxs=[ctx])[0]
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompt: list[int],
+        coarse: list[torch.Tensor],  # per take (2, frames_i)
+        *,
+        top_k: int,
+        generators: list[torch.Generator],
+        ctxs: list[TaskContext],
+    ) -> list[torch.Tensor]:
+        """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
+        when every take is cancelled; its codes are then simply not used by the caller."""
+        window = self.gpt.arch.context_length - len(prompt)
         if window <= 0:
             raise ValueError("the super-resolution prompt fills the whole context")
-        out = torch.empty(self.levels, frames, dtype=torch.long)
-        out[:2] = coarse
+        outs = []
+        for c in coarse:
+            out = torch.empty(self.levels, c.shape[1], dtype=torch.long)
+            out[:2] = c
+            outs.append(out)
+        longest = max(c.shape[1] for c in coarse)
+        spans = [(a, min(longest, a + window)) for a in range(0, longest, window)] or [(0, 0)]
         passes = self.levels - 2
-        spans = [(a, min(frames, a + window)) for a in range(0, frames, window)] or [(0, 0)]
-        done = 0
-        for a, b in spans:
-            out[:, a:b] = self._window(prompt, coarse[:, a:b], top_k, generator, ctx, done, passes * len(spans))
-            done += passes
-        return out
+        for w, (a, b) in enumerate(spans):
+            members = [i for i, c in enumerate(coarse) if c.shape[1] > a or (a == 0 and c.shape[1] == 0)]
+            parts = [coarse[i][:, a:b] for i in members]
+            got = self._window(
+                prompt,
+                parts,
+                top_k,
+                [generators[i] for i in members],
+                [ctxs[i] for i in members],
+                w * passes,
+                passes * len(spans),
+            )
+            for i, codes in zip(members, got, strict=True):
+                outs[i][:, a : a + codes.shape[1]] = codes
+        return outs
 
     def _window(
         self,
         prompt: list[int],
-        coarse: torch.Tensor,
+        coarse: list[torch.Tensor],
         top_k: int,
-        generator: torch.Generator,
-        ctx: TaskContext,
+        generators: list[torch.Generator],
+        ctxs: list[TaskContext],
         done0: int,
         total: int,
-    ) -> torch.Tensor:
-        """One window of frames: coarse (2, F) → codes (levels, F)."""
-        gpt, dev, T = self.gpt, self.gpt.device, self.text_vocab
-        P, F = len(prompt), coarse.shape[1]
-        grid = torch.full((1, P + F, self.levels), -1, dtype=torch.long, device=dev)  # (B, S, C)
-        grid[0, :P, 0] = torch.tensor(prompt, device=dev)
-        for c in range(2):
-            grid[0, P:, c] = T + c * CODEBOOK + coarse[c].to(dev)
-        pos = torch.arange(P + F, device=dev).view(1, -1)
-        mask = full_mask(P + F, dev)
+    ) -> list[torch.Tensor]:
+        """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
+        dm, dev, T = self.dm, self.dm.device, self.text_vocab
+        P, B = len(prompt), len(coarse)
+        lens = [c.shape[1] for c in coarse]
+        F = max(lens)
+        grid = torch.full((B, P + F, self.levels), -1, dtype=torch.long, device=dev)  # (B, S, C)
+        grid[:, :P, 0] = torch.tensor(prompt, device=dev)
+        for r, rows in enumerate(coarse):
+            for lvl in range(2):
+                grid[r, P : P + lens[r], lvl] = T + lvl * CODEBOOK + rows[lvl].to(dev)
+        pos = torch.arange(P + F, device=dev).view(1, -1).expand(B, -1)
+        padding = None
+        if min(lens) != F:  # rows of different lengths: mask the padding keys
+            padding = torch.arange(P + F, device=dev).view(1, -1) >= torch.tensor(
+                [P + n for n in lens], device=dev
+            ).view(-1, 1)
         for c in range(2, self.levels):
-            ctx.check()
-            grid[0, P - 1, 0] = T - 1 - c  # task marker
-            h = gpt.hidden(grid, pos, mask)[P:, 0]  # (F, H)
+            if all(x.cancelled() for x in ctxs):
+                ctxs[0].check()
+            grid[:, P - 1, 0] = T - 1 - c  # task marker
+            h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
-            codes = sample(gpt.project(h, start, start + CODEBOOK), top_k, generator)  # (F,)
-            grid[0, P:, c] = start + codes
-            ctx.report("superres", done0 + c - 1, total, f"level {c}/{self.levels - 1}")
-        return (grid[0, P:] - T - torch.arange(self.levels, device=dev) * CODEBOOK).t().cpu()
+            for r in range(B):
+                logits = self.gpt.project(h[r, : lens[r]], start, start + CODEBOOK)
+                grid[r, P : P + lens[r], c] = start + sample(logits, top_k, generators[r])
+            for x in ctxs:
+                x.report("superres", done0 + c - 1, total, f"level {c}/{self.levels - 1}")
+        levels = torch.arange(self.levels, device=dev) * CODEBOOK
+        return [(grid[r, P : P + lens[r]] - T - levels).t().cpu() for r in range(B)]

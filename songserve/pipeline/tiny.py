@@ -41,7 +41,7 @@ from songserve.pipeline.gpt import GPTArch
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = 2
+TINY_VERSION = 3
 SEED = 1283
 TEXT_VOCAB = 1024
 CODEBOOK = 1024
@@ -91,11 +91,11 @@ def _build_into(tmp: Path) -> None:
     state = {f"generator.{k}": v for k, v in weight_norm_state(codec.state_dict()).items()}
     torch.save({"state_dict": state}, tmp / "decoder" / "model.pth")
     (tmp / "MANIFEST.json").write_text(
-        json.dumps({"tiny_version": TINY_VERSION, "seed": SEED, "built_at": time.time()}) + "\n"
+        json.dumps({"tiny_version": TINY_VERSION, "seed": SEED, "untrained": True, "built_at": time.time()}) + "\n"
     )
 
 
-RELEASE_VERSION = 1
+RELEASE_VERSION = 2
 RELEASE_LAYOUT = {
     "backbone": "checkpoints/backbone",
     "superres": "checkpoints/superresolution",
@@ -151,7 +151,8 @@ def _build_release_into(tmp: Path) -> None:
     torch.manual_seed(SEED + 2)
     write_release_decoder(tmp / RELEASE_LAYOUT["decoder_config"], tmp / RELEASE_LAYOUT["decoder_checkpoint"])
     (tmp / "MANIFEST.json").write_text(
-        json.dumps({"release_version": RELEASE_VERSION, "seed": SEED, "built_at": time.time()}) + "\n"
+        json.dumps({"release_version": RELEASE_VERSION, "seed": SEED, "untrained": True, "built_at": time.time()})
+        + "\n"
     )
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from songserve import __version__
-from songserve.errors import BusyError, CancelledError, NotFoundError, SongserveError
+from songserve.errors import BusyError, CancelledError, NotFoundError, RequestError, SongserveError
 from songserve.http_errors import error_response, install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
@@ -28,6 +29,14 @@ TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
 LANGUAGES = ["en", "zh", "Instrumental"]
+
+
+class WorkerBatchRequest(BaseModel):
+    """``POST /generate_batch``: takes of one request, differing only in seed_override/task_id/track_index."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    takes: list[WorkerGenerateRequest] = Field(min_length=1, max_length=64)
 
 
 def safe_file(folder: Path, name: str) -> Path:
@@ -114,6 +123,11 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "checkpoints": d.get("checkpoints", {}),
             "architectures": d.get("architectures", {}),
             "version": __version__,
+            # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
+            # (the test tone runs a batch's takes in turn, so packing can be tested against it too)
+            **(
+                runtime.pipeline.limits() if hasattr(runtime.pipeline, "limits") else {"max_batch": runtime.s.max_batch}
+            ),
         }
 
     @app.post("/generate")
@@ -131,6 +145,34 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
                 extra["detail"] = exc.detail
             return error_response(exc.http_status, str(exc), headers=exc.headers, task_id=body.task_id, **extra)
         return JSONResponse(result.model_dump())
+
+    @app.post("/generate_batch")
+    async def generate_batch(body: WorkerBatchRequest) -> JSONResponse:
+        """Several takes of one request as one batch (issue 14).
+
+        Body ``{"takes": [<a /generate body>, …]}``: the takes differ only in ``seed_override``,
+        ``task_id`` and ``track_index`` (else 400). The prompt is prefilled once, each take samples
+        with its own seed, so a take draws what it would draw alone through ``/generate``; a batch
+        larger than ``max_batch`` (or than free memory) runs as several batches in turn.
+        Answer: ``{"status": "ok", "results": [...]}`` in the order of ``takes``, each a
+        ``/generate`` result, or ``{"status": "cancelled"|"error", "task_id", "error"}`` for a take
+        that was cancelled (``POST /cancel/{task_id}`` stops one take, the others go on) or failed.
+        While it runs, ``/health`` lists every take under ``tasks`` with its own progress.
+        A request that cannot be served at all (too long for the context, unknown model) is one 400.
+        """
+        results = await runtime.generate_batch(body.takes)
+        first = results[0][1]
+        if isinstance(first, RequestError) and all(r is first for _, r in results):
+            raise first
+        out = []
+        for task_id, r in results:
+            if isinstance(r, CancelledError):
+                out.append({"status": "cancelled", "task_id": task_id, "error": str(r)})
+            elif isinstance(r, Exception):
+                out.append({"status": "error", "task_id": task_id, "error": str(r)})
+            else:
+                out.append(r.model_dump())
+        return JSONResponse({"status": "ok", "results": out})
 
     @app.post("/cancel/{task_id}")
     async def cancel(task_id: str) -> TaskView:

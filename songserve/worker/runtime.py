@@ -138,7 +138,9 @@ class WorkerRuntime:
         self.accepting = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._lock = threading.Lock()
-        self._current: TaskContext | None = None
+        self._current: TaskContext | None = None  # the first take of the running batch
+        self._batch: list[TaskContext] = []  # every take of the running batch
+        self._last_ids: list[str] = []
         self._tasks: OrderedDict[str, TaskView] = OrderedDict()
         pipeline.phase_hook = self._set_phase
         self._models = pipeline.describe()
@@ -168,8 +170,8 @@ class WorkerRuntime:
         self.status = WorkerStatus.idle
 
     def shutdown(self) -> None:
-        if self._current is not None:
-            self._current.cancel()
+        for ctx in list(self._batch):
+            ctx.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -188,7 +190,8 @@ class WorkerRuntime:
             await asyncio.sleep(0.05)
         if self._current is ctx:
             log.warning("task %s: cancelled by shutdown", ctx.task_id)
-            ctx.cancel()
+            for c in list(self._batch):
+                c.cancel()
             deadline = time.monotonic() + 5
             while self._current is ctx and time.monotonic() < deadline:  # it answers "cancelled"
                 await asyncio.sleep(0.05)
@@ -200,71 +203,109 @@ class WorkerRuntime:
         while len(self._tasks) > MAX_REMEMBERED_TASKS:
             self._tasks.popitem(last=False)
 
-    async def generate(self, body: WorkerGenerateRequest) -> WorkerGenerateResult:
-        task_id = body.task_id or uuid.uuid4().hex[:12]
+    def _claim(self, bodies: list[WorkerGenerateRequest]) -> list[TaskContext]:
+        """Register a batch's tasks, or raise why the worker cannot take it now."""
         if not self.accepting:
             raise UnavailableError("The worker is shutting down and takes no new task.")
-        self.check_model_names(body)
+        for body in bodies:
+            self.check_model_names(body)
+        ids = [b.task_id or uuid.uuid4().hex[:12] for b in bodies]
+        if len(set(ids)) != len(ids):
+            raise RequestError("The takes of a batch need distinct task_id values.")
         with self._lock:
             if self.status is not WorkerStatus.idle:
                 if self.status is WorkerStatus.busy and self._current is not None:
                     raise BusyError(f"The worker is already running task {self._current.task_id}.")
                 raise BusyError(f"The worker is {self.status.value}, not ready for a task.")
-            if task_id in self._tasks:
-                raise RequestError(f"Task {task_id} was already run on this worker.")
-            ctx = TaskContext(task_id)
-            self._current, self.status = ctx, WorkerStatus.busy
-            self._remember(TaskView(task_id=task_id, status=TaskState.running))
-        # None or 0 = the worker's own seed, as the reference backend reads seed_override.
-        seed = body.seed_override or self.s.seed
-        req = to_track_request(body, seed, task_id)
-        log.info(
-            "task %s: start (job %s track %d, %.2f min, seed %d)",
-            task_id,
-            body.job_id,
-            body.track_index,
-            body.duration,
-            seed,
-        )
+            for task_id in ids:
+                if task_id in self._tasks:
+                    raise RequestError(f"Task {task_id} was already run on this worker.")
+            ctxs = [TaskContext(task_id) for task_id in ids]
+            self._batch, self._current, self.status = ctxs, ctxs[0], WorkerStatus.busy
+            for task_id in ids:
+                self._remember(TaskView(task_id=task_id, status=TaskState.running))
+        return ctxs
+
+    async def generate(self, body: WorkerGenerateRequest) -> WorkerGenerateResult:
+        """One take: its result, or the exception that ended it (raised)."""
+        out = (await self._generate([body]))[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def generate_batch(
+        self, bodies: list[WorkerGenerateRequest]
+    ) -> list[tuple[str, WorkerGenerateResult | SongserveError]]:
+        """Several takes of one request as one batch; per take (task id, its result or its own error)."""
+        results = await self._generate(bodies)
+        return [(ids, r) for ids, r in zip(self._last_ids, results, strict=True)]
+
+    async def _generate(self, bodies: list[WorkerGenerateRequest]) -> list[WorkerGenerateResult | SongserveError]:
+        ctxs = self._claim(bodies)
+        self._last_ids = [c.task_id for c in ctxs]
+        reqs = []
+        for body, ctx in zip(bodies, ctxs, strict=True):
+            seed = body.seed_override or self.s.seed  # None or 0 = the worker's own seed, as the reference
+            reqs.append(to_track_request(body, seed, ctx.task_id))
+            log.info(
+                "task %s: start (job %s track %d, %.2f min, seed %d, batch of %d)",
+                ctx.task_id,
+                body.job_id,
+                body.track_index,
+                body.duration,
+                seed,
+                len(bodies),
+            )
         t0 = time.perf_counter()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, req, ctx)
-        except CancelledError:
+            raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, reqs, ctxs)
+        except Exception as exc:  # the whole batch failed (a request error, or the model)
+            raw = [exc] * len(ctxs)
+        finally:
+            with self._lock:
+                self._current, self._batch = None, []
+                self.phase = WorkerPhase.idle.value
+                if self.status is WorkerStatus.busy:
+                    self.status = WorkerStatus.idle
+        out: list[WorkerGenerateResult | SongserveError] = []
+        for ctx, got in zip(ctxs, raw, strict=True):
+            out.append(self._settle(ctx.task_id, got, t0))
+        return out
+
+    def _settle(
+        self, task_id: str, got: TrackResult | BaseException, t0: float
+    ) -> WorkerGenerateResult | SongserveError:
+        """Record one take's outcome; return its result or its error (never raises)."""
+        if isinstance(got, CancelledError):
             log.info("task %s: cancelled after %.2fs", task_id, time.perf_counter() - t0)
             self._remember(
                 TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled.")
             )
-            raise
-        except SongserveError as exc:
-            kind = error_kind_of(exc)
-            log.warning("task %s: %s error: %s", task_id, kind.value if kind else "task", exc)
-            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(exc), error_kind=kind))
-            raise
-        except Exception as exc:  # out of memory, encoder or disk errors: local to this task
-            log.exception("task %s: failed", task_id)
-            kind, message = classify_failure(exc, self.s.output_dir)
+            return got
+        if isinstance(got, SongserveError):
+            kind = error_kind_of(got)
+            log.warning("task %s: %s error: %s", task_id, kind.value if kind else "task", got)
+            self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(got), error_kind=kind))
+            return got
+        if isinstance(got, BaseException):  # out of memory, encoder or disk errors: local to this task
+            log.error("task %s: failed", task_id, exc_info=got)
+            kind, message = classify_failure(got, self.s.output_dir)
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
-            raise ClassifiedTaskError(message, kind) from None
-        finally:
-            with self._lock:
-                self._current = None
-                self.phase = WorkerPhase.idle.value
-                if self.status is WorkerStatus.busy:
-                    self.status = WorkerStatus.idle
+            return ClassifiedTaskError(message, kind)
         self.tasks_done += 1
         out = WorkerGenerateResult(
             task_id=task_id,
-            mp3_filename=result.mp3_filename,
-            wav_filename=result.wav_filename,
-            json_filename=result.json_filename,
-            duration_sec=result.duration_sec,
-            backbone_tokens=result.backbone_tokens,
+            mp3_filename=got.mp3_filename,
+            wav_filename=got.wav_filename,
+            json_filename=got.json_filename,
+            duration_sec=got.duration_sec,
+            backbone_tokens=got.backbone_tokens,
             gpu_id=self.s.gpu_id,
-            seed=result.seed,
-            metadata=result.metadata,
+            seed=got.seed,
+            metadata=got.metadata,
         )
         self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
-        log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, result.duration_sec)
+        log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
         return out
 
     def check_model_names(self, body: WorkerGenerateRequest) -> None:
@@ -276,13 +317,28 @@ class WorkerRuntime:
             if name and name not in known:
                 raise RequestError(f"Unknown {what} model {name!r}; available: {', '.join(known)}.")
 
-    def _run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:  # on the model thread
+    def _run(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
+        """On the model thread. Pipelines without ``run_batch`` (the tone) run the takes in turn."""
         with torch.inference_mode():
-            return self.pipeline.run(req, ctx)
+            run_batch = getattr(self.pipeline, "run_batch", None)
+            if run_batch is not None:
+                return run_batch(reqs, ctxs)
+            out: list[TrackResult | BaseException] = []
+            for req, ctx in zip(reqs, ctxs, strict=True):
+                try:
+                    out.append(self.pipeline.run(req, ctx))
+                except Exception as exc:  # noqa: BLE001 (kept per take)
+                    out.append(exc)
+            return out
+
+    def _find(self, task_id: str) -> TaskContext | None:
+        """The running take with ``task_id`` (one of the batch), else None."""
+        running = [*self._batch, *([self._current] if self._current is not None else [])]
+        return next((c for c in running if c.task_id == task_id), None)
 
     def cancel(self, task_id: str) -> TaskView:
-        ctx = self._current
-        if ctx is not None and ctx.task_id == task_id:
+        ctx = self._find(task_id)
+        if ctx is not None:
             ctx.cancel()
             log.info("task %s: cancel requested", task_id)
             return TaskView(task_id=task_id, status=TaskState.running, phase=self.phase)
@@ -294,8 +350,8 @@ class WorkerRuntime:
         view = self._tasks.get(task_id)
         if view is None:
             raise NotFoundError(f"Task {task_id} is not known to this worker.")
-        ctx = self._current
-        if view.status is TaskState.running and ctx is not None and ctx.task_id == task_id:
+        ctx = self._find(task_id)
+        if view.status is TaskState.running and ctx is not None:
             p = ctx.snapshot()
             view = view.model_copy(update={"progress": p.percent, "phase": p.phase})
         return view
@@ -307,8 +363,7 @@ class WorkerRuntime:
         The names come from the remembered task, or, for a task this process no longer remembers
         (restarted, or evicted), from the JSON files that name it. Removing twice is not an error.
         """
-        ctx = self._current
-        if ctx is not None and ctx.task_id == task_id:
+        if self._find(task_id) is not None:
             raise RequestError(f"Task {task_id} is still running; its files can be removed once it ends.")
         view = self._tasks.get(task_id)
         if view is not None and view.result is not None:
@@ -330,7 +385,9 @@ class WorkerRuntime:
 
     # -- reporting ------------------------------------------------------------------------------
     def health(self) -> dict:
-        ctx = self._current
+        batch = list(self._batch)
+        running = [c for c in batch if not c.cancelled()]
+        ctx = running[0] if running else self._current
         progress, detail, phase, updated, quiet_sec = 0, "", self.phase, None, 0.0
         if ctx is not None:
             p = ctx.snapshot()
@@ -361,10 +418,24 @@ class WorkerRuntime:
             "uptime_sec": round(time.monotonic() - self._started_mono, 1),
             "error": self.error,
             **disk_report(self.s.output_dir, self.s.min_free_disk_mb),
+            "batch_size": len(batch),
+            "tasks": [_take_view(c) for c in batch],  # per take of the running batch
         }
         if self.device.type == "cuda":
             out["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
         return out
+
+
+def _take_view(ctx: TaskContext) -> dict:
+    p = ctx.snapshot()
+    return {
+        "task_id": ctx.task_id,
+        "phase": p.phase,
+        "progress": p.percent,
+        "progress_detail": p.detail,
+        "cancelled": ctx.cancelled(),
+        "last_progress_at": p.updated_at,
+    }
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -1,0 +1,86 @@
+"""P9: N takes of one prompt as one batch vs one take alone (backbone, and the whole tiny track).
+
+Baseline in the same run: the same seed alone. Backbone: tiny (2×64) and mid (8×512) random-weight
+models, one thread, N = 2 and 4, exact-length songs (no end-of-audio), so every row runs the
+whole budget. Whole track: the tiny set through ``ModelPipeline.run_batch`` vs ``run``.
+Targets on the CPU: backbone ≤ 1.25× (tiny, 2 takes) and ≤ 1.6× (mid, 2 takes).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import args, report
+
+
+def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[int]) -> dict[int, float]:
+    from songserve.pipeline.backbone import Backbone, LengthPlan, Take
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
+
+    vocab = 1024 + 2048
+    arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, 1024, vocab, 2 * frames + 64, 64)
+    bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
+    prompt = list(range(2, 34))
+
+    def run(n: int) -> float:
+        takes = [Take(torch.Generator().manual_seed(i), TaskContext(f"t{i}")) for i in range(n)]
+        t0 = time.perf_counter()
+        bb.generate_batch(prompt, LengthPlan(frames, frames, 2 * frames), takes, top_k=50, temperature=1.0)
+        return time.perf_counter() - t0
+
+    run(1)  # warm
+    one = min(run(1) for _ in range(2))
+    return {n: min(run(n) for _ in range(2)) / one for n in ns}
+
+
+def track_ratio(seconds: float, ns: list[int]) -> dict[int, float]:
+    import dataclasses
+
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        s = WorkerSettings(output_dir=Path(tmp), runtime_mode="keep_loaded")
+        pipe = ModelPipeline(s, resolve(s), torch.device("cpu"))
+        pipe.load()
+        req = TrackRequest(lyrics="hello world", tags="pop", duration=seconds / 60, seed=1)
+
+        def run(n: int) -> float:
+            reqs = [dataclasses.replace(req, seed=i, task_id=f"t{i}") for i in range(n)]
+            t0 = time.perf_counter()
+            pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+            return time.perf_counter() - t0
+
+        run(1)
+        one = min(run(1) for _ in range(2))
+        return {n: min(run(n) for _ in range(2)) / one for n in ns}
+
+
+def main() -> None:
+    from songserve.pipeline.megatron_env import init_megatron
+
+    a = args(__doc__, frames=600, seconds=10.0)
+    torch.set_num_threads(1)
+    init_megatron(torch.device("cpu"), 0, seed=0)
+    frames = 40 if a.smoke else a.frames
+    ns = [2] if a.smoke else [2, 4]
+    parts = []
+    models = {"tiny 2x64": (2, 64, 4)} if a.smoke else {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}
+    for name, shape in models.items():
+        r = backbone_ratio(*shape, frames=frames, ns=ns)
+        parts.append(f"backbone {name}: " + ", ".join(f"{n} takes {x:.2f}x" for n, x in r.items()))
+    r = track_ratio(1.0 if a.smoke else a.seconds, ns)
+    parts.append("whole tiny track: " + ", ".join(f"{n} takes {x:.2f}x" for n, x in r.items()))
+    report("P9", f"N takes in one batch vs one take alone, {2 * frames} tokens, 1 thread: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""The decode engine (issue 14): step == megatron's forward, no host sync per token, compile, batched takes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from songserve.errors import CancelledError
+from songserve.pipeline import tokenizer as tk
+from songserve.pipeline.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.context import TaskContext
+from songserve.pipeline.decode import CompiledStep, DecodeModel
+from songserve.pipeline.gpt import AcousticGPT, causal_mask, load_model
+from songserve.pipeline.sampling import sample
+
+PROMPT = list(range(3, 23))
+
+
+@pytest.fixture(scope="module")
+def backbone(tiny_dir, megatron_cpu):
+    eod = tk.load_tokenizer(tiny_dir / "tokenizer").token_id(tk.EOD)
+    return Backbone(load_model(tiny_dir / "backbone", megatron_cpu, torch.float32), eod)
+
+
+def _megatron_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron's own forward (causal, explicit mask) → (S, H) for batch 1."""
+    S = ids.shape[1]
+    pos = torch.arange(S).view(1, -1)
+    x = model.embedding(input_ids=ids, position_ids=pos)
+    return model.decoder(hidden_states=x, attention_mask=causal_mask(S, torch.device("cpu")))[:, 0]
+
+
+def _check_step_matches(dm: DecodeModel, ref: torch.Tensor, ids: torch.Tensor, split: int) -> None:
+    S = ids.shape[1]
+    with torch.inference_mode():
+        one = dm.forward(dm.embed(ids, torch.arange(S).view(1, -1)))[0]
+        assert torch.allclose(one, ref, atol=2e-5), (one - ref).abs().max()
+        cache = dm.new_cache(1, S + 8)
+        dm.forward(dm.embed(ids[:, :split], torch.arange(split).view(1, -1)), cache=cache)
+        for p in range(split, S):
+            for kv_len, masked in ((p + 1, False), (S + 8, True)):  # exact prefix, and a padded bucket
+                h = dm.step(ids[:, p], torch.tensor([p]), cache.k, cache.v, kv_len, masked)
+                assert torch.allclose(h[0], ref[p], atol=2e-5), (p, masked, (h[0] - ref[p]).abs().max())
+
+
+def test_step_equals_megatron_forward_on_the_tiny_set(backbone):
+    ids = torch.randint(0, backbone.gpt.arch.vocab_size, (1, 24))
+    with torch.inference_mode():
+        ref = _megatron_hidden(backbone.gpt.model, ids)
+    _check_step_matches(backbone.dm, ref, ids, split=16)
+
+
+def test_step_equals_megatron_forward_on_a_release_like_config(megatron_cpu, monkeypatch):
+    """RMSNorm, SwiGLU, grouped-query attention, qkv biases, untied output, RoPE base 500000."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from songserve.pipeline.attention import SdpaDotProductAttention
+
+    # megatron moves RoPE's inv_freq to "the current CUDA device" (megatron-cpu.md, 4.): here, the CPU
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        cuda_graph_scope=[],
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=512,
+        max_sequence_length=128,
+        position_embedding_type="rope",
+        rotary_base=500000,
+        share_embeddings_and_output_weights=False,
+    ).eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for layer in model.decoder.layers:
+            layer.self_attention.linear_qkv.bias.normal_()
+    ids = torch.randint(0, 512, (1, 20))
+    with torch.inference_mode():
+        pos = torch.arange(20).view(1, -1)
+        x = model.embedding(input_ids=ids, position_ids=pos)
+        rope = model.rotary_pos_emb(20)
+        ref = model.decoder(hidden_states=x, attention_mask=causal_mask(20, torch.device("cpu")), rotary_pos_emb=rope)
+    dm = DecodeModel(model, model.output_layer.weight)
+    assert (dm.spec.groups, dm.spec.normalization, dm.spec.gated, dm.spec.rope) == (2, "RMSNorm", True, True)
+    _check_step_matches(dm, ref[:, 0], ids, split=12)
+
+
+def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top_k: int = 50) -> torch.Tensor:
+    """The loop as it was before issue 14 (megatron's forward per token, a host sync per token)."""
+    gpt, T = backbone.gpt, backbone.text_vocab
+    gen = torch.Generator().manual_seed(seed)
+    cache = gpt.new_kv_context(len(prompt) + 2 * frames)
+    ids = torch.tensor(prompt).view(1, -1, 1)
+    h = gpt.hidden(ids, torch.arange(len(prompt)).view(1, -1), causal_mask(len(prompt), gpt.device), cache)[-1]
+    cache.increment_sequence_len_offset(len(prompt))
+    codes = []
+    for t in range(2 * frames):
+        start = T + (t % 2) * 1024
+        code = int(sample(gpt.project(h, start, start + 1024), top_k, gen)[0])
+        codes.append(code)
+        if t + 1 < 2 * frames:
+            h = gpt.hidden(torch.tensor([[[start + code]]]), torch.tensor([[len(prompt) + t]]), None, cache)[-1]
+            cache.increment_sequence_len_offset(1)
+    return torch.tensor(codes).view(-1, 2).t()
+
+
+def _takes(seeds: list[int]) -> list[Take]:
+    return [Take(torch.Generator().manual_seed(s), TaskContext(f"take{s}")) for s in seeds]
+
+
+def _run(backbone, seeds, frames=60, min_frames=None, **kw):
+    plan = LengthPlan(frames, frames if min_frames is None else min_frames, 2 * frames)
+    takes = _takes(seeds)
+    with torch.inference_mode():
+        out = backbone.generate_batch(PROMPT, plan, takes, top_k=kw.pop("top_k", 50), temperature=1.0, **kw)
+    return out, takes
+
+
+def test_new_loop_draws_the_same_tokens_as_the_old_one(backbone):
+    with torch.inference_mode():
+        old = _old_loop(backbone, PROMPT, 100, seed=11)
+    new, _ = _run(backbone, [11], frames=100)
+    assert torch.equal(new[0].codes, old)
+
+
+_CONVERSIONS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _count_conversions(fn) -> int:
+    count = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in _CONVERSIONS}
+    for name, real in originals.items():
+
+        def counted(self, *a, _real=real, **k):
+            count[0] += 1
+            return _real(self, *a, **k)
+
+        setattr(torch.Tensor, name, counted)
+    try:
+        fn()
+    finally:
+        for name, real in originals.items():
+            setattr(torch.Tensor, name, real)
+    return count[0]
+
+
+def test_the_decode_loop_makes_no_host_sync_per_token(backbone, monkeypatch):
+    """Tensor → Python conversions depend on the number of checks, not on the number of tokens."""
+    monkeypatch.setattr(backbone, "check_every", 10_000)  # one check, at the end
+    short = _count_conversions(lambda: _run(backbone, [1, 2], frames=20))
+    long = _count_conversions(lambda: _run(backbone, [1, 2], frames=200))
+    assert long == short, (short, long)
+    # and the counter does see a conversion per token when there is one (the old loop's int(...))
+    with torch.inference_mode():
+        assert _count_conversions(lambda: _old_loop(backbone, PROMPT, 20, seed=1)) >= 40
+
+
+def test_compiled_step_has_no_graph_breaks_and_draws_the_eager_tokens(backbone, monkeypatch):
+    dm = backbone.dm
+    cache = dm.new_cache(2, 256)
+    explained = torch._dynamo.explain(dm.step)(
+        torch.zeros(2, dtype=torch.long), torch.tensor([20]), cache.k, cache.v, 256, True
+    )
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    eager, _ = _run(backbone, [5, 6], frames=40)
+    # aot_eager: dynamo's full graph through AOT autograd, without inductor's C++ build (minutes
+    # on these CPUs); the inductor path is exercised by bench P5 and gpu_check.sh
+    compiled = CompiledStep(dm, backend="aot_eager")
+    monkeypatch.setattr(backbone, "compiled", compiled)
+    monkeypatch.setattr(backbone, "bucket", 64)
+    got, _ = _run(backbone, [5, 6], frames=40)
+    assert compiled.failed is None and compiled.graphs  # it really ran compiled, in buckets
+    assert all(n >= 64 for _, n in compiled.graphs)
+    for a, b in zip(eager, got, strict=True):
+        assert torch.equal(a.codes, b.codes)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_take_in_a_batch_draws_what_it_draws_alone(backbone, n):
+    seeds = [21 + i for i in range(n)]
+    batch, btakes = _run(backbone, seeds)
+    for i, s in enumerate(seeds):
+        alone, atakes = _run(backbone, [s])
+        assert torch.equal(batch[i].codes, alone[0].codes)
+        assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+
+
+def _competitive_eod(backbone, monkeypatch):
+    """End-of-document drawn with about 2 % per frame: each row ends at its own frame."""
+    gpt, real = backbone.gpt, backbone.gpt.project
+    state = {"last": None}
+
+    def project(hidden, start, stop):
+        logits = real(hidden, start, stop)
+        if (start, stop) == (backbone.eod_id, backbone.eod_id + 1):
+            return state["last"].logsumexp(-1, keepdim=True) + math.log(0.02 / 0.98)
+        state["last"] = logits
+        return logits
+
+    monkeypatch.setattr(gpt, "project", project)
+
+
+def test_rows_end_at_different_frames_and_each_equals_its_take_alone(backbone, monkeypatch):
+    _competitive_eod(backbone, monkeypatch)
+    seeds = [31, 32, 33, 34]
+    batch, btakes = _run(backbone, seeds, frames=200, min_frames=2)
+    lengths = [r.codes.shape[1] for r in batch]
+    assert all(r.stopped_by == "end_of_audio" for r in batch) and len(set(lengths)) > 1, lengths
+    for i, s in enumerate(seeds):
+        alone, atakes = _run(backbone, [s], frames=200, min_frames=2)
+        assert torch.equal(batch[i].codes, alone[0].codes)
+        # the generator is where it would be alone: superres draws the same
+        assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+
+
+def test_cancelling_one_take_leaves_the_others_untouched(backbone, monkeypatch):
+    takes = _takes([41, 42, 43])
+    real_report = takes[1].ctx.report
+    seen = []
+
+    def report(phase, done, total, detail=""):
+        seen.append(done)
+        real_report(phase, done, total, detail)
+        if done >= 32:
+            takes[1].ctx.cancel()
+
+    monkeypatch.setattr(takes[1].ctx, "report", report)
+    plan = LengthPlan(60, 60, 120)
+    with torch.inference_mode():
+        out = backbone.generate_batch(PROMPT, plan, takes, top_k=50, temperature=1.0)
+    assert out[1] is None and max(seen) < 120  # it stopped at the next check
+    for i in (0, 2):
+        alone, _ = _run(backbone, [41 + i])
+        assert torch.equal(out[i].codes, alone[0].codes)
+
+
+def test_chunked_prefill_equals_one_pass(backbone, monkeypatch):
+    prompt = list(range(3, 203))
+    results = []
+    for chunk in (1000, 64, 7):
+        monkeypatch.setattr(backbone, "prefill_chunk", chunk)
+        cache = backbone.dm.new_cache(2, 256)
+        with torch.inference_mode():
+            h = backbone.prefill(prompt, cache, [TaskContext("p")])
+        results.append((h, torch.stack([t[:, :, :200] for t in cache.k])))
+    for h, k in results[1:]:
+        assert torch.allclose(h, results[0][0], atol=1e-5)
+        assert torch.allclose(k, results[0][1], atol=1e-5)
+    assert torch.equal(results[0][1][:, 0], results[0][1][:, 1])  # the prompt's KV copied to each row
+
+
+def test_a_cancel_during_a_long_prefill_lands_within_one_chunk(backbone, monkeypatch):
+    monkeypatch.setattr(backbone, "prefill_chunk", 16)
+    ctx = TaskContext("long")
+    calls = []
+    real = backbone.dm.forward
+
+    def forward(*a, **k):
+        calls.append(1)
+        ctx.cancel()  # the cancel arrives while the first chunk runs
+        return real(*a, **k)
+
+    monkeypatch.setattr(backbone.dm, "forward", forward)
+    with pytest.raises(CancelledError), torch.inference_mode():
+        backbone.generate(list(range(3, 803)), 10, top_k=50, temperature=1.0, generator=torch.Generator(), ctx=ctx)
+    assert len(calls) == 1  # 50 chunks in the prompt; the one running finished, no other started
+
+
+def test_kv_bytes_per_take(backbone):
+    dm = backbone.dm
+    s = dm.spec
+    assert dm.kv_bytes_per_take(1000) == 2 * s.num_layers * s.groups * s.head_dim * 1000 * 4
+    assert isinstance(backbone.gpt, AcousticGPT) and math.isfinite(dm.spec.scale)
+
+
+# ---- super-resolution batched --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def superres(tiny_dir, megatron_cpu):
+    from songserve.pipeline.superres import SuperRes
+
+    return SuperRes(load_model(tiny_dir / "superres", megatron_cpu, torch.float32))
+
+
+def test_superres_forward_equals_megatron_with_its_all_visible_mask(superres):
+    from songserve.pipeline.gpt import full_mask
+
+    gpt, dm = superres.gpt, superres.dm
+    grid = torch.randint(0, gpt.arch.vocab_size, (1, 30, 64))
+    grid[:, :12, 1:] = -1
+    pos = torch.arange(30).view(1, -1)
+    with torch.inference_mode():
+        ref = gpt.hidden(grid, pos, full_mask(30, gpt.device))[:, 0]
+        got = dm.forward(dm.embed(grid, pos), causal=False)[0]
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_superres_batch_of_different_lengths_equals_each_take_alone(superres, backbone):
+    coarse = [_run(backbone, [s], frames=f)[0][0].codes for s, f in ((51, 30), (52, 18), (53, 30))]
+    prompt = list(range(3, 15))
+    gens = [torch.Generator().manual_seed(60 + i) for i in range(3)]
+    ctxs = [TaskContext(f"sr{i}") for i in range(3)]
+    batch = superres.generate_batch(prompt, coarse, top_k=10, generators=gens, ctxs=ctxs)
+    for i, c in enumerate(coarse):
+        alone = superres.generate(prompt, c, top_k=10, generator=torch.Generator().manual_seed(60 + i), ctx=ctxs[i])
+        assert batch[i].shape == (64, c.shape[1])
+        # padded rows go through a masked softmax: equal to float rounding, and the draws are identical
+        assert torch.equal(batch[i], alone), (i, (batch[i] == alone).float().mean().item())
+    assert all(x.snapshot().done == 62 for x in ctxs)
+
+
+# ---- the worker: POST /generate_batch, park ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_dir, tmp_path_factory):
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path_factory.mktemp("batch"), "--runtime-mode", "keep_loaded", name="batch")
+    w.wait_healthy()
+    yield w
+    w.stop()
+
+
+def _body(seed: int, task_id: str, **kw) -> dict:
+    body = {"lyrics": "[verse]\nhello world", "tags": "pop, piano", "duration": 3 / 60}
+    return {**body, "seed_override": seed, "task_id": task_id, "job_id": "jb", "track_index": seed % 4, **kw}
+
+
+def _samples(w, name: str):
+    import io
+
+    import httpx
+    import soundfile as sf
+
+    r = httpx.get(f"{w.url}/download/{name}", timeout=30)
+    assert r.status_code == 200
+    return sf.read(io.BytesIO(r.content))[0]
+
+
+def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
+    import httpx
+    import numpy as np
+
+    cfg = httpx.get(worker.url + "/config", timeout=10).json()
+    assert cfg["max_batch"] == 4 and cfg["kv_bytes_per_take"] > 0
+    takes = [_body(70 + i, f"b{i}") for i in range(2)]
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=120)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["task_id"] for x in results] == ["b0", "b1"] and all(x["status"] == "ok" for x in results)
+    meta = results[1]["metadata"]
+    assert meta["batch_size"] == 2 and meta["timings"]["backbone_sec"] > 0 and meta["stopped_by"] == "budget"
+    alone = httpx.post(worker.url + "/generate", json=_body(71, "a1"), timeout=120).json()
+    assert alone["status"] == "ok" and alone["metadata"]["batch_size"] == 1
+    assert np.array_equal(_samples(worker, results[1]["wav_filename"]), _samples(worker, alone["wav_filename"]))
+    assert not np.array_equal(_samples(worker, results[0]["wav_filename"]), _samples(worker, alone["wav_filename"]))
+
+
+def test_generate_batch_refuses_takes_of_different_requests(worker):
+    import httpx
+
+    takes = [_body(1, "d0"), _body(2, "d1", tags="rock")]
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=60)
+    assert r.status_code == 400 and "differ only in seed" in r.json()["error"]
+
+
+def test_cancelling_one_take_of_a_batch_over_http(worker):
+    import concurrent.futures as cf
+
+    import httpx
+
+    from tests.support import wait_for
+
+    takes = [_body(80 + i, f"c{i}", duration=0.5) for i in range(2)]
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, worker.url + "/generate_batch", json={"takes": takes}, timeout=180)
+
+        def both_running():
+            h = httpx.get(worker.url + "/health", timeout=5).json()
+            tasks = {t["task_id"]: t for t in h.get("tasks", [])}
+            return len(tasks) == 2 and tasks["c1"]["phase"] == "backbone" and tasks["c1"]["progress_detail"]
+
+        wait_for(both_running, timeout=60, interval=0.02)
+        c = httpx.post(worker.url + "/cancel/c1", timeout=10)
+        assert c.status_code == 200
+        r = fut.result()
+    results = r.json()["results"]
+    assert results[0]["status"] == "ok" and results[1]["status"] == "cancelled"
+    assert results[0]["metadata"]["tokens"]["frames"] == int(0.5 * 60 * 44100 / 2048)
+    assert httpx.get(worker.url + "/tasks/c1", timeout=5).json()["status"] == "cancelled"
+
+
+def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(worker, tmp_path):
+    import httpx
+    import numpy as np
+
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path, "--runtime-mode", "park", name="park")
+    try:
+        w.wait_healthy()
+        h = httpx.get(w.url + "/health", timeout=10).json()
+        assert h["runtime_mode"] == "park" and h["parked"] == ["decoder", "superres"]
+        parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
+        assert parked["status"] == "ok"
+        assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
+        kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
+        assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
+    finally:
+        w.stop()
+
+
+def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    pipe = ModelPipeline(
+        WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
+    )
+    pipe.load()
+    assert pipe.parked == {"superres", "decoder"}
+    seen = {}
+    sr = next(iter(pipe.superres.values()))
+    real_sr, real_dec = sr.generate_batch, pipe.codec.decode
+
+    def spy_sr(*a, **k):
+        seen["superres"] = set(pipe.parked)
+        return real_sr(*a, **k)
+
+    def spy_dec(*a, **k):
+        seen["decoder"] = set(pipe.parked)
+        return real_dec(*a, **k)
+
+    monkeypatch.setattr(sr, "generate_batch", spy_sr)
+    monkeypatch.setattr(pipe.codec, "decode", spy_dec)
+    pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
+    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
+    assert pipe.parked == {"superres", "decoder"}
+
+
+def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
+    """Scheduling tests run against tone workers: the batch endpoint works there too."""
+    import httpx
+
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path, "--pipeline", "test", "--max-batch", "3", name="tone")
+    try:
+        w.wait_healthy()
+        assert httpx.get(w.url + "/config", timeout=10).json()["max_batch"] == 3
+        takes = [_body(i, f"tone{i}") for i in range(3)]
+        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert [x["status"] for x in r.json()["results"]] == ["ok"] * 3
+        assert [x["seed"] for x in r.json()["results"]] == [1283, 1, 2]  # seed_override 0 = the worker's own
+        assert httpx.get(w.url + "/health", timeout=10).json()["tasks_done"] == 3
+    finally:
+        w.stop()
+
+
+def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    import dataclasses
+
+    from songserve.pipeline import pipeline as pl
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(output_dir=tmp_path, runtime_mode="keep_loaded", max_batch=4)
+    pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)
+    pipe.load()
+    req = TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=0)
+    reqs = [dataclasses.replace(req, seed=i, task_id=f"m{i}") for i in range(3)]
+    monkeypatch.setattr(pl, "_mem_available", lambda: 10**12)
+    together = pipe.run_batch(reqs, [TaskContext(r.task_id + "b") for r in reqs])
+    assert [r.metadata["batch_size"] for r in together] == [3, 3, 3]
+    tokens = together[0].metadata["tokens"]
+    per_take = next(iter(pipe.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
+    monkeypatch.setattr(pl, "_mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
+    out = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    assert [r.metadata["batch_size"] for r in out] == [2, 2, 1]
+    for a, b in zip(out, together, strict=True):  # splitting changes no take's audio
+        assert a.metadata["tokens"] == b.metadata["tokens"]
+        import soundfile as sf
+
+        assert (sf.read(tmp_path / a.wav_filename)[0] == sf.read(tmp_path / b.wav_filename)[0]).all()

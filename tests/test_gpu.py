@@ -1,0 +1,92 @@
+"""Checks that need CUDA (run by bench/gpu_check.sh on a GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from songserve.pipeline.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.context import TaskContext
+from songserve.pipeline.decode import DecodeModel, GraphedStep
+from songserve.pipeline.gpt import causal_mask, load_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PROMPT = list(range(3, 23))
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from songserve.pipeline.megatron_env import init_megatron
+
+    init_megatron(torch.device("cuda", 0), 0, seed=0)
+    return torch.device("cuda", 0)
+
+
+def _backbone(tiny_dir, device, dtype):
+    from songserve.pipeline import tokenizer as tk
+
+    eod = tk.load_tokenizer(tiny_dir / "tokenizer").token_id(tk.EOD)
+    return Backbone(load_model(tiny_dir / "backbone", device, dtype), eod)
+
+
+def _run(bb, seeds, frames=100, device="cuda"):
+    takes = [Take(torch.Generator(device=device).manual_seed(s), TaskContext(str(s))) for s in seeds]
+    with torch.inference_mode():
+        return bb.generate_batch(PROMPT, LengthPlan(frames, frames, 2 * frames), takes, top_k=50, temperature=1.0)
+
+
+def test_bf16_step_matches_megatron_forward(tiny_dir, cuda):
+    bb = _backbone(tiny_dir, cuda, torch.bfloat16)
+    dm: DecodeModel = bb.dm
+    ids = torch.randint(0, bb.gpt.arch.vocab_size, (1, 24), device=cuda)
+    with torch.inference_mode():
+        pos = torch.arange(24, device=cuda).view(1, -1)
+        ref = bb.gpt.hidden(ids.unsqueeze(-1), pos, causal_mask(24, cuda))[:, 0].float()
+        got = dm.forward(dm.embed(ids, pos))[0].float()
+    assert (got - ref).abs().max().item() < 0.1  # bf16 rounding
+
+
+def test_graphs_capture_and_draw_the_eager_tokens_in_fp32(tiny_dir, cuda):
+    bb = _backbone(tiny_dir, cuda, torch.float32)
+    eager = _run(bb, [1, 2])
+    step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+    bb.compiled = step
+    got = _run(bb, [1, 2])
+    assert step.failed is None and step.graphs, step.describe()
+    same = [(a.codes == b.codes).float().mean().item() for a, b in zip(eager, got, strict=True)]
+    assert min(same) > 0.9, same  # same distribution; TF32/kernel choice may flip a late draw
+
+
+def test_no_host_sync_inside_the_decode_loop(tiny_dir, cuda):
+    bb = _backbone(tiny_dir, cuda, torch.bfloat16)
+    bb.compiled = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+    _run(bb, [1], frames=20)  # capture first
+    bb.check_every = 10_000  # one sync, at the end
+    torch.cuda.set_sync_debug_mode("warn")
+    import warnings
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(bb, [1, 2], frames=200)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) < 20, [str(w.message) for w in syncs[:5]]  # a handful at set-up and the final check, not 400
+
+
+def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_path):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.pipeline.types import TrackRequest
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(output_dir=tmp_path, runtime_mode="park", device="cuda")
+    pipe = ModelPipeline(s, resolve(s), cuda)
+    pipe.load()
+    p = next(next(iter(pipe.superres.values())).gpt.model.parameters())
+    assert p.device.type == "cpu" and p.is_pinned() and pipe.loaded()["parked"] == ["decoder", "superres"]
+    before = torch.cuda.memory_allocated()
+    r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=3 / 60, seed=1, task_id="park"), TaskContext("park"))
+    assert r.duration_sec > 0 and pipe.loaded()["parked"] == ["decoder", "superres"]
+    assert torch.cuda.memory_allocated() <= before + 64 * 2**20

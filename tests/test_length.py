@@ -1,0 +1,133 @@
+"""Song length as the reference (issue 10.6/10.7): end-of-audio ends the song, a token budget, context refusal."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import httpx
+import pytest
+import torch
+
+from songserve.errors import RequestError
+from songserve.pipeline.backbone import TOKENS_PER_MINUTE, plan_length
+from songserve.pipeline.context import TaskContext
+from songserve.pipeline.types import TrackRequest
+from tests.support import start_worker
+
+FPS = 44100 / 2048
+
+
+def test_plan_for_a_real_set_is_the_reference_budget_capped_by_the_context():
+    plan = plan_length(100, 2.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)
+    assert plan.budget_frames == 23552 // 2 and plan.min_frames == 1
+    assert plan.estimate_tokens == round(TOKENS_PER_MINUTE * 2.8)
+    capped = plan_length(5000, 2.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)
+    assert capped.budget_frames == (25600 - 5000) // 2  # the context is the cap
+
+
+def test_plan_with_a_full_share_is_exactly_the_requested_length():
+    plan = plan_length(100, 0.5, FPS, context=27648, max_new_tokens=23552, min_share=1.0)
+    assert plan.budget_frames == plan.min_frames == int(0.5 * 60 * FPS)
+
+
+def test_a_request_longer_than_the_context_is_refused_naming_the_limit():
+    with pytest.raises(RequestError, match=r"context of 25600 tokens \(max_sequence_length\)"):
+        plan_length(100, 10.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)  # 25,840 + 100 tokens
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(
+        output_dir=tmp_path_factory.mktemp("length"), runtime_mode="keep_loaded", eoa_min_share=0.0, max_new_tokens=300
+    )
+    pipe = ModelPipeline(s, resolve(s), megatron_cpu)
+    pipe.load()
+    return pipe
+
+
+def _eod_logit(pipeline, monkeypatch, value):
+    """Replace the end-of-document logit: +1e4 = the model ends the song now, -1e4 = never."""
+    backbone = next(iter(pipeline.backbones.values()))
+    gpt, real = backbone.gpt, backbone.gpt.project
+
+    def project(hidden, start, stop):
+        logits = real(hidden, start, stop)
+        return logits * 0 + value if (start, stop) == (backbone.eod_id, backbone.eod_id + 1) else logits
+
+    monkeypatch.setattr(gpt, "project", project)
+
+
+def _song(pipeline, duration=0.5):
+    ctx = TaskContext("len")
+    r = pipeline.run(TrackRequest(lyrics="la la", tags="pop", duration=duration, seed=5, task_id="len"), ctx)
+    return r, ctx
+
+
+def test_the_model_ends_the_song_with_its_end_of_audio(pipeline, monkeypatch):
+    _eod_logit(pipeline, monkeypatch, 1e4)
+    r, _ = _song(pipeline)
+    assert r.metadata["stopped_by"] == "end_of_audio"
+    assert r.metadata["tokens"]["backbone_new"] == 2  # no floor but one frame: the first offer ends it
+    assert r.metadata["tokens"]["frames"] == 1
+
+
+def test_without_end_of_audio_the_token_budget_holds(pipeline, monkeypatch):
+    _eod_logit(pipeline, monkeypatch, -1e4)
+    r, ctx = _song(pipeline, duration=0.05)  # 64 frames asked; the budget (300 tokens) is what holds
+    assert r.metadata["stopped_by"] == "budget"
+    assert r.metadata["tokens"]["backbone_new"] == 300 and r.metadata["tokens"]["frames"] == 150
+    assert math.isclose(r.duration_sec, 150 * 2048 / 44100, rel_tol=1e-6)
+
+
+def test_progress_detail_starts_with_the_reference_token_count(pipeline, monkeypatch):
+    _eod_logit(pipeline, monkeypatch, -1e4)
+    details = []
+    real = TaskContext.report
+
+    def report(self, phase, done, total, detail=""):
+        if phase == "backbone":
+            details.append(detail)
+        real(self, phase, done, total, detail)
+
+    monkeypatch.setattr(TaskContext, "report", report)
+    _song(pipeline, duration=0.05)
+    estimate = round(TOKENS_PER_MINUTE * (0.05 + 0.8))
+    assert details and all(re.fullmatch(rf"\d+/{estimate} tokens · \d+ tok/s", d) for d in details), details[:3]
+    assert details[-1].startswith(f"300/{estimate} tokens")
+
+
+def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(tiny_dir, tmp_path):
+    w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", name="ctx")
+    try:
+        w.wait_healthy()
+        cfg = httpx.get(w.url + "/config", timeout=10).json()
+        assert cfg["max_sequence_length"] == 27648 and cfg["max_new_tokens"] == 23552
+        assert cfg["max_prompt_length"] > 0 and cfg["tokens_per_minute"] == 2584
+        r = httpx.post(w.url + "/generate", json={"lyrics": "la", "tags": "pop", "duration": 15}, timeout=60)
+        assert r.status_code == 400
+        assert "context of 27648 tokens (max_sequence_length)" in r.json()["error"]
+        h = httpx.get(w.url + "/health", timeout=10).json()
+        assert h["status"] == "idle" and h["tasks_done"] == 0
+    finally:
+        w.stop()
+
+
+def test_the_floor_default_is_exact_length_for_the_tiny_set_and_none_for_a_real_one(tiny_dir, tmp_path):
+    import dataclasses
+
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.settings import WorkerSettings
+
+    s = WorkerSettings(output_dir=tmp_path)
+    ckpt = resolve(s)
+    cpu = torch.device("cpu")
+    assert ModelPipeline(s, ckpt, cpu).min_share() == 1.0
+    assert ModelPipeline(s, dataclasses.replace(ckpt, tiny=False, untrained=False), cpu).min_share() == 0.0
+    s2 = WorkerSettings(output_dir=tmp_path, eoa_min_share=0.5)
+    assert ModelPipeline(s2, ckpt, cpu).min_share() == 0.5
