@@ -1,21 +1,12 @@
-"""The track state machine: queue, dispatch, one attempt on one worker, retry, reconcile.
+"""Dispatch: which worker runs which tracks, and when an attempt stops.
 
-A track's lifetime (the legal moves are in ``states.py``):
-
-    queued ──dispatch──▶ generating → superres → decoding ──files copied──▶ done
-      ▲                        │ the model failed with a clear sentence ──▶ error (not retried)
-      └──── retry ◀────────────┤ worker lost / unreachable / lost the task / stalled / past deadline
-                               │   (while attempts remain, else error)
-                               └ the user cancelled ─────────────────────▶ cancelled
-
-Rules that keep every accepted track moving:
-- store first: a state change is written before it shows in memory (``_set`` rolls back a failed
-  write), so memory never claims what the store does not hold;
-- one outcome per attempt: only the outcome of a track's current task id is applied;
+Builds on ``TrackBook`` (tracks.py, every transition of a track). Here: the dispatch pass (queue
+order, packing a job's takes into one batch), one attempt on one worker (``_attempt``, also used to
+reconcile a running track after a restart), and the reasons an attempt stops:
 - one stop per attempt: offline, stall, deadline and user cancels of one attempt collapse into the
-  first (``_stop``); the worker-side cancel that follows is shielded from further cancels;
+  first (``stop_attempt``); the worker-side cancel that follows is shielded from further cancels;
 - every background loop is supervised (``loops.py``); an unexpected error inside an attempt is a
-  retry, never a stuck track.
+  retry, never a stuck track; the watchdog re-queues a track whose last change could not be stored.
 """
 
 from __future__ import annotations
@@ -33,12 +24,12 @@ import httpx
 
 from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
-from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.pool import Key, WorkerHandle, WorkerPool, WorkerView
-from songserve.api.states import TrackStatus, check_transition, job_status
+from songserve.api.states import TrackStatus
 from songserve.api.store import Job, JobStore, Track
+from songserve.api.tracks import RetryTrack, TrackBook
 from songserve.api.views import status_of_phase
 from songserve.api.worker_client import Outcome, OutcomeKind, TaskLost, WorkerUnreachable, worker_request
 from songserve.settings import DispatcherSettings
@@ -47,57 +38,18 @@ log = logging.getLogger(__name__)
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
 
 
-class _Retry(Exception):
-    """The track should run again; ``count`` is False when the attempt never started, or when the
-    worker failed it for an environment reason (``environment``: disk, memory, writes)."""
-
-    def __init__(self, reason: str, count: bool = True, environment: bool = False) -> None:
-        super().__init__(reason)
-        self.count = count and not environment
-        self.environment = environment
-
-
-class ChangeFeed:
-    """A version number bumped on every visible change; SSE streams wait on it."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self._event = asyncio.Event()
-
-    def touch(self) -> None:
-        self.version += 1
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self, since: int, timeout: float) -> int:
-        if self.version == since:
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout)
-            except TimeoutError:
-                pass
-        return self.version
-
-
-class Dispatcher:
+class Dispatcher(TrackBook):
     def __init__(
         self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: httpx.AsyncClient
     ) -> None:
-        self.s = s
-        self.store = store
-        self.artifacts = artifacts
+        super().__init__(s, store, artifacts)
         self.pool = WorkerPool(s.worker_list(), http, s.health_interval, s.offline_after_failures, self._on_worker)
-        self.speed = SpeedHistory()
         self.metrics = DispatcherMetrics()
         self.metrics.watch(self)
-        self.changes = ChangeFeed()
         self.loops = LoopHealth()
-        self.jobs: dict[str, Job] = {}  # active jobs only
-        self.queue: dict[Key, queue_order.QueueEntry] = {}
-        self.positions: dict[Key, int] = {}  # 1-based queue positions
         self.running: dict[Key, asyncio.Task[None]] = {}
         self._stopping: dict[Key, str] = {}  # attempts asked to stop, with the reason
         self._deadlines: dict[Key, float] = {}  # monotonic
-        self._kick = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.accepting = True
 
@@ -164,22 +116,6 @@ class Dispatcher:
         except Exception:  # the job is stored and queued: the dispatch loop tries again
             log.exception("job %s: dispatch failed; the dispatch loop will retry", job.job_id)
             self._kick.set()
-
-    def _enqueue(self, job: Job, t: Track) -> None:
-        """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
-        self.queue[(job.job_id, t.index)] = queue_order.QueueEntry(job.job_id, t.index, job.priority, job.seq)
-        t.queued_at = time.time()
-
-    def _started_counts(self) -> dict[str, int]:
-        return {jid: sum(t.status is not TrackStatus.queued for t in j.tracks) for jid, j in self.jobs.items()}
-
-    def _reorder(self) -> None:
-        ordered = queue_order.order(self.queue.values(), self._started_counts())
-        self.positions = {(e.job_id, e.index): i + 1 for i, e in enumerate(ordered)}
-        self.changes.touch()
-
-    def dequeue(self, key: Key) -> None:
-        self.queue.pop(key, None)
 
     def dispatch_now(self) -> None:
         """Pair queued tracks (in queue order) with available workers.
@@ -331,12 +267,12 @@ class Dispatcher:
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 for task_id in task_ids:
                     await self._cancel_on_worker(w, task_id)
-                raise _Retry(reason) from None
+                raise RetryTrack(reason) from None
             except WorkerUnreachable as exc:
                 w.mark_unreachable()
-                raise _Retry(f"worker {w.worker_id} connection lost ({exc})") from None
+                raise RetryTrack(f"worker {w.worker_id} connection lost ({exc})") from None
             except TaskLost as exc:
-                raise _Retry(str(exc)) from None
+                raise RetryTrack(str(exc)) from None
             # The worker answered: its model thread is free. Give it the next track while the
             # files are copied (a failed copy retries the track like a lost worker).
             busy = any(o.kind is OutcomeKind.busy for o in outcomes)
@@ -346,9 +282,9 @@ class Dispatcher:
             for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
                 try:
                     await self._apply(job, t, w, task_id, outcome)
-                except _Retry as exc:
+                except RetryTrack as exc:
                     self._retry_after(job, t, w, exc)
-        except _Retry as exc:
+        except RetryTrack as exc:
             for t in tracks:
                 self._retry_after(job, t, w, exc)
         except Exception as exc:
@@ -362,7 +298,7 @@ class Dispatcher:
                 w.release(task_id, answered=False)
             self._kick.set()
 
-    def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: _Retry) -> None:
+    def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: RetryTrack) -> None:
         if exc.environment:
             t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
         self._retry(job, t, str(exc), exc.count)
@@ -401,118 +337,4 @@ class Dispatcher:
 
         await self._attempt(job, [t], w, outcome)
 
-    async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
-        if t.task_id != task_id or t.status.terminal:
-            log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
-            return
-        if outcome.kind is OutcomeKind.done and outcome.result is not None:
-            res = outcome.result
-            names = {"wav": res.wav_filename, "mp3": res.mp3_filename}
-            if res.json_filename:
-                names["json"] = res.json_filename
-            try:
-                await self.artifacts.fetch(w.client, names, job.job_id, t.index)
-            except (WorkerUnreachable, OSError) as exc:
-                raise _Retry(f"could not copy the files from worker {w.worker_id} ({exc})") from None
-            now = time.time()
-            meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
-            meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-            # The seed the worker used (a worker reads seed_override 0 as its own seed, as the reference).
-            seed = res.seed if res.seed is not None else t.seed
-            self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta, seed=seed)
-            self._record_done(job, t, res.metadata, now)
-            w.track_succeeded()
-            await self._remove_worker_files(w, task_id)
-            log.info(
-                "track %s/%d: done (%.1fs audio, %.1fs)",
-                job.job_id,
-                t.index,
-                t.duration_sec,
-                now - (t.started_at or now),
-            )
-        elif outcome.kind is OutcomeKind.cancelled:
-            if not job.cancelled:
-                raise _Retry(f"worker {w.worker_id} stopped the task")
-            self._set(t, TrackStatus.cancelled, finished_at=time.time())
-        elif outcome.kind is OutcomeKind.busy:
-            raise _Retry(f"worker {w.worker_id} was busy", count=False)
-        else:
-            s = self.s
-            if w.track_failed(outcome.environment, s.bench_after_failures, s.bench_sec, outcome.error):
-                self._kick.set()
-            if outcome.environment and t.env_failures + 1 < s.max_attempts * max(1, len(self.pool.workers)):
-                raise _Retry(f"worker {w.worker_id}: {outcome.error}", environment=True)
-            self._set(t, TrackStatus.error, error=outcome.error, finished_at=time.time())
-            log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
-        self.finish_if_done(job)
-
-    async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
-        """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
-        if task_id is None:
-            return
-        try:
-            await w.client.remove_files(task_id)
-        except WorkerUnreachable as exc:
-            log.info("worker %d: files of %s not removed (%s)", w.worker_id, task_id, exc)
-
-    def _record_done(self, job: Job, t: Track, meta: dict[str, object], now: float) -> None:
-        m, wall = self.metrics, now - (t.started_at or now)
-        models = meta.get("models")
-        self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
-        timings = meta.get("timings")
-        for stage, sec in timings.items() if isinstance(timings, dict) else ():
-            if isinstance(sec, int | float):
-                m.stage.labels(stage.removesuffix("_sec")).observe(sec)
-        m.end_to_end.observe(now - job.created_at)
-        m.track_wall.observe(wall)
-        m.track_audio.inc(t.duration_sec)
-
-    def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
-        if t.status.terminal:
-            return
-        self.metrics.retries.labels(str(t.worker_id)).inc()
-        attempts = t.attempts if count else max(0, t.attempts - 1)
-        now = time.time()
-        if job.cancelled:
-            self._set(t, TrackStatus.cancelled, attempts=attempts, finished_at=now)
-        elif attempts >= self.s.max_attempts:
-            msg = f"Track failed after {attempts} attempts: {reason}."
-            self._set(t, TrackStatus.error, attempts=attempts, error=msg, finished_at=now)
-            log.warning("track %s/%d: %s", job.job_id, t.index, msg)
-        else:
-            log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, reason)
-            self._set(t, TrackStatus.queued, attempts=attempts, worker_id=-1, worker_phase="idle", phase_progress=0)
-            self._enqueue(job, t)
-            self._reorder()
-        self.finish_if_done(job)
-
     # ---- state changes --------------------------------------------------------------------------
-    def _set(self, t: Track, status: TrackStatus, **fields: object) -> None:
-        """Write the track's new state to the store, then keep it in memory (rolled back on failure)."""
-        check_transition(t.status, status)
-        old = {k: getattr(t, k) for k in ("status", *fields)}
-        t.status = status
-        for k, v in fields.items():
-            setattr(t, k, v)
-        try:
-            self.store.save_track(t)
-        except Exception:
-            for k, v in old.items():
-                setattr(t, k, v)
-            raise
-        self.changes.touch()
-
-    def cancel_queued(self, job: Job, t: Track) -> None:
-        self._set(t, TrackStatus.cancelled, finished_at=time.time())
-        self.dequeue((job.job_id, t.index))
-
-    def finish_if_done(self, job: Job) -> None:
-        if not all(t.status.terminal for t in job.tracks):
-            return
-        for t in job.tracks:
-            self.metrics.finished.labels(str(t.worker_id), t.status.value).inc()
-        job.finished_at = job.finished_at or time.time()
-        self.store.save_job(job, terminal=True)
-        self.jobs.pop(job.job_id, None)
-        log.info("job %s: %s", job.job_id, job_status((t.status for t in job.tracks), job.cancelled).value)
-        self.changes.touch()
