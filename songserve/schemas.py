@@ -102,6 +102,7 @@ class TakeHealth(BaseModel):
     phase: str = "idle"
     progress: float = 0
     progress_detail: str = ""
+    tokens_per_sec: float | None = None
     cancelled: bool = False
 
 
@@ -115,12 +116,13 @@ class WorkerHealth(BaseModel):
     gpu_id: int | None = None
     seed: int | None = None
     progress: float = 0
-    progress_detail: str = ""
+    progress_detail: str = ""  # in the backbone the reference's "N/M tokens"
     runtime_mode: str | None = None
     backbone_loaded: bool | str | None = False  # the reference worker reports the loaded model's name
     superres_loaded: bool | str | None = False
     decoder_loaded: bool | str | None = False
     # extensions
+    tokens_per_sec: float | None = None  # the backbone's rate, apart from progress_detail
     accepting: bool = True
     task_id: str | None = None
     backbone_models: list[str] = Field(default_factory=list)
@@ -139,7 +141,11 @@ class WorkerHealth(BaseModel):
                 return t
         if self.task_id == task_id:
             return TakeHealth(
-                task_id=task_id, phase=self.phase, progress=self.progress, progress_detail=self.progress_detail
+                task_id=task_id,
+                phase=self.phase,
+                progress=self.progress,
+                progress_detail=self.progress_detail,
+                tokens_per_sec=self.tokens_per_sec,
             )
         return None
 

@@ -45,6 +45,8 @@ class FakeWorker:
     disk_low: bool = False
     phase: str = "idle"
     progress: int = 0
+    detail: str = ""
+    rate: float | None = None
     running: list[str] = field(default_factory=list)  # task ids it runs now (several: a batch)
     plans: deque[Plan] = field(default_factory=deque)
     generated: list[str] = field(default_factory=list)  # task ids that started
@@ -59,9 +61,19 @@ class FakeWorker:
             "status": "busy" if busy else "idle",
             "phase": self.phase if busy else "idle",
             "progress": self.progress,
-            "progress_detail": "",
+            "progress_detail": self.detail,
+            "tokens_per_sec": self.rate,
             "task_id": self.task_id,
-            "tasks": [{"task_id": i, "phase": self.phase, "progress": self.progress} for i in self.running],
+            "tasks": [
+                {
+                    "task_id": i,
+                    "phase": self.phase,
+                    "progress": self.progress,
+                    "progress_detail": self.detail,
+                    "tokens_per_sec": self.rate,
+                }
+                for i in self.running
+            ],
             "backbone_models": ["default_backbone"],
             "superres_models": ["default_superres"],
             "disk_low": self.disk_low,

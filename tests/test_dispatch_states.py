@@ -420,3 +420,18 @@ async def test_each_take_of_a_batch_moves_with_its_own_progress_and_finishes(tmp
         view = await until_done(f, job_id)
         assert view.status == "completed"
         assert [len(b) for b in f.workers[0].batches] == [2]
+
+
+@aio
+async def test_the_phase_line_shows_the_token_rate_and_count_like_the_reference(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        hold = asyncio.Event()
+        f.workers[0].plans.append(Plan(release=hold))
+        job_id = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+        f.workers[0].progress, f.workers[0].detail, f.workers[0].rate = 42, "1100/3360 tokens", 180.4
+        line = "Backbone generating · 42% · 180 tok/s · 1100 tokens"
+        await until(lambda: f.svc.view(job_id).tracks[0].phase_display == line)
+        assert f.svc.view(job_id).tracks[0].progress == 1 + 69 * 42 // 100
+        hold.set()
+        await until(finished(f, job_id))

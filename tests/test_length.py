@@ -84,21 +84,24 @@ def test_without_end_of_audio_the_token_budget_holds(pipeline, monkeypatch):
     assert math.isclose(r.duration_sec, 150 * 2048 / 44100, rel_tol=1e-6)
 
 
-def test_progress_detail_starts_with_the_reference_token_count(pipeline, monkeypatch):
+def test_progress_detail_is_the_reference_token_count_with_the_rate_beside_it(pipeline, monkeypatch):
     _eod_logit(pipeline, monkeypatch, -1e4)
-    details = []
+    reports = []
     real = TaskContext.report
 
-    def report(self, phase, done, total, detail=""):
+    def report(self, phase, done, total, detail="", rate=None):
         if phase == "backbone":
-            details.append(detail)
-        real(self, phase, done, total, detail)
+            reports.append((detail, rate))
+        real(self, phase, done, total, detail, rate)
 
     monkeypatch.setattr(TaskContext, "report", report)
     _song(pipeline, duration=0.05)
     estimate = round(TOKENS_PER_MINUTE * (0.05 + 0.8))
-    assert details and all(re.fullmatch(rf"\d+/{estimate} tokens · \d+ tok/s", d) for d in details), details[:3]
-    assert details[-1].startswith(f"300/{estimate} tokens")
+    # Exactly what the reference dispatcher parses (r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$"); the rate apart.
+    assert reports
+    assert all(re.fullmatch(rf"\d+/{estimate} tokens", d) for d, _ in reports), reports[:3]
+    assert all(r is not None and r > 0 for _, r in reports)
+    assert reports[-1][0] == f"300/{estimate} tokens"
 
 
 def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(tiny_dir, tmp_path):

@@ -210,7 +210,7 @@ class Dispatcher(TrackBook):
             take = w.progress_of(task_id) if w.online and t.status.running and t.task_id == task_id else None
             if take is not None:
                 fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
-                          "phase_detail": take.progress_detail}  # fmt: skip
+                          "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec}  # fmt: skip
                 status = status_of_phase(take.phase)
                 if status is not t.status:
                     self._set(t, status, **fields)

@@ -54,6 +54,7 @@ class Track:
     worker_phase: str = "idle"  # a WorkerPhase word
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
+    phase_rate: float | None = None  # tokens per second, in the backbone
     queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
     avoid_worker: int = -1  # its last attempt failed there for an environment reason: prefer another
     env_failures: int = 0  # attempts that failed for environment reasons (not counted as attempts)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from songserve.api.states import TrackStatus, job_status
 from songserve.api.store import Job, Track
 from songserve.schemas import JobView, TrackFiles, TrackView
+
+TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference worker's progress_detail
 
 # The one phase table: worker phase → (track status, start of its span in the overall %, span).
 PHASES = {
@@ -46,8 +50,17 @@ def phase_display(t: Track, queue_position: int) -> str:
     title = PHASE_TITLES.get(t.status)
     if title is None:
         return "Decoding audio..."
-    detail = f" · {t.phase_detail}" if t.phase_detail and t.status is TrackStatus.generating else ""
+    detail = _backbone_detail(t) if t.status is TrackStatus.generating else ""
     return f"{title} · {t.phase_progress}%{detail}"
+
+
+def _backbone_detail(t: Track) -> str:
+    """`` · 180 tok/s · 1100 tokens`` from the worker's "N/M tokens" and its rate (api.md's line)."""
+    m = TOKENS.match(t.phase_detail)
+    if m is None:
+        return f" · {t.phase_detail}" if t.phase_detail else ""
+    rate = f" · {t.phase_rate:.0f} tok/s" if t.phase_rate else ""
+    return f"{rate} · {int(m.group(1))} tokens"
 
 
 def track_view(job: Job, t: Track, queue_position: int) -> TrackView:

@@ -268,7 +268,8 @@ class Backbone:
                 "backbone",
                 min(t, plan.estimate_tokens),
                 plan.estimate_tokens,
-                f"{t}/{plan.estimate_tokens} tokens · {rate:.0f} tok/s",
+                f"{t}/{plan.estimate_tokens} tokens",  # exactly the reference's "N/M tokens"
+                rate=round(rate, 1),
             )
         new_rows = [rows[j] for j in keep]
         if len(keep) == len(rows) or not new_rows or last:

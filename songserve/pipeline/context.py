@@ -19,6 +19,7 @@ class Progress:
     done: int = 0
     total: int = 0
     detail: str = ""
+    rate: float | None = None  # tokens per second in the backbone (reported apart from the detail)
     updated_at: float = field(default_factory=time.time)  # wall clock, for people and /health
     updated_mono: float = field(default_factory=time.monotonic)  # for stall checks: immune to clock steps
 
@@ -47,9 +48,9 @@ class TaskContext:
         if self._cancel.is_set():
             raise CancelledError(f"Task {self.task_id} was cancelled.")
 
-    def report(self, phase: str, done: int, total: int, detail: str = "") -> None:
+    def report(self, phase: str, done: int, total: int, detail: str = "", rate: float | None = None) -> None:
         with self._lock:
-            self._progress = Progress(phase, done, total, detail)
+            self._progress = Progress(phase, done, total, detail, rate)
 
     def snapshot(self) -> Progress:
         with self._lock:

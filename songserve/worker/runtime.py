@@ -388,10 +388,10 @@ class WorkerRuntime:
         batch = list(self._batch)
         running = [c for c in batch if not c.cancelled()]
         ctx = running[0] if running else self._current
-        progress, detail, phase, updated, quiet_sec = 0, "", self.phase, None, 0.0
+        progress, detail, phase, updated, quiet_sec, rate = 0, "", self.phase, None, 0.0, None
         if ctx is not None:
             p = ctx.snapshot()
-            progress, detail, updated = p.percent, p.detail, p.updated_at
+            progress, detail, updated, rate = p.percent, p.detail, p.updated_at, p.rate
             quiet_sec = time.monotonic() - p.updated_mono  # a wall-clock step must not look like a stall
             if p.phase != "idle":
                 phase = p.phase
@@ -405,7 +405,8 @@ class WorkerRuntime:
             "gpu_id": self.s.gpu_id,
             "seed": self.s.seed,
             "progress": progress,
-            "progress_detail": detail,
+            "progress_detail": detail,  # the reference's "N/M tokens" in the backbone
+            "tokens_per_sec": rate,
             "runtime_mode": self.s.runtime_mode,
             **self.pipeline.loaded(),
             "backbone_models": self._models["backbone_models"],
@@ -433,6 +434,7 @@ def _take_view(ctx: TaskContext) -> dict:
         "phase": p.phase,
         "progress": p.percent,
         "progress_detail": p.detail,
+        "tokens_per_sec": p.rate,
         "cancelled": ctx.cancelled(),
         "last_progress_at": p.updated_at,
     }
