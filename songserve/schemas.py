@@ -166,6 +166,8 @@ class WorkerConfig(BaseModel):
     genre_options: list[str] = Field(default_factory=list)
     language_options: list[str] = Field(default_factory=list)
     max_batch: int = 1  # takes of one request it runs as one batch (POST /generate_batch); 1 = /generate only
+    max_sequence_length: int | None = None  # the backbone's context, in tokens (prompt + audio)
+    tokens_per_minute: int | None = None  # audio tokens per minute of song (21.53 frames/s × 2 × 60)
 
 
 class TaskState(StrEnum):

@@ -154,7 +154,8 @@ class FakeWorker:
             return httpx.Response(200, json=self.health())
         if path == "/config":
             models = {"backbone_models": ["default_backbone"], "superres_models": ["default_superres"]}
-            return httpx.Response(200, json={**models, "max_batch": self.max_batch})
+            limits = {"max_batch": self.max_batch, "max_sequence_length": 25600, "tokens_per_minute": 2584}
+            return httpx.Response(200, json={**models, **limits})
         if path == "/generate_batch":
             return await self.generate_batch(json.loads(request.content)["takes"])
         if path == "/generate":

@@ -435,3 +435,14 @@ async def test_the_phase_line_shows_the_token_rate_and_count_like_the_reference(
         assert f.svc.view(job_id).tracks[0].progress == 1 + 69 * 42 // 100
         hold.set()
         await until(finished(f, job_id))
+
+
+@aio
+async def test_a_song_longer_than_any_workers_context_is_refused_before_any_work(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        with pytest.raises(FieldError) as err:
+            f.svc.submit(GenerateRequest(lyrics="x", duration=10, num_tracks=1))
+        assert err.value.detail[0]["loc"] == ["body", "duration"]
+        assert "context of 25600 tokens" in str(err.value)
+        assert f.workers[0].generated == []
+        assert (await run_job(f)).status == "completed"  # 0.05 minutes fit

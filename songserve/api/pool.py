@@ -220,6 +220,15 @@ class WorkerPool:
     def online_count(self) -> int:
         return sum(w.online for w in self.workers)
 
+    def context_minutes(self) -> tuple[int, int] | None:
+        """(the longest backbone context among the workers, audio tokens per minute), when they say."""
+        known = [
+            (w.config.max_sequence_length, w.config.tokens_per_minute)
+            for w in self.workers
+            if w.config is not None and w.config.max_sequence_length and w.config.tokens_per_minute
+        ]
+        return max(known) if known else None
+
     def models(self, kind: str) -> list[str]:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""
         names: list[str] = []

@@ -8,6 +8,7 @@ live in memory and in the store; finished ones only in the store and the results
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import sqlite3
 import time
@@ -117,7 +118,23 @@ class JobService:
             tuple(pool.models("backbone")),
             tuple(pool.models("superres")),
         )
-        return normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
+        norm = normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
+        self._check_context(norm.request.duration)
+        return norm
+
+    def _check_context(self, minutes: float) -> None:
+        """Refuse before any work a song that no worker's context can hold (the workers say their limits)."""
+        known = self.dispatcher.pool.context_minutes()
+        if known is None:
+            return
+        context, per_minute = known
+        need = math.ceil(per_minute * minutes)
+        if need > context:
+            raise FieldError(
+                "duration",
+                f"{minutes:g} minutes need about {need} audio tokens, more than the model's context of {context} "
+                f"tokens (max_sequence_length), which holds about {context / per_minute:.1f} minutes",
+            )
 
     def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
         d = self.dispatcher
