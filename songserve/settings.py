@@ -8,7 +8,6 @@ non-default values are logged at start-up with secrets redacted.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +19,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from songserve.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TINY_DIR = ROOT / "checkpoints" / "tiny"
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)
@@ -125,28 +123,6 @@ def log_non_default(settings: BaseSettings) -> None:
         if value != field.default:
             shown = "***" if any(w in name for w in SECRET_WORDS) and value else value
             log.info("setting %s=%s", name, shown)
-
-
-def parse_model_map(text: str, setting: str) -> dict[str, str]:
-    """``name=path,name=path`` or a JSON object → {name: path}."""
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{setting} is not valid JSON: {exc}.") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{setting} must be a JSON object of name → path.")
-        return {str(k): str(v) for k, v in raw.items()}
-    out = {}
-    for item in text.split(","):
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ConfigError(f"{setting} entry {item!r} is not name=path.")
-        out[name.strip()] = path.strip()
-    return out
 
 
 class DispatcherSettings(BaseSettings):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from songserve.errors import ConfigError
-from songserve.settings import DEFAULT_TINY_DIR, WorkerSettings, parse_model_map
+from songserve.pipeline.config import DEFAULT_TINY_DIR, CheckpointPaths
 
 DEFAULT_BACKBONE = "default_backbone"
 DEFAULT_SUPERRES = "default_superres"
@@ -70,7 +70,7 @@ def _one(folder: Path, pattern: str, setting: str) -> Path:
     return hits[-1]
 
 
-def _configured(s: WorkerSettings) -> bool:
+def _configured(s: CheckpointPaths) -> bool:
     return any(
         (
             s.checkpoints_dir,
@@ -83,7 +83,29 @@ def _configured(s: WorkerSettings) -> bool:
     )
 
 
-def resolve(s: WorkerSettings) -> CheckpointSet:
+def parse_model_map(text: str, setting: str) -> dict[str, str]:
+    """``name=path,name=path`` or a JSON object → {name: path}."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{setting} is not valid JSON: {exc}.") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{setting} must be a JSON object of name → path.")
+        return {str(k): str(v) for k, v in raw.items()}
+    out = {}
+    for item in text.split(","):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"{setting} entry {item!r} is not name=path.")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def resolve(s: CheckpointPaths) -> CheckpointSet:
     """Paths of the set; builds the tiny set when nothing is configured."""
     tiny = not _configured(s)
     if tiny:
@@ -159,7 +181,7 @@ def _found(ckpt: CheckpointSet) -> dict[str, str]:
     return out
 
 
-def _resolve_release(s: WorkerSettings, rel: _Release, under: Callable[[Path | str], Path]) -> CheckpointSet:
+def _resolve_release(s: CheckpointPaths, rel: _Release, under: Callable[[Path | str], Path]) -> CheckpointSet:
     """The release's paths, each replaced by its setting when that is set."""
 
     def models(setting: str, text: str, folder: str) -> dict[str, Path]:

@@ -47,7 +47,7 @@ class CodecConfig:
     def frame_rate(self) -> float:
         return self.sample_rate / self.hop
 
-    def to_yaml_dict(self) -> dict:
+    def to_yaml_dict(self) -> dict[str, Any]:
         """The project's schema (what the default tiny set writes)."""
         return {
             "sample_rate": self.sample_rate,
@@ -66,7 +66,7 @@ class CodecConfig:
         }
 
     @classmethod
-    def from_yaml_dict(cls, raw: dict, source: str) -> CodecConfig:
+    def from_yaml_dict(cls, raw: dict[str, Any], source: str) -> CodecConfig:
         """Either schema; the release's is recognised by its ``decoder.rates`` / ``quantizer.num_quantizers``."""
         if not isinstance(raw, dict):
             raise ConfigError(f"Decoder config {source} is not a mapping.")
@@ -114,7 +114,7 @@ class CodecConfig:
         )
 
     @classmethod
-    def from_dac_kwargs(cls, kw: dict) -> CodecConfig:
+    def from_dac_kwargs(cls, kw: dict[str, Any]) -> CodecConfig:
         rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
         return cls(
             sample_rate=int(kw.get("sample_rate", 44100)),
@@ -148,7 +148,7 @@ def read_codec_config(path: Path) -> CodecConfig:
 # ---- ${a.b} interpolation ---------------------------------------------------------------------
 
 
-def resolve_interpolations(raw: dict, source: str) -> dict:
+def resolve_interpolations(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Replace ``${a.b}`` by the value at that dotted key (whole-string references keep their type)."""
 
     def lookup(dotted: str, at: str, seen: tuple[str, ...]) -> Any:
@@ -173,7 +173,8 @@ def resolve_interpolations(raw: dict, source: str) -> dict:
             return lookup(whole.group(1), at, seen)
         return _REF.sub(lambda m: str(lookup(m.group(1), at, seen)), node)
 
-    return resolve(raw, "", ())
+    resolved: dict[str, Any] = resolve(raw, "", ())
+    return resolved
 
 
 class _Fields:
@@ -181,7 +182,7 @@ class _Fields:
 
     _MISSING = object()
 
-    def __init__(self, raw: dict, source: str) -> None:
+    def __init__(self, raw: dict[str, Any], source: str) -> None:
         self.raw, self.source = raw, source
 
     def _get(self, dotted: str, default: Any) -> Any:
@@ -197,7 +198,7 @@ class _Fields:
     def _bad(self, dotted: str, want: str, value: Any) -> ConfigError:
         return ConfigError(f"Decoder config {self.source}: key '{dotted}' must be {want} (got {value!r}).")
 
-    def section(self, name: str) -> dict:
+    def section(self, name: str) -> dict[str, Any]:
         value = self._get(name, self._MISSING)
         if not isinstance(value, dict):
             raise self._bad(name, "a mapping", value)

@@ -16,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,7 +159,7 @@ def generator_state(s: ReleaseDecoderSizes, seed: int) -> dict[str, torch.Tensor
     return state
 
 
-def _training_entries(gen_state: dict[str, torch.Tensor], seed: int) -> dict:
+def _training_entries(gen_state: dict[str, torch.Tensor], seed: int) -> dict[str, Any]:
     """Lightning's non-model entries, plain data only (what a weights-only load accepts)."""
     gen = torch.Generator().manual_seed(seed + 1)
     disc = {

@@ -395,7 +395,7 @@ class CompiledStep:
                 if self.failed:
                     return
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "compiled": self.failed is None,
             "cuda_graphs": self.cuda_graphs and self.failed is None,
@@ -499,7 +499,7 @@ class GraphedStep:
                 if self.failed:
                     return
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "compiled": False,
             "cuda_graphs": self.failed is None,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -74,8 +75,8 @@ def _atomic(path: Path, write: Callable[[Path], object], need_bytes: int = 0) ->
 
 
 def write_track(
-    out_dir: Path, audio: np.ndarray, sample_rate: int, metadata: dict, mp3: Mp3Options
-) -> tuple[str, str, str, dict]:
+    out_dir: Path, audio: np.ndarray, sample_rate: int, metadata: dict[str, Any], mp3: Mp3Options
+) -> tuple[str, str, str, dict[str, Any]]:
     """audio (samples, channels) float32 in [-1, 1] → (wav, mp3, json) names and the metadata written."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -126,13 +126,15 @@ def resolve_arch(path: Path, kind: str | None = None, megatron_args: str = "") -
 
 
 def _stored_tensors(it_dir: Path) -> dict[str, tuple[int, ...]]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # type: ignore[attr-defined]
 
     md = FileSystemReader(str(it_dir)).read_metadata().state_dict_metadata
     return {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size")}
 
 
-def _request(model: Any, metadata: dict | None, stored: dict[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
+def _request(
+    model: Any, metadata: dict[str, Any] | None, stored: dict[str, tuple[int, ...]], path: Path
+) -> dict[str, Any]:
     """The model's sharded state dict, named as stored, every tensor a view of a parameter."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -162,7 +164,7 @@ def _request(model: Any, metadata: dict | None, stored: dict[str, tuple[int, ...
 class _FileSlice(io.RawIOBase):
     """A seekable read-only window [offset, offset + length) of an open file (one DCP item)."""
 
-    def __init__(self, f: BinaryIO, offset: int, length: int) -> None:
+    def __init__(self, f: io.RawIOBase | io.BufferedIOBase, offset: int, length: int) -> None:
         super().__init__()
         self.f, self.base, self.length, self.pos = f, offset, length, 0
 
@@ -187,12 +189,12 @@ class _FileSlice(io.RawIOBase):
         return got
 
 
-def _read_into(f: BinaryIO, offset: int, dst: torch.Tensor, stored: torch.dtype) -> None:
+def _read_into(f: io.RawIOBase | io.BufferedIOBase, offset: int, dst: torch.Tensor, stored: torch.dtype) -> None:
     """Copy ``dst.numel()`` elements of dtype ``stored`` at ``offset`` into ``dst``, without a full temporary."""
     flat = dst.view(-1)
     f.seek(offset)
     if dst.device.type == "cpu" and dst.dtype == stored:
-        view = memoryview(flat.view(torch.uint8).numpy())
+        view = memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
         got = 0
         while got < len(view):
             k = f.readinto(view[got:])
@@ -204,7 +206,7 @@ def _read_into(f: BinaryIO, offset: int, dst: torch.Tensor, stored: torch.dtype)
     buf = torch.empty(min(step, flat.numel()), dtype=stored)
     for a in range(0, flat.numel(), step):
         part = buf[: min(step, flat.numel() - a)]
-        if f.readinto(memoryview(part.view(torch.uint8).numpy())) != part.numel() * stored.itemsize:
+        if f.readinto(memoryview(part.view(torch.uint8).numpy())) != part.numel() * stored.itemsize:  # type: ignore[arg-type]
             raise OSError(f"unexpected end of file near byte {offset + a * stored.itemsize}")
         flat[a : a + part.numel()].copy_(part)
 
@@ -224,7 +226,7 @@ def _direct_read(request: dict[str, Any], it_dir: Path) -> bool:
     import re
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # type: ignore[attr-defined]
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     md = FileSystemReader(str(it_dir)).read_metadata()
@@ -250,7 +252,7 @@ def _direct_read(request: dict[str, Any], it_dir: Path) -> bool:
     for rel, items in by_file.items():
         with open(it_dir / rel, "rb") as f:
             for off, length, dst, dtype in items:
-                reader = torch._C.PyTorchFileReader(_FileSlice(f, off, length))  # noqa: SLF001
+                reader = torch._C.PyTorchFileReader(_FileSlice(f, off, length))  # type: ignore[call-overload]
                 data = [r for r in reader.get_all_records() if re.fullmatch(r"(.*/)?data/\d+", r)]
                 if len(data) != 1:
                     return False
@@ -261,7 +263,7 @@ def _direct_read(request: dict[str, Any], it_dir: Path) -> bool:
     for rel in by_file:
         with open(it_dir / rel, "rb", buffering=0) as f:
             for _, at, dst, dtype in (p for p in sorted(plans, key=lambda p: p[1]) if p[0] == rel):
-                _read_into(f, at, dst, dtype)  # type: ignore[arg-type]
+                _read_into(f, at, dst, dtype)
     return True
 
 

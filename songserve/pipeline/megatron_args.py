@@ -74,7 +74,7 @@ SPEED_FLAGS = {
     "no_load_optim": "not used: optimizer state is never loaded",
     "no_load_rng": "not used: RNG state is never loaded",
 }
-_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+_PARALLEL: tuple[str, ...] = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 _PARALLEL += ("expert_model_parallel_size",)
 
 # Math-changing fields the worker does not implement: (field, "is it in use?").
@@ -109,7 +109,7 @@ def _allowed_types() -> list[Any]:
     try:  # legacy files keep numpy's RNG state beside the weights
         import numpy as np
 
-        allowed += [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # noqa: SLF001
+        allowed += [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # type: ignore[attr-defined]
     except (ImportError, AttributeError):
         pass
     return allowed

@@ -90,7 +90,7 @@ def _rope_stays_on_cpu() -> None:
         return emb[:, None, None, :]
 
     get_emb.songserve_cpu = True  # type: ignore[attr-defined]
-    RotaryEmbedding.get_emb = get_emb  # type: ignore[method-assign]
+    RotaryEmbedding.get_emb = get_emb
 
 
 @contextlib.contextmanager

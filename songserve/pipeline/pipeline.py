@@ -26,6 +26,7 @@ from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
 from songserve.pipeline.checkpoints import CheckpointSet
 from songserve.pipeline.codec import Codec, CodecConfig, load_codec
+from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
 from songserve.pipeline.export import Mp3Options, write_track
@@ -33,7 +34,6 @@ from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.superres import SuperRes
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
-from songserve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _arch_summary(a: GPTArch) -> dict[str, Any]:
 
 
 class ModelPipeline:
-    def __init__(self, settings: WorkerSettings, ckpt: CheckpointSet, device: torch.device) -> None:
+    def __init__(self, settings: PipelineConfig, ckpt: CheckpointSet, device: torch.device) -> None:
         self.s = settings
         self.ckpt = ckpt
         self.device = device
@@ -202,7 +202,7 @@ class ModelPipeline:
         out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
         return out
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "backbone_models": list(self.ckpt.backbones),
             "superres_models": list(self.ckpt.superres),
@@ -222,7 +222,7 @@ class ModelPipeline:
             return self.s.eoa_min_share
         return 1.0 if self.ckpt.untrained else 0.0
 
-    def limits(self) -> dict:
+    def limits(self) -> dict[str, Any]:
         """What the dispatcher needs to refuse or pack requests before sending them."""
         out: dict[str, Any] = {"max_new_tokens": self.s.max_new_tokens, "max_batch": self.s.max_batch}
         out["eoa_min_share"] = self.min_share()

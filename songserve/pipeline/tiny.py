@@ -189,7 +189,7 @@ def ensure_tiny_set(out: Path, force: bool = False, layout: str = "default") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from songserve.settings import DEFAULT_TINY_DIR
+    from songserve.pipeline.config import DEFAULT_TINY_DIR
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir", type=Path, nargs="?", help="same as --out")

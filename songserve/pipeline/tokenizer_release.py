@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from songserve.pipeline.tokenizer import BOS, EOD, corpus_lines
 
@@ -55,7 +56,7 @@ def llama3_special_tokens() -> list[str]:
     return out
 
 
-def _trained_bpe() -> dict:
+def _trained_bpe() -> dict[str, Any]:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -73,10 +74,11 @@ def _trained_bpe() -> dict:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus_lines(), trainer=trainer)
-    return json.loads(tok.to_str())
+    doc: dict[str, Any] = json.loads(tok.to_str())
+    return doc
 
 
-def _added(token_id: int, content: str) -> dict:
+def _added(token_id: int, content: str) -> dict[str, Any]:
     return {
         "id": token_id,
         "content": content,

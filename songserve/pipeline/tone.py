@@ -10,20 +10,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.export import Mp3Options, write_track
 from songserve.pipeline.types import TrackRequest, TrackResult
-from songserve.settings import WorkerSettings
 
 SAMPLE_RATE = 44100
 PHASES = ("backbone", "superres", "decoding")
 
 
 class TonePipeline:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: ToneConfig) -> None:
         self.s = settings
         self.phase_hook: Callable[[str], None] = lambda phase: None
 
@@ -33,7 +34,7 @@ class TonePipeline:
     def loaded(self) -> dict[str, bool]:
         return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True}
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "backbone_models": ["default_backbone"],
             "superres_models": ["default_superres"],

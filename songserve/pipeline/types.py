@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -32,7 +32,7 @@ class TrackRequest:
     task_id: str = ""
     job_id: str = ""
     track_index: int = 0
-    extra: dict = field(default_factory=dict)  # raw_* fields, recorded in the JSON only
+    extra: dict[str, Any] = field(default_factory=dict[str, Any])  # raw_* fields, recorded in the JSON only
 
 
 @dataclass
@@ -51,7 +51,7 @@ class TrackResult:
     duration_sec: float
     backbone_tokens: int
     seed: int
-    metadata: dict
+    metadata: dict[str, Any]
 
 
 class Pipeline(Protocol):
@@ -65,4 +65,4 @@ class Pipeline(Protocol):
 
     def loaded(self) -> dict[str, bool]: ...
 
-    def describe(self) -> dict: ...
+    def describe(self) -> dict[str, Any]: ...

@@ -12,6 +12,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse
@@ -91,7 +92,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     out_dir = runtime.s.output_dir
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> dict[str, Any]:
         return runtime.health()
 
     @app.get("/ready")
@@ -105,7 +106,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         )
 
     @app.get("/config")
-    async def config() -> dict:
+    async def config() -> dict[str, Any]:
         d = runtime.pipeline.describe()
         return {
             "backbone_models": d["backbone_models"],
@@ -183,7 +184,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         return runtime.task(task_id)
 
     @app.delete("/files/{task_id}")
-    async def remove_files(task_id: str) -> dict:
+    async def remove_files(task_id: str) -> dict[str, Any]:
         """The dispatcher has copied this task's files: the worker deletes its own copies."""
         if not TASK_ID.match(task_id):
             raise NotFoundError(f"Task {task_id[:64]!r} is not known to this worker.")

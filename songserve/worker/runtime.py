@@ -29,6 +29,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -384,7 +385,7 @@ class WorkerRuntime:
         return sweep_outputs(self.s.output_dir, self.s.output_ttl_sec)
 
     # -- reporting ------------------------------------------------------------------------------
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         batch = list(self._batch)
         running = [c for c in batch if not c.cancelled()]
         ctx = running[0] if running else self._current
@@ -427,7 +428,7 @@ class WorkerRuntime:
         return out
 
 
-def _take_view(ctx: TaskContext) -> dict:
+def _take_view(ctx: TaskContext) -> dict[str, Any]:
     p = ctx.snapshot()
     return {
         "task_id": ctx.task_id,
@@ -476,7 +477,7 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def disk_report(out_dir: Path, min_free_mb: float) -> dict:
+def disk_report(out_dir: Path, min_free_mb: float) -> dict[str, Any]:
     """``/health``'s view of the output disk: free MB, whether it is below ``MIN_FREE_DISK_MB``, file count."""
     try:
         free_mb: float | None = round(shutil.disk_usage(_existing(out_dir)).free / 2**20, 1)
