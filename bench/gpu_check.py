@@ -18,7 +18,7 @@ from bench.common import args, report
 T_TEXT = 128256
 
 
-def release_gpt(vocab: int, context: int, device: torch.device, kind: str):  # noqa: ANN201
+def release_gpt(vocab: int, context: int, device: torch.device, kind: str):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,7 +72,7 @@ def release_gpt(vocab: int, context: int, device: torch.device, kind: str):  # n
     return AcousticGPT(arch, model)
 
 
-def tokens_per_s(bb, batch: int, tokens: int) -> float:  # noqa: ANN001
+def tokens_per_s(bb, batch: int, tokens: int) -> float:
     from songserve.pipeline.backbone import LengthPlan, Take
     from songserve.pipeline.context import TaskContext
 

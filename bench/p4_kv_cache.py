@@ -12,7 +12,7 @@ import torch
 from bench.common import args, median, report
 
 
-def per_token_ms(gpt, position: int, steps: int) -> float:  # noqa: ANN001
+def per_token_ms(gpt, position: int, steps: int) -> float:
     from songserve.pipeline.gpt import causal_mask
 
     dev = gpt.device

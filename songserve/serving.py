@@ -47,7 +47,7 @@ class GracefulServer(uvicorn.Server):
     async def _run_drain(self) -> None:
         try:
             await self._drain()
-        except Exception:  # noqa: BLE001 (shutting down regardless)
+        except Exception:
             log.exception("drain failed")
         finally:
             self.should_exit = True

@@ -88,7 +88,7 @@ def start_worker(tmp: Path, *extra: str, env: dict | None = None, name: str = "w
     return ServerProcess(args, port, tmp / f"{name}.log", env)
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):  # noqa: ANN001, ANN201
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

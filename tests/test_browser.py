@@ -57,12 +57,14 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     assert card.locator(".job-status").inner_text().startswith("completed")
     assert card.locator("progress").get_attribute("value") == "100"
     href = card.locator(".dl-wav").get_attribute("href")
-    assert href and href.endswith("/track/0/wav")
+    assert href
+    assert href.endswith("/track/0/wav")
     played = page.evaluate(
         """async () => { const a = document.querySelector('.job audio'); await a.play();
              await new Promise(r => setTimeout(r, 700)); return [a.currentTime, a.duration]; }"""
     )
-    assert played[0] > 0.1 and abs(played[1] - 2.97) < 0.2
+    assert played[0] > 0.1
+    assert abs(played[1] - 2.97) < 0.2
 
     # A second, long job: cancel it from its card.
     page.fill("#duration", "50")  # read as 10 minutes, as the reference reads it, and said so on the card

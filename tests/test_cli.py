@@ -43,7 +43,8 @@ def test_generate_downloads_every_track(cluster, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert len(files) == 4 and sum(f.endswith(".mp3") for f in files) == 2
+    assert len(files) == 4
+    assert sum(f.endswith(".mp3") for f in files) == 2
     assert "track 1: [########################] 100% Done" in out.stdout
     assert out.stdout.strip().endswith("completed")
 
@@ -53,11 +54,14 @@ def test_server_error_sentence_and_nonzero_exit(cluster, tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip() == "error: Field 'duration': must be between 0.05 and 10.0 minutes."
     out = cli("--server", "http://127.0.0.1:9", "status")
-    assert out.returncode == 1 and "cannot reach" in out.stderr
+    assert out.returncode == 1
+    assert "cannot reach" in out.stderr
 
 
 def test_status_prints_the_worker_table(cluster):
     out = cli("--server", cluster.url, "status")
     assert out.returncode == 0
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("1/1 workers idle") and "idle" in lines[2] and cluster.workers[0].url in lines[2]
+    assert lines[0].startswith("1/1 workers idle")
+    assert "idle" in lines[2]
+    assert cluster.workers[0].url in lines[2]

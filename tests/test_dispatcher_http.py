@@ -71,17 +71,23 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
     r = httpx.post(two.url + "/generate", json=KHALA_BODY)
     assert r.status_code == 200
     acc = r.json()
-    assert acc["num_tracks"] == 2 and acc["status"] == "accepted" and acc["queue_position"] == 0
+    assert acc["num_tracks"] == 2
+    assert acc["status"] == "accepted"
+    assert acc["queue_position"] == 0
     job_id = acc["job_id"]
     first = two.job(job_id)
-    assert JOB_FIELDS <= set(first) and len(first["tracks"]) == 2
+    assert JOB_FIELDS <= set(first)
+    assert len(first["tracks"]) == 2
     assert all(TRACK_FIELDS <= set(t) for t in first["tracks"])
     wait_for(lambda: len(running(two.job(job_id))) == 2, timeout=10)  # both at once
     job = two.wait_job(job_id)
-    assert job["status"] == "completed" and job["cleaned_lyrics"] == "[verse]\n月光洒在窗前.\nhello world"
+    assert job["status"] == "completed"
+    assert job["cleaned_lyrics"] == "[verse]\n月光洒在窗前.\nhello world"
     assert {t["worker_id"] for t in job["tracks"]} == {0, 1}
     for t in job["tracks"]:
-        assert t["status"] == "done" and t["progress"] == 100 and t["phase_display"] == "Done"
+        assert t["status"] == "done"
+        assert t["progress"] == 100
+        assert t["phase_display"] == "Done"
         assert t["files"] == {
             "mp3": f"/job/{job_id}/track/{t['index']}/mp3",
             "wav": f"/job/{job_id}/track/{t['index']}/wav",
@@ -91,27 +97,33 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
         for kind in ("wav", "mp3"):
             ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}")
             theirs = httpx.get(f"{worker.url}/download/{result[kind + '_filename']}")
-            assert ours.status_code == 200 and ours.content == theirs.content
+            assert ours.status_code == 200
+            assert ours.content == theirs.content
             assert ours.headers["content-length"] == str(len(ours.content))
     wav = httpx.get(f"{two.url}/job/{job_id}/track/1/wav")
-    assert wav.headers["content-type"] == "audio/wav" and "attachment" in wav.headers["content-disposition"]
+    assert wav.headers["content-type"] == "audio/wav"
+    assert "attachment" in wav.headers["content-disposition"]
     mp3 = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3")
-    assert mp3.headers["content-type"] == "audio/mpeg" and "inline" in mp3.headers["content-disposition"]
+    assert mp3.headers["content-type"] == "audio/mpeg"
+    assert "inline" in mp3.headers["content-disposition"]
     assert sf.info(io.BytesIO(mp3.content)).channels == 2
     part = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3", headers={"Range": "bytes=100-1099"})
-    assert part.status_code == 206 and part.content == mp3.content[100:1100]
+    assert part.status_code == 206
+    assert part.content == mp3.content[100:1100]
     assert part.headers["content-range"] == f"bytes 100-1099/{len(mp3.content)}"
 
 
 def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
     a = one.submit(num_tracks=2)
     b = one.submit(num_tracks=1)
-    assert b["status"] == "queued" and b["queue_position"] >= 1
+    assert b["status"] == "queued"
+    assert b["queue_position"] >= 1
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
         if jb["status"] == "queued":
-            assert jb["queue_position"] >= 1 and jb["tracks"][0]["phase_display"].startswith("Queued · Position #")
+            assert jb["queue_position"] >= 1
+            assert jb["tracks"][0]["phase_display"].startswith("Queued · Position #")
         if ja["status"] == "completed" and jb["status"] == "completed":
             break
         time.sleep(0.1)
@@ -123,7 +135,8 @@ def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
     # With finished tracks on record, a new job gets an estimate from their measured speed.
     c = one.submit(num_tracks=1)
     eta = one.job(c["job_id"])["eta_sec"]
-    assert isinstance(eta, float) and eta > 0
+    assert isinstance(eta, float)
+    assert eta > 0
     one.wait_job(c["job_id"])
     ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
     assert ja["status"] == jb["status"] == "completed"
@@ -136,7 +149,8 @@ def test_fairness_later_single_track_job_is_not_starved(one):
     jb = one.wait_job(b["job_id"], timeout=60)
     ja = one.job(a["job_id"])
     done_a = sum(t["status"] == "done" for t in ja["tracks"])
-    assert jb["status"] == "completed" and done_a <= 2  # b ran before a's last tracks
+    assert jb["status"] == "completed"
+    assert done_a <= 2
     one.wait_job(a["job_id"], timeout=60)
 
 
@@ -145,7 +159,8 @@ def test_cancel_queued_and_running(one):
     b = one.submit(num_tracks=2)
     wait_for(lambda: running(one.job(a["job_id"])), timeout=10)
     cb = httpx.delete(f"{one.url}/job/{b['job_id']}").json()
-    assert cb["status"] == "cancelled" and all(t["status"] == "cancelled" for t in cb["tracks"])
+    assert cb["status"] == "cancelled"
+    assert all(t["status"] == "cancelled" for t in cb["tracks"])
     t0 = time.monotonic()
     httpx.delete(f"{one.url}/job/{a['job_id']}")
     assert one.job(a["job_id"])["status"] == "cancelled"
@@ -182,8 +197,10 @@ def test_queue_full_429_and_validation_422(tmp_path):
         wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
         c.submit(num_tracks=3)
         r = httpx.post(c.url + "/generate", json={"lyrics": "x", "num_tracks": 1})
-        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-        assert r.json()["status"] == "error" and "queue is full" in r.json()["error"]
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["status"] == "error"
+        assert "queue is full" in r.json()["error"]
         for body, field in [
             ({"lyrics": "x", "duration": "long"}, "duration"),  # out of range is clamped; not a number is 422
             ({"lyrics": "x", "top_k_bb": 80.5}, "top_k_bb"),
@@ -195,7 +212,9 @@ def test_queue_full_429_and_validation_422(tmp_path):
             r = httpx.post(c.url + "/generate", json=body)
             assert r.status_code == 422, body
             e = r.json()
-            assert e["status"] == "error" and field in e["error"] and e["detail"][0]["loc"][-1] == field
+            assert e["status"] == "error"
+            assert field in e["error"]
+            assert e["detail"][0]["loc"][-1] == field
         assert httpx.get(c.url + "/job/nope").json() == {"status": "error", "error": "Job nope not found."}
         assert httpx.get(c.url + "/job/abcdef0123456789/track/0/mp3").status_code == 404
 
@@ -203,9 +222,11 @@ def test_queue_full_429_and_validation_422(tmp_path):
 def test_track_file_errors_and_idempotency(one):
     a = one.submit(num_tracks=1)
     r = httpx.get(f"{one.url}/job/{a['job_id']}/track/5/mp3")
-    assert r.status_code == 400 and r.json()["status"] == "error"
+    assert r.status_code == 400
+    assert r.json()["status"] == "error"
     r = httpx.get(f"{one.url}/job/{a['job_id']}/track/0/mp3")
-    assert r.status_code == 404 and "not done" in r.json()["error"]
+    assert r.status_code == 404
+    assert "not done" in r.json()["error"]
     h = {"Idempotency-Key": "k-1"}
     x = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
     y = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
@@ -222,13 +243,15 @@ def test_events_stream_ends_at_a_terminal_state(one):
                 import json
 
                 statuses.append(json.loads(line[6:])["status"])
-    assert statuses[-1] == "completed" and len(statuses) >= 2
+    assert statuses[-1] == "completed"
+    assert len(statuses) >= 2
 
 
 def test_status_tags_metrics_config_docs(one):
     st = httpx.get(one.url + "/status").json()
     assert {"total_gpus", "idle_gpus", "active_jobs", "queued_jobs", "workers"} <= set(st)
-    assert st["workers"][0]["status"] == "idle" and {"worker_id", "url", "phase", "gpu_id"} <= set(st["workers"][0])
+    assert st["workers"][0]["status"] == "idle"
+    assert {"worker_id", "url", "phase", "gpu_id"} <= set(st["workers"][0])
     tags = httpx.get(one.url + "/tags").json()
     assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
     assert all(v["label"] and v["tags"] for v in tags.values())
@@ -254,7 +277,9 @@ def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
         assert [t["seed"] for t in job["tracks"]] == [42, 43]
         wav = httpx.get(f"{c.url}/job/{a['job_id']}/track/1/wav").content
         data, sr = sf.read(io.BytesIO(wav))
-        assert sr == 44100 and data.shape[1] == 2 and abs(data.shape[0] / sr - 3.0) < 0.1
+        assert sr == 44100
+        assert data.shape[1] == 2
+        assert abs(data.shape[0] / sr - 3.0) < 0.1
         assert job["tracks"][0]["metadata"]["timings"]["backbone_sec"] > 0
         c.api.stop()
     finally:

@@ -98,7 +98,7 @@ def test_track_transitions():
 # ---- scheduler order ------------------------------------------------------------------------------
 
 
-def E_(job, idx, prio=0, seq=None):  # noqa: N802
+def E_(job, idx, prio=0, seq=None):
     return queue_order.QueueEntry(job, idx, prio, seq if seq is not None else ord(job[0]))
 
 
@@ -149,7 +149,8 @@ def test_validation_names_the_field(service):
         ]:
             with pytest.raises(FieldError) as err:
                 svc.submit(GenerateRequest(**body))
-            assert err.value.detail[0]["loc"] == ["body", field] and field in str(err.value)
+            assert err.value.detail[0]["loc"] == ["body", field]
+            assert field in str(err.value)
         # instrumental needs no lyrics
         assert svc.submit(GenerateRequest(mode="instrumental", duration=1.0)).num_tracks == 2
 
@@ -183,8 +184,10 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
             p.write_bytes(b"\0" * size)
         removed = svc.retention.sweep()
         assert removed == 2  # the expired one, then the oldest fresh one until under 1 MB
-        assert svc.store.load_job(ids[0]) is None and svc.store.load_job(ids[1]) is None
-        assert svc.store.load_job(ids[2]) is not None and svc.store.load_job(ids[3]) is not None  # active: kept
+        assert svc.store.load_job(ids[0]) is None
+        assert svc.store.load_job(ids[1]) is None
+        assert svc.store.load_job(ids[2]) is not None
+        assert svc.store.load_job(ids[3]) is not None
         assert not (tmp_path / "results" / ids[0]).exists()
 
     asyncio.run(go())

@@ -52,7 +52,8 @@ def test_graphs_capture_and_draw_the_eager_tokens_in_fp32(tiny_dir, cuda):
     step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
     bb.compiled = step
     got = _run(bb, [1, 2])
-    assert step.failed is None and step.graphs, step.describe()
+    assert step.failed is None, step.describe()
+    assert step.graphs, step.describe()
     same = [(a.codes == b.codes).float().mean().item() for a, b in zip(eager, got, strict=True)]
     assert min(same) > 0.9, same  # same distribution; TF32/kernel choice may flip a late draw
 
@@ -85,8 +86,11 @@ def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_pa
     pipe = ModelPipeline(s, resolve(s), cuda)
     pipe.load()
     p = next(next(iter(pipe.superres.values())).gpt.model.parameters())
-    assert p.device.type == "cpu" and p.is_pinned() and pipe.loaded()["parked"] == ["decoder", "superres"]
+    assert p.device.type == "cpu"
+    assert p.is_pinned()
+    assert pipe.loaded()["parked"] == ["decoder", "superres"]
     before = torch.cuda.memory_allocated()
     r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=3 / 60, seed=1, task_id="park"), TaskContext("park"))
-    assert r.duration_sec > 0 and pipe.loaded()["parked"] == ["decoder", "superres"]
+    assert r.duration_sec > 0
+    assert pipe.loaded()["parked"] == ["decoder", "superres"]
     assert torch.cuda.memory_allocated() <= before + 64 * 2**20

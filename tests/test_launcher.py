@@ -76,7 +76,8 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         started = pids(tmp_path / "logs")
         assert len(started) == 3
         st = httpx.get(api + "/status").json()
-        assert st["total_gpus"] == 2 and [w["url"].rsplit(":", 1)[1] for w in st["workers"]] == [
+        assert st["total_gpus"] == 2
+        assert [w["url"].rsplit(":", 1)[1] for w in st["workers"]] == [
             env["WORKER_BASE_PORT"],
             str(int(env["WORKER_BASE_PORT"]) + 1),
         ]
@@ -92,7 +93,8 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         assert job["status"] == "completed"
         for i in range(2):
             mp3 = httpx.get(f"{api}/job/{job_id}/track/{i}/mp3")
-            assert mp3.status_code == 200 and mp3.headers["content-type"] == "audio/mpeg"
+            assert mp3.status_code == 200
+            assert mp3.headers["content-type"] == "audio/mpeg"
             (tmp_path / f"t{i}.mp3").write_bytes(mp3.content)
             assert sf.info(tmp_path / f"t{i}.mp3").duration > 2.5
         for name in ("api.log", "worker_0.log", "worker_1.log"):
@@ -120,7 +122,8 @@ def test_wrong_checkpoint_path_fails_fast_with_the_path(tmp_path):
         ["bash", "run_backend.sh", "--no-follow"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
     )
     assert out.returncode != 0
-    assert str(tmp_path / "no-such-set") in out.stderr and "worker_0.log" in out.stderr
+    assert str(tmp_path / "no-such-set") in out.stderr
+    assert "worker_0.log" in out.stderr
     assert time.monotonic() - t0 < 60
     assert not any(alive(p) for p in pids(tmp_path / "logs"))
 
@@ -144,7 +147,9 @@ def test_bad_arguments_are_refused_with_one_line(tmp_path, args, message):
         text=True,
         timeout=30,
     )
-    assert out.returncode == 1 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_stop_handles_stale_pid_files(tmp_path):
@@ -155,5 +160,6 @@ def test_stop_handles_stale_pid_files(tmp_path):
     out = subprocess.run(
         ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
     )
-    assert out.returncode == 0 and "stale pid file" in out.stdout
+    assert out.returncode == 0
+    assert "stale pid file" in out.stdout
     assert not list((tmp_path / "logs").glob("*.pid"))

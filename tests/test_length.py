@@ -20,7 +20,8 @@ FPS = 44100 / 2048
 
 def test_plan_for_a_real_set_is_the_reference_budget_capped_by_the_context():
     plan = plan_length(100, 2.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)
-    assert plan.budget_frames == 23552 // 2 and plan.min_frames == 1
+    assert plan.budget_frames == 23552 // 2
+    assert plan.min_frames == 1
     assert plan.estimate_tokens == round(TOKENS_PER_MINUTE * 2.8)
     capped = plan_length(5000, 2.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)
     assert capped.budget_frames == (25600 - 5000) // 2  # the context is the cap
@@ -80,7 +81,8 @@ def test_without_end_of_audio_the_token_budget_holds(pipeline, monkeypatch):
     _eod_logit(pipeline, monkeypatch, -1e4)
     r, ctx = _song(pipeline, duration=0.05)  # 64 frames asked; the budget (300 tokens) is what holds
     assert r.metadata["stopped_by"] == "budget"
-    assert r.metadata["tokens"]["backbone_new"] == 300 and r.metadata["tokens"]["frames"] == 150
+    assert r.metadata["tokens"]["backbone_new"] == 300
+    assert r.metadata["tokens"]["frames"] == 150
     assert math.isclose(r.duration_sec, 150 * 2048 / 44100, rel_tol=1e-6)
 
 
@@ -109,13 +111,16 @@ def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(ti
     try:
         w.wait_healthy()
         cfg = httpx.get(w.url + "/config", timeout=10).json()
-        assert cfg["max_sequence_length"] == 27648 and cfg["max_new_tokens"] == 23552
-        assert cfg["max_prompt_length"] > 0 and cfg["tokens_per_minute"] == 2584
+        assert cfg["max_sequence_length"] == 27648
+        assert cfg["max_new_tokens"] == 23552
+        assert cfg["max_prompt_length"] > 0
+        assert cfg["tokens_per_minute"] == 2584
         r = httpx.post(w.url + "/generate", json={"lyrics": "la", "tags": "pop", "duration": 15}, timeout=60)
         assert r.status_code == 400
         assert "context of 27648 tokens (max_sequence_length)" in r.json()["error"]
         h = httpx.get(w.url + "/health", timeout=10).json()
-        assert h["status"] == "idle" and h["tasks_done"] == 0
+        assert h["status"] == "idle"
+        assert h["tasks_done"] == 0
     finally:
         w.stop()
 

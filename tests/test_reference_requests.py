@@ -79,7 +79,8 @@ def test_reference_bodies_are_accepted_and_changes_reported(body, used, adjusted
     assert n.adjusted == adjusted
     for name, value in used.items():
         assert getattr(n.request, name) == value, name
-    assert type(n.request.top_k_bb) is int and type(n.request.duration) is float
+    assert type(n.request.top_k_bb) is int
+    assert type(n.request.duration) is float
     if n.request.mode == "instrumental":
         assert n.cleaned_lyrics == ""
     json.dumps(n.adjusted)  # goes into the HTTP answer as it is
@@ -113,13 +114,15 @@ def test_strict_mode_refuses_what_the_reference_would_change(body, field):
     normalize(req, LIMITS)  # accepted when not strict
     with pytest.raises(FieldError) as err:
         normalize(req, LIMITS, strict=True)
-    assert err.value.http_status == 422 and err.value.detail[0]["loc"] == ["body", field]
+    assert err.value.http_status == 422
+    assert err.value.detail[0]["loc"] == ["body", field]
     assert f"'{field}'" in str(err.value)
 
 
 def test_strict_mode_still_coerces_types():
     n = normalize(GenerateRequest.model_validate({"duration": "2", "lyrics": "x"}), LIMITS, strict=True)
-    assert n.request.duration == 2.0 and n.adjusted == {"duration": {"from": "2", "to": 2.0}}
+    assert n.request.duration == 2.0
+    assert n.adjusted == {"duration": {"from": "2", "to": 2.0}}
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -172,10 +175,12 @@ def test_builtin_catalogue_has_the_reference_groups_and_frontend_defaults():
         "Rhythm/Production/Other",
     ]
     every = [t for c in cat.values() for t in c["tags"]]
-    assert len(every) == len(set(every)) and len(every) >= 190
+    assert len(every) == len(set(every))
+    assert len(every) >= 190
     assert all(t[0].isupper() or t[0].isdigit() for t in every)  # TitleCase, as the reference's vocabulary
     assert set(tag_catalogue.REFERENCE_DEFAULTS) <= set(every)
-    assert "Mandopop" in cat["genre_style"]["tags"] and "Female Vocals" in cat["vocal_instrument"]["tags"]
+    assert "Mandopop" in cat["genre_style"]["tags"]
+    assert "Female Vocals" in cat["vocal_instrument"]["tags"]
 
 
 def test_a_reference_style_file_maps_onto_our_shape(tmp_path):
@@ -210,7 +215,9 @@ def test_a_bad_catalogue_file_is_refused_naming_the_path(tmp_path, text, reason)
     with pytest.raises(ConfigError) as err:
         tag_catalogue.load_catalogue(path)
     message = str(err.value)
-    assert str(path) in message and reason in message and "\n" not in message
+    assert str(path) in message
+    assert reason in message
+    assert "\n" not in message
 
 
 # ---- through real processes ---------------------------------------------------------------------
@@ -229,17 +236,21 @@ def test_reference_bodies_through_a_real_dispatcher(tmp_path):
             "mode": {"from": "song", "to": "vocal"},
         }
         job = c.wait_job(a["job_id"])
-        assert job["status"] == "completed" and job["cleaned_lyrics"] == ""  # vocal with no lyrics generated
+        assert job["status"] == "completed"
+        assert job["cleaned_lyrics"] == ""
         assert abs(job["tracks"][0]["duration_sec"] - 6.0) < 0.1  # 0.1 minute, the clamped duration
         wait_for(lambda: "read as the reference reads it" in c.api.log_tail(20000), timeout=10)
 
         plain = httpx.post(c.url + "/generate", json={**KHALA_FRONTEND, "duration": 0.05, "num_tracks": 1}).json()
-        assert plain["adjusted"] == {} and c.wait_job(plain["job_id"])["status"] == "completed"
+        assert plain["adjusted"] == {}
+        assert c.wait_job(plain["job_id"])["status"] == "completed"
 
         r = httpx.post(c.url + "/generate", content=b"{not json", headers={"Content-Type": "application/json"})
-        assert r.status_code == 422 and r.json()["status"] == "error"
+        assert r.status_code == 422
+        assert r.json()["status"] == "error"
         r = httpx.post(c.url + "/generate", json={"duration": "long"})
-        assert r.status_code == 422 and "duration" in r.json()["error"]
+        assert r.status_code == 422
+        assert "duration" in r.json()["error"]
 
         tags = httpx.get(c.url + "/tags").json()
         assert set(tag_catalogue.REFERENCE_DEFAULTS) <= {t for g in tags.values() for t in g["tags"]}
@@ -248,12 +259,14 @@ def test_reference_bodies_through_a_real_dispatcher(tmp_path):
         w = c.workers[0].url
         for sent, used in ((0, 1283), (5, 5)):
             r = httpx.post(w + "/generate", json={"duration": 0.02, "lyrics": "x", "seed_override": sent}, timeout=30)
-            assert r.status_code == 200 and r.json()["seed"] == used, r.text
+            assert r.status_code == 200, r.text
+            assert r.json()["seed"] == used, r.text
 
         c.api.stop()
         c.start_api("--strict-requests", "true")
         r = httpx.post(c.url + "/generate", json={**body, "lyrics": "x"})
-        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "duration"
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"][-1] == "duration"
 
 
 def test_tags_file_replaces_the_catalogue_and_a_bad_one_refuses_start(tmp_path):
@@ -265,7 +278,9 @@ def test_tags_file_replaces_the_catalogue_and_a_bad_one_refuses_start(tmp_path):
     assert p.proc.wait(60) == 2
     lines = p.log_tail().strip().splitlines()
     p.stop()
-    assert len(lines) == 1 and str(bad) in lines[0] and "'tags'" in lines[0]
+    assert len(lines) == 1
+    assert str(bad) in lines[0]
+    assert "'tags'" in lines[0]
 
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"genre_style": ["Mandopop"], "vocal_instrument": {"label": "Voice", "tags": ["Alto"]}}))
@@ -324,7 +339,8 @@ def test_launcher_starts_workers_without_a_token_for_a_foreign_dispatcher(tmp_pa
             "raw_prompt_mode": "tags",
         }
         r = httpx.post(url + "/generate", json=reference_payload, timeout=60)
-        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "ok", r.text
         assert httpx.get(f"{url}/download/{r.json()['mp3_filename']}").status_code == 200
     finally:
         subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=120)

@@ -113,7 +113,7 @@ def test_release_yaml_with_interpolation_gives_the_codec_shape(release):
 
 
 @pytest.mark.parametrize(
-    "edit, message",
+    ("edit", "message"),
     [
         (("  rates: [8, 8, 8, 4]\n", ""), "missing the key 'decoder.rates'"),
         (("${encoder.d_latent}", "${encoder.d_latnt}"), r"key 'quantizer.dim' refers to \$\{encoder.d_latnt\}"),
@@ -129,7 +129,8 @@ def test_bad_release_yaml_refuses_naming_file_and_key(tmp_path, edit, message):
     (tmp_path / "d.yaml").write_text(text.replace(edit[0], edit[1]))
     with pytest.raises(ConfigError, match=message) as err:
         read_codec_config(tmp_path / "d.yaml")
-    assert str(tmp_path / "d.yaml") in str(err.value) and "\n" not in str(err.value)
+    assert str(tmp_path / "d.yaml") in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_interpolation_inside_a_string_and_of_a_list(tmp_path):
@@ -228,7 +229,8 @@ def test_lightning_file_needing_unpickling_refuses_unless_trusted(tmp_path, rele
     torch.save(blob, tmp_path / "pickled.ckpt")
     with pytest.raises(ConfigError, match=f"set {TRUST_SETTING}=1 to unpickle it fully") as err:
         load_codec(release[0], tmp_path / "pickled.ckpt", CPU)
-    assert "TrainerOnlyState" in str(err.value) and "\n" not in str(err.value)
+    assert "TrainerOnlyState" in str(err.value)
+    assert "\n" not in str(err.value)
     codec = load_codec(release[0], tmp_path / "pickled.ckpt", CPU, trust_pickle=True)
     assert codec.cfg.n_codebooks == 64
 
@@ -261,7 +263,8 @@ def test_loading_builds_no_weights_on_a_real_device(release, monkeypatch):
 
     monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy)
     load_codec(*release, CPU)
-    assert seen and set(seen) == {"meta"}
+    assert seen
+    assert set(seen) == {"meta"}
 
 
 def test_full_size_decoder_matches_a_plain_weight_norm_implementation(tmp_path):
@@ -302,7 +305,8 @@ def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_di
     )
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("worker: Decoder checkpoint") and f"set {TRUST_SETTING}=1" in last
+    assert last.startswith("worker: Decoder checkpoint")
+    assert f"set {TRUST_SETTING}=1" in last
 
     w = start_worker(tmp_path, *flags, env={TRUST_SETTING: "1"}, name="trusting")
     try:
@@ -310,7 +314,8 @@ def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_di
         body = {"lyrics": "[verse]\nhello", "tags": "pop", "duration": 2 / 60, "seed_override": 3}
         r = httpx.post(w.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.json()["status"] == "ok" and r.json()["duration_sec"] > 0
+        assert r.json()["status"] == "ok"
+        assert r.json()["duration_sec"] > 0
         assert "full unpickling" in w.log_tail()
     finally:
         w.stop()

@@ -47,18 +47,24 @@ def test_release_set_has_the_release_layout_and_formats(release_dir):
 
     ck = release_dir / "checkpoints"
     assert (release_dir / "models" / "Tokenizer" / "tokenizer.json").is_file()
-    assert list((release_dir / "models" / "Decoder").glob("*.yaml")) and list(ck.glob("dac_rvq_*.ckpt"))
+    assert list((release_dir / "models" / "Decoder").glob("*.yaml"))
+    assert list(ck.glob("dac_rvq_*.ckpt"))
     for folder, vocab, padded in (("backbone", 130304, 130432), ("superresolution", 193792, 193920)):
         it = ck / folder / "iter_0000001"
         assert (ck / folder / "latest_checkpointed_iteration.txt").read_text() == "1"
         assert not (ck / folder / "model_config.json").exists()
         keys = FileSystemReader(str(it)).read_metadata().state_dict_metadata
         assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in keys  # TE names
-        assert "decoder.layers.0.mlp.linear_fc1.weight_w" in keys and "decoder.layers.0.mlp.linear_fc1.bias_v" in keys
+        assert "decoder.layers.0.mlp.linear_fc1.weight_w" in keys
+        assert "decoder.layers.0.mlp.linear_fc1.bias_v" in keys
         assert tuple(keys["embedding.word_embeddings.weight"].size)[0] == padded
         args = read_saved_args(it)
-        assert args is not None and args["vocab_size"] == vocab and args["padded_vocab_size"] == padded
-        assert args["rotary_base"] == 500000 and args["norm_epsilon"] == 1e-6 and args["swiglu"]
+        assert args is not None
+        assert args["vocab_size"] == vocab
+        assert args["padded_vocab_size"] == padded
+        assert args["rotary_base"] == 500000
+        assert args["norm_epsilon"] == 1e-6
+        assert args["swiglu"]
         assert type(args["attention_backend"]).__name__ == "AttnBackend"
 
 
@@ -68,11 +74,13 @@ def test_checkpoint_discovery_finds_the_release_paths(release_dir, tmp_path):
 
     for base in (release_dir, release_dir / "checkpoints"):
         c = resolve(WorkerSettings(checkpoints_dir=base))
-        assert c.layout == "release" and not c.tiny
+        assert c.layout == "release"
+        assert not c.tiny
         assert c.backbones == {"backbone": release_dir / "checkpoints" / "backbone"}
         assert c.superres == {"superresolution": release_dir / "checkpoints" / "superresolution"}
         assert c.tokenizer == release_dir / "models" / "Tokenizer"
-        assert c.decoder_config.suffix == ".yaml" and c.decoder_checkpoint.name.startswith("dac_rvq_")
+        assert c.decoder_config.suffix == ".yaml"
+        assert c.decoder_checkpoint.name.startswith("dac_rvq_")
         assert "backbone[backbone]" in c.summary()
     other = tmp_path / "other.yaml"
     other.write_text("x: 1\n")
@@ -81,7 +89,8 @@ def test_checkpoint_discovery_finds_the_release_paths(release_dir, tmp_path):
             checkpoints_dir=release_dir, decoder_config_path=other, backbone_models="bb=checkpoints/backbone"
         )
     )
-    assert c.decoder_config == other and c.backbones == {"bb": release_dir / "checkpoints" / "backbone"}
+    assert c.decoder_config == other
+    assert c.backbones == {"bb": release_dir / "checkpoints" / "backbone"}
     (tmp_path / "checkpoints" / "superresolution").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"Decoder/\*\.yaml .*DECODER_CONFIG_PATH"):
         resolve(WorkerSettings(checkpoints_dir=tmp_path))
@@ -104,13 +113,16 @@ def test_release_checkpoint_loads_its_saved_architecture(release_dir, megatron_c
         "RMSNorm",
         1e-6,
     )
-    assert a.num_query_groups == 2 and a.gated_linear_unit and not a.share_embeddings_and_output_weights
-    assert gpt.output_weight.shape[0] == 130432 and gpt.load_sec > 0
+    assert a.num_query_groups == 2
+    assert a.gated_linear_unit
+    assert not a.share_embeddings_and_output_weights
+    assert gpt.output_weight.shape[0] == 130432
+    assert gpt.load_sec > 0
     sr = load_model(release_dir / "checkpoints" / "superresolution", megatron_cpu, torch.float32, kind="superres")
     assert (sr.arch.text_vocab_size, sr.arch.vocab_size, sr.arch.rows) == (T, 193792, 193920)
 
 
-def _release_shaped_model(device, **changes):  # noqa: ANN001, ANN003, ANN202
+def _release_shaped_model(device, **changes):
     from songserve.pipeline.gpt import GPTArch, build_model
     from songserve.pipeline.tiny import release_arch
 
@@ -171,7 +183,7 @@ def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):
 # ---- every mapped field family reaches the built model ---------------------------------------------
 
 
-def _built_from_args(megatron_cpu, **args):  # noqa: ANN001, ANN003, ANN202
+def _built_from_args(megatron_cpu, **args):
     from songserve.pipeline.gpt import GPTArch, build_model
     from songserve.pipeline.megatron_args import arch_fields_from_args
 
@@ -190,7 +202,9 @@ def _built_from_args(megatron_cpu, **args):  # noqa: ANN001, ANN003, ANN202
 def test_norm_epsilon_and_rmsnorm_reach_the_model(megatron_cpu):
     _, m = _built_from_args(megatron_cpu, normalization="RMSNorm", norm_epsilon=1e-6)
     norm = m.decoder.layers[0].input_layernorm
-    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6 and m.decoder.final_layernorm.eps == 1e-6
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert norm.eps == 1e-6
+    assert m.decoder.final_layernorm.eps == 1e-6
 
 
 def test_rope_base_percent_and_interleave_reach_the_model(megatron_cpu):
@@ -200,13 +214,15 @@ def test_rope_base_percent_and_interleave_reach_the_model(megatron_cpu):
     rope = m.rotary_pos_emb
     dim = 8 // 2  # kv_channels 8, half rotated
     want = 1.0 / (500000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    assert torch.allclose(rope.inv_freq.cpu(), want) and rope.rotary_interleaved
+    assert torch.allclose(rope.inv_freq.cpu(), want)
+    assert rope.rotary_interleaved
 
 
 def test_gqa_and_kv_channels_reach_the_model(megatron_cpu):
     _, m = _built_from_args(megatron_cpu, group_query_attention=True, num_query_groups=2, kv_channels=16)
     att = m.decoder.layers[0].self_attention
-    assert att.num_query_groups_per_partition == 2 and att.key_hidden_size == 16
+    assert att.num_query_groups_per_partition == 2
+    assert att.key_hidden_size == 16
     assert att.linear_qkv.weight.shape == ((4 + 2 * 2) * 16, 32)
     _, m = _built_from_args(megatron_cpu, num_query_groups=1)  # without --group-query-attention it is ignored
     assert m.decoder.layers[0].self_attention.num_query_groups_per_partition == 4
@@ -215,24 +231,30 @@ def test_gqa_and_kv_channels_reach_the_model(megatron_cpu):
 def test_biases_reach_the_model(megatron_cpu):
     _, m = _built_from_args(megatron_cpu)  # Megatron-LM's default: biases on the dense layers
     layer = m.decoder.layers[0]
-    assert layer.self_attention.linear_qkv.bias is not None and layer.mlp.linear_fc2.bias is not None
+    assert layer.self_attention.linear_qkv.bias is not None
+    assert layer.mlp.linear_fc2.bias is not None
     _, m = _built_from_args(megatron_cpu, add_bias_linear=False, add_qkv_bias=True)
     layer = m.decoder.layers[0]
-    assert layer.self_attention.linear_qkv.bias is not None and layer.self_attention.linear_proj.bias is None
+    assert layer.self_attention.linear_qkv.bias is not None
+    assert layer.self_attention.linear_proj.bias is None
     assert layer.mlp.linear_fc1.bias is None
 
 
 def test_swiglu_reaches_the_model(megatron_cpu):
     arch, m = _built_from_args(megatron_cpu, swiglu=True)
     mlp = m.decoder.layers[0].mlp
-    assert arch.activation_name == "silu" and mlp.config.gated_linear_unit
-    assert mlp.linear_fc1.weight.shape == (2 * 64, 32) and mlp.config.activation_func is torch.nn.functional.silu
+    assert arch.activation_name == "silu"
+    assert mlp.config.gated_linear_unit
+    assert mlp.linear_fc1.weight.shape == (2 * 64, 32)
+    assert mlp.config.activation_func is torch.nn.functional.silu
 
 
 def test_qk_layernorm_reaches_the_model(megatron_cpu):
     _, m = _built_from_args(megatron_cpu, qk_layernorm=True, normalization="RMSNorm", norm_epsilon=1e-6)
     att = m.decoder.layers[0].self_attention
-    assert att.q_layernorm is not None and att.q_layernorm.eps == 1e-6 and att.k_layernorm.weight.shape == (8,)
+    assert att.q_layernorm is not None
+    assert att.q_layernorm.eps == 1e-6
+    assert att.k_layernorm.weight.shape == (8,)
 
 
 def test_layernorm_1p_reaches_the_model(megatron_cpu):
@@ -240,7 +262,8 @@ def test_layernorm_1p_reaches_the_model(megatron_cpu):
 
     _, m = _built_from_args(megatron_cpu, apply_layernorm_1p=True, norm_epsilon=1e-6)
     norm = m.decoder.layers[0].input_layernorm
-    assert isinstance(norm, ZeroCenteredNorm) and isinstance(m.decoder.final_layernorm, ZeroCenteredNorm)
+    assert isinstance(norm, ZeroCenteredNorm)
+    assert isinstance(m.decoder.final_layernorm, ZeroCenteredNorm)
     x = torch.randn(3, 32)
     torch.nn.init.zeros_(norm.weight)  # stored gamma − 1 = 0 → plain layer norm
     assert torch.allclose(norm(x), torch.nn.functional.layer_norm(x, (32,), eps=1e-6), atol=1e-6)
@@ -248,7 +271,8 @@ def test_layernorm_1p_reaches_the_model(megatron_cpu):
 
 def test_untied_output_reaches_the_model(megatron_cpu):
     _, m = _built_from_args(megatron_cpu, untie_embeddings_and_output_weights=True)
-    assert m.output_layer.weight is not None and not m.share_embeddings_and_output_weights
+    assert m.output_layer.weight is not None
+    assert not m.share_embeddings_and_output_weights
     _, m = _built_from_args(megatron_cpu)
     assert m.share_embeddings_and_output_weights
 
@@ -307,7 +331,8 @@ def test_flags_override_saved_args_and_speed_flags_are_accepted(release_dir, cap
     )
     with caplog.at_level("INFO"):
         arch, _ = resolve_arch(release_dir / "checkpoints" / "backbone", "backbone", flags)
-    assert arch.norm_epsilon == 1e-5 and arch.num_tokens_to_generate == 23552
+    assert arch.norm_epsilon == 1e-5
+    assert arch.num_tokens_to_generate == 23552
     assert arch.inference_max_seq_length == 25600
     assert "--enable-cuda-graph True accepted" in caplog.text
     with pytest.raises(ConfigError, match="tensor-model-parallel-size 2"):
@@ -329,7 +354,7 @@ def test_launcher_command_line_splits_into_worker_and_megatron_flags():
 # ---- the real worker on the release-shaped set ------------------------------------------------------
 
 
-def _five_seconds(worker) -> dict:  # noqa: ANN001
+def _five_seconds(worker) -> dict:
     body = {"lyrics": "[verse]\nhello world", "tags": "pop, piano", "duration": 5 / 60, "seed_override": 5}
     r = httpx.post(worker.url + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
@@ -337,7 +362,9 @@ def _five_seconds(worker) -> dict:  # noqa: ANN001
     assert out["status"] == "ok", out
     wav = httpx.get(f"{worker.url}/download/{out['wav_filename']}", timeout=30).content
     audio, sr = sf.read(io.BytesIO(wav))
-    assert sr == 44100 and audio.shape[1] == 2 and 0 < audio.shape[0] / sr <= 5.0 + 2048 / 44100
+    assert sr == 44100
+    assert audio.shape[1] == 2
+    assert 0 < audio.shape[0] / sr <= 5.0 + 2048 / 44100
     return out
 
 
@@ -346,14 +373,17 @@ def test_worker_serves_the_release_set_with_only_checkpoints_dir(release_dir, tm
     try:
         health = w.wait_healthy(timeout=300)
         assert set(health["load_sec"]) == {"backbone", "superres", "decoder"}
-        assert health["backbone_models"] == ["backbone"] and not health["superres_loaded"]
+        assert health["backbone_models"] == ["backbone"]
+        assert not health["superres_loaded"]
         cfg = httpx.get(w.url + "/config", timeout=10).json()
-        assert cfg["checkpoint_layout"] == "release" and cfg["superres_models"] == ["superresolution"]
+        assert cfg["checkpoint_layout"] == "release"
+        assert cfg["superres_models"] == ["superresolution"]
         assert cfg["checkpoints"]["tokenizer"].endswith("models/Tokenizer")
         assert cfg["architectures"]["backbone"]["text_vocab"] == T
         out = _five_seconds(w)
         meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30).json()
-        assert meta["load_sec"]["superres"] > 0 and meta["models"]["superres"] == "superresolution"
+        assert meta["load_sec"]["superres"] > 0
+        assert meta["models"]["superres"] == "superresolution"
         assert "checkpoint set (release layout)" in w.log_tail(200_000)
     finally:
         w.stop()
@@ -372,7 +402,8 @@ def test_worker_starts_with_the_reference_launchers_command_line(release_dir, tm
         w.wait_healthy(timeout=300)
         _five_seconds(w)
         log = w.log_tail(200_000)
-        assert "--flash-decode True accepted" in log and "unrecognized" not in log
+        assert "--flash-decode True accepted" in log
+        assert "unrecognized" not in log
     finally:
         w.stop()
 
@@ -386,7 +417,8 @@ def test_vocab_tokenizer_mismatch_refuses_at_start(release_dir, tmp_path, tiny_d
     log = w.log_tail(200_000)
     w.stop()
     assert code == 2, log
-    assert "text vocabulary 128256" in log and "tokenizer's" in log
+    assert "text vocabulary 128256" in log
+    assert "tokenizer's" in log
 
 
 def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
@@ -404,7 +436,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     refs: list[weakref.ref] = []
     load = pipe._gpt
 
-    def tracked(path, kind, name):  # noqa: ANN001, ANN202
+    def tracked(path, kind, name):
         gpt = load(path, kind, name)
         if kind == "superres":
             refs.append(weakref.ref(gpt.model))
@@ -412,7 +444,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
 
     alive_at_release: list[int] = []
 
-    def release(device):  # noqa: ANN001, ANN202
+    def release(device):
         gc.collect()
         alive_at_release.append(sum(r() is not None for r in refs))
 
@@ -420,5 +452,6 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     monkeypatch.setattr(pl, "release_memory", release)
     pipe.load()
     r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=1 / 60, seed=1, task_id="t"), TaskContext("t"))
-    assert len(refs) == 2 and alive_at_release == [0, 0]
+    assert len(refs) == 2
+    assert alive_at_release == [0, 0]
     assert set(r.metadata["load_sec"]) == {"backbone", "superres", "decoder"}

@@ -46,7 +46,8 @@ def test_folder_holds_the_released_files_small_and_deterministic(folder, tmp_pat
 
 
 def test_special_tokens_sit_at_their_llama31_ids_by_name(tok):
-    assert isinstance(tok, tk.HFTokenizer) and tok.vocab_size == 128256
+    assert isinstance(tok, tk.HFTokenizer)
+    assert tok.vocab_size == 128256
     ids = tk.special_token_ids(tok)
     for piece, want in LLAMA31.items():
         assert ids[piece] == want, piece

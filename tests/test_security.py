@@ -73,7 +73,8 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
         for headers in ({}, auth("wrong"), {"Authorization": KEY}):
             r = httpx.request(method, url + path, headers=headers)
             assert r.status_code == 401, (method, path)
-            assert r.json()["status"] == "error" and "Authorization" in r.json()["error"]
+            assert r.json()["status"] == "error"
+            assert "Authorization" in r.json()["error"]
     for path in ("/health", "/", "/tags", "/app.js"):
         assert httpx.get(url + path).status_code == 200, path
     assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] == "idle"  # token works
@@ -91,7 +92,8 @@ def test_workers_refuse_calls_without_the_token(secured):
         ("GET", "/ready"),
     ]:
         r = httpx.request(method, w + path, json={})
-        assert r.status_code == 401 and r.json()["status"] == "error", path
+        assert r.status_code == 401, path
+        assert r.json()["status"] == "error", path
     assert httpx.get(w + "/config", headers=auth(TOKEN)).status_code == 200
 
 
@@ -119,7 +121,8 @@ def test_body_size_limit(open_cluster):
         content=b'{"lyrics": "' + b"a" * 2_000_000 + b'"}',
         headers={"Content-Type": "application/json"},
     )
-    assert r.status_code == 413 and r.json()["status"] == "error"
+    assert r.status_code == 413
+    assert r.json()["status"] == "error"
 
     def chunks():
         yield b'{"lyrics": "'
@@ -166,13 +169,15 @@ def test_traversal_on_every_file_route(open_cluster):
     for path in attempts:
         r = httpx.get(url + path)
         assert r.status_code in (400, 404, 422), path
-        assert b"root:" not in r.content and b"SQLite" not in r.content
+        assert b"root:" not in r.content
+        assert b"SQLite" not in r.content
     # A symlink placed where a result should be is not followed.
     results = open_cluster.tmp / "state" / "results" / job_id
     (results / "track_0.wav").unlink()
     (results / "track_0.wav").symlink_to("/etc/passwd")
     r = httpx.get(f"{url}/job/{job_id}/track/0/wav")
-    assert r.status_code == 404 and b"root:" not in r.content
+    assert r.status_code == 404
+    assert b"root:" not in r.content
     w = open_cluster.workers[0].url
     for name in ("..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "x.wav%00", "%2e%2e", "...", "a%5Cb"):
         assert httpx.get(f"{w}/download/{name}").status_code == 404, name
@@ -195,7 +200,7 @@ def _fuzz(base_url: str, max_examples: int) -> list[str]:
             suppress_health_check=list(HealthCheck),
         )
         @given(case=op.as_strategy())
-        def run(case) -> None:  # noqa: ANN001
+        def run(case) -> None:
             r = case.call(base_url=base_url, timeout=20)
             where = f"{case.method} {case.formatted_path} → {r.status_code}"
             if r.status_code >= 500:

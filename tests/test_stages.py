@@ -79,7 +79,9 @@ def test_vocal_prompt_layout(tok):
 def test_instrumental_prompt_has_language_and_no_lyrics_block(tok):
     ids = build_prompt(tok, PromptRequest("jazz", "ignored", 1.0, instrumental=True), 4096)
     text = tok.decode(ids)
-    assert "Instrumental" in text and tk.BOL not in text and "ignored" not in text
+    assert "Instrumental" in text
+    assert tk.BOL not in text
+    assert "ignored" not in text
 
 
 @pytest.mark.parametrize("limit", [12, 20, 64])
@@ -89,7 +91,8 @@ def test_shortening_keeps_duration_and_closing_tokens(tok, limit):
     assert len(ids) == limit
     assert ids[0] == sid(tk.BOS)
     assert ids[-4:] == [sid(tk.EOM), sid(tk.duration_token(2)), sid(tk.EOT), sid(tk.BOA)]
-    assert sid(tk.BOL) in ids and sid(tk.EOL) in ids
+    assert sid(tk.BOL) in ids
+    assert sid(tk.EOL) in ids
 
 
 # ---- backbone -------------------------------------------------------------------------------------
@@ -113,9 +116,13 @@ def test_backbone_codes_are_in_the_codebook_window_and_seeded(backbone):
     a = _gen(backbone, 40, seed=1)
     b = _gen(backbone, 40, seed=1)
     c = _gen(backbone, 40, seed=2)
-    assert a.codes.shape == (2, 40) and a.stopped_by == "budget" and a.new_tokens == 80
-    assert int(a.codes.min()) >= 0 and int(a.codes.max()) < 1024
-    assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
+    assert a.codes.shape == (2, 40)
+    assert a.stopped_by == "budget"
+    assert a.new_tokens == 80
+    assert int(a.codes.min()) >= 0
+    assert int(a.codes.max()) < 1024
+    assert torch.equal(a.codes, b.codes)
+    assert not torch.equal(a.codes, c.codes)
 
 
 def test_kv_cached_steps_match_a_full_causal_forward(backbone):
@@ -146,7 +153,8 @@ def test_end_of_audio_is_accepted_only_after_the_minimum_share(backbone, monkeyp
     assert r.stopped_by == "end_of_audio"
     assert r.codes.shape[1] == math.ceil(0.5 * 40)
     r = _gen(backbone, 40, seed=3, min_share=1.0, top_k=1025)
-    assert r.stopped_by == "budget" and r.codes.shape[1] == 40
+    assert r.stopped_by == "budget"
+    assert r.codes.shape[1] == 40
 
 
 def test_backbone_stops_at_a_cancellation_check(backbone):
@@ -165,7 +173,8 @@ def test_superres_fills_levels_2_to_63_and_keeps_the_coarse_codes(superres, back
     codes = superres.generate(list(range(3, 15)), coarse, top_k=10, generator=torch.Generator().manual_seed(1), ctx=ctx)
     assert codes.shape == (64, 25)
     assert torch.equal(codes[:2], coarse)
-    assert int(codes.min()) >= 0 and int(codes.max()) < 1024
+    assert int(codes.min()) >= 0
+    assert int(codes.max()) < 1024
     assert ctx.snapshot().done == 62
 
 
@@ -195,7 +204,8 @@ def test_superres_windows_long_songs(superres, backbone):
     codes = small.generate(
         list(range(3, 15)), coarse, top_k=10, generator=torch.Generator().manual_seed(1), ctx=TaskContext("t")
     )
-    assert codes.shape == (64, 25) and torch.equal(codes[:2], coarse)
+    assert codes.shape == (64, 25)
+    assert torch.equal(codes[:2], coarse)
 
 
 # ---- decoder --------------------------------------------------------------------------------------
@@ -203,7 +213,9 @@ def test_superres_windows_long_songs(superres, backbone):
 
 def test_decoder_loads_tiny_set_and_has_the_configured_shape(tiny_dir):
     codec = load_codec(tiny_dir / "decoder" / "config.yaml", tiny_dir / "decoder" / "model.pth", torch.device("cpu"))
-    assert codec.cfg.hop == 2048 and codec.cfg.channels == 2 and codec.cfg.n_codebooks == 64
+    assert codec.cfg.hop == 2048
+    assert codec.cfg.channels == 2
+    assert codec.cfg.n_codebooks == 64
     wave = codec.decode(torch.randint(0, 1024, (1, 64, 7)), chunk_frames=0)
     assert wave.shape == (1, 2, 7 * 2048)
 
@@ -232,7 +244,8 @@ def test_weight_norm_old_and_new_names_fold_to_the_same_weights():
     }
     a, b = fold_weight_norm(old), fold_weight_norm(new)
     for k, v in codec.state_dict().items():
-        assert torch.allclose(a[k], v, atol=1e-6) and torch.allclose(b[k], v, atol=1e-6)
+        assert torch.allclose(a[k], v, atol=1e-6)
+        assert torch.allclose(b[k], v, atol=1e-6)
 
 
 def test_decoder_strict_keys_and_dac_format(tmp_path):
@@ -325,7 +338,8 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
     ).read_bytes()
     assert (out / "decoder" / "model.pth").read_bytes() == (tiny_dir / "decoder" / "model.pth").read_bytes()
     a = torch.load(out / "decoder" / "model.pth")["state_dict"]
-    assert all(k.startswith("generator.") for k in a) and any(k.endswith("weight_g") for k in a)
+    assert all(k.startswith("generator.") for k in a)
+    assert any(k.endswith("weight_g") for k in a)
     assert GPTArch.from_dir(out / "backbone") == GPTArch.from_dir(tiny_dir / "backbone")
 
 

@@ -69,7 +69,8 @@ def _one_line(out: subprocess.CompletedProcess) -> str:
     """The single line that is not a start-up INFO log line (settings echoed): the refusal."""
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not INFO_LINE.match(ln)]
     assert len(lines) == 1, out.stderr
-    assert "Traceback" not in out.stderr and lines[0] == out.stderr.splitlines()[-1]
+    assert "Traceback" not in out.stderr
+    assert lines[0] == out.stderr.splitlines()[-1]
     return lines[0]
 
 
@@ -83,7 +84,8 @@ def test_garbage_in_data_pages_refuses_with_one_line(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr
     line = _one_line(out)
     assert line.startswith(f"dispatcher: The job store {path} is damaged")
-    assert "STORE_DAMAGED=move-aside" in line and "Traceback" not in out.stderr
+    assert "STORE_DAMAGED=move-aside" in line
+    assert "Traceback" not in out.stderr
     assert path.exists()  # refused: nothing moved
 
 
@@ -112,7 +114,8 @@ def test_newer_schema_refuses_even_with_move_aside(tmp_path: Path) -> None:
     assert out.returncode == 2
     line = _one_line(out)
     assert f"has schema version {SCHEMA_VERSION + 1}, newer than this build's {SCHEMA_VERSION}" in line
-    assert str(path) in line and list(tmp_path.glob("*.damaged-*")) == []
+    assert str(path) in line
+    assert list(tmp_path.glob("*.damaged-*")) == []
 
 
 def test_move_aside_starts_a_fresh_store_and_says_so(tmp_path: Path) -> None:
@@ -136,7 +139,9 @@ def test_move_aside_starts_a_fresh_store_and_says_so(tmp_path: Path) -> None:
     moved = list(tmp_path.glob(f"{STORE}.damaged-*"))
     assert len([m for m in moved if not m.name.endswith(("-wal", "-shm"))]) == 1
     warnings = [ln for ln in api.log_path.read_text().splitlines() if "moved aside to" in ln]
-    assert len(warnings) == 1 and str(path) in warnings[0] and "is damaged" in warnings[0]
+    assert len(warnings) == 1
+    assert str(path) in warnings[0]
+    assert "is damaged" in warnings[0]
     assert diagnose(path) is None
 
 
@@ -162,7 +167,8 @@ def test_move_aside_keeps_wal_and_data(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is damaged"):
         prepare_store(path, "refuse")
     moved = prepare_store(path, "move-aside")
-    assert moved is not None and moved.name.startswith(f"{STORE}.damaged-")
+    assert moved is not None
+    assert moved.name.startswith(f"{STORE}.damaged-")
     assert moved.read_bytes() == garbled
     store = JobStore(path)
     assert list(store.active_jobs()) == []
@@ -179,7 +185,8 @@ def test_move_aside_takes_the_side_files(tmp_path: Path) -> None:
     path.with_name(STORE + "-wal").write_bytes(b"wal")
     path.with_name(STORE + "-shm").write_bytes(b"shm")
     moved = move_aside(path)
-    assert not path.exists() and not path.with_name(STORE + "-wal").exists()
+    assert not path.exists()
+    assert not path.with_name(STORE + "-wal").exists()
     assert moved.read_bytes() == b"main"
     assert moved.with_name(moved.name + "-wal").read_bytes() == b"wal"
     assert moved.with_name(moved.name + "-shm").read_bytes() == b"shm"
@@ -206,7 +213,8 @@ def test_a_new_migration_applies_once(tmp_path: Path, monkeypatch: pytest.Monkey
     assert migrations.migrate(db, extended) == [SCHEMA_VERSION + 1]
     assert migrations.migrate(db, extended) == []  # a second start applies nothing
     cols = [r[1] for r in db.execute("PRAGMA table_info(tracks)")]
-    assert "note" in cols and migrations.user_version(db) == SCHEMA_VERSION + 1
+    assert "note" in cols
+    assert migrations.user_version(db) == SCHEMA_VERSION + 1
     db.close()
 
 
@@ -257,7 +265,8 @@ def test_a_locked_store_is_refused_but_never_moved(tmp_path: Path, monkeypatch: 
     try:
         with pytest.raises(ConfigError, match="cannot be checked .*locked.*nothing was changed"):
             prepare_store(path, "move-aside")
-        assert path.exists() and list(tmp_path.glob("*.damaged-*")) == []
+        assert path.exists()
+        assert list(tmp_path.glob("*.damaged-*")) == []
     finally:
         holder.execute("ROLLBACK")
         holder.close()

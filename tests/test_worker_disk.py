@@ -43,7 +43,7 @@ def _health(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):  # noqa: ANN001, ANN201
+def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("disk")
     w = start_worker(tmp, "--pipeline", "test", "--output-ttl-sec", "0", env={"WORKER_TOKEN": TOKEN})
     w.wait_healthy()
@@ -55,16 +55,17 @@ def worker(tmp_path_factory):  # noqa: ANN001, ANN201
 # -- real processes ---------------------------------------------------------------------------------
 
 
-def test_health_reports_the_disk_and_files(worker) -> None:  # noqa: ANN001
+def test_health_reports_the_disk_and_files(worker) -> None:
     before = _health(worker.url)
-    assert before["disk_free_mb"] > 0 and before["disk_low"] is False
+    assert before["disk_free_mb"] > 0
+    assert before["disk_low"] is False
     r = _generate(worker.url, AUTH)
     assert r.status_code == 200, r.text
     after = _health(worker.url)
     assert after["output_files"] == before["output_files"] + 3
 
 
-def test_delete_files_removes_one_task_and_is_protected(worker) -> None:  # noqa: ANN001
+def test_delete_files_removes_one_task_and_is_protected(worker) -> None:
     keep = _generate(worker.url, AUTH).json()
     done = _generate(worker.url, AUTH).json()
     names = {done["wav_filename"], done["mp3_filename"], done["json_filename"]}
@@ -73,13 +74,17 @@ def test_delete_files_removes_one_task_and_is_protected(worker) -> None:  # noqa
     assert r.status_code == 200, r.text
     assert set(r.json()["removed"]) == names
     on_disk = set(os.listdir(worker.out_dir))
-    assert not names & on_disk and keep["wav_filename"] in on_disk and keep["json_filename"] in on_disk
+    assert not names & on_disk
+    assert keep["wav_filename"] in on_disk
+    assert keep["json_filename"] in on_disk
     r = httpx.get(f"{worker.url}/download/{done['wav_filename']}", headers=AUTH, timeout=10)
     assert r.status_code == 404
     again = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10)
-    assert again.status_code == 200 and again.json()["removed"] == []
+    assert again.status_code == 200
+    assert again.json()["removed"] == []
     unknown = httpx.delete(f"{worker.url}/files/never-ran", headers=AUTH, timeout=10)
-    assert unknown.status_code == 404 and unknown.json()["status"] == "error"
+    assert unknown.status_code == 404
+    assert unknown.json()["status"] == "error"
     bad = httpx.delete(f"{worker.url}/files/..%2F..%2Fetc", headers=AUTH, timeout=10)
     assert bad.status_code == 404
 
@@ -88,7 +93,8 @@ def test_low_disk_is_reported(tmp_path: Path) -> None:
     w = start_worker(tmp_path, "--pipeline", "test", "--min-free-disk-mb", str(10**12))
     try:
         h = w.wait_healthy()
-        assert h["disk_low"] is True and h["disk_free_mb"] < 10**12
+        assert h["disk_low"] is True
+        assert h["disk_free_mb"] < 10**12
     finally:
         w.stop()
 
@@ -123,7 +129,8 @@ def test_full_output_disk_is_named_and_leaves_no_files(tmp_path: Path) -> None:
         (mnt / "filler").write_bytes(b"\0" * (free - 200_000))  # ~200 kB left: a 3 s WAV (~530 kB) cannot fit
         w = start_worker(tmp_path, "--pipeline", "test", "--output-dir", str(out), "--min-free-disk-mb", "1")
         h = w.wait_healthy()
-        assert h["disk_low"] is True and h["disk_free_mb"] < 1
+        assert h["disk_low"] is True
+        assert h["disk_free_mb"] < 1
         r = _generate(w.url, duration=0.05)
         assert r.status_code == 500, r.text
         body = r.json()
@@ -131,9 +138,11 @@ def test_full_output_disk_is_named_and_leaves_no_files(tmp_path: Path) -> None:
         assert body["error"] == "The worker's output disk is full (…/generated_audio)."
         assert str(mnt) not in body["error"]  # the full path stays in the worker's log
         assert str(out) in w.log_tail(20000)
-        assert "LibsndfileError" not in body["error"] and "model" not in body["error"]
+        assert "LibsndfileError" not in body["error"]
+        assert "model" not in body["error"]
         task = httpx.get(f"{w.url}/tasks/{body['task_id']}", timeout=10).json()
-        assert task["status"] == "error" and task["error_kind"] == "environment"
+        assert task["status"] == "error"
+        assert task["error_kind"] == "environment"
         assert os.listdir(out) == []  # neither temporary nor finished files are left behind
         assert _health(w.url)["status"] == "idle"
         (mnt / "filler").unlink()  # space returns: the same worker succeeds
@@ -175,25 +184,31 @@ def test_injected_failures_are_classified(tmp_path: Path, exc: BaseException, ki
     rt = _runtime(tmp_path, exc)
     with pytest.raises(TaskError) as info:
         asyncio.run(rt.generate(WorkerGenerateRequest(task_id="t1", duration=0.01)))
-    assert words in str(info.value) and info.value.kind is kind  # type: ignore[attr-defined]
+    assert words in str(info.value)
+    assert info.value.kind is kind
     view = rt.task("t1")
-    assert view.status is TaskState.error and view.error_kind is kind and words in (view.error or "")
+    assert view.status is TaskState.error
+    assert view.error_kind is kind
+    assert words in (view.error or "")
     assert rt.status.value == "idle"
     rt.shutdown()
 
 
 def test_enospc_sentence_names_the_output_folder(tmp_path: Path) -> None:
     kind, text = classify_failure(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "generated_audio")
-    assert kind is ErrorKind.environment and text == "The worker's output disk is full (…/generated_audio)."
+    assert kind is ErrorKind.environment
+    assert text == "The worker's output disk is full (…/generated_audio)."
     kind, text = classify_failure(OSError(errno.EROFS, "Read-only file system", str(tmp_path / "x")), tmp_path)
-    assert kind is ErrorKind.environment and "could not write its output files" in text and "Read-only" in text
+    assert kind is ErrorKind.environment
+    assert "could not write its output files" in text
+    assert "Read-only" in text
 
 
 def test_export_failure_on_full_disk_removes_written_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """libsndfile fails the MP3 with no errno; the disk is measured and the WAV already written removed."""
     real_write = export.sf.write
 
-    def write(path, data, sr, format, **kw):  # noqa: ANN001, ANN003, ANN202, A002
+    def write(path, data, sr, format, **kw):
         if format == "MP3":
             Path(path).write_bytes(b"partial")
             raise RuntimeError("Error opening file: System error.")  # what LibsndfileError looks like
@@ -204,20 +219,24 @@ def test_export_failure_on_full_disk_removes_written_files(tmp_path: Path, monke
     audio = np.zeros((44100, 2), np.float32)
     with pytest.raises(ExportError) as info:
         write_track(tmp_path, audio, 44100, {}, Mp3Options())
-    assert info.value.errno == errno.ENOSPC and "No space left" in str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert "No space left" in str(info.value)
     assert os.listdir(tmp_path) == []
 
 
 def test_export_write_error_with_space_is_a_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def write(path, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def write(path, *a, **kw):
         raise RuntimeError("unsupported sample format")
 
     monkeypatch.setattr(export.sf, "write", write)
     with pytest.raises(ExportError) as info:
         write_track(tmp_path, np.zeros((4410, 2), np.float32), 44100, {}, Mp3Options())
-    assert info.value.errno == errno.EIO and "unsupported sample format" in str(info.value)
+    assert info.value.errno == errno.EIO
+    assert "unsupported sample format" in str(info.value)
     kind, text = classify_failure(info.value, tmp_path)
-    assert kind is ErrorKind.environment and f"in …/{tmp_path.name} (" in text and os.listdir(tmp_path) == []
+    assert kind is ErrorKind.environment
+    assert f"in …/{tmp_path.name} (" in text
+    assert os.listdir(tmp_path) == []
 
 
 class _Usage:

@@ -23,7 +23,7 @@ from tests.support import ServerProcess, free_port, start_worker, wait_for
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):  # noqa: ANN001, ANN201
+def worker(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gaps")
     w = start_worker(tmp, "--pipeline", "test", "--test-delay-s", "0.5", "--header-timeout-sec", "1")
     w.wait_healthy()
@@ -51,14 +51,16 @@ def _post_raw(url: str, raw: bytes) -> httpx.Response:
         (b'{"track_index": 100000}', "track_index"),
     ],
 )
-def test_bad_fields_are_422_naming_the_field(worker, raw: bytes, field: str) -> None:  # noqa: ANN001
+def test_bad_fields_are_422_naming_the_field(worker, raw: bytes, field: str) -> None:
     r = _post_raw(worker.url, raw)
     assert r.status_code == 422, r.text
     body = r.json()
-    assert body["status"] == "error" and f"'{field}'" in body["error"] and body["detail"]
+    assert body["status"] == "error"
+    assert f"'{field}'" in body["error"]
+    assert body["detail"]
 
 
-def test_unknown_model_names_are_refused_before_any_work(worker) -> None:  # noqa: ANN001
+def test_unknown_model_names_are_refused_before_any_work(worker) -> None:
     done_before = httpx.get(worker.url + "/health", timeout=10).json()["tasks_done"]
     for field in ("superres_name", "backbone_name"):
         r = httpx.post(
@@ -66,14 +68,17 @@ def test_unknown_model_names_are_refused_before_any_work(worker) -> None:  # noq
         )
         assert r.status_code == 400, r.text
         body = r.json()
-        assert body["error_kind"] == "request" and "'nope'" in body["error"] and "available:" in body["error"]
+        assert body["error_kind"] == "request"
+        assert "'nope'" in body["error"]
+        assert "available:" in body["error"]
         # refused before the task began: the worker never ran it, so it neither remembers nor counts it
         assert httpx.get(f"{worker.url}/tasks/bad-{field}", timeout=10).status_code == 404
     h = httpx.get(worker.url + "/health", timeout=10).json()
-    assert h["status"] == "idle" and h["tasks_done"] == done_before
+    assert h["status"] == "idle"
+    assert h["tasks_done"] == done_before
 
 
-def test_a_valid_request_still_runs(worker) -> None:  # noqa: ANN001
+def test_a_valid_request_still_runs(worker) -> None:
     payload = {
         "duration": 0.02,
         "tags": "pop, 钢琴",
@@ -83,7 +88,8 @@ def test_a_valid_request_still_runs(worker) -> None:  # noqa: ANN001
     }
     r = httpx.post(worker.url + "/generate", json=payload, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["seed"] == 2**63 - 1 and r.json()["error_kind"] is None
+    assert r.json()["seed"] == 2**63 - 1
+    assert r.json()["error_kind"] is None
 
 
 # -- monotonic stall clock --------------------------------------------------------------------------
@@ -133,7 +139,7 @@ def _closed_by_server(s: socket.socket) -> bool:
         return False
 
 
-def test_slowloris_connections_are_closed(worker) -> None:  # noqa: ANN001
+def test_slowloris_connections_are_closed(worker) -> None:
     socks = _slowloris(worker.port, 50)
     try:
         assert httpx.get(worker.url + "/health", timeout=10).status_code == 200  # still serving meanwhile
@@ -143,7 +149,7 @@ def test_slowloris_connections_are_closed(worker) -> None:  # noqa: ANN001
             s.close()
 
 
-def test_trickled_bytes_do_not_reset_the_deadline(worker) -> None:  # noqa: ANN001
+def test_trickled_bytes_do_not_reset_the_deadline(worker) -> None:
     """One byte at a time keeps a plain keep-alive timer from firing; the header deadline still does."""
     s = socket.create_connection(("127.0.0.1", worker.port), timeout=30)
     try:
@@ -165,7 +171,7 @@ def test_trickled_bytes_do_not_reset_the_deadline(worker) -> None:  # noqa: ANN0
         s.close()
 
 
-def test_keep_alive_connection_gets_the_same_deadline(worker) -> None:  # noqa: ANN001
+def test_keep_alive_connection_gets_the_same_deadline(worker) -> None:
     s = socket.create_connection(("127.0.0.1", worker.port), timeout=30)
     try:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

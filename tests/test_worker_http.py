@@ -18,7 +18,7 @@ from tests.support import ROOT, start_worker, wait_for
 FRAME = 2048 / 44100
 
 
-def _worker(mode: str, tmp_path_factory):  # noqa: ANN001, ANN202
+def _worker(mode: str, tmp_path_factory):
     w = start_worker(tmp_path_factory.mktemp(mode), "--runtime-mode", mode, name=mode)
     w.wait_healthy()
     return w
@@ -53,28 +53,35 @@ def test_five_second_track_files(one_shot):
     r = generate(one_shot, seed_override=11, task_id="five-sec", job_id="j1", track_index=1)
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["status"] == "ok" and out["seed"] == 11 and out["gpu_id"] == 0
+    assert out["status"] == "ok"
+    assert out["seed"] == 11
+    assert out["gpu_id"] == 0
 
     wav, sr = sf.read(io.BytesIO(download(one_shot, out["wav_filename"])))
-    assert sr == 44100 and wav.shape[1] == 2
+    assert sr == 44100
+    assert wav.shape[1] == 2
     seconds = wav.shape[0] / sr
     assert 4.5 - FRAME <= seconds <= 5.0 + FRAME
     assert wav.std() > 0.01  # untrained: noise, but not silence
 
     mp3 = download(one_shot, out["mp3_filename"])
     info = sf.info(io.BytesIO(mp3))
-    assert info.samplerate == 44100 and info.channels == 2
+    assert info.samplerate == 44100
+    assert info.channels == 2
     assert abs(info.frames / info.samplerate - seconds) < 0.1
 
     meta = json.loads(download(one_shot, out["json_filename"]))
-    assert meta["request"]["lyrics"].startswith("[verse]") and meta["request"]["tags"] == "pop, piano"
+    assert meta["request"]["lyrics"].startswith("[verse]")
+    assert meta["request"]["tags"] == "pop, piano"
     assert meta["seed"] == 11
-    assert meta["models"]["backbone"] == "default_backbone" and meta["models"]["superres"] == "default_superres"
+    assert meta["models"]["backbone"] == "default_backbone"
+    assert meta["models"]["superres"] == "default_superres"
     assert meta["tokens"]["backbone_new"] == 2 * meta["tokens"]["frames"] > 0
     assert meta["tokens"]["backbone_prompt"] > 5
     for stage in ("backbone_sec", "superres_sec", "decoder_sec", "export_sec"):
         assert meta["timings"][stage] > 0
-    assert out["wav_filename"].endswith(".wav") and len(out["wav_filename"].split("_")[-1]) == len("abcdef12.wav")
+    assert out["wav_filename"].endswith(".wav")
+    assert len(out["wav_filename"].split("_")[-1]) == len("abcdef12.wav")
 
 
 @pytest.mark.parametrize("mode", ["one_shot", "keep_loaded"])
@@ -92,8 +99,10 @@ def test_runtime_mode_flags_after_a_task(one_shot, keep_loaded):
     for worker, loaded in ((one_shot, False), (keep_loaded, True)):
         assert generate(worker, duration=1 / 60).status_code == 200
         h = httpx.get(worker.url + "/health").json()
-        assert h["status"] == "idle" and h["backbone_loaded"] is True
-        assert h["superres_loaded"] is loaded and h["decoder_loaded"] is loaded
+        assert h["status"] == "idle"
+        assert h["backbone_loaded"] is True
+        assert h["superres_loaded"] is loaded
+        assert h["decoder_loaded"] is loaded
         assert h["runtime_mode"] == ("keep_loaded" if loaded else "one_shot")
 
 
@@ -103,7 +112,8 @@ def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
         wait_for(lambda: httpx.get(one_shot.url + "/health").json()["phase"] == "backbone", timeout=30)
         # A second task while busy: 409 with the busy body.
         busy = generate(one_shot, task_id="second")
-        assert busy.status_code == 409 and busy.json()["status"] == "busy"
+        assert busy.status_code == 409
+        assert busy.json()["status"] == "busy"
         t0 = time.monotonic()
         assert httpx.post(one_shot.url + "/cancel/to-cancel").status_code == 200
         r = fut.result(timeout=10)
@@ -112,15 +122,18 @@ def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
     assert elapsed < 1.0, elapsed
     assert httpx.get(one_shot.url + "/tasks/to-cancel").json()["status"] == "cancelled"
     nxt = generate(one_shot, duration=1 / 60)
-    assert nxt.status_code == 200 and nxt.json()["status"] == "ok"
+    assert nxt.status_code == 200
+    assert nxt.json()["status"] == "ok"
 
 
 def test_finished_task_can_be_collected_later(one_shot):
     r = generate(one_shot, duration=1 / 60, task_id="collect-me").json()
     view = httpx.get(one_shot.url + "/tasks/collect-me").json()
-    assert view["status"] == "ok" and view["result"]["wav_filename"] == r["wav_filename"]
+    assert view["status"] == "ok"
+    assert view["result"]["wav_filename"] == r["wav_filename"]
     missing = httpx.get(one_shot.url + "/tasks/never")
-    assert missing.status_code == 404 and missing.json()["status"] == "error"
+    assert missing.status_code == 404
+    assert missing.json()["status"] == "error"
 
 
 @pytest.mark.parametrize(
@@ -128,7 +141,8 @@ def test_finished_task_can_be_collected_later(one_shot):
 )
 def test_download_only_serves_plain_names_it_wrote(one_shot, name):
     r = httpx.get(f"{one_shot.url}/download/{name}")
-    assert r.status_code == 404 and r.json()["status"] == "error"
+    assert r.status_code == 404
+    assert r.json()["status"] == "error"
     r = httpx.get(f"{one_shot.url}/download/../x")
     assert r.status_code == 404
 
@@ -143,9 +157,12 @@ def test_bad_request_names_the_field(one_shot):
     r = httpx.post(one_shot.url + "/generate", json={"duration": -1})
     assert r.status_code == 422
     body = r.json()
-    assert body["status"] == "error" and "duration" in body["error"] and body["detail"]
+    assert body["status"] == "error"
+    assert "duration" in body["error"]
+    assert body["detail"]
     r = generate(one_shot, backbone_name="nope", duration=1 / 60)
-    assert r.status_code == 400 and "nope" in r.json()["error"]
+    assert r.status_code == 400
+    assert "nope" in r.json()["error"]
     assert httpx.get(one_shot.url + "/health").json()["status"] == "idle"
 
 
@@ -188,7 +205,8 @@ def test_mismatched_decoder_refuses_with_one_line(tiny_dir, tmp_path):
     )
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("worker: Decoder checkpoint") and "does not match" in last
+    assert last.startswith("worker: Decoder checkpoint")
+    assert "does not match" in last
 
 
 def test_failure_inside_a_task_is_local_and_clear(tmp_path):
@@ -200,11 +218,14 @@ def test_failure_inside_a_task_is_local_and_clear(tmp_path):
         r = httpx.post(w.url + "/generate", json={"duration": 0.05, "task_id": "disk"}, timeout=60)
         assert r.status_code == 500
         body = r.json()
-        assert body["status"] == "error" and body["error"].startswith("The worker could not write its output files")
-        assert str(tmp_path) not in body["error"] and "Traceback" not in r.text
+        assert body["status"] == "error"
+        assert body["error"].startswith("The worker could not write its output files")
+        assert str(tmp_path) not in body["error"]
+        assert "Traceback" not in r.text
         assert "Traceback" in w.log_tail(20_000)  # the traceback goes to the log
         h = httpx.get(w.url + "/health").json()
-        assert h["status"] == "idle" and h["task_id"] is None
+        assert h["status"] == "idle"
+        assert h["task_id"] is None
         assert httpx.get(w.url + "/tasks/disk").json()["status"] == "error"
     finally:
         w.stop()

@@ -24,7 +24,8 @@ class SdpaDotProductAttention(DotProductAttention):
         attention_bias: object = None,
         packed_seq_params: object = None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None and attention_bias is None
+        assert packed_seq_params is None
+        assert attention_bias is None
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads|groups, s, head_dim)
         repeat = q.shape[1] // k.shape[1]

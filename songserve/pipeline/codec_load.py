@@ -331,7 +331,8 @@ def fill(dest: torch.Tensor, src: Source, *, mapped: bool) -> None:
             if mapped:
                 _drop_pages(s[sl])
         return
-    assert src.g is not None and src.v is not None
+    assert src.g is not None
+    assert src.v is not None
     g = src.g.reshape(-1).float()
     for sl in _slices(rows, row_bytes):
         if mapped:

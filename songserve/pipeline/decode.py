@@ -276,7 +276,8 @@ class DecodeModel:
         cos = sin = None
         if self.spec.rope:
             self.rope_tables(end)
-            assert self._rope_cos is not None and self._rope_sin is not None
+            assert self._rope_cos is not None
+            assert self._rope_sin is not None
             cos, sin = self._rope_cos[start:end], self._rope_sin[start:end]
         mask = None
         if key_padding is not None:
@@ -375,7 +376,7 @@ class CompiledStep:
             if self.cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             out = self._fn(tokens, pos, k, v, kv_len, masked)
-        except Exception as exc:  # noqa: BLE001 (any compiler failure: fall back, say so once)
+        except Exception as exc:
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             log.warning("compiled decode step failed for batch %d, kv %d; eager from now on (%s)", *key, self.failed)
             return self.dm.step(tokens, pos, k, v, kv_len, masked)
@@ -481,7 +482,7 @@ class GraphedStep:
             g.tokens.copy_(tokens)
             g.pos.copy_(pos)
             g.graph.replay()
-        except Exception as exc:  # noqa: BLE001 (capture failed: eager from now on, said once)
+        except Exception as exc:
             self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             log.warning("CUDA graph capture failed for batch %d, kv %d; eager from now on (%s)", *key, self.failed)
             return self.dm.step(tokens, pos, k, v, kv_len, masked)

@@ -69,7 +69,7 @@ def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0) -> 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
-        parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()  # noqa: SLF001 (see 2.)
+        parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
         _rope_stays_on_cpu()
     torch.manual_seed(seed)
 

@@ -272,7 +272,9 @@ class ModelPipeline:
 
         Returns per take its result or the exception that ended it (``CancelledError`` when only
         that take was cancelled). A request error (bad model name, too long) raises for all."""
-        assert self.tokenizer is not None and reqs and len(reqs) == len(ctxs)
+        assert self.tokenizer is not None
+        assert reqs
+        assert len(reqs) == len(ctxs)
         shared = [asdict(dataclasses.replace(r, seed=0, task_id="", track_index=0)) for r in reqs]
         if any(x != shared[0] for x in shared[1:]):
             raise RequestError(

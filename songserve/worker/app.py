@@ -62,7 +62,7 @@ async def sweep_loop(runtime: WorkerRuntime) -> None:
         await asyncio.sleep(interval)
         try:
             await asyncio.to_thread(runtime.sweep_outputs)
-        except Exception:  # noqa: BLE001 (a safety net must not die)
+        except Exception:
             log.exception("output sweep failed; retrying in %.0fs", interval)
 
 
@@ -72,7 +72,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         async def load() -> None:
             try:
                 await runtime.start()
-            except Exception as exc:  # noqa: BLE001 (reported and fatal)
+            except Exception as exc:
                 if on_load_failure:
                     on_load_failure(exc)
 

@@ -328,7 +328,7 @@ class WorkerRuntime:
             for req, ctx in zip(reqs, ctxs, strict=True):
                 try:
                     out.append(self.pipeline.run(req, ctx))
-                except Exception as exc:  # noqa: BLE001 (kept per take)
+                except Exception as exc:
                     out.append(exc)
             return out
 
