@@ -243,9 +243,9 @@ def test_cancelling_one_take_leaves_the_others_untouched(backbone, monkeypatch):
     real_report = takes[1].ctx.report
     seen = []
 
-    def report(phase, done, total, detail=""):
+    def report(phase, done, total, detail="", rate=None):
         seen.append(done)
-        real_report(phase, done, total, detail)
+        real_report(phase, done, total, detail, rate)
         if done >= 32:
             takes[1].ctx.cancel()
 
