@@ -229,3 +229,17 @@ def test_failure_inside_a_task_is_local_and_clear(tmp_path):
         assert httpx.get(w.url + "/tasks/disk").json()["status"] == "error"
     finally:
         w.stop()
+
+
+def test_the_worker_exports_prometheus_metrics(tmp_path):
+    w = start_worker(tmp_path, "--pipeline", "test", name="metrics")
+    try:
+        w.wait_healthy()
+        assert httpx.post(w.url + "/generate", json={"duration": 0.02, "task_id": "m1"}, timeout=60).status_code == 200
+        text = httpx.get(w.url + "/metrics", timeout=10).text
+        assert 'songserve_worker_tasks_total{outcome="done"} 1.0' in text
+        assert "songserve_worker_task_seconds_count 1.0" in text
+        assert "songserve_worker_busy 0.0" in text
+        assert "process_resident_memory_bytes" in text
+    finally:
+        w.stop()

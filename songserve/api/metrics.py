@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -21,7 +28,7 @@ from songserve.api.states import TrackStatus, job_status
 if TYPE_CHECKING:
     from songserve.api.dispatch import Dispatcher
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from a second (queue waits, small stages) to an hour (a long song on a busy fleet).
 BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from songserve import __version__
@@ -94,6 +95,10 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return runtime.health()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -55,6 +55,7 @@ from songserve.schemas import (
     WorkerStatus,
 )
 from songserve.settings import WorkerSettings
+from songserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_TASKS = 256
@@ -143,6 +144,8 @@ class WorkerRuntime:
         self._batch: list[TaskContext] = []  # every take of the running batch
         self._last_ids: list[str] = []
         self._tasks: OrderedDict[str, TaskView] = OrderedDict()
+        self.metrics = WorkerMetrics()
+        self.metrics.watch(self.health)
         pipeline.phase_hook = self._set_phase
         self._models = pipeline.describe()
 
@@ -282,16 +285,19 @@ class WorkerRuntime:
             self._remember(
                 TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled.")
             )
+            self.metrics.tasks.labels("cancelled").inc()
             return got
         if isinstance(got, SongserveError):
             kind = error_kind_of(got)
             log.warning("task %s: %s error: %s", task_id, kind.value if kind else "task", got)
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=str(got), error_kind=kind))
+            self.metrics.tasks.labels(f"error_{kind.value}" if kind else "refused").inc()
             return got
         if isinstance(got, BaseException):  # out of memory, encoder or disk errors: local to this task
             log.error("task %s: failed", task_id, exc_info=got)
             kind, message = classify_failure(got, self.s.output_dir)
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
+            self.metrics.tasks.labels(f"error_{kind.value}").inc()
             return ClassifiedTaskError(message, kind)
         self.tasks_done += 1
         out = WorkerGenerateResult(
@@ -307,6 +313,7 @@ class WorkerRuntime:
         )
         self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
+        self.metrics.task_done(time.perf_counter() - t0, got.duration_sec, got.metadata.get("timings") or {})
         return out
 
     def check_model_names(self, body: WorkerGenerateRequest) -> None:
