@@ -90,9 +90,9 @@ def tokens_per_s(bb, batch: int, tokens: int) -> float:
 
 def main() -> None:
     from songserve.pipeline.backbone import Backbone, LengthPlan, Take
-    from songserve.pipeline.codec import Codec, CodecConfig
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.decode import GraphedStep
+    from songserve.pipeline.decoder import AudioDecoder, DecoderConfig
     from songserve.pipeline.megatron_env import init_megatron
     from songserve.pipeline.superres import SuperRes
 
@@ -144,9 +144,9 @@ def main() -> None:
         codes = sr.generate(prompt, coarse, top_k=10, generator=gen, ctx=ctx)
         torch.cuda.synchronize()
         t_sr = time.perf_counter() - t0
-        codec = Codec(CodecConfig()).to(dev).eval()
+        decoder = AudioDecoder(DecoderConfig()).to(dev).eval()
         t0 = time.perf_counter()
-        wave = codec.decode(codes.unsqueeze(0).to(dev), 256, 16)
+        wave = decoder.decode(codes.unsqueeze(0).to(dev), 256, 16)
         torch.cuda.synchronize()
         t_dec = time.perf_counter() - t0
     total = t_bb + t_sr + t_dec

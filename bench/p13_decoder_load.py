@@ -2,7 +2,7 @@
 
 Writes the release's decoder at full size (n_filters 192, 64 × 1,024 × 128 codebooks; with its
 encoder, discriminator and training entries) to a temporary folder, then in fresh processes:
-- ``load``: ``load_codec`` (weights-only, memory-mapped, meta-device build, sliced weight-norm fold),
+- ``load``: ``load_decoder`` (weights-only, memory-mapped, meta-device build, sliced weight-norm fold),
   timed, with the process's peak RSS during the load (VmHWM reset just before) against the decoder's
   weights in memory;
 - ``read``: reading the whole checkpoint file into a buffer (the bytes the load could at most need).
@@ -34,7 +34,7 @@ def _status(field: str) -> float:
 def child_load(yaml_path: Path, ckpt: Path) -> dict:
     import torch
 
-    from songserve.pipeline.codec import load_codec
+    from songserve.pipeline.decoder import load_decoder
 
     torch.set_num_threads(1)
     before = _status("VmRSS")
@@ -43,10 +43,10 @@ def child_load(yaml_path: Path, ckpt: Path) -> dict:
     except OSError:
         pass
     t0 = time.perf_counter()
-    codec = load_codec(yaml_path, ckpt, torch.device("cpu"))
+    decoder = load_decoder(yaml_path, ckpt, torch.device("cpu"))
     sec = time.perf_counter() - t0
     peak = _status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    weights = sum(p.numel() * p.element_size() for p in codec.parameters())
+    weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
     return {"sec": sec, "peak_growth": peak - before, "weights": weights}
 
 
@@ -90,7 +90,7 @@ def main() -> None:
         print(json.dumps(res))
         return
     a = args(__doc__, repeats=3)
-    from songserve.pipeline.codec_release import FULL_SIZES, ReleaseDecoderSizes, write_release_decoder
+    from songserve.pipeline.decoder_release import FULL_SIZES, ReleaseDecoderSizes, write_release_decoder
 
     sizes = ReleaseDecoderSizes() if a.smoke else FULL_SIZES
     repeats = 1 if a.smoke else a.repeats

@@ -7,7 +7,7 @@
     │   └── NotFoundError          an unknown job, track, task or file (HTTP 404)
     ├── UnavailableError           draining or not ready (HTTP 503)
     ├── BusyError                  the worker already runs a task (HTTP 409)
-    ├── CancelledError             a task stopped at a cancellation point
+    ├── TaskCancelled              a task stopped at a cancellation point (not asyncio.CancelledError)
     └── TaskError                  a task failed inside the model or the export (reported, not retried)
 
 Every message is one sentence for a person; tracebacks go to the log, never to a client.
@@ -57,7 +57,7 @@ class BusyError(SongserveError):
     http_status = 409
 
 
-class CancelledError(SongserveError):
+class TaskCancelled(SongserveError):
     http_status = 409
 
 

@@ -172,7 +172,7 @@ class WorkerConfig(BaseModel):
 
 class TaskState(StrEnum):
     running = "running"
-    ok = "ok"
+    done = "done"  # the same word as a track's (the worker's /generate answer keeps the reference's "ok")
     error = "error"
     cancelled = "cancelled"
 

@@ -143,7 +143,7 @@ class FakeWorker:
             "seed": seed,
             "metadata": {"models": {"backbone": "default_backbone"}, "timings": {"backbone_sec": 0.1}},
         }
-        self.finished[task_id] = {"task_id": task_id, "status": "ok", "result": result}
+        self.finished[task_id] = {"task_id": task_id, "status": "done", "result": result}
         return 200, result
 
     async def handle(self, request: httpx.Request) -> httpx.Response:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from songserve.errors import CancelledError
+from songserve.errors import TaskCancelled
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import Backbone, LengthPlan, Take
 from songserve.pipeline.context import TaskContext
@@ -287,7 +287,7 @@ def test_a_cancel_during_a_long_prefill_lands_within_one_chunk(backbone, monkeyp
         return real(*a, **k)
 
     monkeypatch.setattr(backbone.dm, "forward", forward)
-    with pytest.raises(CancelledError), torch.inference_mode():
+    with pytest.raises(TaskCancelled), torch.inference_mode():
         backbone.generate(list(range(3, 803)), 10, top_k=50, temperature=1.0, generator=torch.Generator(), ctx=ctx)
     assert len(calls) == 1  # 50 chunks in the prompt; the one running finished, no other started
 
@@ -460,7 +460,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     assert pipe.parked == {"superres", "decoder"}
     seen = {}
     sr = next(iter(pipe.superres.values()))
-    real_sr, real_dec = sr.generate_batch, pipe.codec.decode
+    real_sr, real_dec = sr.generate_batch, pipe.decoder.decode
 
     def spy_sr(*a, **k):
         seen["superres"] = set(pipe.parked)
@@ -471,7 +471,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
         return real_dec(*a, **k)
 
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
-    monkeypatch.setattr(pipe.codec, "decode", spy_dec)
+    monkeypatch.setattr(pipe.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
     assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
     assert pipe.parked == {"superres", "decoder"}

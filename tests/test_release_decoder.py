@@ -15,10 +15,10 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from songserve.errors import ConfigError
-from songserve.pipeline.codec import load_codec
-from songserve.pipeline.codec_config import read_codec_config
-from songserve.pipeline.codec_load import TRUST_SETTING
-from songserve.pipeline.codec_release import FULL_SIZES, ReleaseDecoderSizes, release_yaml, write_release_decoder
+from songserve.pipeline.decoder import load_decoder
+from songserve.pipeline.decoder_config import read_decoder_config
+from songserve.pipeline.decoder_load import TRUST_SETTING
+from songserve.pipeline.decoder_release import FULL_SIZES, ReleaseDecoderSizes, release_yaml, write_release_decoder
 
 CPU = torch.device("cpu")
 
@@ -107,7 +107,7 @@ def _plain_decode(
 
 
 def test_release_yaml_with_interpolation_gives_the_codec_shape(release):
-    cfg = read_codec_config(release[0])
+    cfg = read_decoder_config(release[0])
     assert (cfg.latent_dim, cfg.n_filters, cfg.rates, cfg.channels) == (32, 4, (8, 8, 8, 4), 2)
     assert (cfg.n_codebooks, cfg.codebook_size, cfg.hop, cfg.final_tanh) == (64, 1024, 2048, False)
 
@@ -128,13 +128,13 @@ def test_bad_release_yaml_refuses_naming_file_and_key(tmp_path, edit, message):
     assert edit[0] in text
     (tmp_path / "d.yaml").write_text(text.replace(edit[0], edit[1]))
     with pytest.raises(ConfigError, match=message) as err:
-        read_codec_config(tmp_path / "d.yaml")
+        read_decoder_config(tmp_path / "d.yaml")
     assert str(tmp_path / "d.yaml") in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_interpolation_inside_a_string_and_of_a_list(tmp_path):
-    from songserve.pipeline.codec_config import resolve_interpolations
+    from songserve.pipeline.decoder_config import resolve_interpolations
 
     raw = {"a": {"b": 3, "l": [1, 2]}, "c": "x${a.b}y", "d": "${a.l}", "e": ["${a.b}"]}
     assert resolve_interpolations(raw, "f") == {"a": {"b": 3, "l": [1, 2]}, "c": "x3y", "d": [1, 2], "e": [3]}
@@ -144,13 +144,13 @@ def test_interpolation_inside_a_string_and_of_a_list(tmp_path):
 
 
 def test_release_checkpoint_decodes_with_the_vq_layers_codebooks(release):
-    codec = load_codec(*release, CPU)
-    assert not hasattr(codec, "encoder")
+    decoder = load_decoder(*release, CPU)
+    assert not hasattr(decoder, "encoder")
     dec, books = _plain_from_file(ReleaseDecoderSizes(), release[1])
     for i in (0, 17, 63):
-        assert torch.equal(codec.quantizer.quantizers[i].codebook.weight, books[i])
+        assert torch.equal(decoder.quantizer.quantizers[i].codebook.weight, books[i])
     codes = torch.randint(0, 1024, (2, 64, 6), generator=torch.Generator().manual_seed(5))
-    ours = codec.decode(codes, chunk_frames=0)
+    ours = decoder.decode(codes, chunk_frames=0)
     assert ours.shape == (2, 2, 6 * 2048)
     torch.testing.assert_close(ours, _plain_decode(dec, books, codes), atol=1e-5, rtol=0)
 
@@ -176,7 +176,7 @@ def test_a_missing_key_refuses_naming_it(tmp_path, release, key):
     del blob["state_dict"][key]
     torch.save(blob, tmp_path / "bad.ckpt")
     with pytest.raises(ConfigError, match=f"lacks the key '{key}'") as err:
-        load_codec(release[0], tmp_path / "bad.ckpt", CPU)
+        load_decoder(release[0], tmp_path / "bad.ckpt", CPU)
     assert "\n" not in str(err.value)
 
 
@@ -188,7 +188,7 @@ def test_a_left_over_decoder_key_refuses(tmp_path, release):
         ConfigError,
         match="does not match .*: it has the key 'generator.decoder.model.99.bias', which the config does not use",
     ):
-        load_codec(release[0], tmp_path / "extra.ckpt", CPU)
+        load_decoder(release[0], tmp_path / "extra.ckpt", CPU)
 
 
 def test_encoder_discriminator_and_training_entries_are_ignored(tmp_path, release):
@@ -200,8 +200,8 @@ def test_encoder_discriminator_and_training_entries_are_ignored(tmp_path, releas
     blob["optimizer_states"].append({"state": {}, "param_groups": []})
     torch.save(blob, tmp_path / "noisy.ckpt")
     codes = torch.randint(0, 1024, (1, 64, 3))
-    a = load_codec(release[0], tmp_path / "noisy.ckpt", CPU).decode(codes, 0)
-    b = load_codec(*release, CPU).decode(codes, 0)
+    a = load_decoder(release[0], tmp_path / "noisy.ckpt", CPU).decode(codes, 0)
+    b = load_decoder(*release, CPU).decode(codes, 0)
     assert torch.equal(a, b)
 
 
@@ -209,11 +209,11 @@ def test_a_differing_embed_i_is_logged_and_decode_uses_codebook_embed(tmp_path, 
     blob = _blob(release[1])
     blob["state_dict"]["generator.quantizer.embed_3"] = torch.zeros(1024, 32)
     torch.save(blob, tmp_path / "diff.ckpt")
-    with caplog.at_level(logging.WARNING, logger="songserve.pipeline.codec_load"):
-        codec = load_codec(release[0], tmp_path / "diff.ckpt", CPU)
+    with caplog.at_level(logging.WARNING, logger="songserve.pipeline.decoder_load"):
+        decoder = load_decoder(release[0], tmp_path / "diff.ckpt", CPU)
     assert "quantizer.embed_3 differs" in caplog.text
     emb = blob["state_dict"]["generator.quantizer.vq_layer_3._codebook.embed"]
-    assert torch.equal(codec.quantizer.quantizers[3].codebook.weight, emb)
+    assert torch.equal(decoder.quantizer.quantizers[3].codebook.weight, emb)
 
 
 class TrainerOnlyState:
@@ -228,11 +228,11 @@ def test_lightning_file_needing_unpickling_refuses_unless_trusted(tmp_path, rele
     blob["callbacks"]["Custom"] = TrainerOnlyState()
     torch.save(blob, tmp_path / "pickled.ckpt")
     with pytest.raises(ConfigError, match=f"set {TRUST_SETTING}=1 to unpickle it fully") as err:
-        load_codec(release[0], tmp_path / "pickled.ckpt", CPU)
+        load_decoder(release[0], tmp_path / "pickled.ckpt", CPU)
     assert "TrainerOnlyState" in str(err.value)
     assert "\n" not in str(err.value)
-    codec = load_codec(release[0], tmp_path / "pickled.ckpt", CPU, trust_pickle=True)
-    assert codec.cfg.n_codebooks == 64
+    decoder = load_decoder(release[0], tmp_path / "pickled.ckpt", CPU, trust_pickle=True)
+    assert decoder.cfg.n_codebooks == 64
 
 
 def test_plain_types_lightning_files_carry_load_without_opt_in(tmp_path, release):
@@ -250,7 +250,7 @@ def test_plain_types_lightning_files_carry_load_without_opt_in(tmp_path, release
         "best": np.float64(0.25),
     }
     torch.save(blob, tmp_path / "plain.ckpt")
-    assert load_codec(release[0], tmp_path / "plain.ckpt", CPU).cfg.hop == 2048
+    assert load_decoder(release[0], tmp_path / "plain.ckpt", CPU).cfg.hop == 2048
 
 
 def test_loading_builds_no_weights_on_a_real_device(release, monkeypatch):
@@ -262,7 +262,7 @@ def test_loading_builds_no_weights_on_a_real_device(release, monkeypatch):
         return real(tensor, *a, **kw)
 
     monkeypatch.setattr(torch.nn.init, "kaiming_uniform_", spy)
-    load_codec(*release, CPU)
+    load_decoder(*release, CPU)
     assert seen
     assert set(seen) == {"meta"}
 
@@ -270,11 +270,11 @@ def test_loading_builds_no_weights_on_a_real_device(release, monkeypatch):
 def test_full_size_decoder_matches_a_plain_weight_norm_implementation(tmp_path):
     """n_filters 192, 64 × 1,024 × 128, reference key names, strict; ≤ 1e-5 against the plain decoder."""
     write_release_decoder(tmp_path / "dac.yaml", tmp_path / "dac.ckpt", sizes=FULL_SIZES)
-    codec = load_codec(tmp_path / "dac.yaml", tmp_path / "dac.ckpt", CPU)
-    assert codec.decoder.model[0].weight.shape == (3072, 128, 7)
+    decoder = load_decoder(tmp_path / "dac.yaml", tmp_path / "dac.ckpt", CPU)
+    assert decoder.decoder.model[0].weight.shape == (3072, 128, 7)
     codes = torch.randint(0, 1024, (1, 64, 3), generator=torch.Generator().manual_seed(11))
-    ours = codec.decode(codes, chunk_frames=0)
-    del codec
+    ours = decoder.decode(codes, chunk_frames=0)
+    del decoder
     dec, books = _plain_from_file(FULL_SIZES, tmp_path / "dac.ckpt")
     ref = _plain_decode(dec, books, codes, torch.float32)  # float64 at this size costs seconds; ~3e-7 apart
     assert ours.shape == ref.shape == (1, 2, 3 * 2048)

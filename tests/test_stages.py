@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from songserve.errors import CancelledError, ConfigError
+from songserve.errors import ConfigError, TaskCancelled
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import Backbone
-from songserve.pipeline.codec import Codec, CodecConfig, fold_weight_norm, load_codec, weight_norm_state
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, fold_weight_norm, load_decoder, weight_norm_state
 from songserve.pipeline.gpt import GPTArch, causal_mask, load_model, parse_megatron_args
 from songserve.pipeline.prompt import PromptRequest, build_prompt
 from songserve.pipeline.superres import SuperRes
@@ -160,7 +160,7 @@ def test_end_of_audio_is_accepted_only_after_the_minimum_share(backbone, monkeyp
 def test_backbone_stops_at_a_cancellation_check(backbone):
     ctx = TaskContext("t")
     ctx.cancel()
-    with pytest.raises(CancelledError):
+    with pytest.raises(TaskCancelled):
         _gen(backbone, 40, seed=1, ctx=ctx)
 
 
@@ -212,20 +212,24 @@ def test_superres_windows_long_songs(superres, backbone):
 
 
 def test_decoder_loads_tiny_set_and_has_the_configured_shape(tiny_dir):
-    codec = load_codec(tiny_dir / "decoder" / "config.yaml", tiny_dir / "decoder" / "model.pth", torch.device("cpu"))
-    assert codec.cfg.hop == 2048
-    assert codec.cfg.channels == 2
-    assert codec.cfg.n_codebooks == 64
-    wave = codec.decode(torch.randint(0, 1024, (1, 64, 7)), chunk_frames=0)
+    decoder = load_decoder(
+        tiny_dir / "decoder" / "config.yaml", tiny_dir / "decoder" / "model.pth", torch.device("cpu")
+    )
+    assert decoder.cfg.hop == 2048
+    assert decoder.cfg.channels == 2
+    assert decoder.cfg.n_codebooks == 64
+    wave = decoder.decode(torch.randint(0, 1024, (1, 64, 7)), chunk_frames=0)
     assert wave.shape == (1, 2, 7 * 2048)
 
 
 def test_chunked_decode_equals_one_pass(tiny_dir):
-    codec = load_codec(tiny_dir / "decoder" / "config.yaml", tiny_dir / "decoder" / "model.pth", torch.device("cpu"))
+    decoder = load_decoder(
+        tiny_dir / "decoder" / "config.yaml", tiny_dir / "decoder" / "model.pth", torch.device("cpu")
+    )
     codes = torch.randint(0, 1024, (1, 64, 100), generator=torch.Generator().manual_seed(0))
-    one = codec.decode(codes, chunk_frames=0)
-    chunked = codec.decode(codes, chunk_frames=24, context_frames=16)
-    seams = codec.decode(codes, chunk_frames=24, context_frames=0)
+    one = decoder.decode(codes, chunk_frames=0)
+    chunked = decoder.decode(codes, chunk_frames=24, context_frames=16)
+    seams = decoder.decode(codes, chunk_frames=24, context_frames=0)
     diff = (one - chunked).abs().max().item()
     assert diff < 1e-5, diff
     assert (one - seams).abs().max().item() > 100 * max(diff, 1e-7)  # context is what makes it exact
@@ -233,9 +237,9 @@ def test_chunked_decode_equals_one_pass(tiny_dir):
 
 def test_weight_norm_old_and_new_names_fold_to_the_same_weights():
     torch.manual_seed(0)
-    cfg = CodecConfig(latent_dim=8, n_filters=2, rates=(2, 2), n_codebooks=2, codebook_size=16)
-    codec = Codec(cfg)
-    old = weight_norm_state(codec.state_dict())
+    cfg = DecoderConfig(latent_dim=8, n_filters=2, rates=(2, 2), n_codebooks=2, codebook_size=16)
+    decoder = AudioDecoder(cfg)
+    old = weight_norm_state(decoder.state_dict())
     new = {
         k.replace(".weight_g", ".parametrizations.weight.original0").replace(
             ".weight_v", ".parametrizations.weight.original1"
@@ -243,7 +247,7 @@ def test_weight_norm_old_and_new_names_fold_to_the_same_weights():
         for k, v in old.items()
     }
     a, b = fold_weight_norm(old), fold_weight_norm(new)
-    for k, v in codec.state_dict().items():
+    for k, v in decoder.state_dict().items():
         assert torch.allclose(a[k], v, atol=1e-6)
         assert torch.allclose(b[k], v, atol=1e-6)
 
@@ -251,22 +255,22 @@ def test_weight_norm_old_and_new_names_fold_to_the_same_weights():
 def test_decoder_strict_keys_and_dac_format(tmp_path):
     import yaml
 
-    cfg = CodecConfig(latent_dim=8, n_filters=2, rates=(2, 2), n_codebooks=2, codebook_size=16)
-    codec = Codec(cfg)
+    cfg = DecoderConfig(latent_dim=8, n_filters=2, rates=(2, 2), n_codebooks=2, codebook_size=16)
+    decoder = AudioDecoder(cfg)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict()))
-    state = {f"generator.{k}": v for k, v in weight_norm_state(codec.state_dict()).items()}
+    state = {f"generator.{k}": v for k, v in weight_norm_state(decoder.state_dict()).items()}
     state["generator.encoder.block.0.weight"] = torch.zeros(1)  # encoder weights are skipped
     torch.save({"state_dict": state}, tmp_path / "ok.pth")
-    loaded = load_codec(tmp_path / "c.yaml", tmp_path / "ok.pth", torch.device("cpu"))
+    loaded = load_decoder(tmp_path / "c.yaml", tmp_path / "ok.pth", torch.device("cpu"))
     codes = torch.randint(0, 16, (1, 2, 5))
-    assert torch.allclose(loaded.decode(codes, 0), codec.decode(codes, 0), atol=1e-5)
+    assert torch.allclose(loaded.decode(codes, 0), decoder.decode(codes, 0), atol=1e-5)
 
     del state["generator.decoder.model.0.bias"]
     torch.save({"state_dict": state}, tmp_path / "bad.pth")
     with pytest.raises(ConfigError, match="bad.pth does not match"):
-        load_codec(tmp_path / "c.yaml", tmp_path / "bad.pth", torch.device("cpu"))
+        load_decoder(tmp_path / "c.yaml", tmp_path / "bad.pth", torch.device("cpu"))
 
-    dac_cfg = CodecConfig.from_dac_kwargs(
+    dac_cfg = DecoderConfig.from_dac_kwargs(
         {
             "latent_dim": 8,
             "decoder_dim": 8,
@@ -276,7 +280,7 @@ def test_decoder_strict_keys_and_dac_format(tmp_path):
             "codebook_dim": 4,
         }
     )
-    dac = Codec(dac_cfg)
+    dac = AudioDecoder(dac_cfg)
     torch.save(
         {
             "state_dict": weight_norm_state(dac.state_dict()),
@@ -293,7 +297,7 @@ def test_decoder_strict_keys_and_dac_format(tmp_path):
         },
         tmp_path / "dac.pth",
     )
-    loaded = load_codec(tmp_path / "none.yaml", tmp_path / "dac.pth", torch.device("cpu"))
+    loaded = load_decoder(tmp_path / "none.yaml", tmp_path / "dac.pth", torch.device("cpu"))
     assert torch.allclose(loaded.decode(codes, 0), dac.decode(codes, 0), atol=1e-5)
 
 

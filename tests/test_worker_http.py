@@ -129,7 +129,7 @@ def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
 def test_finished_task_can_be_collected_later(one_shot):
     r = generate(one_shot, duration=1 / 60, task_id="collect-me").json()
     view = httpx.get(one_shot.url + "/tasks/collect-me").json()
-    assert view["status"] == "ok"
+    assert view["status"] == "done"
     assert view["result"]["wav_filename"] == r["wav_filename"]
     missing = httpx.get(one_shot.url + "/tasks/never")
     assert missing.status_code == 404

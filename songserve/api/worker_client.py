@@ -33,7 +33,14 @@ from pydantic import ValidationError
 
 from songserve.api.store import Job, Track
 from songserve.errors import SongserveError
-from songserve.schemas import TaskView, WorkerConfig, WorkerGenerateRequest, WorkerGenerateResult, WorkerHealth
+from songserve.schemas import (
+    TaskState,
+    TaskView,
+    WorkerConfig,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+    WorkerHealth,
+)
 
 FILE_TIMEOUT = 60.0
 CONTROL_TIMEOUT = 5.0
@@ -209,7 +216,7 @@ class WorkerClient:
             raise WorkerUnreachable(f"Worker task view is not the contract: {exc.errors()[0]['msg']}.") from None
         if view.status == "running":
             return None
-        if view.status == "ok" and view.result is not None:
+        if view.status is TaskState.done and view.result is not None:
             return Outcome(OutcomeKind.done, result=view.result)
         if view.status == "cancelled":
             return Outcome(OutcomeKind.cancelled)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from songserve.errors import CancelledError, RequestError
+from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.decode import CompiledStep, DecodeModel, GraphedStep, KVCache
 from songserve.pipeline.gpt import AcousticGPT
@@ -118,7 +118,7 @@ class Backbone:
         h = None
         for a in range(0, len(prompt), self.prefill_chunk):
             if all(c.cancelled() for c in ctxs):
-                raise CancelledError(f"Task {ctxs[0].task_id} was cancelled.")
+                raise TaskCancelled(f"Task {ctxs[0].task_id} was cancelled.")
             b = min(len(prompt), a + self.prefill_chunk)
             pos = torch.arange(a, b, device=dev).view(1, -1)
             h = self.dm.forward(self.dm.embed(ids[:, a:b], pos), start=a, cache=row0)[:, -1]
@@ -155,7 +155,7 @@ class Backbone:
             prompt, plan, [Take(generator, ctx)], top_k=top_k, temperature=temperature, top_p=top_p
         )[0]
         if result is None:
-            raise CancelledError(f"Task {ctx.task_id} was cancelled.")
+            raise TaskCancelled(f"Task {ctx.task_id} was cancelled.")
         return result
 
     @torch.inference_mode()

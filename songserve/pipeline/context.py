@@ -10,7 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from songserve.errors import CancelledError
+from songserve.errors import TaskCancelled
 
 
 @dataclass
@@ -44,9 +44,9 @@ class TaskContext:
         return self._cancel.is_set()
 
     def check(self) -> None:
-        """Raise ``CancelledError`` if the task was asked to stop."""
+        """Raise ``TaskCancelled`` if the task was asked to stop."""
         if self._cancel.is_set():
-            raise CancelledError(f"Task {self.task_id} was cancelled.")
+            raise TaskCancelled(f"Task {self.task_id} was cancelled.")
 
     def report(self, phase: str, done: int, total: int, detail: str = "", rate: float | None = None) -> None:
         with self._lock:

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from songserve.errors import CancelledError, ConfigError, RequestError
+from songserve.errors import ConfigError, RequestError, TaskCancelled
 from songserve.pipeline import tokenizer as tk
 from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
 from songserve.pipeline.checkpoints import CheckpointSet
-from songserve.pipeline.codec import Codec, CodecConfig, load_codec
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
+from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, load_decoder
 from songserve.pipeline.export import Mp3Options, write_track
 from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
@@ -73,8 +73,8 @@ class ModelPipeline:
         self.tokenizer: tk.TextTokenizer | None = None
         self.backbones: dict[str, Backbone] = {}
         self.superres: dict[str, SuperRes] = {}
-        self.codec: Codec | None = None
-        self.codec_cfg = CodecConfig()
+        self.decoder: AudioDecoder | None = None
+        self.decoder_cfg = DecoderConfig()
         self.load_sec: dict[str, float] = {}
         self._superres_arch: dict[str, GPTArch] = {}
         self.parked: set[str] = set()  # park mode: stages whose weights wait in host memory now
@@ -94,8 +94,8 @@ class ModelPipeline:
             self.backbones[name] = Backbone(self._gpt(path, "backbone", name), eod, prefill_chunk=self.s.prefill_chunk)
         self.load_sec["backbone"] = round(time.perf_counter() - t0, 3)
         self._load_stage2()
-        assert self.codec is not None
-        self.codec_cfg = self.codec.cfg  # rates and frame size, kept when one_shot unloads the codec
+        assert self.decoder is not None
+        self.decoder_cfg = self.decoder.cfg  # rates and frame size, kept when one_shot unloads the decoder
         self._superres_arch = {n: sr.gpt.arch for n, sr in self.superres.items()}
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
@@ -117,7 +117,7 @@ class ModelPipeline:
     def _modules(self, stage: str) -> list[torch.nn.Module]:
         if stage == "superres":
             return [sr.gpt.model for sr in self.superres.values()]
-        return [self.codec] if self.codec is not None else []
+        return [self.decoder] if self.decoder is not None else []
 
     def _park(self, stage: str) -> None:
         """Weights back to their host copy (pinned on CUDA). The copy is made once, at the first
@@ -172,10 +172,10 @@ class ModelPipeline:
             t0 = time.perf_counter()
             self.superres = {n: SuperRes(self._gpt(p, "superres", n)) for n, p in self.ckpt.superres.items()}
             self.load_sec["superres"] = round(time.perf_counter() - t0, 3)
-        if self.codec is None:
+        if self.decoder is None:
             self.phase_hook("loading_decoder")
             t0 = time.perf_counter()
-            self.codec = load_codec(
+            self.decoder = load_decoder(
                 self.ckpt.decoder_config,
                 self.ckpt.decoder_checkpoint,
                 self.device,
@@ -186,14 +186,14 @@ class ModelPipeline:
     def _unload_stage2(self) -> None:
         """Drop every reference this object holds, then return the memory (callers drop theirs first)."""
         self.superres.clear()
-        self.superres, self.codec = {}, None
+        self.superres, self.decoder = {}, None
         release_memory(self.device)
 
     def loaded(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "backbone_loaded": bool(self.backbones),
             "superres_loaded": bool(self.superres),
-            "decoder_loaded": self.codec is not None,
+            "decoder_loaded": self.decoder is not None,
             "load_sec": dict(self.load_sec),  # the latest load of each stage
         }
         if self.s.runtime_mode == "park":
@@ -206,9 +206,9 @@ class ModelPipeline:
         return {
             "backbone_models": list(self.ckpt.backbones),
             "superres_models": list(self.ckpt.superres),
-            "sample_rate": self.codec_cfg.sample_rate,
-            "frame_rate": round(self.codec_cfg.frame_rate, 2),
-            "channels": self.codec_cfg.channels,
+            "sample_rate": self.decoder_cfg.sample_rate,
+            "frame_rate": round(self.decoder_cfg.frame_rate, 2),
+            "channels": self.decoder_cfg.channels,
             "tiny_checkpoints": self.ckpt.tiny,
             "checkpoint_layout": self.ckpt.layout,
             "checkpoints": dict(self.ckpt.found),
@@ -270,7 +270,7 @@ class ModelPipeline:
     def run_batch(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
         """Several takes of one request (differing only in seed / task id / track index) as batches.
 
-        Returns per take its result or the exception that ended it (``CancelledError`` when only
+        Returns per take its result or the exception that ended it (``TaskCancelled`` when only
         that take was cancelled). A request error (bad model name, too long) raises for all."""
         assert self.tokenizer is not None
         assert reqs
@@ -293,7 +293,7 @@ class ModelPipeline:
         plan = plan_length(
             len(bb_prompt),
             req.duration,
-            self.codec_cfg.frame_rate,
+            self.decoder_cfg.frame_rate,
             context=arch.context_length,
             max_new_tokens=self.s.max_new_tokens,
             min_share=self.min_share(),
@@ -329,7 +329,7 @@ class ModelPipeline:
             if bb is not None:
                 log.info("task %s: backbone %d tokens (%s), batch of %d", r.task_id, bb.new_tokens, bb.stopped_by, B)
         live = [i for i, bb in enumerate(bbs) if bb is not None]
-        results: list[TrackResult | BaseException] = [CancelledError(f"Task {r.task_id} was cancelled.") for r in reqs]
+        results: list[TrackResult | BaseException] = [TaskCancelled(f"Task {r.task_id} was cancelled.") for r in reqs]
         if not live:
             return results
 
@@ -371,7 +371,7 @@ class ModelPipeline:
                     results[i] = self._finish_take(
                         reqs[i], ctxs[i], codes, bb, dict(timings), t_all, B, bb_name, sr_name, len(sr_prompt)
                     )
-                except CancelledError as exc:
+                except TaskCancelled as exc:
                     results[i] = exc
             self._park("decoder")
         finally:
@@ -396,8 +396,8 @@ class ModelPipeline:
     ) -> TrackResult:
         """Decoder and files for one take of a batch."""
         t = time.perf_counter()
-        assert self.codec is not None
-        cfg = self.codec.cfg
+        assert self.decoder is not None
+        cfg = self.decoder.cfg
         ctx.report("decoding", 0, 1)
 
         def on_chunk(done: int, total: int) -> None:
@@ -405,7 +405,7 @@ class ModelPipeline:
             ctx.report("decoding", done, total, f"chunk {done}/{total}")
 
         with torch.inference_mode():
-            wave = self.codec.decode(
+            wave = self.decoder.decode(
                 codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
                 self.s.decode_chunk_frames,
                 self.s.decode_context_frames,

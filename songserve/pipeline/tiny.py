@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from songserve.pipeline.codec import CodecConfig
+from songserve.pipeline.decoder import DecoderConfig
 from songserve.pipeline.gpt import GPTArch
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,14 @@ def tiny_arch(kind: str, text_vocab: int) -> GPTArch:
     return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 64 * CODEBOOK, 16384, 1024)
 
 
-def tiny_codec_config() -> CodecConfig:
-    return CodecConfig(latent_dim=32, n_filters=4, rates=(8, 8, 8, 4), channels=2)
+def tiny_decoder_config() -> DecoderConfig:
+    return DecoderConfig(latent_dim=32, n_filters=4, rates=(8, 8, 8, 4), channels=2)
 
 
 def _build_into(tmp: Path) -> None:
     import yaml
 
-    from songserve.pipeline.codec import Codec, weight_norm_state
+    from songserve.pipeline.decoder import AudioDecoder, weight_norm_state
     from songserve.pipeline.gpt import build_model, save_checkpoint
     from songserve.pipeline.megatron_env import init_megatron
     from songserve.pipeline.tokenizer import SentencePieceTokenizer, train_sentencepiece
@@ -81,14 +81,14 @@ def _build_into(tmp: Path) -> None:
         log.info("%s: %d parameters", kind, sum(p.numel() for p in model.parameters()))
 
     torch.manual_seed(SEED + 2)
-    cfg = tiny_codec_config()
-    codec = Codec(cfg)
+    cfg = tiny_decoder_config()
+    decoder = AudioDecoder(cfg)
     with torch.no_grad():  # DAC-like scale: unit-ish codebooks, Snake alphas of 1
-        for q in codec.quantizer.quantizers:
+        for q in decoder.quantizer.quantizers:
             q.codebook.weight.normal_(0.0, 0.3)  # type: ignore[union-attr,operator]
     (tmp / "decoder").mkdir()
     (tmp / "decoder" / "config.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
-    state = {f"generator.{k}": v for k, v in weight_norm_state(codec.state_dict()).items()}
+    state = {f"generator.{k}": v for k, v in weight_norm_state(decoder.state_dict()).items()}
     torch.save({"state_dict": state}, tmp / "decoder" / "model.pth")
     (tmp / "MANIFEST.json").write_text(
         json.dumps({"tiny_version": TINY_VERSION, "seed": SEED, "untrained": True, "built_at": time.time()}) + "\n"
@@ -132,7 +132,7 @@ def release_arch(kind: str, text_vocab: int) -> GPTArch:
 
 
 def _build_release_into(tmp: Path) -> None:
-    from songserve.pipeline.codec_release import write_release_decoder
+    from songserve.pipeline.decoder_release import write_release_decoder
     from songserve.pipeline.gpt import build_model
     from songserve.pipeline.gpt_checkpoint import release_args, save_release_checkpoint
     from songserve.pipeline.megatron_env import init_megatron

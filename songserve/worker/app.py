@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from songserve import __version__
-from songserve.errors import BusyError, CancelledError, NotFoundError, RequestError, SongserveError
+from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError, TaskCancelled
 from songserve.http_errors import error_response, install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
@@ -140,7 +140,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     async def generate(body: WorkerGenerateRequest) -> JSONResponse:
         try:
             result = await runtime.generate(body)
-        except CancelledError as exc:
+        except TaskCancelled as exc:
             return JSONResponse({"status": "cancelled", "task_id": body.task_id, "error": str(exc)})
         except BusyError:
             raise
@@ -172,7 +172,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             raise first
         out = []
         for task_id, r in results:
-            if isinstance(r, CancelledError):
+            if isinstance(r, TaskCancelled):
                 out.append({"status": "cancelled", "task_id": task_id, "error": str(r)})
             elif isinstance(r, Exception):
                 out.append({"status": "error", "task_id": task_id, "error": str(r)})

@@ -35,11 +35,11 @@ import torch
 
 from songserve.errors import (
     BusyError,
-    CancelledError,
     ConfigError,
     NotFoundError,
     RequestError,
     SongserveError,
+    TaskCancelled,
     TaskError,
     UnavailableError,
 )
@@ -280,7 +280,7 @@ class WorkerRuntime:
         self, task_id: str, got: TrackResult | BaseException, t0: float
     ) -> WorkerGenerateResult | SongserveError:
         """Record one take's outcome; return its result or its error (never raises)."""
-        if isinstance(got, CancelledError):
+        if isinstance(got, TaskCancelled):
             log.info("task %s: cancelled after %.2fs", task_id, time.perf_counter() - t0)
             self._remember(
                 TaskView(task_id=task_id, status=TaskState.cancelled, error=f"Task {task_id} was cancelled.")
@@ -311,7 +311,7 @@ class WorkerRuntime:
             seed=got.seed,
             metadata=got.metadata,
         )
-        self._remember(TaskView(task_id=task_id, status=TaskState.ok, result=out, progress=100))
+        self._remember(TaskView(task_id=task_id, status=TaskState.done, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
         self.metrics.task_done(time.perf_counter() - t0, got.duration_sec, got.metadata.get("timings") or {})
         return out

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from songserve.pipeline.codec import Codec
-from songserve.pipeline.codec_config import CodecConfig
+from songserve.pipeline.decoder import AudioDecoder
+from songserve.pipeline.decoder_config import DecoderConfig
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class ReleaseDecoderSizes:
     num_quantizers: int = 64
     codebook_size: int = 1024
 
-    def codec_config(self) -> CodecConfig:
-        return CodecConfig(
+    def decoder_config(self) -> DecoderConfig:
+        return DecoderConfig(
             latent_dim=self.d_latent,
             n_filters=self.decoder_filters,
             rates=self.rates,
@@ -143,7 +143,7 @@ def generator_state(s: ReleaseDecoderSizes, seed: int) -> dict[str, torch.Tensor
     for name, shape in encoder_shapes(s).items():
         add(name, _random(shape, name, gen))
     with torch.device("meta"):
-        decoder_shapes = {k: tuple(v.shape) for k, v in Codec(s.codec_config()).decoder.state_dict().items()}
+        decoder_shapes = {k: tuple(v.shape) for k, v in AudioDecoder(s.decoder_config()).decoder.state_dict().items()}
     for name, shape in decoder_shapes.items():
         add(f"decoder.{name}", _random(shape, name, gen) * _decoder_scale(name, list(decoder_shapes)[-2]))
     for i in range(s.num_quantizers):

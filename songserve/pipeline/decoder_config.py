@@ -28,7 +28,7 @@ _REF = re.compile(r"\$\{([^${}]+)\}")
 
 
 @dataclass(frozen=True)
-class CodecConfig:
+class DecoderConfig:
     sample_rate: int = 44100
     latent_dim: int = 128
     n_filters: int = 192  # decoder's first conv has n_filters · 2^len(rates) channels
@@ -66,7 +66,7 @@ class CodecConfig:
         }
 
     @classmethod
-    def from_yaml_dict(cls, raw: dict[str, Any], source: str) -> CodecConfig:
+    def from_yaml_dict(cls, raw: dict[str, Any], source: str) -> DecoderConfig:
         """Either schema; the release's is recognised by its ``decoder.rates`` / ``quantizer.num_quantizers``."""
         if not isinstance(raw, dict):
             raise ConfigError(f"Decoder config {source} is not a mapping.")
@@ -88,7 +88,7 @@ class CodecConfig:
         )
 
     @classmethod
-    def _from_release(cls, f: _Fields) -> CodecConfig:
+    def _from_release(cls, f: _Fields) -> DecoderConfig:
         # The encoder is never built, but its section is part of the schema: check it is well formed.
         f.integer("encoder.input_channel")
         f.integer("encoder.n_filters")
@@ -114,7 +114,7 @@ class CodecConfig:
         )
 
     @classmethod
-    def from_dac_kwargs(cls, kw: dict[str, Any]) -> CodecConfig:
+    def from_dac_kwargs(cls, kw: dict[str, Any]) -> DecoderConfig:
         rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
         return cls(
             sample_rate=int(kw.get("sample_rate", 44100)),
@@ -131,7 +131,7 @@ class CodecConfig:
         )
 
 
-def read_codec_config(path: Path) -> CodecConfig:
+def read_decoder_config(path: Path) -> DecoderConfig:
     """Read and validate a decoder YAML file (either schema)."""
     import yaml
 
@@ -142,7 +142,7 @@ def read_codec_config(path: Path) -> CodecConfig:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"Decoder config {path} is not valid YAML: {first}") from None
-    return CodecConfig.from_yaml_dict(raw, str(path))
+    return DecoderConfig.from_yaml_dict(raw, str(path))
 
 
 # ---- ${a.b} interpolation ---------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The DAC-style codec decoder: RVQ dequantisation, then the DAC decoder network.
 
 Written in the project because the ``descript-audio-codec`` package cannot be imported beside
-torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``codec_config``, the checkpoint
+torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``decoder_config``, the checkpoint
 layouts (the release's Lightning file, the tiny set's, DAC's own) and safe, low-memory reading in
-``codec_load``. Weight norm is folded into plain weights at load. Long codes decode in chunks with
+``decoder_load``. Weight norm is folded into plain weights at load. Long codes decode in chunks with
 context on each side, which gives the one-pass output (≥ 12 frames of context) with bounded memory.
 """
 
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from songserve.errors import ConfigError
-from songserve.pipeline.codec_config import CodecConfig, read_codec_config
-from songserve.pipeline.codec_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
+from songserve.pipeline.decoder_config import DecoderConfig, read_decoder_config
+from songserve.pipeline.decoder_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
 
-__all__ = ["Codec", "CodecConfig", "fold_weight_norm", "load_codec", "weight_norm_state"]
+__all__ = ["AudioDecoder", "DecoderConfig", "fold_weight_norm", "load_decoder", "weight_norm_state"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class DecoderBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: CodecConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         width = cfg.n_filters * 2 ** len(cfg.rates)
         layers: list[nn.Module] = [nn.Conv1d(cfg.latent_dim, width, 7, padding=3)]
@@ -98,7 +98,7 @@ class Codebook(nn.Module):
 
 
 class Quantizer(nn.Module):
-    def __init__(self, cfg: CodecConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         factorised = cfg.codebook_dim is not None
         dim = cfg.codebook_dim or cfg.latent_dim
@@ -119,10 +119,10 @@ class Quantizer(nn.Module):
         return z
 
 
-class Codec(nn.Module):
+class AudioDecoder(nn.Module):
     """RVQ + decoder; ``decode`` turns (B, n_q, frames) codes into (B, channels, frames · hop)."""
 
-    def __init__(self, cfg: CodecConfig) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.quantizer = Quantizer(cfg)
@@ -211,15 +211,15 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
                 m._buffers[name] = torch.empty(b.shape, device=device, dtype=b.dtype)
 
 
-def load_codec(
+def load_decoder(
     config_path: Path,
     checkpoint_path: Path,
     device: torch.device,
     *,
     trust_pickle: bool = False,
     dtype: torch.dtype = torch.float32,
-) -> Codec:
-    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``codec_load``).
+) -> AudioDecoder:
+    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``decoder_load``).
 
     Built on the meta device and materialised empty, so no weight is randomly initialised and then
     overwritten; ``trust_pickle`` (the worker's ``TRUST_CHECKPOINT_PICKLE``) allows full unpickling.
@@ -228,21 +228,21 @@ def load_codec(
     raw, mapped = read_checkpoint(checkpoint_path, trust_pickle=trust_pickle)
     if isinstance(raw, dict) and "metadata" in raw and "state_dict" in raw:  # DAC's own format
         meta = raw["metadata"] if isinstance(raw["metadata"], dict) else {}
-        cfg = CodecConfig.from_dac_kwargs(meta.get("kwargs", {}))
+        cfg = DecoderConfig.from_dac_kwargs(meta.get("kwargs", {}))
     else:
-        cfg = read_codec_config(config_path)
+        cfg = read_decoder_config(config_path)
     state = tensors_of(raw, checkpoint_path)
     with torch.device("meta"):
-        codec = Codec(cfg)
-    targets = dict(codec.state_dict(keep_vars=True))
+        decoder = AudioDecoder(cfg)
+    targets = dict(decoder.state_dict(keep_vars=True))
     sources = plan_sources({k: v.shape for k, v in targets.items()}, state, checkpoint_path, config_path, mapped=mapped)
-    _materialise(codec, device, dtype)
-    own = codec.state_dict(keep_vars=True)
+    _materialise(decoder, device, dtype)
+    own = decoder.state_dict(keep_vars=True)
     for name, src in sources.items():
         prepare_destination(own[name].data)
         fill(own[name].data, src, mapped=mapped)
     del raw, state, sources
-    codec = codec.to(device).eval()
+    decoder = decoder.to(device).eval()
     log.info(
         "decoder loaded from %s (%s) in %.2f s: %d codebooks, hop %d, %.1f M parameters",
         checkpoint_path,
@@ -250,6 +250,6 @@ def load_codec(
         time.perf_counter() - t0,
         cfg.n_codebooks,
         cfg.hop,
-        sum(p.numel() for p in codec.parameters()) / 1e6,
+        sum(p.numel() for p in decoder.parameters()) / 1e6,
     )
-    return codec
+    return decoder
