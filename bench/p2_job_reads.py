@@ -26,6 +26,7 @@ def seed_store(state: Path, n: int) -> list[str]:
     """Write n finished 2-track jobs through the job store itself (as the dispatcher would)."""
     from songserve.api.states import TrackStatus
     from songserve.api.store import Job, JobStore, Track
+    from songserve.schemas import GenerateRequest
 
     store = JobStore(state / "jobs.sqlite3")
     ids = []
@@ -50,7 +51,8 @@ def seed_store(state: Path, n: int) -> list[str]:
             )
             for k in range(2)
         ]
-        job = Job(job_id, i + 1, now - 100, {"duration": 3.0, "num_tracks": 2, "tags": "pop"}, "la la", tracks)
+        request = GenerateRequest(duration=3.0, num_tracks=2, tags="pop", lyrics="la la")
+        job = Job(job_id, i + 1, now - 100, request, "la la", tracks)
         store.insert_job(job)
         for t in tracks:
             store.save_track(t)

@@ -122,6 +122,8 @@ class Cluster:
 
     def start_api(self, *extra: str) -> ServerProcess:
         port = self.api.port if self.api else free_port()
+        if self.api is not None:
+            self.api.stop()  # a dispatcher killed by a test: close its log before the next one opens it
         urls = ",".join(w.url for w in self.workers)
         args = [
             "backend_api.py",

@@ -50,9 +50,9 @@ def test_generate_downloads_every_track(cluster, tmp_path):
 
 
 def test_server_error_sentence_and_nonzero_exit(cluster, tmp_path):
-    out = cli("--server", cluster.url, "generate", "--lyrics", "x", "--duration", "99", "--out", str(tmp_path))
+    out = cli("--server", cluster.url, "generate", "--lyrics", "x", "--tracks", "9", "--out", str(tmp_path))
     assert out.returncode == 1
-    assert out.stderr.strip() == "error: Field 'duration': must be between 0.05 and 10.0 minutes."
+    assert out.stderr.strip() == "error: Field 'num_tracks': must be at most 4."
     out = cli("--server", "http://127.0.0.1:9", "status")
     assert out.returncode == 1
     assert "cannot reach" in out.stderr

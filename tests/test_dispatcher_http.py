@@ -58,7 +58,8 @@ def two(tmp_path):
 
 @pytest.fixture
 def one(tmp_path):
-    c = Cluster(tmp_path, workers=1, delay=1.0)
+    # Track by track (no packing into batches): these tests are about the order of single tracks.
+    c = Cluster(tmp_path, workers=1, delay=1.0, api_args=("--pack-tracks", "never"))
     yield c
     c.stop()
 
@@ -92,14 +93,14 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
             "mp3": f"/job/{job_id}/track/{t['index']}/mp3",
             "wav": f"/job/{job_id}/track/{t['index']}/wav",
         }
-        worker = two.workers[t["worker_id"]]
-        result = httpx.get(f"{worker.url}/tasks/{job_id}-{t['index']}-1").json()["result"]
         for kind in ("wav", "mp3"):
             ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}")
-            theirs = httpx.get(f"{worker.url}/download/{result[kind + '_filename']}")
             assert ours.status_code == 200
-            assert ours.content == theirs.content
+            assert len(ours.content) == t["metadata"]["file_bytes"][kind]  # as copied from the worker
             assert ours.headers["content-length"] == str(len(ours.content))
+    # The worker's own copies are removed once collected (DELETE /files/{task_id}).
+    for w in two.workers:
+        wait_for(lambda w=w: httpx.get(w.url + "/health").json()["output_files"] == 0, timeout=10)
     wav = httpx.get(f"{two.url}/job/{job_id}/track/1/wav")
     assert wav.headers["content-type"] == "audio/wav"
     assert "attachment" in wav.headers["content-disposition"]
@@ -284,3 +285,18 @@ def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
         c.api.stop()
     finally:
         w.stop()
+
+
+def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_four(tmp_path):
+    tone = ("--pipeline", "test", "--test-delay-s", "0.5", "--max-batch", "4")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "four").mkdir()
+    with Cluster(tmp_path / "one", workers=1, worker_args=tone) as c:
+        job = c.wait_job(c.submit(num_tracks=4)["job_id"], timeout=60)
+        assert job["status"] == "completed"
+        assert "batch of 4" in c.workers[0].log_tail(100_000)
+    with Cluster(tmp_path / "four", workers=4, worker_args=tone) as c:
+        job = c.wait_job(c.submit(num_tracks=4)["job_id"], timeout=60)
+        assert job["status"] == "completed"
+        assert {t["metadata"]["worker_id"] for t in job["tracks"]} == {0, 1, 2, 3}
+        assert all("batch of 1" in w.log_tail(100_000) for w in c.workers)
