@@ -42,6 +42,7 @@ def test_only_worker_killed_then_restarted_track_completes(tmp_path):
         port = c.workers[0].port
         c.workers[0].signal(signal.SIGKILL)
         c.workers[0].proc.wait(10)
+        c.workers[0].stop()  # closes its log
         time.sleep(1.0)
         assert c.job(a["job_id"])["status"] in ("queued", "pending")  # waiting for a worker, not stuck running
         # The same port as before, so the dispatcher's worker 0 comes back.

@@ -56,12 +56,9 @@ def alive(pid: int) -> bool:
 def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
     env = launcher_env(tmp_path)
     api = f"http://127.0.0.1:{env['API_PORT']}"
+    out = open(tmp_path / "launcher.out", "wb")
     proc = subprocess.Popen(
-        ["bash", "run_backend.sh", "--gpus", "0,1"],
-        cwd=ROOT,
-        env=env,
-        stdout=open(tmp_path / "launcher.out", "wb"),
-        stderr=subprocess.STDOUT,
+        ["bash", "run_backend.sh", "--gpus", "0,1"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
     )
     try:
 
@@ -113,6 +110,8 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         if proc.poll() is None:
             subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, timeout=120)
             proc.kill()
+        proc.wait(timeout=30)
+        out.close()
 
 
 def test_wrong_checkpoint_path_fails_fast_with_the_path(tmp_path):
