@@ -15,10 +15,19 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port never handed out before in this test run: servers started one after another
+    before any binds could otherwise be given the same port (seen: two workers on one port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class ServerProcess:
