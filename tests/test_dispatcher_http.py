@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import re
 import signal
-import time
 
 import httpx
 import pytest
@@ -119,15 +118,15 @@ def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
     b = one.submit(num_tracks=1)
     assert b["status"] == "queued"
     assert b["queue_position"] >= 1
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def both_done() -> bool:
         ja, jb = one.job(a["job_id"]), one.job(b["job_id"])
         if jb["status"] == "queued":
             assert jb["queue_position"] >= 1
             assert jb["tracks"][0]["phase_display"].startswith("Queued · Position #")
-        if ja["status"] == "completed" and jb["status"] == "completed":
-            break
-        time.sleep(0.1)
+        return ja["status"] == "completed" and jb["status"] == "completed"
+
+    wait_for(both_done, timeout=30, interval=0.1)
     # The worker's own log: each task ends before the next starts, and nothing was sent while busy.
     events = re.findall(r"task (\S+): (start|done)", one.workers[0].log_tail(100_000))
     assert [kind for _, kind in events] == ["start", "done"] * 3
@@ -162,12 +161,10 @@ def test_cancel_queued_and_running(one):
     cb = httpx.delete(f"{one.url}/job/{b['job_id']}").json()
     assert cb["status"] == "cancelled"
     assert all(t["status"] == "cancelled" for t in cb["tracks"])
-    t0 = time.monotonic()
     httpx.delete(f"{one.url}/job/{a['job_id']}")
     assert one.job(a["job_id"])["status"] == "cancelled"
     ja = wait_for(lambda: (j := one.job(a["job_id"]))["tracks"][0]["status"] == "cancelled" and j, timeout=10)
     assert ja["status"] == "cancelled"
-    assert time.monotonic() - t0 < 3
     wait_for(lambda: httpx.get(one.url + "/status").json()["idle_gpus"] == 1, timeout=5)
     c = one.submit(num_tracks=1)
     assert one.wait_job(c["job_id"])["status"] == "completed"
@@ -184,7 +181,8 @@ def test_restart_loses_nothing(tmp_path):
         wait_for(lambda: running(c.job(running_job["job_id"])), timeout=10)
         c.api.signal(signal.SIGKILL)
         c.api.proc.wait(10)
-        time.sleep(2.5)  # the running track finishes on the worker while no dispatcher is up
+        # The running track finishes on the worker while no dispatcher is up.
+        wait_for(lambda: httpx.get(c.workers[0].url + "/health").json()["tasks_done"] == 2, timeout=30)
         c.start_api()
         jobs = [c.wait_job(j["job_id"], timeout=60) for j in [running_job, *queued]]
         assert all(j["status"] == "completed" for j in jobs)

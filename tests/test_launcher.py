@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -116,14 +115,12 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
 
 def test_wrong_checkpoint_path_fails_fast_with_the_path(tmp_path):
     env = launcher_env(tmp_path, CHECKPOINTS_DIR=str(tmp_path / "no-such-set"))
-    t0 = time.monotonic()
-    out = subprocess.run(
-        ["bash", "run_backend.sh", "--no-follow"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    out = subprocess.run(  # fails fast: the timeout bounds it (the health wait would take 600 s)
+        ["bash", "run_backend.sh", "--no-follow"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90
     )
     assert out.returncode != 0
     assert str(tmp_path / "no-such-set") in out.stderr
     assert "worker_0.log" in out.stderr
-    assert time.monotonic() - t0 < 60
     assert not any(alive(p) for p in pids(tmp_path / "logs"))
 
 
