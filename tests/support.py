@@ -97,6 +97,12 @@ def start_worker(tmp: Path, *extra: str, env: dict | None = None, name: str = "w
     return ServerProcess(args, port, tmp / f"{name}.log", env)
 
 
+def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Start a worker that must refuse to start (the timeout bounds how fast): its exit and output."""
+    cmd = [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

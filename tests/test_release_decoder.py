@@ -284,25 +284,16 @@ def test_full_size_decoder_matches_a_plain_weight_norm_implementation(tmp_path):
 
 def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_dir, tmp_path, release):
     """Real worker processes: the refusal names the setting; with it set, a track decodes through HTTP."""
-    import subprocess
-    import sys
-
     import httpx
 
-    from tests.support import ROOT, start_worker
+    from tests.support import start_worker, worker_refusal
 
     blob = _blob(release[1])
     blob["callbacks"]["Custom"] = TrainerOnlyState()
     torch.save(blob, tmp_path / "pickled.ckpt")
     flags = ["--checkpoints-dir", str(tiny_dir), "--decoder-config-path", str(release[0])]
     flags += ["--decoder-checkpoint-path", str(tmp_path / "pickled.ckpt")]
-    out = subprocess.run(
-        [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = worker_refusal(*flags)
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("worker: Decoder checkpoint")

@@ -5,14 +5,12 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, start_worker, wait_for
+from tests.support import start_worker, wait_for, worker_refusal
 
 FRAME = 2048 / 44100
 
@@ -163,13 +161,7 @@ def test_bad_request_names_the_field(one_shot):
 
 
 def test_wrong_checkpoint_path_refuses_to_start_with_the_path(tmp_path):
-    out = subprocess.run(  # fails fast: the timeout bounds it
-        [sys.executable, "backend_worker.py", "--worker-port", "1", "--checkpoints-dir", str(tmp_path / "no-such")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = worker_refusal("--checkpoints-dir", str(tmp_path / "no-such"), timeout=60)
     assert out.returncode != 0
     assert str(tmp_path / "no-such") in out.stderr
 
@@ -179,24 +171,7 @@ def test_mismatched_decoder_refuses_with_one_line(tiny_dir, tmp_path):
         "decoder: {n_filters: 8, upsampling_ratios: [8, 8, 8, 4]}\n"
         "quantizer: {n_codebooks: 64, codebook_size: 1024, latent_dim: 32}\n"
     )
-    out = subprocess.run(
-        [
-            sys.executable,
-            "backend_worker.py",
-            "--worker-port",
-            "1",
-            "--master-port",
-            "0",
-            "--checkpoints-dir",
-            str(tiny_dir),
-            "--decoder-config-path",
-            str(tmp_path / "config.yaml"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = worker_refusal("--checkpoints-dir", str(tiny_dir), "--decoder-config-path", str(tmp_path / "config.yaml"))
     assert out.returncode == 2
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("worker: Decoder checkpoint")
