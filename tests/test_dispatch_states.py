@@ -446,3 +446,20 @@ async def test_a_song_longer_than_any_workers_context_is_refused_before_any_work
         assert "context of 25600 tokens" in str(err.value)
         assert f.workers[0].generated == []
         assert (await run_job(f)).status == "completed"  # 0.05 minutes fit
+
+
+@aio
+async def test_cancelling_a_queued_job_moves_the_jobs_behind_it_up_the_queue(tmp_path):
+    async with FakeFleet(tmp_path) as f:
+        hold = asyncio.Event()
+        f.workers[0].plans.append(Plan(release=hold))
+        running_job = f.svc.submit(body()).job_id
+        await until(lambda: f.workers[0].task_id is not None)
+        first, second = f.svc.submit(body()).job_id, f.svc.submit(body()).job_id
+        assert f.svc.view(second).queue_position == 2
+        await f.svc.cancel(first)
+        assert f.svc.view(second).queue_position == 1
+        hold.set()
+        await until(finished(f, running_job))
+        await until(finished(f, second))
+        assert f.svc.view(second).status == "completed"

@@ -177,7 +177,7 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
         for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
             job = svc.dispatcher.jobs[job_id]
             job.finished_at = time.time() - age + n
-            svc.dispatcher.cancel_queued(job, job.tracks[0])
+            svc.dispatcher.cancel_queued(job)
             svc.dispatcher.finish_if_done(job)
             p = svc.artifacts.path(job_id, 0, "wav")
             p.parent.mkdir(parents=True)

@@ -213,9 +213,7 @@ class JobService:
             return self.view(job_id)  # finished: a no-op
         job.cancelled = True
         self.store.save_job(job, terminal=False)
-        for t in job.tracks:
-            if t.status is TrackStatus.queued:
-                d.cancel_queued(job, t)
+        d.cancel_queued(job)
         running = [t for t in job.tracks if t.status.running]
         log.info("job %s: cancel (%d running tracks)", job_id, len(running))
         for t in running:

@@ -95,9 +95,6 @@ class TrackBook:
         self.positions = {(e.job_id, e.index): i + 1 for i, e in enumerate(ordered)}
         self.changes.touch()
 
-    def dequeue(self, key: Key) -> None:
-        self.queue.pop(key, None)
-
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         if t.task_id != task_id or t.status.terminal:
             log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
@@ -198,9 +195,13 @@ class TrackBook:
             raise
         self.changes.touch()
 
-    def cancel_queued(self, job: Job, t: Track) -> None:
-        self._set(t, TrackStatus.cancelled, finished_at=time.time())
-        self.dequeue((job.job_id, t.index))
+    def cancel_queued(self, job: Job) -> None:
+        """The job's queued tracks leave the queue as cancelled; the others' positions move up."""
+        for t in job.tracks:
+            if t.status is TrackStatus.queued:
+                self._set(t, TrackStatus.cancelled, finished_at=time.time())
+                self.queue.pop((job.job_id, t.index), None)
+        self._reorder()
 
     def finish_if_done(self, job: Job) -> None:
         if not all(t.status.terminal for t in job.tracks):
