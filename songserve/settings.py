@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -153,6 +154,20 @@ class DispatcherSettings(BaseSettings):
     result_ttl_sec: float = Field(24 * 3600.0, gt=0, description="finished jobs and files are removed after this")
     results_max_mb: float = Field(10_240.0, gt=0, description="results folder cap; oldest finished jobs go first")
     sweep_interval_sec: float = Field(60.0, gt=0, description="seconds between retention sweeps")
+    store_url: str = Field(
+        "",
+        description="empty = SQLite in STATE_DIR (one dispatcher); postgresql://… = a store several dispatchers share",
+    )
+    store_pool_size: int = Field(10, ge=1, le=200, description="PostgreSQL: connections per dispatcher")
+    results_dir: Path | None = Field(
+        None, description="finished files; unset = STATE_DIR/results (may be shared storage)"
+    )
+    dispatcher_id: str = Field(
+        "", max_length=200, description="this dispatcher's name in a shared store; unset = <hostname>:<port>"
+    )
+    lease_ttl_sec: float = Field(
+        5.0, ge=0.5, le=300, description="a dead dispatcher's workers and tracks move to another after this"
+    )
     store_damaged: Literal["refuse", "move-aside"] = Field(
         "refuse", description="a damaged jobs.sqlite3 at start-up: refuse to start, or move it aside and start fresh"
     )
@@ -184,10 +199,24 @@ class DispatcherSettings(BaseSettings):
     )
     log_level: str = "INFO"
 
-    @field_validator("tags_file", mode="before")
+    @field_validator("tags_file", "results_dir", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if value and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be empty (SQLite in STATE_DIR) or a postgresql:// URL")
+        return value
+
+    def results_path(self) -> Path:
+        return self.results_dir or self.state_dir / "results"
+
+    def my_id(self) -> str:
+        """The name this dispatcher writes on its tracks and leases: stable across its restarts."""
+        return self.dispatcher_id or f"{socket.gethostname()}:{self.port}"
 
     def worker_list(self) -> list[str]:
         urls = [u.strip().rstrip("/") for u in self.worker_urls.split(",") if u.strip()]

@@ -21,7 +21,8 @@ import httpx
 
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService
-from songserve.api.store import JobStore
+from songserve.api.store_sqlite import SqliteStore
+from songserve.schemas import JobView
 from songserve.settings import DispatcherSettings
 
 
@@ -205,7 +206,7 @@ class FakeFleet:
         self.svc = self.new_service()
 
     def new_service(self) -> JobService:
-        store = JobStore(self.tmp / "jobs.sqlite3")
+        store = SqliteStore(self.tmp / "jobs.sqlite3")
         return JobService(self.settings, store, ArtifactStore(self.tmp / "results"), self.http)
 
     async def __aenter__(self) -> FakeFleet:
@@ -214,7 +215,11 @@ class FakeFleet:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.svc.stop()
-        self.svc.store.close()
+        await self.svc.store.close()
+
+    async def holds(self, job_id: str, check: Callable[[JobView], bool]) -> bool:
+        """Whether the job's current view passes ``check`` (for ``until``)."""
+        return check(await self.svc.view(job_id))
 
 
 async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:

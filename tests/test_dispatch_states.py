@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
 
 from songserve.api.service import GoneError, StoreUnavailable
+from songserve.api.store import StoreError
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest, JobView
 from tests.fake_fleet import FakeFleet, Plan, until
@@ -35,13 +35,13 @@ def body(tracks: int = 1) -> GenerateRequest:
 
 
 def finished(f: FakeFleet, job_id: str) -> Callable[[], bool]:
-    return lambda: all(t.status in ("done", "error", "cancelled") for t in f.svc.view(job_id).tracks)
+    return lambda: f.holds(job_id, lambda v: all(t.status in ("done", "error", "cancelled") for t in v.tracks))
 
 
 async def run_job(f: FakeFleet, tracks: int = 1) -> JobView:
-    job_id = f.svc.submit(body(tracks)).job_id
+    job_id = (await f.svc.submit(body(tracks))).job_id
     await until(finished(f, job_id))
-    return f.svc.view(job_id)
+    return await f.svc.view(job_id)
 
 
 @aio
@@ -108,16 +108,16 @@ async def test_progress_from_the_workers_health_moves_the_track_through_its_phas
     async with FakeFleet(tmp_path) as f:
         release = asyncio.Event()
         f.workers[0].plans.append(Plan(release=release))
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
         f.workers[0].phase, f.workers[0].progress = "superres", 50
-        await until(lambda: f.svc.view(job_id).tracks[0].status == "superres")
-        t = f.svc.view(job_id).tracks[0]
+        await until(lambda: f.holds(job_id, lambda v: v.tracks[0].status == "superres"))
+        t = (await f.svc.view(job_id)).tracks[0]
         assert t.progress == 80  # 70 + 20 × 50 %
         assert t.phase_display == "Super-Resolution Generating · 50%"
         release.set()
         await until(finished(f, job_id))
-        assert f.svc.view(job_id).tracks[0].progress == 100
+        assert (await f.svc.view(job_id)).tracks[0].progress == 100
 
 
 @aio
@@ -144,12 +144,12 @@ async def test_a_track_past_its_deadline_is_stopped_and_run_again(tmp_path):
 async def test_concurrent_stops_of_one_attempt_collapse_into_one_retry(tmp_path):
     async with FakeFleet(tmp_path, n=2) as f:
         f.workers[0].plans.append(Plan(release=asyncio.Event()))
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
         for reason in ("worker 0 went offline", "worker 0 stalled", "past its deadline"):
             f.svc.dispatcher.stop_attempt((job_id, 0), reason)
         await until(finished(f, job_id))
-        view = f.svc.view(job_id)
+        view = await f.svc.view(job_id)
         assert view.status == "completed"
         assert view.tracks[0].attempts == 2
         assert len(f.workers[0].cancels) == 1
@@ -160,11 +160,11 @@ async def test_concurrent_stops_of_one_attempt_collapse_into_one_retry(tmp_path)
 async def test_the_user_cancel_stops_the_running_track_and_frees_its_worker(tmp_path):
     async with FakeFleet(tmp_path) as f:
         f.workers[0].plans.append(Plan(release=asyncio.Event()))
-        job_id = f.svc.submit(body(tracks=2)).job_id
+        job_id = (await f.svc.submit(body(tracks=2))).job_id
         await until(lambda: f.workers[0].task_id is not None)
         await f.svc.cancel(job_id)
         await until(finished(f, job_id))
-        view = f.svc.view(job_id)
+        view = await f.svc.view(job_id)
         assert view.status == "cancelled"
         assert [t.status for t in view.tracks] == ["cancelled", "cancelled"]
         assert f.workers[0].cancels == [f.workers[0].generated[0]]
@@ -177,14 +177,14 @@ async def test_after_a_restart_a_task_that_finished_meanwhile_is_collected_not_r
     release = asyncio.Event()
     f.workers[0].plans.append(Plan(release=release))
     async with f:
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
     release.set()  # the worker finishes while no dispatcher runs
     await until(lambda: bool(f.workers[0].finished))
     f.svc = f.new_service()
     async with f:
         await until(finished(f, job_id))
-        view = f.svc.view(job_id)
+        view = await f.svc.view(job_id)
     assert view.status == "completed"
     assert view.tracks[0].attempts == 1
     assert len(f.workers[0].generated) == 1
@@ -195,13 +195,13 @@ async def test_after_a_restart_a_task_the_worker_forgot_runs_again(tmp_path):
     f = FakeFleet(tmp_path)
     f.workers[0].plans.append(Plan(release=asyncio.Event()))
     async with f:
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
     f.workers[0].forget, f.workers[0].task_id = True, None  # it restarted
     f.svc = f.new_service()
     async with f:
         await until(finished(f, job_id))
-        view = f.svc.view(job_id)
+        view = await f.svc.view(job_id)
     assert view.status == "completed"
     assert view.tracks[0].attempts == 2
 
@@ -210,19 +210,19 @@ async def test_after_a_restart_a_task_the_worker_forgot_runs_again(tmp_path):
 async def test_a_store_write_failure_keeps_the_track_queued_until_the_store_recovers(tmp_path):
     async with FakeFleet(tmp_path) as f:
         store = f.svc.store
-        real_save, failures = store.save_track, []
+        real_claim, failures = store.claim, []
 
-        def failing_save(t):  # type: ignore[no-untyped-def]
+        async def failing_claim(tracks):  # type: ignore[no-untyped-def]
             if len(failures) < 4:
-                failures.append(t.status)
-                raise sqlite3.OperationalError("database or disk is full")
-            real_save(t)
+                failures.append(tracks[0].status)
+                raise StoreError("database or disk is full")
+            return await real_claim(tracks)
 
-        store.save_track = failing_save  # type: ignore[method-assign]
-        job_id = f.svc.submit(body()).job_id
-        assert f.svc.view(job_id).tracks[0].status == "queued"  # accepted; the write to start it failed
+        store.claim = failing_claim  # type: ignore[method-assign]
+        job_id = (await f.svc.submit(body())).job_id
+        assert (await f.svc.view(job_id)).tracks[0].status == "queued"  # accepted; the write to start it failed
         await until(finished(f, job_id))
-        assert f.svc.view(job_id).status == "completed"
+        assert (await f.svc.view(job_id)).status == "completed"
         assert len(failures) == 4
 
 
@@ -230,15 +230,15 @@ async def test_a_store_write_failure_keeps_the_track_queued_until_the_store_reco
 async def test_a_failed_write_at_submit_is_refused_and_leaves_no_job_behind(tmp_path):
     async with FakeFleet(tmp_path) as f:
 
-        def full(job):  # type: ignore[no-untyped-def]
-            raise sqlite3.OperationalError("database or disk is full")
+        async def full(job):  # type: ignore[no-untyped-def]
+            raise StoreError("database or disk is full")
 
         f.svc.store.insert_job = full  # type: ignore[method-assign]
         with pytest.raises(StoreUnavailable) as err:
-            f.svc.submit(body())
+            await f.svc.submit(body())
         assert err.value.http_status == 507
         assert err.value.headers == {"Retry-After": "30"}
-        assert f.svc.store.counts() == {}
+        assert await f.svc.store.counts() == {}
         assert not f.svc.dispatcher.queue
 
 
@@ -247,7 +247,7 @@ async def test_a_background_loop_survives_failing_iterations_and_reports_them(tm
     async with FakeFleet(tmp_path, sweep_interval_sec=0.01) as f:
         calls = []
 
-        def sweep(now=None):  # type: ignore[no-untyped-def]
+        async def sweep(now=None):  # type: ignore[no-untyped-def]
             calls.append(now)
             if len(calls) <= 3:
                 raise OSError("results disk unreadable")
@@ -302,12 +302,12 @@ async def test_a_worker_failing_tracks_for_environment_reasons_is_benched_and_sh
         f.workers[0].plans.extend([disk_full, disk_full])
         hold = asyncio.Event()
         f.workers[1].plans.append(Plan(release=hold))  # keep worker 1 busy: worker 0 gets both tracks
-        first = f.svc.submit(body()).job_id
+        first = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[1].task_id is not None)
-        second = f.svc.submit(body()).job_id
-        await until(lambda: f.svc.status()["workers"][0]["status"] == "degraded")
+        second = (await f.svc.submit(body())).job_id
+        await until(lambda: f.svc.dispatcher.pool.workers[0].view.value == "degraded")
         assert len(f.workers[0].generated) == 2
-        assert "environment failures in a row" in f.svc.status()["workers"][0]["degraded_reason"]
+        assert "environment failures in a row" in (await f.svc.status())["workers"][0]["degraded_reason"]
         hold.set()  # worker 1 frees up and takes both tracks; worker 0 stays benched
         for job_id in (first, second):
             assert (await until_done(f, job_id)).status == "completed"
@@ -316,14 +316,14 @@ async def test_a_worker_failing_tracks_for_environment_reasons_is_benched_and_sh
 
 async def until_done(f: FakeFleet, job_id: str) -> JobView:
     await until(finished(f, job_id))
-    return f.svc.view(job_id)
+    return await f.svc.view(job_id)
 
 
 @aio
 async def test_a_worker_with_a_nearly_full_disk_gets_no_track(tmp_path):
     async with FakeFleet(tmp_path, n=2) as f:
         f.workers[0].disk_low = True
-        await until(lambda: f.svc.status()["workers"][0]["status"] == "degraded")
+        await until(lambda: f.svc.dispatcher.pool.workers[0].view.value == "degraded")
         view = await run_job(f, tracks=2)
         assert view.status == "completed"
         assert f.workers[0].generated == []
@@ -332,10 +332,10 @@ async def test_a_worker_with_a_nearly_full_disk_gets_no_track(tmp_path):
 @aio
 async def test_an_idempotency_key_reused_with_another_body_is_refused(tmp_path):
     async with FakeFleet(tmp_path) as f:
-        first = f.svc.submit(body(), idempotency_key="k1")
-        assert f.svc.submit(body(), idempotency_key="k1").job_id == first.job_id
+        first = await f.svc.submit(body(), idempotency_key="k1")
+        assert (await f.svc.submit(body(), idempotency_key="k1")).job_id == first.job_id
         with pytest.raises(FieldError) as err:
-            f.svc.submit(body(tracks=2), idempotency_key="k1")
+            await f.svc.submit(body(tracks=2), idempotency_key="k1")
         assert err.value.detail[0]["loc"] == ["body", "Idempotency-Key"]
 
 
@@ -347,7 +347,7 @@ async def test_a_done_tracks_missing_or_damaged_file_answers_gone(tmp_path):
         f.svc.artifacts.path(view.job_id, 0, "wav").write_bytes(b"")
         for kind in ("mp3", "wav"):
             with pytest.raises(GoneError) as err:
-                f.svc.track_file(view.job_id, 0, kind)
+                await f.svc.track_file(view.job_id, 0, kind)
             assert err.value.http_status == 410
 
 
@@ -363,7 +363,7 @@ async def test_retention_removes_results_folders_that_no_job_owns(tmp_path):
         (orphan / "track_0.wav").write_bytes(b"x")
         old = time.time() - 3600
         os.utime(orphan, (old, old))
-        f.svc.retention.sweep()
+        await f.svc.retention.sweep()
         assert not orphan.exists()
         assert f.svc.artifacts.has(kept.job_id, 0, "wav")
 
@@ -374,19 +374,19 @@ async def test_a_track_whose_outcome_could_not_be_stored_runs_again_once_the_sto
         store = f.svc.store
         real_save, full = store.save_track, [True]
 
-        def save(t):  # type: ignore[no-untyped-def]
+        async def save(t, seen):  # type: ignore[no-untyped-def]
             if full[0] and t.status.value in ("done", "queued"):
-                raise sqlite3.OperationalError("database or disk is full")
-            real_save(t)
+                raise StoreError("database or disk is full")
+            await real_save(t, seen)
 
         store.save_track = save  # type: ignore[method-assign]
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: bool(f.workers[0].finished))  # it ran; "done" and the retry could not be written
         await until(lambda: not f.svc.dispatcher.running)
-        assert f.svc.view(job_id).tracks[0].status == "generating"
+        assert (await f.svc.view(job_id)).tracks[0].status == "generating"
         full[0] = False  # space returns: the watchdog's repair re-queues it, and it runs again
         await until(finished(f, job_id))
-        assert f.svc.view(job_id).status == "completed"
+        assert (await f.svc.view(job_id)).status == "completed"
 
 
 @aio
@@ -412,10 +412,10 @@ async def test_each_take_of_a_batch_moves_with_its_own_progress_and_finishes(tmp
     async with FakeFleet(tmp_path, max_batch=2, pack_tracks="always") as f:
         hold = asyncio.Event()
         f.workers[0].plans.append(Plan(release=hold))
-        job_id = f.svc.submit(body(tracks=2)).job_id
+        job_id = (await f.svc.submit(body(tracks=2))).job_id
         await until(lambda: len(f.workers[0].running) == 2)
         f.workers[0].phase, f.workers[0].progress = "superres", 50
-        await until(lambda: all(t.status == "superres" for t in f.svc.view(job_id).tracks))
+        await until(lambda: f.holds(job_id, lambda v: all(t.status == "superres" for t in v.tracks)))
         hold.set()
         view = await until_done(f, job_id)
         assert view.status == "completed"
@@ -427,12 +427,12 @@ async def test_the_phase_line_shows_the_token_rate_and_count_like_the_reference(
     async with FakeFleet(tmp_path) as f:
         hold = asyncio.Event()
         f.workers[0].plans.append(Plan(release=hold))
-        job_id = f.svc.submit(body()).job_id
+        job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
         f.workers[0].progress, f.workers[0].detail, f.workers[0].rate = 42, "1100/3360 tokens", 180.4
         line = "Backbone generating · 42% · 180 tok/s · 1100 tokens"
-        await until(lambda: f.svc.view(job_id).tracks[0].phase_display == line)
-        assert f.svc.view(job_id).tracks[0].progress == 1 + 69 * 42 // 100
+        await until(lambda: f.holds(job_id, lambda v: v.tracks[0].phase_display == line))
+        assert (await f.svc.view(job_id)).tracks[0].progress == 1 + 69 * 42 // 100
         hold.set()
         await until(finished(f, job_id))
 
@@ -441,7 +441,7 @@ async def test_the_phase_line_shows_the_token_rate_and_count_like_the_reference(
 async def test_a_song_longer_than_any_workers_context_is_refused_before_any_work(tmp_path):
     async with FakeFleet(tmp_path) as f:
         with pytest.raises(FieldError) as err:
-            f.svc.submit(GenerateRequest(lyrics="x", duration=10, num_tracks=1))
+            await f.svc.submit(GenerateRequest(lyrics="x", duration=10, num_tracks=1))
         assert err.value.detail[0]["loc"] == ["body", "duration"]
         assert "context of 25600 tokens" in str(err.value)
         assert f.workers[0].generated == []
@@ -453,13 +453,13 @@ async def test_cancelling_a_queued_job_moves_the_jobs_behind_it_up_the_queue(tmp
     async with FakeFleet(tmp_path) as f:
         hold = asyncio.Event()
         f.workers[0].plans.append(Plan(release=hold))
-        running_job = f.svc.submit(body()).job_id
+        running_job = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
-        first, second = f.svc.submit(body()).job_id, f.svc.submit(body()).job_id
-        assert f.svc.view(second).queue_position == 2
+        first, second = (await f.svc.submit(body())).job_id, (await f.svc.submit(body())).job_id
+        assert (await f.svc.view(second)).queue_position == 2
         await f.svc.cancel(first)
-        assert f.svc.view(second).queue_position == 1
+        assert (await f.svc.view(second)).queue_position == 1
         hold.set()
         await until(finished(f, running_job))
         await until(finished(f, second))
-        assert f.svc.view(second).status == "completed"
+        assert (await f.svc.view(second)).status == "completed"

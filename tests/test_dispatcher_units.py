@@ -12,7 +12,7 @@ from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService, QueueFull
 from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
-from songserve.api.store import JobStore
+from songserve.api.store_sqlite import SqliteStore
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
@@ -133,7 +133,7 @@ def service(tmp_path):
     async def make(**settings):
         s = DispatcherSettings(state_dir=tmp_path, num_workers=0, **settings)
         client = httpx.AsyncClient()
-        svc = JobService(s, JobStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), client)
+        svc = JobService(s, SqliteStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), client)
         return svc
 
     return make
@@ -148,11 +148,11 @@ def test_validation_names_the_field(service):
             ({"lyrics": " ★ \u200b "}, "lyrics"),
         ]:
             with pytest.raises(FieldError) as err:
-                svc.submit(GenerateRequest(**body))
+                await svc.submit(GenerateRequest(**body))
             assert err.value.detail[0]["loc"] == ["body", field]
             assert field in str(err.value)
         # instrumental needs no lyrics
-        assert svc.submit(GenerateRequest(mode="instrumental", duration=1.0)).num_tracks == 2
+        assert (await svc.submit(GenerateRequest(mode="instrumental", duration=1.0))).num_tracks == 2
 
     asyncio.run(go())
 
@@ -160,11 +160,11 @@ def test_validation_names_the_field(service):
 def test_queue_bound_answers_queue_full_with_retry_after(service):
     async def go():
         svc = await service(max_queue=5)
-        svc.submit(GenerateRequest(lyrics="x", num_tracks=4))
+        await svc.submit(GenerateRequest(lyrics="x", num_tracks=4))
         with pytest.raises(QueueFull) as err:
-            svc.submit(GenerateRequest(lyrics="x", num_tracks=2))
+            await svc.submit(GenerateRequest(lyrics="x", num_tracks=2))
         assert int(err.value.headers["Retry-After"]) >= 1
-        svc.submit(GenerateRequest(lyrics="x", num_tracks=1))
+        await svc.submit(GenerateRequest(lyrics="x", num_tracks=1))
 
     asyncio.run(go())
 
@@ -172,22 +172,22 @@ def test_queue_bound_answers_queue_full_with_retry_after(service):
 def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(service, tmp_path):
     async def go():
         svc = await service(result_ttl_sec=3600, results_max_mb=1.0)
-        ids = [svc.submit(GenerateRequest(lyrics="x", num_tracks=1)).job_id for _ in range(4)]
+        ids = [(await svc.submit(GenerateRequest(lyrics="x", num_tracks=1))).job_id for _ in range(4)]
         # Finish three of them by hand: a day old, fresh with a big file, fresh with a small file.
         for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
             job = svc.dispatcher.jobs[job_id]
             job.finished_at = time.time() - age + n
-            svc.dispatcher.cancel_queued(job)
-            svc.dispatcher.finish_if_done(job)
+            await svc.dispatcher.cancel_queued(job)
+            await svc.dispatcher.finish_if_done(job)
             p = svc.artifacts.path(job_id, 0, "wav")
             p.parent.mkdir(parents=True)
             p.write_bytes(b"\0" * size)
-        removed = svc.retention.sweep()
+        removed = await svc.retention.sweep()
         assert removed == 2  # the expired one, then the oldest fresh one until under 1 MB
-        assert svc.store.load_job(ids[0]) is None
-        assert svc.store.load_job(ids[1]) is None
-        assert svc.store.load_job(ids[2]) is not None
-        assert svc.store.load_job(ids[3]) is not None
+        assert await svc.store.load_job(ids[0]) is None
+        assert await svc.store.load_job(ids[1]) is None
+        assert await svc.store.load_job(ids[2]) is not None
+        assert await svc.store.load_job(ids[3]) is not None
         assert not (tmp_path / "results" / ids[0]).exists()
 
     asyncio.run(go())

@@ -6,6 +6,7 @@ and the orphan scan.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
 import subprocess
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from songserve.api import migrations
+from songserve.api import migrations_sqlite as migrations
 from songserve.api.artifacts import ArtifactStore
-from songserve.api.migrations import SCHEMA_VERSION, Migration
+from songserve.api.migrations_sqlite import SCHEMA_VERSION, Migration
 from songserve.api.states import TrackStatus
-from songserve.api.store import Job, JobStore, Track, diagnose, move_aside, prepare_store
+from songserve.api.store import Job, Track
+from songserve.api.store_sqlite import SqliteStore, diagnose, move_aside, prepare_store
 from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest
 from tests.support import ROOT, ServerProcess, free_port
@@ -41,10 +43,14 @@ def _job(job_id: str, seq: int) -> Job:
 def _filled_store(state: Path, jobs: int = 60) -> Path:
     """A real store with enough rows to span several pages; closed, so the WAL is folded back in."""
     path = state / STORE
-    store = JobStore(path)
-    for i in range(jobs):
-        store.insert_job(_job(f"{i:08x}aa", i + 1))
-    store.close()
+    store = SqliteStore(path)
+
+    async def fill() -> None:
+        for i in range(jobs):
+            await store.insert_job(_job(f"{i:08x}aa", i + 1))
+        await store.close()
+
+    asyncio.run(fill())
     assert not path.with_name(STORE + "-wal").exists() or path.with_name(STORE + "-wal").stat().st_size == 0
     return path
 
@@ -151,7 +157,7 @@ def test_move_aside_starts_a_fresh_store_and_says_so(tmp_path: Path) -> None:
 def test_missing_and_empty_without_results_are_new(tmp_path: Path) -> None:
     path = tmp_path / STORE
     assert prepare_store(path, "refuse", tmp_path / "results") is None
-    assert JobStore(path).db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert SqliteStore(path).db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     other = tmp_path / "b" / STORE
     other.parent.mkdir()
     other.write_bytes(b"")
@@ -170,9 +176,9 @@ def test_move_aside_keeps_wal_and_data(tmp_path: Path) -> None:
     assert moved is not None
     assert moved.name.startswith(f"{STORE}.damaged-")
     assert moved.read_bytes() == garbled
-    store = JobStore(path)
-    assert list(store.active_jobs()) == []
-    store.close()
+    store = SqliteStore(path)
+    assert asyncio.run(store.active_jobs()) == []
+    store.db.close()
     second = _filled_store(tmp_path / "again")
     _garble_data_pages(second)
     (tmp_path / "again" / f"{STORE}.damaged-x").write_bytes(b"")
@@ -193,16 +199,23 @@ def test_move_aside_takes_the_side_files(tmp_path: Path) -> None:
 
 
 def test_unversioned_store_is_migrated_with_its_rows(tmp_path: Path) -> None:
-    """A store from before versioning (user_version 0, tables present) comes forward intact."""
-    path = _filled_store(tmp_path, jobs=3)
-    db = sqlite3.connect(path)
+    """A store from before versioning (user_version 0, version 1's tables) comes forward intact."""
+    path = tmp_path / STORE
+    db = sqlite3.connect(path, isolation_level=None)
+    migrations.migrate(db, migrations.MIGRATIONS[:1])
+    for i in range(3):
+        db.execute(
+            "INSERT INTO jobs (job_id, seq, created_at, request, cleaned_lyrics, num_tracks) VALUES (?, ?, 1, ?, 'x', 1)",
+            (f"{i:08x}aa", i + 1, GenerateRequest(lyrics="x").model_dump_json()),
+        )
+        db.execute("INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, 0, 'queued', 1)", (f"{i:08x}aa",))
     db.execute("PRAGMA user_version = 0")
     db.close()
     assert prepare_store(path) is None
-    store = JobStore(path)
+    store = SqliteStore(path)
     assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert len(list(store.active_jobs())) == 3
-    store.close()
+    assert len(asyncio.run(store.active_jobs())) == 3
+    store.db.close()
 
 
 def test_a_new_migration_applies_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +248,7 @@ def test_jobstore_refuses_newer_schema(tmp_path: Path) -> None:
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
     db.close()
     with pytest.raises(ConfigError, match=f"{path}.*newer than this build"):
-        JobStore(path)
+        SqliteStore(path)
 
 
 def test_orphans_are_result_folders_without_a_job(tmp_path: Path) -> None:
@@ -248,10 +261,16 @@ def test_orphans_are_result_folders_without_a_job(tmp_path: Path) -> None:
     assert arts.orphans({"bbbb2222"}) == []  # all just written: their rows may be newer than the ids
     assert arts.orphans({"bbbb2222"}, min_age_sec=0) == ["aaaa1111", "cccc3333"]
     assert arts.orphans({"aaaa1111", "bbbb2222", "cccc3333"}, min_age_sec=0) == []
-    store = JobStore(tmp_path / STORE)
-    store.insert_job(_job("aaaa1111", 1))
-    assert arts.orphans(store.job_ids(), min_age_sec=0) == ["bbbb2222", "cccc3333"]
-    assert store.load_job("aaaa1111").tracks[0].status is TrackStatus.queued
+    store = SqliteStore(tmp_path / STORE)
+
+    async def check() -> None:
+        await store.insert_job(_job("aaaa1111", 1))
+        assert arts.orphans(await store.job_ids(), min_age_sec=0) == ["bbbb2222", "cccc3333"]
+        loaded = await store.load_job("aaaa1111")
+        assert loaded is not None
+        assert loaded.tracks[0].status is TrackStatus.queued
+
+    asyncio.run(check())
 
 
 def test_a_locked_store_is_refused_but_never_moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.routes import router
 from songserve.api.service import JobService
 from songserve.api.store import JobStore
+from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
@@ -25,22 +26,31 @@ STATIC = Path(__file__).resolve().parent.parent / "web"
 PAGE = {"/", "/index.html", "/app.js", "/style.css", "/tags"}
 
 
+async def open_store(s: DispatcherSettings) -> JobStore:
+    """The store the settings name: PostgreSQL when ``STORE_URL`` is set, else SQLite in the state folder."""
+    if s.store_url:
+        from songserve.api.store_pg import PgStore  # psycopg is needed only here
+
+        return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size)
+    return SqliteStore(s.state_dir / "jobs.sqlite3")
+
+
 def create_app(s: DispatcherSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
         async with httpx.AsyncClient(headers=headers, limits=limits) as http:
-            store = JobStore(s.state_dir / "jobs.sqlite3")
+            store = await open_store(s)
             app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
-            app.state.service = svc = JobService(s, store, ArtifactStore(s.state_dir / "results"), http)
-            await svc.start()
+            app.state.service = svc = JobService(s, store, ArtifactStore(s.results_path()), http)
             try:
+                await svc.start()
                 yield
             finally:
                 await svc.drain(s.drain_timeout_sec)
                 await svc.stop()
-                store.close()
+                await store.close()
 
     app = FastAPI(
         title="songserve",
@@ -57,7 +67,12 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Range"],
     )
     if s.api_key:
-        app.add_middleware(BearerAuth, token=s.api_key, exempt={"/health", *(PAGE if s.public_page else ())})
+        app.add_middleware(
+            BearerAuth,
+            token=s.api_key,
+            exempt={"/health", *(PAGE if s.public_page else ())},
+            exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
+        )
     app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
     app.include_router(router)
     if STATIC.is_dir():

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 
 from songserve.api import tags
-from songserve.api.store import prepare_store
+from songserve.api.store_sqlite import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import DispatcherSettings, load_settings, log_non_default
 
 log = logging.getLogger("songserve.api")
+
+
+async def _check_pg(s: DispatcherSettings) -> None:
+    """Connect and migrate the PostgreSQL store once (under its lock), so a bad STORE_URL fails in one line."""
+    from songserve.api.store_pg import PgStore
+
+    store = await PgStore.open(s.store_url, s.my_id(), pool_size=1)
+    log.info("job store: %s (shared; this dispatcher is %s)", store.where, s.my_id())
+    await store.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,8 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging("api", s.log_level)
     log_non_default(s)
-    try:  # a damaged store refuses start-up here, in one line, before uvicorn starts
-        prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.state_dir / "results")
+    try:  # a damaged or unreachable store refuses start-up here, in one line, before uvicorn starts
+        if s.store_url:
+            asyncio.run(_check_pg(s))
+        else:
+            prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.results_path())
     except ConfigError as exc:
         print(f"dispatcher: {exc}", file=sys.stderr)
         return 2

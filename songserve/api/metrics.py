@@ -89,7 +89,7 @@ class _LiveState(Collector):
         yield GaugeMetricFamily("songserve_queue_length", "Tracks waiting for a worker.", value=len(d.queue))
         yield GaugeMetricFamily("songserve_running_tracks", "Tracks running on workers.", value=len(d.running))
         stored = GaugeMetricFamily("songserve_tracks", "Stored tracks by status.", labels=["status"])
-        counts = d.store.counts()
+        counts = d.counts  # refreshed by the membership loop (a scrape never waits on the store)
         for status in TrackStatus:
             stored.add_metric([status.value], counts.get(status.value, 0))
         yield stored

@@ -24,18 +24,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import httpx
 
+from songserve.api.store import Key, WorkerRow
 from songserve.api.worker_client import WorkerClient, WorkerUnreachable
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, int]  # (job_id, track index)
 
 
 class WorkerView(StrEnum):
@@ -65,6 +64,9 @@ class WorkerHandle:
     env_failures: int = 0  # tracks failed in a row for environment reasons
     benched_until: float = 0.0  # monotonic
     bench_reason: str = ""
+    announced: bool = False  # it joined by announcing itself (else a dispatcher's WORKER_URLS lists it)
+    leased: bool = False  # this dispatcher holds its lease: the only one that sends it tasks now
+    lease_owner: str | None = None  # who held its lease at the last membership check
     _progress_mark: tuple[object, ...] = ()
 
     @property
@@ -93,7 +95,8 @@ class WorkerHandle:
         reported = self.health.status
         fresh = self.health_sent_at >= self.trust_after
         ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
-        return self.online and not self.assigned and ready and self.health.accepting and not self.degraded_reason
+        healthy = ready and self.health.accepting and not self.degraded_reason
+        return self.leased and self.online and not self.assigned and healthy
 
     @property
     def max_batch(self) -> int:
@@ -193,26 +196,57 @@ class WorkerHandle:
             "kind": self.client.kind,
             "degraded_reason": self.degraded_reason or None,
             "disk_free_mb": h.disk_free_mb,
+            "joined": "announced" if self.announced else "configured",
+            "leased_by": self.lease_owner,
         }
 
 
 class WorkerPool:
+    """The workers of the shared registry (``sync``), polled for health; each change reported to ``on_change``."""
+
     def __init__(
         self,
-        urls: list[str],
         http: httpx.AsyncClient,
         interval: float,
         offline_after: int,
-        on_change: Callable[[WorkerHandle, WorkerView], None],
+        on_change: Callable[[WorkerHandle, WorkerView], Awaitable[None]],
     ) -> None:
-        self.workers = [WorkerHandle(i, WorkerClient(http, u)) for i, u in enumerate(urls)]
+        self.http = http
+        self._by_id: dict[int, WorkerHandle] = {}
         self.interval = interval
         self.offline_after = offline_after
         self.on_change = on_change
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._by_id.values())
+
     def by_id(self, worker_id: int) -> WorkerHandle | None:
-        return self.workers[worker_id] if 0 <= worker_id < len(self.workers) else None
+        return self._by_id.get(worker_id)
+
+    def sync(self, rows: list[WorkerRow]) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """Follow the registry: returns the workers that joined and those that left since the last call."""
+        live = {r.worker_id: r for r in rows}
+        left = [w for wid, w in self._by_id.items() if wid not in live or live[wid].url != w.url]
+        for w in left:
+            del self._by_id[w.worker_id]
+            log.info("worker %d (%s) left the pool", w.worker_id, w.url)
+        joined: list[WorkerHandle] = []
+        for r in rows:
+            found = self._by_id.get(r.worker_id)
+            if found is None:
+                found = self._by_id[r.worker_id] = WorkerHandle(r.worker_id, WorkerClient(self.http, r.url))
+                joined.append(found)
+                log.info(
+                    "worker %d (%s) joined the pool (%s)",
+                    r.worker_id,
+                    r.url,
+                    "announced" if r.announced else "configured",
+                )
+            found.announced, found.lease_owner = r.announced, r.lease_owner
+        self._by_id = dict(sorted(self._by_id.items()))
+        return joined, left
 
     def available(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.available]
@@ -240,9 +274,9 @@ class WorkerPool:
         return names
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        await asyncio.gather(*(self.poll(w) for w in self.workers))
 
-    async def _poll(self, w: WorkerHandle) -> None:
+    async def poll(self, w: WorkerHandle) -> None:
         before, sent_at = w.view, time.monotonic()
         try:
             w.note_health(await w.client.health(timeout=max(2.0, 2 * self.interval)), sent_at)
@@ -259,7 +293,7 @@ class WorkerPool:
         if w.view != before:
             log.info("worker %d: %s → %s (%s worker)", w.worker_id, before.value, w.view.value, w.client.kind)
         try:
-            self.on_change(w, before)
+            await self.on_change(w, before)
         except Exception:  # e.g. the store could not write a phase change: the next poll tries again
             log.exception("worker %d: applying its health failed", w.worker_id)
 

@@ -1,6 +1,7 @@
 """Retention: finished jobs and their files leave after their TTL, and oldest first over the size cap.
 
-Active jobs are never touched: only jobs the store marks terminal are candidates. Results folders
+With several dispatchers on one store, one sweeps at a time (the store's ``exclusive`` lock: an
+advisory lock on PostgreSQL). Active jobs are never touched: only jobs the store marks terminal are candidates. Results folders
 that no job in the store owns (a store replaced after damage, a crash between a delete and its
 folder's removal) are reported and removed once they are a few minutes old.
 """
@@ -23,22 +24,22 @@ class Retention:
         self.ttl_sec = ttl_sec
         self.max_bytes = max_mb * 2**20
 
-    def sweep(self, now: float | None = None) -> int:
+    async def sweep(self, now: float | None = None) -> int:
         """Remove expired jobs, then the oldest finished ones while over the cap; returns how many."""
         now = time.time() if now is None else now
         removed = 0
-        for job_id in self.store.expired_jobs(now - self.ttl_sec):
-            self._remove(job_id)
+        for job_id in await self.store.expired_jobs(now - self.ttl_sec):
+            await self._remove(job_id)
             removed += 1
         total = self.artifacts.total_bytes()
         if total > self.max_bytes:
-            for job_id in self.store.finished_jobs_oldest_first():
+            for job_id in await self.store.finished_jobs_oldest_first():
                 total -= self.artifacts.job_bytes(job_id)
-                self._remove(job_id)
+                await self._remove(job_id)
                 removed += 1
                 if total <= self.max_bytes:
                     break
-        for job_id in self.artifacts.orphans(self.store.job_ids()):
+        for job_id in self.artifacts.orphans(await self.store.job_ids()):
             log.warning("retention: removing results folder %s, which no job in the store owns", job_id)
             self.artifacts.remove_job(job_id)
             removed += 1
@@ -46,6 +47,6 @@ class Retention:
             log.info("retention: removed %d finished jobs or orphaned folders", removed)
         return removed
 
-    def _remove(self, job_id: str) -> None:
+    async def _remove(self, job_id: str) -> None:
         self.artifacts.remove_job(job_id)
-        self.store.delete_job(job_id)
+        await self.store.delete_job(job_id)

@@ -9,7 +9,7 @@ from songserve import __version__
 from songserve.api import metrics
 from songserve.api.service import JobService
 from songserve.http_errors import error_response
-from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
 
 router = APIRouter()
 
@@ -26,12 +26,12 @@ Service = Depends(service)
 async def generate(
     req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200), svc: JobService = Service
 ) -> GenerateAccepted:
-    return svc.submit(req, idempotency_key)
+    return await svc.submit(req, idempotency_key)
 
 
 @router.get("/job/{job_id}", response_model=JobView)
 async def job(job_id: str, svc: JobService = Service) -> JobView:
-    return svc.view(job_id)
+    return await svc.view(job_id)
 
 
 @router.delete("/job/{job_id}", response_model=JobView)
@@ -41,13 +41,13 @@ async def cancel(job_id: str, svc: JobService = Service) -> JobView:
 
 @router.api_route("/job/{job_id}/track/{idx}/{kind}", methods=["GET", "HEAD"])
 async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
-    f = svc.track_file(job_id, idx, kind)
+    f = await svc.track_file(job_id, idx, kind)
     return FileResponse(f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition)
 
 
 @router.get("/job/{job_id}/events")
 async def events(job_id: str, request: Request, svc: JobService = Service) -> StreamingResponse:
-    svc.view(job_id)  # 404 before the stream starts
+    await svc.view(job_id)  # 404 before the stream starts
     return StreamingResponse(
         svc.events(job_id, request.is_disconnected),
         media_type="text/event-stream",
@@ -57,7 +57,7 @@ async def events(job_id: str, request: Request, svc: JobService = Service) -> St
 
 @router.get("/status")
 async def status(svc: JobService = Service) -> dict[str, object]:
-    return svc.status()
+    return await svc.status()
 
 
 @router.get("/tags")
@@ -76,7 +76,7 @@ async def ready(svc: JobService = Service) -> JSONResponse:
     ok, reason = svc.ready()
     if not ok:
         return error_response(503, reason)
-    workers = sum(w["status"] in ("idle", "busy") for w in svc.status()["workers"])  # type: ignore[attr-defined]
+    workers = sum(w.view.value in ("idle", "busy") for w in svc.dispatcher.pool.workers)
     return JSONResponse({"status": "ready", "workers_ready": workers})
 
 
@@ -88,3 +88,18 @@ async def config(svc: JobService = Service) -> dict[str, object]:
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prom(svc: JobService = Service) -> Response:
     return Response(svc.dispatcher.metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+
+@router.post("/workers", response_model=WorkerAnnounced)
+async def announce(
+    body: WorkerAnnouncement, authorization: str | None = Header(None), svc: JobService = Service
+) -> WorkerAnnounced:
+    """A worker started with ``--announce`` joins the pool (the worker token, not the API key)."""
+    return await svc.announce(body, authorization)
+
+
+@router.delete("/workers/{worker_id}")
+async def withdraw(
+    worker_id: int, authorization: str | None = Header(None), svc: JobService = Service
+) -> dict[str, object]:
+    return await svc.withdraw(worker_id, authorization)

@@ -1,16 +1,18 @@
 """The job service: what the dispatcher's routes call.
 
-Submit, view, cancel, a track's files, a job's event stream, status, readiness and config. The
-track state machine behind it lives in ``dispatch.py``; retention in ``retention.py``. Active jobs
-live in memory and in the store; finished ones only in the store and the results folder.
+Submit, view, cancel, a track's files, a job's event stream, status, readiness, config, and
+workers announcing themselves. The track state machine behind it lives in ``tracks.py`` and
+``dispatch.py``; retention in ``retention.py``. Active jobs live in memory and in the store;
+finished ones only in the store and the results folder. With a shared store any dispatcher answers
+for any job: what is not in its memory is read from the store.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import secrets
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -24,10 +26,10 @@ from songserve.api.dispatch import Dispatcher
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
-from songserve.api.store import Job, JobStore, Track
+from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
 from songserve.api.views import job_view
 from songserve.errors import FieldError, NotFoundError, RequestError, SongserveError, UnavailableError
-from songserve.schemas import GenerateAccepted, GenerateRequest, JobView
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,14 @@ class StoreUnavailable(SongserveError):
         )
         self.http_status = 507 if full else 503
         self.headers = {"Retry-After": "30"}
+
+
+class AnnounceRefused(SongserveError):
+    """A worker's announcement without the right token (401), or announcing is off here (403)."""
+
+    def __init__(self, message: str, http_status: int) -> None:
+        super().__init__(message)
+        self.http_status = http_status
 
 
 class GoneError(SongserveError):
@@ -90,7 +100,9 @@ class JobService:
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         async def sweep() -> None:
-            self.retention.sweep()
+            async with self.store.exclusive("retention") as mine:
+                if mine:  # with several dispatchers on one store, one sweeps at a time
+                    await self.retention.sweep()
 
         await self.dispatcher.start([("retention", sweep, self.s.sweep_interval_sec)])
 
@@ -136,24 +148,14 @@ class JobService:
                 f"tokens (max_sequence_length), which holds about {context / per_minute:.1f} minutes",
             )
 
-    def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
+    async def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         norm = self._normalize(req)
         req, lyrics = norm.request, norm.cleaned_lyrics
-        if idempotency_key and (existing := self.store.job_by_key(idempotency_key)):
-            fields = set(GenerateRequest.model_fields)
-            if self._load(existing).request.model_dump(include=fields) != req.model_dump(include=fields):
-                raise FieldError("Idempotency-Key", "was already used with a different request body")
-            view = self.view(existing)
-            return GenerateAccepted(
-                status="queued" if view.queue_position else "accepted",
-                job_id=existing,
-                num_tracks=len(view.tracks),
-                queue_position=view.queue_position,
-                adjusted=norm.adjusted,
-            )
+        if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
+            return await self._existing(existing, req, norm)
         if len(d.queue) + req.num_tracks > self.s.max_queue:
             retry = max(1, int(d.speed.queue_wait(len(d.queue), d.pool.online_count())))
             raise QueueFull(f"The queue is full ({len(d.queue)} tracks waiting); try again later.", retry)
@@ -162,7 +164,7 @@ class JobService:
         try:
             job = Job(
                 job_id=job_id,
-                seq=self.store.next_seq(),
+                seq=0,  # the store numbers it
                 created_at=time.time(),
                 request=req,
                 cleaned_lyrics=lyrics,
@@ -170,15 +172,17 @@ class JobService:
                 idempotency_key=idempotency_key or None,
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
             )
-            self.store.insert_job(job)  # one transaction: a failed submit leaves no row behind
-        except sqlite3.Error as exc:
+            await self.store.insert_job(job)  # one transaction: a failed submit leaves no row behind
+        except DuplicateKey as dup:  # the same key just now, at this or another dispatcher
+            return await self._existing(dup.job_id, req, norm)
+        except StoreError as exc:
             log.error("submit: the store cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
         if norm.adjusted:
             log.info("job %s: read as the reference reads it: %s", job_id, norm.adjusted)
         idle = len(d.pool.available())
-        d.add(job)
+        await d.add(job)
         position = self._job_position(job)
         accepted = idle >= req.num_tracks or position == 0
         return GenerateAccepted(
@@ -189,9 +193,25 @@ class JobService:
             adjusted=norm.adjusted,
         )
 
+    async def _existing(self, job_id: str, req: GenerateRequest, norm: NormalizedRequest) -> GenerateAccepted:
+        """The answer to a repeated Idempotency-Key: the job it made, if the body is the same."""
+        fields = set(GenerateRequest.model_fields)
+        if (await self._load(job_id)).request.model_dump(include=fields) != req.model_dump(include=fields):
+            raise FieldError("Idempotency-Key", "was already used with a different request body")
+        view = await self.view(job_id)
+        return GenerateAccepted(
+            status="queued" if view.queue_position else "accepted",
+            job_id=job_id,
+            num_tracks=len(view.tracks),
+            queue_position=view.queue_position,
+            adjusted=norm.adjusted,
+        )
+
     # ---- view and cancel ------------------------------------------------------------------------
-    def _load(self, job_id: str) -> Job:
-        job = self.dispatcher.jobs.get(job_id) or (self.store.load_job(job_id) if JOB_ID.match(job_id) else None)
+    async def _load(self, job_id: str) -> Job:
+        job = self.dispatcher.jobs.get(job_id)
+        if job is None and JOB_ID.match(job_id):
+            job = await self.store.load_job(job_id)
         if job is None:
             raise NotFoundError(f"Job {job_id} not found.")
         return job
@@ -200,20 +220,22 @@ class JobService:
         pos = [p for t in job.tracks if (p := self.dispatcher.positions.get((job.job_id, t.index)))]
         return min(pos) if pos else 0
 
-    def view(self, job_id: str) -> JobView:
+    async def view(self, job_id: str) -> JobView:
         d = self.dispatcher
-        job = self._load(job_id)
+        job = await self._load(job_id)
         eta = d.speed.job_eta(job, d.positions, d.pool.online_count()) if job_id in d.jobs else None
         return job_view(job, d.positions, eta)
 
     async def cancel(self, job_id: str) -> JobView:
         d = self.dispatcher
-        job = self._load(job_id)
-        if job_id not in d.jobs or job_status((t.status for t in job.tracks), job.cancelled) in TERMINAL_JOB:
-            return self.view(job_id)  # finished: a no-op
+        job = await self._load(job_id)
+        if job.terminal or job_status((t.status for t in job.tracks), job.cancelled) in TERMINAL_JOB:
+            return await self.view(job_id)  # finished: a no-op
+        await self.store.mark_cancelled(job_id)  # any dispatcher running its tracks stops them on this
         job.cancelled = True
-        self.store.save_job(job, terminal=False)
-        d.cancel_queued(job)
+        if job_id not in d.jobs:  # not in this dispatcher's view yet (just submitted elsewhere)
+            d.merge(job_id, job)
+        await d.cancel_queued(job)
         running = [t for t in job.tracks if t.status.running]
         log.info("job %s: cancel (%d running tracks)", job_id, len(running))
         for t in running:
@@ -226,14 +248,14 @@ class JobService:
                     known = False
             if not known:
                 d.stop_attempt((job_id, t.index), "cancelled by the user")
-        d.finish_if_done(job)
+        await d.finish_if_done(job)
         d.changes.touch()
-        return self.view(job_id)
+        return await self.view(job_id)
 
-    def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
+    async def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
         if kind not in MEDIA:
             raise NotFoundError(f"No such file kind {kind!r}; use mp3 or wav.")
-        view = self.view(job_id)
+        view = await self.view(job_id)
         if not 0 <= idx < len(view.tracks):
             raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
         track = view.tracks[idx]
@@ -254,7 +276,7 @@ class JobService:
         last = None
         while not await disconnected():
             before = changes.version
-            view = self.view(job_id)
+            view = await self.view(job_id)
             body = view.model_dump_json()
             if body != last:
                 last = body
@@ -265,7 +287,7 @@ class JobService:
                 yield ": keep-alive\n\n"
 
     # ---- reporting ------------------------------------------------------------------------------
-    def status(self) -> dict[str, object]:
+    async def status(self) -> dict[str, object]:
         d = self.dispatcher
         workers = [w.public() for w in d.pool.workers]
         return {
@@ -275,7 +297,10 @@ class JobService:
             "queued_jobs": len({jid for jid, _ in d.queue}),
             "queued_tracks": len(d.queue),
             "running_tracks": len(d.running),
-            "tracks_by_status": self.store.counts(),
+            "dispatcher_id": d.me,
+            "dispatchers": sorted(d.alive),
+            "store": self.store.where,
+            "tracks_by_status": await self.store.counts(),
             "uptime_sec": round(time.time() - self.started_at, 1),
             "accepting": d.accepting,
             "loops_failing": d.loops.failing(),
@@ -294,6 +319,33 @@ class JobService:
         if not any(w.view.value in ("idle", "busy") for w in d.pool.workers):
             return False, "No worker is ready."
         return True, ""
+
+    # ---- workers that join and leave ------------------------------------------------------------
+    def _check_worker_token(self, authorization: str | None) -> None:
+        token = self.s.worker_token
+        if not token:
+            raise AnnounceRefused("Announcing is off here: start the dispatcher with a WORKER_TOKEN.", 403)
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise AnnounceRefused("Authorization: a worker announces itself with Bearer <WORKER_TOKEN>.", 401)
+
+    async def announce(self, body: WorkerAnnouncement, authorization: str | None) -> WorkerAnnounced:
+        """A worker joins (or renews its registration) for ``ttl_sec``; every dispatcher on the store sees it."""
+        self._check_worker_token(authorization)
+        worker_id = await self.store.register_worker(body.url.rstrip("/"), body.ttl_sec, announced=True)
+        if self.dispatcher.pool.by_id(worker_id) is None:
+            log.info("worker %d (%s) announced itself for %.0fs", worker_id, body.url, body.ttl_sec)
+            self.dispatcher.membership_soon()
+        return WorkerAnnounced(worker_id=worker_id, expires_in_sec=body.ttl_sec)
+
+    async def withdraw(self, worker_id: int, authorization: str | None) -> dict[str, object]:
+        """A worker leaves: no new tracks; a track it still runs is retried elsewhere."""
+        self._check_worker_token(authorization)
+        if not await self.store.withdraw_worker(worker_id):
+            raise NotFoundError(f"Worker {worker_id} is not registered.")
+        log.info("worker %d left", worker_id)
+        self.dispatcher.membership_soon()
+        return {"worker_id": worker_id, "left": True}
 
     def config(self) -> dict[str, object]:
         s, pool = self.s, self.dispatcher.pool

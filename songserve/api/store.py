@@ -1,39 +1,33 @@
-"""The job store: jobs and tracks in SQLite (WAL) under the state folder.
+"""The job store's interface: what the dispatcher keeps so that a restart, or another dispatcher, can go on.
 
-Everything a restart needs is here: the request, each track's status, attempts, worker, task id,
-timings and metadata. The dispatcher's queue is rebuilt from it at start-up. All calls come from
-the event-loop thread; each is a short local transaction.
+Two engines behind one ``JobStore`` protocol (every method async):
+- SQLite (``store_sqlite.py``, the default): one file under the state folder, nothing to install, one
+  dispatcher;
+- PostgreSQL (``store_pg.py``, ``STORE_URL=postgresql://…``): several dispatchers share one queue. A
+  track is claimed by exactly one of them (``FOR UPDATE SKIP LOCKED``), each worker is leased to one
+  dispatcher at a time (a lease row renewed by a heartbeat), and every change is announced with
+  ``NOTIFY`` so the others can show it.
 
-A store that cannot be trusted is never opened quietly (``prepare_store``): a file that is not
-SQLite, fails ``PRAGMA quick_check``, is empty while results exist beside it, or carries a newer
-schema refuses start-up with one line naming the file and what to do; with ``STORE_DAMAGED=move-aside``
-a damaged file is renamed ``jobs.sqlite3.damaged-<UTC stamp>`` and a fresh store begins, said in
-one log line. The schema itself is versioned and migrated forward in ``migrations.py``.
+The rules both engines keep, so the dispatcher's code is the same over either:
+- a track row changes only by compare-and-set on its (status, owner) as the writer last saw them
+  (``save_track`` raises ``StaleTrack`` when another dispatcher changed it first);
+- a queued track leaves the queue only through ``claim`` (or ``save_track`` to cancelled/error);
+- a job is finished in the store when its last track is terminal (``finish_job``), whoever ran it;
+- times are seconds since the epoch; lease expiry is measured on the store's clock.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import logging
-import os
-import sqlite3
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Protocol
 
-from songserve.api.migrations import SCHEMA_VERSION, NewerSchemaError, migrate, user_version
 from songserve.api.states import TrackStatus
-from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest
 
-log = logging.getLogger(__name__)
-SQLITE_HEADER = b"SQLite format 3\x00"
-DamagePolicy = Literal["refuse", "move-aside"]
-DAMAGE_WORDS = ("malformed", "not a database", "corrupt")  # SQLite's words for a broken file
+Key = tuple[str, int]  # (job_id, track index)
 
 
 @dataclass
@@ -45,171 +39,168 @@ class Track:
     attempts: int = 0
     worker_id: int = -1
     task_id: str | None = None
+    owner: str | None = None  # the dispatcher that runs it (None while queued or finished)
     error: str | None = None
     duration_sec: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    # live, not persisted: refreshed from the worker's /health while the track runs
+    # the worker's progress while it runs (stored, throttled, so any dispatcher can show it)
     worker_phase: str = "idle"  # a WorkerPhase word
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
     phase_rate: float | None = None  # tokens per second, in the backbone
+    # live, not stored
     queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
     avoid_worker: int = -1  # its last attempt failed there for an environment reason: prefer another
     env_failures: int = 0  # attempts that failed for environment reasons (not counted as attempts)
+
+    @property
+    def key(self) -> Key:
+        return (self.job_id, self.index)
+
+
+STORED_TRACK_FIELDS = (
+    "status", "seed", "attempts", "worker_id", "task_id", "owner", "error", "duration_sec", "started_at",
+    "finished_at", "metadata", "worker_phase", "phase_progress", "phase_detail", "phase_rate",
+)  # fmt: skip
+PROGRESS_FIELDS = ("worker_phase", "phase_progress", "phase_detail", "phase_rate")
 
 
 @dataclass
 class Job:
     job_id: str
-    seq: int
+    seq: int  # submission order, given by the store
     created_at: float
     request: GenerateRequest  # as accepted (after normalisation)
     cleaned_lyrics: str
     tracks: list[Track]
     priority: int = 0
     cancelled: bool = False
+    terminal: bool = False  # every track ended and the job is finished in the store
     started_at: float | None = None
     finished_at: float | None = None
     idempotency_key: str | None = None
 
 
-class JobStore:
-    """The open store. Open it after ``prepare_store`` has checked it (the dispatcher's entry does)."""
+@dataclass(frozen=True)
+class WorkerRow:
+    """A worker in the shared registry: configured on a dispatcher (static) or announced by itself."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        try:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("PRAGMA foreign_keys=ON")
-            migrate(self.db)
-        except NewerSchemaError as exc:
-            self.db.close()
-            raise ConfigError(_newer_message(path, exc)) from None
-        except sqlite3.DatabaseError as exc:
-            self.db.close()
-            raise ConfigError(f"The job store {path} cannot be opened ({exc}).") from None
-
-    def close(self) -> None:
-        self.db.close()
-
-    def next_seq(self) -> int:
-        row = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()
-        return int(row[0])
-
-    def insert_job(self, job: Job) -> None:
-        with self.db:
-            self.db.execute("BEGIN")
-            self.db.execute(
-                "INSERT INTO jobs (job_id, seq, created_at, priority, request, cleaned_lyrics, num_tracks, idempotency_key)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    job.job_id,
-                    job.seq,
-                    job.created_at,
-                    job.priority,
-                    job.request.model_dump_json(),
-                    job.cleaned_lyrics,
-                    len(job.tracks),
-                    job.idempotency_key,
-                ),
-            )
-            self.db.executemany(
-                "INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, ?, ?, ?)",
-                [(t.job_id, t.index, t.status.value, t.seed) for t in job.tracks],
-            )
-
-    def save_track(self, t: Track) -> None:
-        self.db.execute(
-            "UPDATE tracks SET status=?, seed=?, attempts=?, worker_id=?, task_id=?, error=?, duration_sec=?,"
-            " started_at=?, finished_at=?, metadata=? WHERE job_id=? AND idx=?",
-            (
-                t.status.value,
-                t.seed,
-                t.attempts,
-                t.worker_id,
-                t.task_id,
-                t.error,
-                t.duration_sec,
-                t.started_at,
-                t.finished_at,
-                json.dumps(t.metadata),
-                t.job_id,
-                t.index,
-            ),
-        )
-
-    def save_job(self, job: Job, terminal: bool) -> None:
-        self.db.execute(
-            "UPDATE jobs SET started_at=?, finished_at=?, cancelled=?, terminal=? WHERE job_id=?",
-            (job.started_at, job.finished_at, int(job.cancelled), int(terminal), job.job_id),
-        )
-
-    def job_by_key(self, key: str) -> str | None:
-        row = self.db.execute("SELECT job_id FROM jobs WHERE idempotency_key=?", (key,)).fetchone()
-        return row[0] if row else None
-
-    def load_job(self, job_id: str) -> Job | None:
-        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        if row is None:
-            return None
-        tracks = self.db.execute("SELECT * FROM tracks WHERE job_id=? ORDER BY idx", (job_id,)).fetchall()
-        return _job(row, tracks)
-
-    def active_jobs(self) -> Iterator[Job]:
-        for row in self.db.execute("SELECT * FROM jobs WHERE terminal=0 ORDER BY seq").fetchall():
-            tracks = self.db.execute("SELECT * FROM tracks WHERE job_id=? ORDER BY idx", (row["job_id"],)).fetchall()
-            yield _job(row, tracks)
-
-    def expired_jobs(self, older_than: float) -> list[str]:
-        rows = self.db.execute(
-            "SELECT job_id FROM jobs WHERE terminal=1 AND finished_at < ? ORDER BY finished_at", (older_than,)
-        ).fetchall()
-        return [r[0] for r in rows]
-
-    def finished_jobs_oldest_first(self) -> list[str]:
-        rows = self.db.execute("SELECT job_id FROM jobs WHERE terminal=1 ORDER BY finished_at").fetchall()
-        return [r[0] for r in rows]
-
-    def job_ids(self) -> set[str]:
-        """Every job id in the store (for the orphan scan of the results folder)."""
-        return {r[0] for r in self.db.execute("SELECT job_id FROM jobs").fetchall()}
-
-    def delete_job(self, job_id: str) -> None:
-        self.db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
-
-    def counts(self) -> dict[str, int]:
-        rows = self.db.execute("SELECT status, COUNT(*) FROM tracks GROUP BY status").fetchall()
-        return {r[0]: int(r[1]) for r in rows}
-
-    def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]:
-        """(backbone model, wall seconds per audio second) of recently finished tracks."""
-        rows = self.db.execute(
-            "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
-            " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT ?",
-            (limit,),
-        ).fetchall()
-        out = []
-        for r in rows:
-            model = json.loads(r["metadata"]).get("models", {}).get("backbone", "")
-            out.append((model, (r["finished_at"] - r["started_at"]) / r["duration_sec"]))
-        return out
+    worker_id: int
+    url: str
+    announced: bool
+    lease_owner: str | None  # the dispatcher that may send it tasks now (None: free or expired)
 
 
-def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
+class StaleTrack(Exception):
+    """A track changed in the store since this dispatcher read it (another dispatcher got there first)."""
+
+    def __init__(self, key: Key) -> None:
+        super().__init__(f"track {key[0]}/{key[1]} changed in the store meanwhile")
+        self.key = key
+
+
+class DuplicateKey(Exception):
+    """The Idempotency-Key belongs to a job already stored (perhaps submitted at another dispatcher)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"the Idempotency-Key belongs to job {job_id}")
+        self.job_id = job_id
+
+
+class StoreError(Exception):
+    """The store could not be reached or could not write (disk full, I/O error, connection lost)."""
+
+
+class JobStore(Protocol):
+    shared: bool  # several dispatchers may use it at once (events cross processes)
+    where: str  # for logs: the file, or the server without its password
+
+    async def close(self) -> None: ...
+
+    # jobs and tracks
+    async def insert_job(self, job: Job) -> None:
+        """Store a new job and its tracks in one transaction; sets ``job.seq``. Raises ``DuplicateKey``."""
+
+    async def claim(self, tracks: list[Track]) -> set[int]:
+        """Claim queued tracks of one job, in the given order, skipping any another dispatcher holds.
+
+        ``tracks`` carry the state to write (running, owned by the claimer); returns the indices won."""
+
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
+        """Write ``t`` if its row still has the (status, owner) ``seen``; else raise ``StaleTrack``."""
+
+    async def save_progress(self, t: Track) -> None:
+        """Write the worker's progress of a running track (the owner's throttled updates)."""
+
+    async def mark_started(self, job_id: str, at: float) -> None: ...
+    async def mark_cancelled(self, job_id: str) -> None: ...
+
+    async def finish_job(self, job_id: str, at: float) -> bool:
+        """Mark the job terminal if every track is; returns whether it is terminal now."""
+
+    async def is_cancelled(self, job_id: str) -> bool: ...
+    async def job_by_key(self, key: str) -> str | None: ...
+    async def load_job(self, job_id: str) -> Job | None: ...
+    async def active_jobs(self) -> list[Job]: ...
+    async def running_on(self, worker_id: int) -> list[Key]: ...
+    async def expired_jobs(self, older_than: float) -> list[str]: ...
+    async def finished_jobs_oldest_first(self) -> list[str]: ...
+    async def job_ids(self) -> set[str]: ...
+    async def delete_job(self, job_id: str) -> None: ...
+    async def counts(self) -> dict[str, int]: ...
+    async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]: ...
+
+    # workers, dispatchers and leases
+    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
+        """Add or renew a worker's registration for ``ttl`` seconds; returns its id (stable per URL)."""
+
+    async def withdraw_worker(self, worker_id: int) -> bool: ...
+    async def live_workers(self) -> list[WorkerRow]: ...
+
+    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
+        """Renew this dispatcher's presence; returns the ids of the live dispatchers (itself included)."""
+
+    async def leave(self, dispatcher_id: str) -> None:
+        """This dispatcher stops: its presence and its leases end now."""
+
+    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
+        """Extend the leases ``owner`` still holds; returns their worker ids."""
+
+    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
+        """Take the worker's lease if it is free, expired or already ours."""
+
+    async def release_lease(self, owner: str, worker_id: int) -> None: ...
+
+    # events and one-at-a-time work
+    def listen(self, on_change: Callable[[str], None]) -> AbstractAsyncContextManager[None]:
+        """While entered, ``on_change(job_id)`` is called for changes made by other dispatchers."""
+
+    def exclusive(self, name: str) -> AbstractAsyncContextManager[bool]:
+        """Yields True to the one dispatcher that holds ``name`` now (retention sweeps), False to the others."""
+
+
+def work_ratios(rows: Iterable[tuple[str, float, float, float]]) -> list[tuple[str, float]]:
+    """(backbone model, wall seconds per audio second) from (metadata JSON, started, finished, duration)."""
+    out = []
+    for metadata, started, finished, duration in rows:
+        model = json.loads(metadata).get("models", {}).get("backbone", "")
+        out.append((model, (finished - started) / duration))
+    return out
+
+
+def job_from_row(row: Any, tracks: Iterable[Any]) -> Job:
+    """A ``Job`` from a jobs row and its tracks rows (both engines' rows read by column name)."""
     return Job(
         job_id=row["job_id"],
-        seq=row["seq"],
+        seq=int(row["seq"]),
         created_at=row["created_at"],
         request=GenerateRequest.model_validate_json(row["request"]),
         cleaned_lyrics=row["cleaned_lyrics"],
         priority=row["priority"],
         cancelled=bool(row["cancelled"]),
+        terminal=bool(row["terminal"]),
         started_at=row["started_at"],
         finished_at=row["finished_at"],
         idempotency_key=row["idempotency_key"],
@@ -222,121 +213,27 @@ def _job(row: sqlite3.Row, tracks: list[sqlite3.Row]) -> Job:
                 attempts=t["attempts"],
                 worker_id=t["worker_id"],
                 task_id=t["task_id"],
+                owner=t["owner"],
                 error=t["error"],
                 duration_sec=t["duration_sec"],
                 started_at=t["started_at"],
                 finished_at=t["finished_at"],
-                metadata=json.loads(t["metadata"]),
+                metadata=json.loads(t["metadata"]) if isinstance(t["metadata"], str) else t["metadata"],
+                worker_phase=t["worker_phase"],
+                phase_progress=t["phase_progress"],
+                phase_detail=t["phase_detail"],
+                phase_rate=t["phase_rate"],
             )
             for t in tracks
         ],
     )
 
 
-# -- start-up check ---------------------------------------------------------------------------------
-
-
-def _newer_message(path: Path, exc: NewerSchemaError) -> str:
-    return (
-        f"The job store {path} has schema version {exc.found}, newer than this build's {exc.known}: "
-        "run the newer songserve on it, or point STATE_DIR at another folder."
-    )
-
-
-@contextmanager
-def _store_lock(path: Path) -> Iterator[None]:
-    """One process at a time checks, moves aside or migrates a store (a second dispatcher waits)."""
-    with open(path.with_name(path.name + ".lock"), "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def diagnose(path: Path, results_dir: Path | None = None) -> str | None:
-    """What is wrong with the store at ``path`` (a phrase), or None when it can be opened.
-
-    A missing file is a new store. A 0-byte file is new only when no result folder exists beside
-    it: otherwise jobs existed and the file lost them, and starting silently would orphan them.
-    Raises ``NewerSchemaError`` for a store written by a newer build, and ``ConfigError`` when the
-    file cannot be read for another reason (locked, I/O error): neither is damage, neither is moved aside.
-    """
-    if not path.exists():
-        return None
-    if not path.is_file():
-        return "is not a file"
-    size = path.stat().st_size
-    if size == 0:
-        if results_dir is not None and results_dir.is_dir() and any(results_dir.iterdir()):
-            return f"is empty (0 bytes) although results exist in {results_dir}"
-        return None
-    with open(path, "rb") as f:
-        if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-            return "is not an SQLite database"
-    try:
-        db = sqlite3.connect(path, isolation_level=None)
-        try:
-            rows = db.execute("PRAGMA quick_check").fetchall()
-            found = user_version(db)
-        finally:
-            db.close()
-    except sqlite3.DatabaseError as exc:
-        if not any(word in str(exc).lower() for word in DAMAGE_WORDS):
-            # locked by another process, an I/O error, …: the file may be fine; never move it aside
-            raise ConfigError(f"The job store {path} cannot be checked ({exc}); nothing was changed.") from None
-        return f"is damaged ({exc})"
-    if [tuple(r) for r in rows] != [("ok",)]:
-        first = " ".join(str(rows[0][0]).split()) if rows else "no answer"
-        return f"is damaged (quick_check: {first})"
-    if found > SCHEMA_VERSION:
-        raise NewerSchemaError(found, SCHEMA_VERSION)
-    return None
-
-
-def move_aside(path: Path) -> Path:
-    """Rename the store (and its -wal/-shm) to ``<name>.damaged-<UTC stamp>``; returns the new path."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = path.with_name(f"{path.name}.damaged-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
-    for suffix in ("-wal", "-shm"):
-        side = path.with_name(path.name + suffix)
-        if side.exists():
-            os.replace(side, target.with_name(target.name + suffix))
-    os.replace(path, target)
-    return target
-
-
-def prepare_store(path: Path, on_damage: DamagePolicy = "refuse", results_dir: Path | None = None) -> Path | None:
-    """Check the store before the service opens it; migrate it forward. Returns where a damaged one went.
-
-    Raises ``ConfigError`` (one line: the file, the damage, what to do) when the store cannot be
-    used and the policy is ``refuse``, or the schema is newer than this build's.
-    """
-    try:
-        return _prepare(path, on_damage, results_dir)
-    except OSError as exc:
-        raise ConfigError(f"The job store {path} cannot be checked ({exc.strerror or exc}).") from None
-
-
-def _prepare(path: Path, on_damage: DamagePolicy, results_dir: Path | None) -> Path | None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    moved: Path | None = None
-    with _store_lock(path):
-        try:
-            problem = diagnose(path, results_dir)
-        except NewerSchemaError as exc:
-            raise ConfigError(_newer_message(path, exc)) from None
-        if problem is not None:
-            if on_damage != "move-aside":
-                raise ConfigError(
-                    f"The job store {path} {problem}: restore it from a backup, or start with "
-                    "STORE_DAMAGED=move-aside to keep it aside and begin a fresh store."
-                )
-            moved = move_aside(path)
-            log.warning("job store %s %s: moved aside to %s; a fresh store begins", path, problem, moved)
-        JobStore(path).close()  # creates or migrates under the lock
-    return moved
+def stored_value(t: Track, name: str) -> object:
+    """A track field as both engines store it (status by value, metadata as JSON text)."""
+    value = getattr(t, name)
+    if name == "metadata":
+        return json.dumps(value)
+    if name == "status":
+        return value.value
+    return value

@@ -8,15 +8,21 @@ A track's lifetime (the legal moves are in ``states.py``):
                                │ / failed for an environment reason (while attempts remain, else error)
                                └ the user cancelled ─────────────────────▶ cancelled
 
-Store first: a state change is written before it shows in memory (``_set`` rolls back a failed
-write), so memory never claims what the store does not hold. Only the outcome of a track's current
-task id is applied, so a retried track finishes once. ``Dispatcher`` (dispatch.py) builds on this:
-it decides which worker runs which tracks and when an attempt stops.
+Store first: a state change is written before it shows in memory (``_set`` writes the new state,
+then applies it), so memory never claims what the store does not hold. Writes are compare-and-set
+on the (status, owner) this dispatcher last saw: when another dispatcher changed the track first
+(``StaleTrack``), nothing is applied and the job is read again from the store. Only the outcome of a
+track's current task id is applied, so a retried track finishes once. ``Dispatcher`` (dispatch.py)
+builds on this: it decides which worker runs which tracks and when an attempt stops.
+
+With a shared store (PostgreSQL) the active jobs in memory are this dispatcher's view of the shared
+queue: its own running tracks are the truth, the rest follow the store (``merge``, on every event).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -24,14 +30,15 @@ from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.estimates import SpeedHistory
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.pool import Key, WorkerHandle, WorkerPool
+from songserve.api.pool import WorkerHandle, WorkerPool
 from songserve.api.states import TrackStatus, check_transition, job_status
-from songserve.api.store import Job, JobStore, Track
+from songserve.api.store import STORED_TRACK_FIELDS, Job, JobStore, Key, StaleTrack, Track
 from songserve.api.worker_client import Outcome, OutcomeKind, WorkerUnreachable
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
+IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
 
 
 class RetryTrack(Exception):
@@ -71,16 +78,21 @@ class TrackBook:
     pool: WorkerPool
     metrics: DispatcherMetrics
 
-    def __init__(self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore) -> None:
+    def __init__(self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, me: str) -> None:
         self.s = s
         self.store = store
+        self.me = me  # this dispatcher's id: the owner written on the tracks it runs
         self.artifacts = artifacts
         self.speed = SpeedHistory()
         self.changes = ChangeFeed()
         self.jobs: dict[str, Job] = {}  # active jobs only
         self.queue: dict[Key, queue_order.QueueEntry] = {}
         self.positions: dict[Key, int] = {}  # 1-based queue positions
+        self.running: dict[Key, asyncio.Task[None]] = {}  # this dispatcher's attempts, by track
         self._kick = asyncio.Event()  # something changed that may let a track start
+        self._write = asyncio.Lock()  # one track write at a time: each sees the state the last one left
+        self._dirty: set[str] = set()  # jobs to read again from the store ("*": all)
+        self._dirty_event = asyncio.Event()
 
     def _enqueue(self, job: Job, t: Track) -> None:
         """Queue a track; callers refresh the order once (``_reorder`` or a dispatch pass)."""
@@ -113,7 +125,8 @@ class TrackBook:
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
             # The seed the worker used (a worker reads seed_override 0 as its own seed, as the reference).
             seed = res.seed if res.seed is not None else t.seed
-            self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta, seed=seed)
+            await self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta,
+                            seed=seed, owner=None)  # fmt: skip
             self._record_done(job, t, res.metadata, now)
             w.track_succeeded()
             await self._remove_worker_files(w, task_id)
@@ -125,9 +138,11 @@ class TrackBook:
                 now - (t.started_at or now),
             )
         elif outcome.kind is OutcomeKind.cancelled:
+            # The job may have been cancelled at another dispatcher a moment ago: the store knows.
+            job.cancelled = job.cancelled or await self.store.is_cancelled(job.job_id)
             if not job.cancelled:
                 raise RetryTrack(f"worker {w.worker_id} stopped the task")
-            self._set(t, TrackStatus.cancelled, finished_at=time.time())
+            await self._set(t, TrackStatus.cancelled, finished_at=time.time(), owner=None)
         elif outcome.kind is OutcomeKind.busy:
             raise RetryTrack(f"worker {w.worker_id} was busy", count=False)
         else:
@@ -136,9 +151,9 @@ class TrackBook:
                 self._kick.set()
             if outcome.environment and t.env_failures + 1 < s.max_attempts * max(1, len(self.pool.workers)):
                 raise RetryTrack(f"worker {w.worker_id}: {outcome.error}", environment=True)
-            self._set(t, TrackStatus.error, error=outcome.error, finished_at=time.time())
+            await self._set(t, TrackStatus.error, error=outcome.error, finished_at=time.time(), owner=None)
             log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
-        self.finish_if_done(job)
+        await self.finish_if_done(job)
 
     async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
         """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
@@ -161,55 +176,124 @@ class TrackBook:
         m.track_wall.observe(wall)
         m.track_audio.inc(t.duration_sec)
 
-    def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
+    async def _retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
         if t.status.terminal:
             return
         self.metrics.retries.labels(str(t.worker_id)).inc()
         attempts = t.attempts if count else max(0, t.attempts - 1)
         now = time.time()
-        if job.cancelled:
-            self._set(t, TrackStatus.cancelled, attempts=attempts, finished_at=now)
+        if job.cancelled or await self.store.is_cancelled(job.job_id):
+            job.cancelled = True
+            await self._set(t, TrackStatus.cancelled, attempts=attempts, finished_at=now, owner=None)
         elif attempts >= self.s.max_attempts:
             msg = f"Track failed after {attempts} attempts: {reason}."
-            self._set(t, TrackStatus.error, attempts=attempts, error=msg, finished_at=now)
+            await self._set(t, TrackStatus.error, attempts=attempts, error=msg, finished_at=now, owner=None)
             log.warning("track %s/%d: %s", job.job_id, t.index, msg)
         else:
             log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, reason)
-            self._set(t, TrackStatus.queued, attempts=attempts, worker_id=-1, worker_phase="idle", phase_progress=0)
+            await self._set(t, TrackStatus.queued, attempts=attempts, worker_id=-1, owner=None, **IDLE)
             self._enqueue(job, t)
             self._reorder()
-        self.finish_if_done(job)
+        await self.finish_if_done(job)
 
-    def _set(self, t: Track, status: TrackStatus, **fields: object) -> None:
-        """Write the track's new state to the store, then keep it in memory (rolled back on failure)."""
-        check_transition(t.status, status)
-        old = {k: getattr(t, k) for k in ("status", *fields)}
-        t.status = status
-        for k, v in fields.items():
-            setattr(t, k, v)
-        try:
-            self.store.save_track(t)
-        except Exception:
-            for k, v in old.items():
-                setattr(t, k, v)
-            raise
+    async def _set(self, t: Track, status: TrackStatus, **fields: object) -> None:
+        """Write the track's new state to the store, then keep it in memory.
+
+        Compare-and-set on what this dispatcher last saw: when another dispatcher changed the track
+        first, nothing changes here, the job is read again, and ``StaleTrack`` is raised.
+        """
+        async with self._write:
+            check_transition(t.status, status)
+            new = dataclasses.replace(t, status=status, **fields)  # type: ignore[arg-type]
+            try:
+                await self.store.save_track(new, (t.status, t.owner))
+            except StaleTrack:
+                log.info("track %s/%d: changed by another dispatcher; reading it again", *t.key)
+                self.resync(t.job_id)
+                raise
+            for k in ("status", *fields):
+                setattr(t, k, getattr(new, k))
         self.changes.touch()
 
-    def cancel_queued(self, job: Job) -> None:
+    async def cancel_queued(self, job: Job) -> None:
         """The job's queued tracks leave the queue as cancelled; the others' positions move up."""
         for t in job.tracks:
             if t.status is TrackStatus.queued:
-                self._set(t, TrackStatus.cancelled, finished_at=time.time())
-                self.queue.pop((job.job_id, t.index), None)
+                try:
+                    await self._set(t, TrackStatus.cancelled, finished_at=time.time())
+                except StaleTrack:  # another dispatcher started it meanwhile: it stops on the job's cancel
+                    continue
+                self.queue.pop(t.key, None)
         self._reorder()
 
-    def finish_if_done(self, job: Job) -> None:
+    async def finish_if_done(self, job: Job) -> None:
+        """A job whose tracks all ended is finished in the store (whichever dispatcher ran them)."""
         if not all(t.status.terminal for t in job.tracks):
             return
+        now = job.finished_at or time.time()
+        if not await self.store.finish_job(job.job_id, now):
+            self.resync(job.job_id)  # memory is ahead of or behind the store: read it again
+            return
+        job.finished_at, job.terminal = job.finished_at or now, True
         for t in job.tracks:
             self.metrics.finished.labels(str(t.worker_id), t.status.value).inc()
-        job.finished_at = job.finished_at or time.time()
-        self.store.save_job(job, terminal=True)
         self.jobs.pop(job.job_id, None)
         log.info("job %s: %s", job.job_id, job_status((t.status for t in job.tracks), job.cancelled).value)
         self.changes.touch()
+
+    # ---- following the shared store ------------------------------------------------------------
+    def resync(self, job_id: str) -> None:
+        """Read ``job_id`` (``*``: every active job) from the store again, soon (the sync loop does)."""
+        self._dirty.add(job_id)
+        self._dirty_event.set()
+
+    async def sync_step(self) -> None:
+        await self._dirty_event.wait()
+        self._dirty_event.clear()
+        dirty, self._dirty = self._dirty, set()
+        if "*" in dirty:
+            stored = {j.job_id: j for j in await self.store.active_jobs()}
+            for job_id in set(self.jobs) | set(stored):
+                self.merge(job_id, stored.get(job_id))
+        else:
+            for job_id in dirty:
+                self.merge(job_id, await self.store.load_job(job_id))
+        self._reorder()
+        self._kick.set()
+
+    def merge(self, job_id: str, stored: Job | None) -> None:
+        """Take the store's state of a job into memory; this dispatcher's own attempts stay as they are."""
+        mem = self.jobs.get(job_id)
+        if stored is None or stored.terminal:
+            if mem is not None and not any(t.key in self.running for t in mem.tracks):
+                for t in mem.tracks:
+                    self.queue.pop(t.key, None)
+                del self.jobs[job_id]
+                self.changes.touch()
+            return
+        if mem is None:
+            self.jobs[job_id] = mem = stored
+            for t in stored.tracks:
+                if t.status is TrackStatus.queued:
+                    self._enqueue(stored, t)
+            self.changes.touch()
+            return
+        newly_cancelled = stored.cancelled and not mem.cancelled
+        mem.cancelled, mem.started_at = stored.cancelled, stored.started_at
+        for t, fresh in zip(mem.tracks, stored.tracks, strict=True):
+            if t.key in self.running:
+                continue  # ours and live: memory is the truth
+            for name in STORED_TRACK_FIELDS:
+                setattr(t, name, getattr(fresh, name))
+            if t.status is TrackStatus.queued and t.key not in self.queue:
+                self._enqueue(mem, t)
+            elif t.status is not TrackStatus.queued:
+                self.queue.pop(t.key, None)
+        if newly_cancelled:
+            for t in mem.tracks:
+                if t.key in self.running:
+                    self.on_cancelled(t.key)
+        self.changes.touch()
+
+    def on_cancelled(self, key: Key) -> None:
+        """The job of a track this dispatcher runs was cancelled elsewhere (dispatch.py stops it)."""

@@ -1,4 +1,4 @@
-"""Forward-only schema migrations for the job store, versioned by SQLite's ``PRAGMA user_version``.
+"""Forward-only schema migrations for the SQLite job store, versioned by SQLite's ``PRAGMA user_version``.
 
 Why: a later build adds columns; an old store must be brought forward at start-up, exactly once,
 even when two dispatchers start on one state folder. Each step runs in one ``BEGIN IMMEDIATE``
@@ -71,6 +71,27 @@ MIGRATIONS: tuple[Migration, ...] = (
             V1_TRACKS,
             "CREATE INDEX IF NOT EXISTS jobs_terminal ON jobs(terminal, finished_at)",
             "CREATE INDEX IF NOT EXISTS tracks_status ON tracks(status)",
+        ),
+    ),
+    Migration(
+        2,
+        "shared-store fields: track owner and progress, the worker registry, dispatchers",
+        (
+            "ALTER TABLE tracks ADD COLUMN owner TEXT",
+            "ALTER TABLE tracks ADD COLUMN worker_phase TEXT NOT NULL DEFAULT 'idle'",
+            "ALTER TABLE tracks ADD COLUMN phase_progress INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE tracks ADD COLUMN phase_detail TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE tracks ADD COLUMN phase_rate REAL",
+            "CREATE INDEX tracks_worker ON tracks(worker_id, status)",
+            """CREATE TABLE workers (
+                worker_id INTEGER PRIMARY KEY,
+                url TEXT NOT NULL UNIQUE,
+                announced INTEGER NOT NULL DEFAULT 0,
+                registered_until REAL NOT NULL,
+                lease_owner TEXT,
+                lease_until REAL NOT NULL DEFAULT 0
+            )""",
+            "CREATE TABLE dispatchers (dispatcher_id TEXT PRIMARY KEY, alive_until REAL NOT NULL)",
         ),
     ),
 )

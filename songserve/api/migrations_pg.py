@@ -1,0 +1,106 @@
+"""Forward-only schema migrations for the PostgreSQL job store (the same versions as SQLite's).
+
+Why: several dispatchers start against one database, perhaps of different builds. Each step runs in
+one transaction holding a transaction-level advisory lock, together with the version bump, so one
+dispatcher migrates and the others wait, then find the new version and skip. A database whose
+version is above this build's was written by a newer build and is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+
+from songserve.api.migrations_sqlite import NewerSchemaError
+
+log = logging.getLogger(__name__)
+LOCK = 0x50_4E_47_53  # the advisory-lock key of schema changes ("SGNP")
+
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (
+        1,
+        "jobs and tracks",
+        (
+            """CREATE TABLE jobs (
+                job_id TEXT PRIMARY KEY,
+                seq BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+                created_at DOUBLE PRECISION NOT NULL,
+                started_at DOUBLE PRECISION,
+                finished_at DOUBLE PRECISION,
+                cancelled BOOLEAN NOT NULL DEFAULT false,
+                priority INTEGER NOT NULL DEFAULT 0,
+                request TEXT NOT NULL,
+                cleaned_lyrics TEXT NOT NULL,
+                num_tracks INTEGER NOT NULL,
+                idempotency_key TEXT UNIQUE,
+                terminal BOOLEAN NOT NULL DEFAULT false
+            )""",
+            """CREATE TABLE tracks (
+                job_id TEXT NOT NULL REFERENCES jobs(job_id) ON DELETE CASCADE,
+                idx INTEGER NOT NULL,
+                status TEXT NOT NULL,
+                seed BIGINT NOT NULL,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                worker_id INTEGER NOT NULL DEFAULT -1,
+                task_id TEXT,
+                error TEXT,
+                duration_sec DOUBLE PRECISION NOT NULL DEFAULT 0,
+                started_at DOUBLE PRECISION,
+                finished_at DOUBLE PRECISION,
+                metadata TEXT NOT NULL DEFAULT '{}',
+                PRIMARY KEY (job_id, idx)
+            )""",
+            "CREATE INDEX jobs_terminal ON jobs(terminal, finished_at)",
+            "CREATE INDEX tracks_status ON tracks(status)",
+        ),
+    ),
+    (
+        2,
+        "shared-store fields: track owner and progress, the worker registry, dispatchers",
+        (
+            "ALTER TABLE tracks ADD COLUMN owner TEXT",
+            "ALTER TABLE tracks ADD COLUMN worker_phase TEXT NOT NULL DEFAULT 'idle'",
+            "ALTER TABLE tracks ADD COLUMN phase_progress INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE tracks ADD COLUMN phase_detail TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE tracks ADD COLUMN phase_rate DOUBLE PRECISION",
+            "CREATE INDEX tracks_worker ON tracks(worker_id, status)",
+            """CREATE TABLE workers (
+                worker_id INTEGER PRIMARY KEY,
+                url TEXT NOT NULL UNIQUE,
+                announced BOOLEAN NOT NULL DEFAULT false,
+                registered_until DOUBLE PRECISION NOT NULL,
+                lease_owner TEXT,
+                lease_until DOUBLE PRECISION NOT NULL DEFAULT 0
+            )""",
+            "CREATE TABLE dispatchers (dispatcher_id TEXT PRIMARY KEY, alive_until DOUBLE PRECISION NOT NULL)",
+        ),
+    ),
+)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+async def _version(conn: psycopg.AsyncConnection[object]) -> int:
+    await conn.execute("CREATE TABLE IF NOT EXISTS songserve_schema (version INTEGER NOT NULL)")
+    cur = await conn.execute("SELECT COALESCE(MAX(version), 0) FROM songserve_schema")
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0  # type: ignore[index]
+
+
+async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
+    """Bring the database to the last version (``conn`` in autocommit); returns the versions applied."""
+    applied: list[int] = []
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK,))
+        current = await _version(conn)
+        if current > SCHEMA_VERSION:
+            raise NewerSchemaError(current, SCHEMA_VERSION)
+        for version, what, statements in MIGRATIONS:
+            if version <= current:
+                continue
+            for sql in statements:
+                await conn.execute(sql)
+            await conn.execute("INSERT INTO songserve_schema (version) VALUES (%s)", (version,))
+            applied.append(version)
+            log.info("job store: schema migrated to version %d (%s)", version, what)
+    return applied

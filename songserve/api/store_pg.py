@@ -1,0 +1,391 @@
+"""The PostgreSQL engine of the job store: several dispatchers, one queue (``STORE_URL=postgresql://…``).
+
+Through psycopg 3 with an async connection pool; every method is one short transaction.
+- Claims: ``claim`` locks the queued rows it wants with ``FOR UPDATE SKIP LOCKED`` in the order the
+  dispatcher asks (its queue order), so two dispatchers never claim one track and neither waits on
+  the other; rows another dispatcher holds or already took are skipped.
+- Compare-and-set writes: a track row is written only while its (status, owner) are what the writer
+  last saw (``StaleTrack`` otherwise).
+- Leases and presence are timed on the database's clock, so hosts' clocks need not agree.
+- Events: every write to a job sends ``NOTIFY songserve_jobs, '<origin>|<job_id>'`` in its
+  transaction (delivered on commit); ``listen`` keeps one connection of its own on ``LISTEN`` and
+  reconnects with a back-off, asking for a full resync (``*``) after any gap.
+- ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from songserve.api.migrations_pg import migrate
+from songserve.api.migrations_sqlite import NewerSchemaError
+from songserve.api.states import RUNNING, TERMINAL, TrackStatus
+from songserve.api.store import (
+    STORED_TRACK_FIELDS,
+    DuplicateKey,
+    Job,
+    Key,
+    StaleTrack,
+    StoreError,
+    Track,
+    WorkerRow,
+    job_from_row,
+    stored_value,
+    work_ratios,
+)
+from songserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+CHANNEL = "songserve_jobs"
+NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in epoch seconds
+TERMINAL_VALUES = [s.value for s in TERMINAL]
+RUNNING_VALUES = [s.value for s in RUNNING]
+Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+def redact(url: str) -> str:
+    """The connection string without its password (for logs and /status)."""
+    try:
+        parts = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unreadable URL)"
+    host, port, db = parts.get("host", "localhost"), parts.get("port", "5432"), parts.get("dbname", "")
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    return f"postgresql://{user}{host}:{port}/{db}"
+
+
+class PgStore:
+    shared = True
+
+    def __init__(self, url: str, origin: str, pool_size: int = 10) -> None:
+        self.url = url
+        self.where = redact(url)
+        self.origin = origin  # this dispatcher's id: its own NOTIFYs are not news to it
+        self.pool = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            kwargs={"autocommit": True, "row_factory": dict_row},
+            name="songserve-store",
+        )
+
+    @classmethod
+    async def open(cls, url: str, origin: str, pool_size: int = 10, timeout: float = 10.0) -> PgStore:
+        """Connect and migrate; a store that cannot be used raises ``ConfigError`` in one line."""
+        store = cls(url, origin, pool_size)
+        try:
+            await store.pool.open(wait=True, timeout=timeout)
+            async with store.pool.connection() as conn:
+                await migrate(conn)
+        except NewerSchemaError as exc:
+            await store.pool.close()
+            raise ConfigError(
+                f"The job store {store.where} has schema version {exc.found}, newer than this build's {exc.known}: "
+                "run the newer songserve on it, or point STORE_URL at another database."
+            ) from None
+        except (psycopg.Error, PoolTimeout) as exc:
+            await store.pool.close()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"The job store {store.where} cannot be opened ({first}).") from None
+        return store
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    @asynccontextmanager
+    async def _tx(self) -> AsyncIterator[Conn]:
+        """One transaction on a pooled connection; a database failure becomes ``StoreError``."""
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                yield conn  # type: ignore[misc]
+        except (DuplicateKey, StaleTrack):
+            raise
+        except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
+            raise StoreError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from exc
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection ({exc})") from exc
+
+    async def _notify(self, conn: Conn, job_id: str) -> None:
+        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{self.origin}|{job_id}"))
+
+    async def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        async with self._tx() as conn:
+            cur = await conn.execute(sql, params)
+            return await cur.fetchall()
+
+    # ---- jobs and tracks -----------------------------------------------------------------------
+    async def insert_job(self, job: Job) -> None:
+        try:
+            async with self._tx() as conn:
+                cur = await conn.execute(
+                    "INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
+                    " idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING seq",
+                    (job.job_id, job.created_at, job.priority, job.request.model_dump_json(), job.cleaned_lyrics,
+                     len(job.tracks), job.idempotency_key),
+                )  # fmt: skip
+                row = await cur.fetchone()
+                async with conn.cursor() as c:
+                    await c.executemany(
+                        "INSERT INTO tracks (job_id, idx, status, seed) VALUES (%s, %s, %s, %s)",
+                        [(t.job_id, t.index, t.status.value, t.seed) for t in job.tracks],
+                    )
+                await self._notify(conn, job.job_id)
+        except pg_errors.UniqueViolation:
+            found = await self.job_by_key(job.idempotency_key or "")
+            if found is None:
+                raise
+            raise DuplicateKey(found) from None
+        job.seq = int(row["seq"]) if row else 0
+
+    async def claim(self, tracks: list[Track]) -> set[int]:
+        if not tracks:
+            return set()
+        job_id, order = tracks[0].job_id, [t.index for t in tracks]
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                "SELECT idx FROM tracks WHERE job_id=%s AND idx = ANY(%s) AND status='queued'"
+                " ORDER BY array_position(%s, idx) FOR UPDATE SKIP LOCKED",
+                (job_id, order, order),
+            )
+            won = {int(r["idx"]) for r in await cur.fetchall()}
+            for t in tracks:
+                if t.index in won:
+                    await self._write_track(conn, t, None)
+            if won:
+                await self._notify(conn, job_id)
+        return won
+
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
+        async with self._tx() as conn:
+            if not await self._write_track(conn, t, seen):
+                raise StaleTrack(t.key)
+            await self._notify(conn, t.job_id)
+
+    async def _write_track(self, conn: Conn, t: Track, seen: tuple[TrackStatus, str | None] | None) -> bool:
+        values = [stored_value(t, f) for f in STORED_TRACK_FIELDS]
+        sets = ", ".join(f"{f}=%s" for f in STORED_TRACK_FIELDS)
+        where = "job_id=%s AND idx=%s"
+        params: list[Any] = [*values, t.job_id, t.index]
+        if seen is not None:
+            where += " AND status=%s AND owner IS NOT DISTINCT FROM %s"
+            params += [seen[0].value, seen[1]]
+        cur = await conn.execute(f"UPDATE tracks SET {sets} WHERE {where}", params)
+        return cur.rowcount == 1
+
+    async def save_progress(self, t: Track) -> None:
+        async with self._tx() as conn:
+            await conn.execute(
+                "UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s, phase_rate=%s"
+                " WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s",
+                (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner),
+            )
+            await self._notify(conn, t.job_id)
+
+    async def _job_write(self, job_id: str, sql: str, params: tuple[Any, ...]) -> None:
+        async with self._tx() as conn:
+            await conn.execute(sql, params)
+            await self._notify(conn, job_id)
+
+    async def mark_started(self, job_id: str, at: float) -> None:
+        await self._job_write(
+            job_id, "UPDATE jobs SET started_at=COALESCE(started_at, %s) WHERE job_id=%s", (at, job_id)
+        )
+
+    async def mark_cancelled(self, job_id: str) -> None:
+        await self._job_write(job_id, "UPDATE jobs SET cancelled=true WHERE job_id=%s", (job_id,))
+
+    async def finish_job(self, job_id: str, at: float) -> bool:
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                "UPDATE jobs SET terminal=true, finished_at=COALESCE(finished_at, %s) WHERE job_id=%s AND NOT terminal"
+                " AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=%s AND status <> ALL(%s))",
+                (at, job_id, job_id, TERMINAL_VALUES),
+            )
+            if cur.rowcount:
+                await self._notify(conn, job_id)
+            row = await (await conn.execute("SELECT terminal FROM jobs WHERE job_id=%s", (job_id,))).fetchone()
+        return bool(row and row["terminal"])
+
+    async def is_cancelled(self, job_id: str) -> bool:
+        rows = await self._rows("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
+        return bool(rows and rows[0]["cancelled"])
+
+    async def job_by_key(self, key: str) -> str | None:
+        rows = await self._rows("SELECT job_id FROM jobs WHERE idempotency_key=%s", (key,))
+        return rows[0]["job_id"] if rows else None
+
+    async def load_job(self, job_id: str) -> Job | None:
+        async with self._tx() as conn:
+            job = await (await conn.execute("SELECT * FROM jobs WHERE job_id=%s", (job_id,))).fetchone()
+            if job is None:
+                return None
+            cur = await conn.execute("SELECT * FROM tracks WHERE job_id=%s ORDER BY idx", (job_id,))
+            return job_from_row(job, await cur.fetchall())
+
+    async def active_jobs(self) -> list[Job]:
+        async with self._tx() as conn:
+            jobs = await (await conn.execute("SELECT * FROM jobs WHERE NOT terminal ORDER BY seq")).fetchall()
+            cur = await conn.execute(
+                "SELECT t.* FROM tracks t JOIN jobs j USING (job_id) WHERE NOT j.terminal ORDER BY t.job_id, t.idx"
+            )
+            tracks: dict[str, list[dict[str, Any]]] = {}
+            for t in await cur.fetchall():
+                tracks.setdefault(t["job_id"], []).append(t)
+        return [job_from_row(r, tracks.get(r["job_id"], [])) for r in jobs]
+
+    async def running_on(self, worker_id: int) -> list[Key]:
+        rows = await self._rows(
+            "SELECT job_id, idx FROM tracks WHERE worker_id=%s AND status = ANY(%s)", (worker_id, RUNNING_VALUES)
+        )
+        return [(r["job_id"], int(r["idx"])) for r in rows]
+
+    async def expired_jobs(self, older_than: float) -> list[str]:
+        rows = await self._rows(
+            "SELECT job_id FROM jobs WHERE terminal AND finished_at < %s ORDER BY finished_at", (older_than,)
+        )
+        return [r["job_id"] for r in rows]
+
+    async def finished_jobs_oldest_first(self) -> list[str]:
+        return [r["job_id"] for r in await self._rows("SELECT job_id FROM jobs WHERE terminal ORDER BY finished_at")]
+
+    async def job_ids(self) -> set[str]:
+        return {r["job_id"] for r in await self._rows("SELECT job_id FROM jobs")}
+
+    async def delete_job(self, job_id: str) -> None:
+        await self._job_write(job_id, "DELETE FROM jobs WHERE job_id=%s", (job_id,))
+
+    async def counts(self) -> dict[str, int]:
+        rows = await self._rows("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
+        return {r["status"]: int(r["n"]) for r in rows}
+
+    async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]:
+        rows = await self._rows(
+            "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
+            " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT %s",
+            (limit,),
+        )
+        return work_ratios((r["metadata"], r["started_at"], r["finished_at"], r["duration_sec"]) for r in rows)
+
+    # ---- workers, dispatchers and leases -------------------------------------------------------
+    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
+        async with self._tx() as conn:
+            await conn.execute("LOCK TABLE workers IN SHARE ROW EXCLUSIVE MODE")  # ids: one registration at a time
+            cur = await conn.execute(
+                f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
+                " WHERE url=%s RETURNING worker_id",
+                (ttl, announced, url),
+            )
+            row = await cur.fetchone()
+            if row is None:
+                cur = await conn.execute(
+                    "INSERT INTO workers (worker_id, url, announced, registered_until)"
+                    f" SELECT COALESCE(MAX(worker_id) + 1, 0), %s, %s, {NOW} + %s FROM workers RETURNING worker_id",
+                    (url, announced, ttl),
+                )
+                row = await cur.fetchone()
+        return int(row["worker_id"])  # type: ignore[index]
+
+    async def withdraw_worker(self, worker_id: int) -> bool:
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0", (worker_id,)
+            )
+            return cur.rowcount == 1
+
+    async def live_workers(self) -> list[WorkerRow]:
+        rows = await self._rows(
+            f"SELECT worker_id, url, announced, CASE WHEN lease_until > {NOW} THEN lease_owner END AS owner"
+            f" FROM workers WHERE registered_until > {NOW} ORDER BY worker_id"
+        )
+        return [WorkerRow(int(r["worker_id"]), r["url"], bool(r["announced"]), r["owner"]) for r in rows]
+
+    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
+        async with self._tx() as conn:
+            await conn.execute(
+                f"INSERT INTO dispatchers VALUES (%s, {NOW} + %s)"
+                " ON CONFLICT (dispatcher_id) DO UPDATE SET alive_until=EXCLUDED.alive_until",
+                (dispatcher_id, ttl),
+            )
+            await conn.execute(f"DELETE FROM dispatchers WHERE alive_until < {NOW} - 3600")
+            cur = await conn.execute(f"SELECT dispatcher_id FROM dispatchers WHERE alive_until > {NOW}")
+            return {r["dispatcher_id"] for r in await cur.fetchall()}
+
+    async def leave(self, dispatcher_id: str) -> None:
+        async with self._tx() as conn:
+            await conn.execute("DELETE FROM dispatchers WHERE dispatcher_id=%s", (dispatcher_id,))
+            await conn.execute(
+                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=%s", (dispatcher_id,)
+            )
+
+    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
+        rows = await self._rows(
+            f"UPDATE workers SET lease_until={NOW} + %s WHERE lease_owner=%s AND lease_until > {NOW} RETURNING worker_id",
+            (ttl, owner),
+        )
+        return {int(r["worker_id"]) for r in rows}
+
+    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
+        async with self._tx() as conn:
+            cur = await conn.execute(
+                f"UPDATE workers SET lease_owner=%s, lease_until={NOW} + %s WHERE worker_id=%s"
+                f" AND registered_until > {NOW} AND (lease_owner IS NULL OR lease_owner=%s OR lease_until <= {NOW})",
+                (owner, ttl, worker_id, owner),
+            )
+            return cur.rowcount == 1
+
+    async def release_lease(self, owner: str, worker_id: int) -> None:
+        async with self._tx() as conn:
+            await conn.execute(
+                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=%s AND lease_owner=%s",
+                (worker_id, owner),
+            )
+
+    # ---- events and one-at-a-time work ---------------------------------------------------------
+    @asynccontextmanager
+    async def listen(self, on_change: Callable[[str], None]) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._listen(on_change), name="store-listen")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _listen(self, on_change: Callable[[str], None]) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    on_change("*")  # anything missed while not listening: resync everything
+                    backoff = 0.2
+                    async for note in conn.notifies():
+                        origin, _, job_id = note.payload.partition("|")
+                        if origin != self.origin:
+                            on_change(job_id)
+            except psycopg.Error as exc:
+                log.warning("store events: connection lost (%s); listening again in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    @asynccontextmanager
+    async def exclusive(self, name: str) -> AsyncIterator[bool]:
+        key = zlib.crc32(name.encode())
+        async with self.pool.connection() as conn:
+            row = await (await conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (key,))).fetchone()
+            got = bool(row and row["got"])  # type: ignore[call-overload]
+            try:
+                yield got
+            finally:
+                if got:
+                    await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))

@@ -1,0 +1,412 @@
+"""The SQLite engine of the job store: jobs and tracks in one file (WAL) under the state folder.
+
+Everything a restart needs is here: the request, each track's status, attempts, worker, task id,
+timings and metadata. The dispatcher's queue is rebuilt from it at start-up. All calls come from
+the event-loop thread; each is a short local transaction.
+
+A store that cannot be trusted is never opened quietly (``prepare_store``): a file that is not
+SQLite, fails ``PRAGMA quick_check``, is empty while results exist beside it, or carries a newer
+schema refuses start-up with one line naming the file and what to do; with ``STORE_DAMAGED=move-aside``
+a damaged file is renamed ``jobs.sqlite3.damaged-<UTC stamp>`` and a fresh store begins, said in
+one log line. The schema itself is versioned and migrated forward in ``migrations.py``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Literal
+
+from songserve.api.migrations_sqlite import SCHEMA_VERSION, NewerSchemaError, migrate, user_version
+from songserve.api.states import RUNNING, TERMINAL, TrackStatus
+from songserve.api.store import (
+    STORED_TRACK_FIELDS,
+    DuplicateKey,
+    Job,
+    Key,
+    StaleTrack,
+    StoreError,
+    Track,
+    WorkerRow,
+    job_from_row,
+    stored_value,
+    work_ratios,
+)
+from songserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+SQLITE_HEADER = b"SQLite format 3\x00"
+DamagePolicy = Literal["refuse", "move-aside"]
+DAMAGE_WORDS = ("malformed", "not a database", "corrupt")  # SQLite's words for a broken file
+TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
+RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
+
+
+class SqliteStore:
+    """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``.
+
+    Calls come from the event-loop thread; each is a short local transaction, so they run inline.
+    Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
+    """
+
+    shared = False
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.where = str(path)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.row_factory = sqlite3.Row
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            migrate(self.db)
+        except NewerSchemaError as exc:
+            self.db.close()
+            raise ConfigError(_newer_message(path, exc)) from None
+        except sqlite3.DatabaseError as exc:
+            self.db.close()
+            raise ConfigError(f"The job store {path} cannot be opened ({exc}).") from None
+
+    async def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE``); any SQLite failure becomes ``StoreError``."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
+        try:
+            yield self.db
+            self.db.execute("COMMIT")
+        except BaseException as exc:
+            self.db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(str(exc)) from exc
+            raise
+
+    # ---- jobs and tracks -----------------------------------------------------------------------
+    async def insert_job(self, job: Job) -> None:
+        with self._tx() as db:
+            if job.idempotency_key and (found := self._by_key(job.idempotency_key)):
+                raise DuplicateKey(found)
+            job.seq = int(db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
+            db.execute(
+                "INSERT INTO jobs (job_id, seq, created_at, priority, request, cleaned_lyrics, num_tracks,"
+                " idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (job.job_id, job.seq, job.created_at, job.priority, job.request.model_dump_json(),
+                 job.cleaned_lyrics, len(job.tracks), job.idempotency_key),
+            )  # fmt: skip
+            db.executemany(
+                "INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, ?, ?, ?)",
+                [(t.job_id, t.index, t.status.value, t.seed) for t in job.tracks],
+            )
+
+    async def claim(self, tracks: list[Track]) -> set[int]:
+        won: set[int] = set()
+        with self._tx() as db:  # the write lock makes the check and the write one step
+            for t in tracks:
+                if self._write_track(db, t, (TrackStatus.queued, None)):
+                    won.add(t.index)
+        return won
+
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
+        with self._tx() as db:
+            if not self._write_track(db, t, seen):
+                raise StaleTrack(t.key)
+
+    def _write_track(self, db: sqlite3.Connection, t: Track, seen: tuple[TrackStatus, str | None]) -> bool:
+        values = [stored_value(t, f) for f in STORED_TRACK_FIELDS]
+        cur = db.execute(
+            f"UPDATE tracks SET {', '.join(f + '=?' for f in STORED_TRACK_FIELDS)}"
+            " WHERE job_id=? AND idx=? AND status=? AND owner IS ?",
+            (*values, t.job_id, t.index, seen[0].value, seen[1]),
+        )
+        return cur.rowcount == 1
+
+    async def save_progress(self, t: Track) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE tracks SET worker_phase=?, phase_progress=?, phase_detail=?, phase_rate=?"
+                " WHERE job_id=? AND idx=? AND owner IS ?",
+                (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner),
+            )
+
+    async def mark_started(self, job_id: str, at: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET started_at=COALESCE(started_at, ?) WHERE job_id=?", (at, job_id))
+
+    async def mark_cancelled(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET cancelled=1 WHERE job_id=?", (job_id,))
+
+    async def finish_job(self, job_id: str, at: float) -> bool:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET terminal=1, finished_at=COALESCE(finished_at, ?) WHERE job_id=? AND NOT EXISTS"
+                f" (SELECT 1 FROM tracks WHERE job_id=? AND status NOT IN ({TERMINAL_SQL}))",
+                (at, job_id, job_id),
+            )
+            row = db.execute("SELECT terminal FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return bool(row and row[0])
+
+    async def is_cancelled(self, job_id: str) -> bool:
+        row = self.db.execute("SELECT cancelled FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return bool(row and row[0])
+
+    def _by_key(self, key: str) -> str | None:
+        row = self.db.execute("SELECT job_id FROM jobs WHERE idempotency_key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    async def job_by_key(self, key: str) -> str | None:
+        return self._by_key(key)
+
+    async def load_job(self, job_id: str) -> Job | None:
+        row = self.db.execute("SELECT * FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        tracks = self.db.execute("SELECT * FROM tracks WHERE job_id=? ORDER BY idx", (job_id,)).fetchall()
+        return job_from_row(row, tracks)
+
+    async def active_jobs(self) -> list[Job]:
+        jobs = self.db.execute("SELECT * FROM jobs WHERE terminal=0 ORDER BY seq").fetchall()
+        tracks: dict[str, list[sqlite3.Row]] = {}
+        for t in self.db.execute(
+            "SELECT t.* FROM tracks t JOIN jobs j USING (job_id) WHERE j.terminal=0 ORDER BY t.job_id, t.idx"
+        ).fetchall():
+            tracks.setdefault(t["job_id"], []).append(t)
+        return [job_from_row(r, tracks.get(r["job_id"], [])) for r in jobs]
+
+    async def running_on(self, worker_id: int) -> list[Key]:
+        rows = self.db.execute(
+            f"SELECT job_id, idx FROM tracks WHERE worker_id=? AND status IN ({RUNNING_SQL})", (worker_id,)
+        ).fetchall()
+        return [(r[0], int(r[1])) for r in rows]
+
+    async def expired_jobs(self, older_than: float) -> list[str]:
+        rows = self.db.execute(
+            "SELECT job_id FROM jobs WHERE terminal=1 AND finished_at < ? ORDER BY finished_at", (older_than,)
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    async def finished_jobs_oldest_first(self) -> list[str]:
+        rows = self.db.execute("SELECT job_id FROM jobs WHERE terminal=1 ORDER BY finished_at").fetchall()
+        return [r[0] for r in rows]
+
+    async def job_ids(self) -> set[str]:
+        return {r[0] for r in self.db.execute("SELECT job_id FROM jobs").fetchall()}
+
+    async def delete_job(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
+
+    async def counts(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT status, COUNT(*) FROM tracks GROUP BY status").fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
+    async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]:
+        rows = self.db.execute(
+            "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
+            " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return work_ratios((r["metadata"], r["started_at"], r["finished_at"], r["duration_sec"]) for r in rows)
+
+    # ---- workers, dispatchers and leases -------------------------------------------------------
+    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
+        until = time.time() + ttl
+        with self._tx() as db:
+            row = db.execute("SELECT worker_id FROM workers WHERE url=?", (url,)).fetchone()
+            if row is not None:
+                db.execute(
+                    "UPDATE workers SET registered_until=MAX(registered_until, ?), announced=? WHERE worker_id=?",
+                    (until, int(announced), row[0]),
+                )
+                return int(row[0])
+            worker_id = int(db.execute("SELECT COALESCE(MAX(worker_id) + 1, 0) FROM workers").fetchone()[0])
+            db.execute(
+                "INSERT INTO workers (worker_id, url, announced, registered_until) VALUES (?, ?, ?, ?)",
+                (worker_id, url, int(announced), until),
+            )
+            return worker_id
+
+    async def withdraw_worker(self, worker_id: int) -> bool:
+        with self._tx() as db:
+            cur = db.execute("UPDATE workers SET registered_until=0 WHERE worker_id=? AND registered_until>0",
+                             (worker_id,))  # fmt: skip
+            return cur.rowcount == 1
+
+    async def live_workers(self) -> list[WorkerRow]:
+        now = time.time()
+        rows = self.db.execute(
+            "SELECT worker_id, url, announced, CASE WHEN lease_until > ? THEN lease_owner END FROM workers"
+            " WHERE registered_until > ? ORDER BY worker_id",
+            (now, now),
+        ).fetchall()
+        return [WorkerRow(int(r[0]), r[1], bool(r[2]), r[3]) for r in rows]
+
+    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO dispatchers VALUES (?, ?)", (dispatcher_id, now + ttl))
+            db.execute("DELETE FROM dispatchers WHERE alive_until < ?", (now - 3600,))
+            rows = db.execute("SELECT dispatcher_id FROM dispatchers WHERE alive_until > ?", (now,)).fetchall()
+            return {r[0] for r in rows}
+
+    async def leave(self, dispatcher_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM dispatchers WHERE dispatcher_id=?", (dispatcher_id,))
+            db.execute("UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=?", (dispatcher_id,))
+
+    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE workers SET lease_until=? WHERE lease_owner=? AND lease_until > ?", (now + ttl, owner, now)
+            )
+            rows = db.execute("SELECT worker_id FROM workers WHERE lease_owner=? AND lease_until > ?", (owner, now))
+            return {int(r[0]) for r in rows.fetchall()}
+
+    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE workers SET lease_owner=?, lease_until=? WHERE worker_id=? AND registered_until > ?"
+                " AND (lease_owner IS NULL OR lease_owner=? OR lease_until <= ?)",
+                (owner, now + ttl, worker_id, now, owner, now),
+            )
+            return cur.rowcount == 1
+
+    async def release_lease(self, owner: str, worker_id: int) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=? AND lease_owner=?",
+                (worker_id, owner),
+            )
+
+    # ---- events and one-at-a-time work ---------------------------------------------------------
+    @asynccontextmanager
+    async def listen(self, on_change: Callable[[str], None]) -> AsyncIterator[None]:
+        yield  # one dispatcher per file: there is nobody else to hear from
+
+    @asynccontextmanager
+    async def exclusive(self, name: str) -> AsyncIterator[bool]:
+        yield True
+
+
+# -- start-up check ---------------------------------------------------------------------------------
+
+
+def _newer_message(path: Path, exc: NewerSchemaError) -> str:
+    return (
+        f"The job store {path} has schema version {exc.found}, newer than this build's {exc.known}: "
+        "run the newer songserve on it, or point STATE_DIR at another folder."
+    )
+
+
+@contextmanager
+def _store_lock(path: Path) -> Iterator[None]:
+    """One process at a time checks, moves aside or migrates a store (a second dispatcher waits)."""
+    with open(path.with_name(path.name + ".lock"), "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def diagnose(path: Path, results_dir: Path | None = None) -> str | None:
+    """What is wrong with the store at ``path`` (a phrase), or None when it can be opened.
+
+    A missing file is a new store. A 0-byte file is new only when no result folder exists beside
+    it: otherwise jobs existed and the file lost them, and starting silently would orphan them.
+    Raises ``NewerSchemaError`` for a store written by a newer build, and ``ConfigError`` when the
+    file cannot be read for another reason (locked, I/O error): neither is damage, neither is moved aside.
+    """
+    if not path.exists():
+        return None
+    if not path.is_file():
+        return "is not a file"
+    size = path.stat().st_size
+    if size == 0:
+        if results_dir is not None and results_dir.is_dir() and any(results_dir.iterdir()):
+            return f"is empty (0 bytes) although results exist in {results_dir}"
+        return None
+    with open(path, "rb") as f:
+        if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+            return "is not an SQLite database"
+    try:
+        db = sqlite3.connect(path, isolation_level=None)
+        try:
+            rows = db.execute("PRAGMA quick_check").fetchall()
+            found = user_version(db)
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        if not any(word in str(exc).lower() for word in DAMAGE_WORDS):
+            # locked by another process, an I/O error, …: the file may be fine; never move it aside
+            raise ConfigError(f"The job store {path} cannot be checked ({exc}); nothing was changed.") from None
+        return f"is damaged ({exc})"
+    if [tuple(r) for r in rows] != [("ok",)]:
+        first = " ".join(str(rows[0][0]).split()) if rows else "no answer"
+        return f"is damaged (quick_check: {first})"
+    if found > SCHEMA_VERSION:
+        raise NewerSchemaError(found, SCHEMA_VERSION)
+    return None
+
+
+def move_aside(path: Path) -> Path:
+    """Rename the store (and its -wal/-shm) to ``<name>.damaged-<UTC stamp>``; returns the new path."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            os.replace(side, target.with_name(target.name + suffix))
+    os.replace(path, target)
+    return target
+
+
+def prepare_store(path: Path, on_damage: DamagePolicy = "refuse", results_dir: Path | None = None) -> Path | None:
+    """Check the store before the service opens it; migrate it forward. Returns where a damaged one went.
+
+    Raises ``ConfigError`` (one line: the file, the damage, what to do) when the store cannot be
+    used and the policy is ``refuse``, or the schema is newer than this build's.
+    """
+    try:
+        return _prepare(path, on_damage, results_dir)
+    except OSError as exc:
+        raise ConfigError(f"The job store {path} cannot be checked ({exc.strerror or exc}).") from None
+
+
+def _prepare(path: Path, on_damage: DamagePolicy, results_dir: Path | None) -> Path | None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    moved: Path | None = None
+    with _store_lock(path):
+        try:
+            problem = diagnose(path, results_dir)
+        except NewerSchemaError as exc:
+            raise ConfigError(_newer_message(path, exc)) from None
+        if problem is not None:
+            if on_damage != "move-aside":
+                raise ConfigError(
+                    f"The job store {path} {problem}: restore it from a backup, or start with "
+                    "STORE_DAMAGED=move-aside to keep it aside and begin a fresh store."
+                )
+            moved = move_aside(path)
+            log.warning("job store %s %s: moved aside to %s; a fresh store begins", path, problem, moved)
+        SqliteStore(path).db.close()  # creates or migrates under the lock
+    return moved
