@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from songserve.schemas import WorkerAnnounced, WorkerAnnouncement
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker import announce
 from songserve.worker.announce import default_public_url, dispatcher_urls, local_health_url
-from tests.support import free_port, start_worker, wait_for, worker_refusal
+from tests.support import ROOT, free_port, start_worker, wait_for, worker_refusal
+from tests.test_launcher import launcher_env
 
 TOKEN = "announce-secret"
 
@@ -210,6 +212,34 @@ def test_wrong_token_is_reported_not_fatal(tmp_path, stand_in):
         assert stand_in.deletes() == []  # never joined: nothing to leave
     finally:
         w.stop()
+
+
+def test_launcher_passes_announce_to_its_workers(tmp_path, stand_in):
+    env = launcher_env(tmp_path, PIPELINE="test", WORKER_TOKEN=TOKEN, ANNOUNCE_INTERVAL_SEC="0.4")
+    start = ["bash", "run_backend.sh", "--workers-only", "--no-follow", "--announce", stand_in.url]
+    try:
+        out = subprocess.run(start, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        base = int(env["WORKER_BASE_PORT"])
+        wait_for(lambda: {p["body"]["url"] for p in stand_in.posts()} == {f"http://127.0.0.1:{base}"}, timeout=60)
+    finally:
+        stop = subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=90)
+    assert stop.returncode == 0
+    assert [d["worker_id"] for d in stand_in.deletes()] == [3]  # it left on the launcher's stop
+
+
+def test_launcher_refuses_announce_without_a_token(tmp_path):
+    env = launcher_env(tmp_path, WORKER_TOKEN="off")
+    out = subprocess.run(
+        ["bash", "run_backend.sh", "--workers-only", "--announce", "http://d:8889"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip() == "run_backend: --announce needs WORKER_TOKEN set to the dispatchers' worker token"
 
 
 @pytest.mark.parametrize(
