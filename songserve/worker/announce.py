@@ -201,7 +201,7 @@ class Announcer:
         if answer is not None:
             if t.state != "joined" or t.worker_id != answer.worker_id:
                 log.info(
-                    "announce %s: joined as worker %d (%s, ttl %.0fs)",
+                    "announce %s: joined as worker %d (%s, ttl %.1fs)",
                     t.url,
                     answer.worker_id,
                     self.public_url,
