@@ -176,7 +176,11 @@ class Announcer:
     async def _run(self, t: Target) -> None:
         """One dispatcher, forever: renew every interval while joined, back off while failing."""
         while True:
-            ok = await self._announce(t)
+            try:
+                ok = await self._announce(t)
+            except Exception:  # a bug here must not end announcing for good: log it, back off, go on
+                log.exception("announce %s: unexpected error", t.url)
+                ok = False
             if ok:
                 t.backoff_sec = FIRST_BACKOFF_SEC
                 await asyncio.sleep(self.interval_sec)
