@@ -4,6 +4,7 @@
 #   bash run_backend.sh [--gpus 0,1] [--runtime-mode one_shot|keep_loaded|park] [--no-follow]
 #   bash run_backend.sh --workers-only [--gpus …]          workers for a dispatcher elsewhere
 #   bash run_backend.sh --api-only --worker-urls URL,URL   a dispatcher for workers elsewhere
+#   bash run_backend.sh --workers-only --announce URL,URL  workers that register with those dispatchers
 #   bash run_backend.sh stop                               stop everything this launcher started
 #
 # Environment: API_PORT (8889), WORKER_BASE_PORT (8001), BASE_MASTER_PORT (8791), BASE_SEED (1283),
@@ -11,6 +12,7 @@
 # STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset; "off" or empty = no token, for a dispatcher
 # that sends none, such as the reference one, on a trusted network), and the checkpoint settings the
 # worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
+# --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -61,7 +63,7 @@ stop_all() {
 if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
 
 # ---- arguments --------------------------------------------------------------------------------
-GPUS=0; MODE=one_shot; FOLLOW=1; WORKERS=1; API=1; WORKER_URLS=""
+GPUS=0; MODE=one_shot; FOLLOW=1; WORKERS=1; API=1; WORKER_URLS=""; ANNOUNCE=${ANNOUNCE:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpus) GPUS=${2:-}; shift 2 ;;
@@ -72,8 +74,10 @@ while [ $# -gt 0 ]; do
     --api-only) WORKERS=0; shift ;;
     --worker-urls) WORKER_URLS=${2:-}; shift 2 ;;
     --worker-urls=*) WORKER_URLS=${1#*=}; shift ;;
+    --announce) ANNOUNCE=${2:-}; shift 2 ;;
+    --announce=*) ANNOUNCE=${1#*=}; shift ;;
     --no-follow) FOLLOW=0; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -82,6 +86,9 @@ done
 [[ "$MODE" =~ ^(one_shot|keep_loaded|park)$ ]] || die "--runtime-mode must be one_shot, keep_loaded or park; got '$MODE'"
 [ $WORKERS = 1 ] || [ -n "$WORKER_URLS" ] || die "--api-only needs --worker-urls URL,URL,…"
 [ $WORKERS = 1 ] || [ $API = 1 ] || die "--workers-only and --api-only together start nothing"
+[ -z "$ANNOUNCE" ] || [ $WORKERS = 1 ] || die "--announce is a worker setting; --api-only starts no worker"
+[ -z "$ANNOUNCE" ] || { [ -n "${WORKER_TOKEN:-}" ] && [ "$WORKER_TOKEN" != off ]; } \
+  || die "--announce needs WORKER_TOKEN set to the dispatchers' worker token"
 IFS=, read -r -a GPU_IDS <<<"$GPUS"
 mkdir -p "$LOG_DIR"
 for f in "$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid; do
@@ -149,7 +156,7 @@ if [ $WORKERS = 1 ]; then
     CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i nohup $PY backend_worker.py \
       --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
       --master-port $((BASE_MASTER_PORT + i)) --seed $((BASE_SEED + i * 1000)) \
-      --megatron-args "$MEGATRON_ARGS" >>"$log" 2>&1 </dev/null &
+      --megatron-args "$MEGATRON_ARGS" ${ANNOUNCE:+--announce "$ANNOUNCE"} >>"$log" 2>&1 </dev/null &
     echo $! >"$LOG_DIR/worker_$i.pid"; STARTED+=("$log")
   done
   for i in "${!GPU_IDS[@]}"; do

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
@@ -78,6 +79,18 @@ class WorkerSettings(BaseSettings):
     worker_token: str = Field(
         "", description="shared secret: every route but /health needs Authorization: Bearer <token>"
     )
+    announce: str = Field(
+        "",
+        description="comma-separated dispatcher URLs this worker registers with (POST /workers); needs WORKER_TOKEN",
+    )
+    public_url: str = Field(
+        "",
+        description="the URL dispatchers call this worker at; unset = http://<host>:<worker_port>, "
+        "a wildcard host (0.0.0.0, ::) replaced by this machine's name",
+    )
+    announce_interval_sec: float = Field(
+        5.0, gt=0, le=1200, description="seconds between registrations; each lasts 3 × this"
+    )
     stall_timeout_sec: float = Field(
         300.0, gt=0, description="a task with no progress this long makes /health say stalled"
     )
@@ -97,6 +110,40 @@ class WorkerSettings(BaseSettings):
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
     test_hang: bool = Field(False, description="test pipeline: the model thread hangs (fault-injection tests)")
+
+    @field_validator("announce")
+    @classmethod
+    def _announce_targets(cls, value: str, info: ValidationInfo) -> str:
+        """Each an http(s) URL, and a token: a dispatcher refuses an announcement without one (it guards lyrics)."""
+        if not value.strip():
+            return ""
+        from songserve.worker.announce import dispatcher_urls
+
+        try:
+            urls = dispatcher_urls(value)
+        except ValueError as exc:
+            raise PydanticCustomError("announce_url", str(exc)) from None
+        if urls and not info.data.get("worker_token"):
+            raise PydanticCustomError(
+                "announce_token", "announcing needs WORKER_TOKEN (the dispatchers' worker token); none is set"
+            )
+        return ",".join(urls)
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str, info: ValidationInfo) -> str:
+        """Checked against the announcement contract now, so a bad one refuses start-up instead of a 422 forever."""
+        from songserve.schemas import WorkerAnnouncement
+        from songserve.worker.announce import default_public_url
+
+        if not value.strip():
+            if not info.data.get("announce") or "host" not in info.data or "worker_port" not in info.data:
+                return ""
+            value = default_public_url(info.data["host"], info.data["worker_port"])
+        try:
+            return WorkerAnnouncement(url=value.strip()).url
+        except ValidationError as exc:
+            raise PydanticCustomError("public_url", exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 def _flag(name: str) -> str:

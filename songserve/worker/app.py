@@ -24,6 +24,8 @@ from songserve.errors import BusyError, NotFoundError, RequestError, SongserveEr
 from songserve.http_errors import error_response, install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
+from songserve.settings import WorkerSettings
+from songserve.worker.announce import Announcer, dispatcher_urls, local_health_url
 from songserve.worker.runtime import WorkerRuntime, error_kind_of
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,22 @@ async def sweep_loop(runtime: WorkerRuntime) -> None:
             log.exception("output sweep failed; retrying in %.0fs", interval)
 
 
+def make_announcer(s: WorkerSettings) -> Announcer | None:
+    """The announcer for ``ANNOUNCE`` (settings already checked the URLs and the token), or None."""
+    if not s.announce:
+        return None
+    return Announcer(
+        dispatcher_urls(s.announce),
+        public_url=s.public_url,
+        token=s.worker_token,
+        interval_sec=s.announce_interval_sec,
+        health_url=local_health_url(s.host, s.worker_port),
+    )
+
+
 def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], None] | None = None) -> FastAPI:
+    announcer = make_announcer(runtime.s)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async def load() -> None:
@@ -79,7 +96,11 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
 
         task = asyncio.create_task(load())
         sweeper = asyncio.create_task(sweep_loop(runtime)) if runtime.s.output_ttl_sec > 0 else None
+        if announcer is not None:
+            announcer.start()  # waits for our own /health to answer, then registers with each dispatcher
         yield
+        if announcer is not None:
+            await announcer.stop()  # after the drain: leave where joined, so no dispatcher waits for the TTL
         task.cancel()
         if sweeper is not None:
             sweeper.cancel()
@@ -129,6 +150,8 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "checkpoints": d.get("checkpoints", {}),
             "architectures": d.get("architectures", {}),
             "version": __version__,
+            # ANNOUNCE: each dispatcher this worker registers with, and where it stands (joined, failing, …)
+            "announce": announcer.view() if announcer is not None else [],
             # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
             # (the test tone runs a batch's takes in turn, so packing can be tested against it too)
             **(
