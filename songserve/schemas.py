@@ -179,21 +179,6 @@ class WorkerConfig(BaseModel):
     tokens_per_minute: int | None = None  # audio tokens per minute of song (21.53 frames/s × 2 × 60)
 
 
-WORKER_URL = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?/?$"  # scheme, host and port: no path or query
-
-
-class WorkerAnnouncement(BaseModel):
-    """``POST /workers`` on a dispatcher: a worker joins the pool, or renews its registration."""
-
-    url: str = Field(max_length=200, pattern=WORKER_URL, description="where the dispatchers reach the worker")
-    ttl_sec: float = Field(15.0, ge=1, le=3600, description="the registration ends unless renewed within this")
-
-
-class WorkerAnnounced(BaseModel):
-    worker_id: int = Field(description="the worker's id in the pool (stable for its URL)")
-    expires_in_sec: float = Field(description="renew before this many seconds pass")
-
-
 class TaskState(StrEnum):
     running = "running"
     done = "done"  # the same word as a track's (the worker's /generate answer keeps the reference's "ok")
