@@ -258,8 +258,9 @@ def _error_text(r: httpx.Response) -> str:
     """The error body's one sentence (api.md), else the start of the body."""
     try:
         body = r.json()
-        if isinstance(body, dict) and isinstance(body.get("error"), str):
-            return body["error"][:200]
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, str):
+            return error[:200]
     except ValueError:
         pass
     return r.text[:200].replace("\n", " ")
