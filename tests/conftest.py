@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,26 @@ def megatron_cpu():
     torch.set_num_threads(1)
     init_megatron(torch.device("cpu"), 0, seed=0)
     return torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A throw-away PostgreSQL server for the whole session (tests/pg.py); skipped, with the reason printed,
+    where none can be started here."""
+    from tests import pg
+
+    why = pg.unavailable()
+    if why:
+        print(f"\nPostgreSQL tests skipped: {why}", file=sys.stderr)
+        pytest.skip(f"no PostgreSQL server: {why}")
+    server = pg.start_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server) -> Iterator[str]:
+    """A fresh, empty database on the session's server, dropped after the test: its postgresql:// URL."""
+    name = pg_server.create_database()
+    yield pg_server.url(name)
+    pg_server.drop_database(name)
