@@ -82,9 +82,9 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 async def _version(conn: psycopg.AsyncConnection[object]) -> int:
     await conn.execute("CREATE TABLE IF NOT EXISTS songserve_schema (version INTEGER NOT NULL)")
-    cur = await conn.execute("SELECT COALESCE(MAX(version), 0) FROM songserve_schema")
+    cur = await conn.execute("SELECT COALESCE(MAX(version), 0) AS version FROM songserve_schema")
     row = await cur.fetchone()
-    return int(row[0]) if row else 0  # type: ignore[index]
+    return int(row["version"]) if row else 0  # type: ignore[index]  # the pool gives dict rows
 
 
 async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
