@@ -85,9 +85,12 @@ class PgStore:
         """Connect and migrate; a store that cannot be used raises ``ConfigError`` in one line."""
         store = cls(url, origin, pool_size)
         try:
-            await store.pool.open(wait=True, timeout=timeout)
-            async with store.pool.connection() as conn:
+            # One plain connection first: a wrong URL fails once, in one line, not in the pool's retries.
+            async with await psycopg.AsyncConnection.connect(
+                url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(timeout))
+            ) as conn:
                 await migrate(conn)
+            await store.pool.open(wait=True, timeout=timeout)
         except NewerSchemaError as exc:
             await store.pool.close()
             raise ConfigError(
