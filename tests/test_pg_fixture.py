@@ -157,3 +157,15 @@ def test_async_pool_runs_concurrent_claims_without_double_claims(pg_url):
 
     claimed = asyncio.run(main())
     assert sorted(claimed) == list(range(1, 41))  # every row once: none lost, none twice
+
+
+def test_a_missing_server_is_a_reason_naming_what_is_missing(monkeypatch):
+    from tests import pg
+
+    monkeypatch.setattr(pg, "find_bin_dir", lambda: None)
+    why = pg.unavailable()
+    assert why is not None
+    assert "initdb" in why
+    assert "apt-get install postgresql" in why
+    with pytest.raises(RuntimeError, match="initdb"):
+        pg.start_server()
