@@ -13,6 +13,7 @@ one log line. The schema itself is versioned and migrated forward in ``migration
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -89,7 +90,8 @@ class SqliteStore:
             yield self.db
             self.db.execute("COMMIT")
         except BaseException as exc:
-            self.db.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already (disk full)
+                self.db.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(str(exc)) from exc
             raise
