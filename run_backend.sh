@@ -13,6 +13,8 @@
 # that sends none, such as the reference one, on a trusted network), and the checkpoint settings the
 # worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
+# Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
+# dispatcher), RESULTS_DIR (shared storage the dispatchers all mount), DISPATCHER_ID (<hostname>:<port>).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -167,6 +169,9 @@ fi
 # ---- dispatcher -------------------------------------------------------------------------------
 if [ $API = 1 ]; then
   args=(--port "$API_PORT" --state-dir "$STATE_DIR" --health-interval 1.0)
+  [ -z "${STORE_URL:-}" ] || args+=(--store-url "$STORE_URL")
+  [ -z "${RESULTS_DIR:-}" ] || args+=(--results-dir "$RESULTS_DIR")
+  [ -z "${DISPATCHER_ID:-}" ] || args+=(--dispatcher-id "$DISPATCHER_ID")
   if [ -n "$WORKER_URLS" ]; then args+=(--worker-urls "$WORKER_URLS")
   else args+=(--num-workers "${#GPU_IDS[@]}" --worker-base-port "$WORKER_BASE_PORT" --worker-host 127.0.0.1); fi
   say "starting the dispatcher on port $API_PORT"
