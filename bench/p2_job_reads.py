@@ -24,11 +24,16 @@ from tests.support import ServerProcess, free_port
 
 def seed_store(state: Path, n: int) -> list[str]:
     """Write n finished 2-track jobs through the job store itself (as the dispatcher would)."""
+    return asyncio.run(_seed(state, n))
+
+
+async def _seed(state: Path, n: int) -> list[str]:
     from songserve.api.states import TrackStatus
-    from songserve.api.store import Job, JobStore, Track
+    from songserve.api.store import Job, Track
+    from songserve.api.store_sqlite import SqliteStore
     from songserve.schemas import GenerateRequest
 
-    store = JobStore(state / "jobs.sqlite3")
+    store = SqliteStore(state / "jobs.sqlite3")
     ids = []
     now = time.time()
     for i in range(n):
@@ -53,13 +58,12 @@ def seed_store(state: Path, n: int) -> list[str]:
         ]
         request = GenerateRequest(duration=3.0, num_tracks=2, tags="pop", lyrics="la la")
         job = Job(job_id, i + 1, now - 100, request, "la la", tracks)
-        store.insert_job(job)
+        await store.insert_job(job)
         for t in tracks:
-            store.save_track(t)
-        job.finished_at = now
-        store.save_job(job, terminal=True)
+            await store.save_track(t, (TrackStatus.done, None))
+        await store.finish_job(job_id, now)
         ids.append(job_id)
-    store.close()
+    await store.close()
     return ids
 
 
