@@ -116,7 +116,7 @@ if [ $WORKERS = 1 ]; then
     for g in "${GPU_IDS[@]}"; do [ "$g" -lt "$CUDA_COUNT" ] || die "--gpus $g: this machine has $CUDA_COUNT GPUs (ids 0..$((CUDA_COUNT - 1)))"; done
   fi
   if [ -z "${CHECKPOINTS_DIR:-}${TOKENIZER_PATH:-}${BACKBONE_MODELS:-}${SUPERRES_MODELS:-}${DECODER_CONFIG_PATH:-}${DECODER_CHECKPOINT_PATH:-}" ]; then
-    if ! $PY -c 'import sys; from songserve.pipeline.tiny import is_built; from songserve.settings import DEFAULT_TINY_DIR; sys.exit(0 if is_built(DEFAULT_TINY_DIR) else 1)'; then
+    if ! $PY -c 'import sys; from songserve.pipeline.tiny import is_built; from songserve.pipeline.config import DEFAULT_TINY_DIR; sys.exit(0 if is_built(DEFAULT_TINY_DIR) else 1)'; then
       say "no checkpoint set configured: building the tiny set in checkpoints/tiny (once, ~10 s)"
       $PY -m songserve.pipeline.tiny >/dev/null
     fi
@@ -157,7 +157,7 @@ if [ $WORKERS = 1 ]; then
     say "starting worker $i on GPU ${GPU_IDS[$i]} (port $port, $MODE)"
     CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i nohup $PY backend_worker.py \
       --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
-      --master-port $((BASE_MASTER_PORT + i)) --seed $((BASE_SEED + i * 1000)) \
+      --master-port $(( BASE_MASTER_PORT == 0 ? 0 : BASE_MASTER_PORT + i )) --seed $((BASE_SEED + i * 1000)) \
       --megatron-args "$MEGATRON_ARGS" ${ANNOUNCE:+--announce "$ANNOUNCE"} >>"$log" 2>&1 </dev/null &
     echo $! >"$LOG_DIR/worker_$i.pid"; STARTED+=("$log")
   done

@@ -18,7 +18,7 @@ def launcher_env(tmp: Path, **extra: str) -> dict:
         **os.environ,
         "API_PORT": str(free_port()),
         "WORKER_BASE_PORT": str(free_port()),
-        "BASE_MASTER_PORT": str(free_port()),
+        "BASE_MASTER_PORT": "0",  # each worker binds a free one (base+i may be taken)
         "LOG_DIR": str(tmp / "logs"),
         "STATE_DIR": str(tmp / "state"),
         "HEALTH_TIMEOUT": "180",

@@ -441,7 +441,11 @@ class Dispatcher(TrackBook):
         held = await store.renew_leases(self.me, ttl)
         for w in self.pool.workers:
             if w.leased and w.worker_id not in held:
-                self._lease_lost(w)
+                # Expired while this dispatcher was slow: still ours unless another took it meanwhile.
+                if await store.acquire_lease(self.me, w.worker_id, ttl):
+                    held.add(w.worker_id)
+                else:
+                    self._lease_lost(w)
         taken = await self._take_leases(held, rows)
         for w in self.pool.workers:
             w.leased = w.worker_id in held

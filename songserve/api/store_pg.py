@@ -282,14 +282,15 @@ class PgStore:
 
     # ---- workers, dispatchers and leases -------------------------------------------------------
     async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
+        renew = (
+            f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
+            " WHERE url=%s RETURNING worker_id"
+        )
         async with self._tx() as conn:
-            await conn.execute("LOCK TABLE workers IN SHARE ROW EXCLUSIVE MODE")  # ids: one registration at a time
-            cur = await conn.execute(
-                f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
-                " WHERE url=%s RETURNING worker_id",
-                (ttl, announced, url),
-            )
-            row = await cur.fetchone()
+            row = await (await conn.execute(renew, (ttl, announced, url))).fetchone()  # the usual case: a renewal
+            if row is None:  # a new URL: ids are handed out one registration at a time
+                await conn.execute("LOCK TABLE workers IN SHARE ROW EXCLUSIVE MODE")
+                row = await (await conn.execute(renew, (ttl, announced, url))).fetchone()
             if row is None:
                 cur = await conn.execute(
                     "INSERT INTO workers (worker_id, url, announced, registered_until)"

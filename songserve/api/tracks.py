@@ -282,7 +282,8 @@ class TrackBook:
         mem.cancelled, mem.started_at = stored.cancelled, stored.started_at
         for t, fresh in zip(mem.tracks, stored.tracks, strict=True):
             if t.key in self.running:
-                continue  # ours and live: memory is the truth
+                self.queue.pop(t.key, None)  # ours and live: memory is the truth (a read from before our claim)
+                continue
             for name in STORED_TRACK_FIELDS:
                 setattr(t, name, getattr(fresh, name))
             if t.status is TrackStatus.queued and t.key not in self.queue:
