@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -49,6 +49,16 @@ log = logging.getLogger(__name__)
 CHANNEL = "songserve_jobs"
 NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in epoch seconds
 TERMINAL_VALUES = [s.value for s in TERMINAL]
+TRACK_COLUMN_TYPES = {
+    "status": "text", "seed": "bigint", "attempts": "int", "worker_id": "int", "task_id": "text", "owner": "text",
+    "error": "text", "duration_sec": "float8", "started_at": "float8", "finished_at": "float8", "metadata": "text",
+    "worker_phase": "text", "phase_progress": "int", "phase_detail": "text", "phase_rate": "float8",
+}  # fmt: skip
+# A job row with its tracks as one JSON array: one round trip for a whole job.
+JOB_WITH_TRACKS = (
+    "SELECT j.*, COALESCE((SELECT json_agg(t ORDER BY t.idx) FROM tracks t WHERE t.job_id = j.job_id), '[]')"
+    " AS tracks FROM jobs j"
+)
 RUNNING_VALUES = [s.value for s in RUNNING]
 Conn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -107,11 +117,16 @@ class PgStore:
         await self.pool.close()
 
     @asynccontextmanager
-    async def _tx(self) -> AsyncIterator[Conn]:
-        """One transaction on a pooled connection; a database failure becomes ``StoreError``."""
+    async def _tx(self, transaction: bool = True) -> AsyncIterator[Conn]:
+        """A pooled connection, in one transaction (or autocommit for a single statement, which is one
+        implicit transaction and saves the BEGIN/COMMIT round trips); a database failure becomes ``StoreError``."""
         try:
-            async with self.pool.connection() as conn, conn.transaction():
-                yield conn  # type: ignore[misc]
+            async with self.pool.connection() as conn:
+                if not transaction:
+                    yield conn  # type: ignore[misc]  # the pool's connections make dict rows
+                    return
+                async with conn.transaction():
+                    yield conn  # type: ignore[misc]
         except (DuplicateKey, StaleTrack):
             raise
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
@@ -119,106 +134,111 @@ class PgStore:
         except PoolTimeout as exc:
             raise StoreError(f"no database connection ({exc})") from exc
 
-    async def _notify(self, conn: Conn, job_id: str) -> None:
-        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, f"{self.origin}|{job_id}"))
-
-    async def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        async with self._tx() as conn:
+    async def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """One statement (a read, or a write with its NOTIFY in the same statement): one round trip."""
+        async with self._tx(transaction=False) as conn:
             cur = await conn.execute(sql, params)
             return await cur.fetchall()
+
+    def _announcing(self, write: str) -> str:
+        """``write`` (an UPDATE/DELETE … RETURNING job_id) and its NOTIFY as one statement."""
+        return f"WITH w AS ({write}) SELECT w.job_id, pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w"
 
     # ---- jobs and tracks -----------------------------------------------------------------------
     async def insert_job(self, job: Job) -> None:
         try:
-            async with self._tx() as conn:
-                cur = await conn.execute(
-                    "INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
-                    " idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING seq",
-                    (job.job_id, job.created_at, job.priority, job.request.model_dump_json(), job.cleaned_lyrics,
-                     len(job.tracks), job.idempotency_key),
-                )  # fmt: skip
-                row = await cur.fetchone()
-                async with conn.cursor() as c:
-                    await c.executemany(
-                        "INSERT INTO tracks (job_id, idx, status, seed) VALUES (%s, %s, %s, %s)",
-                        [(t.job_id, t.index, t.status.value, t.seed) for t in job.tracks],
-                    )
-                await self._notify(conn, job.job_id)
+            rows = await self._rows(
+                "WITH j AS (INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
+                " idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING job_id, seq),"
+                " t AS (INSERT INTO tracks (job_id, idx, status, seed)"
+                " SELECT j.job_id, x.idx, x.status, x.seed FROM j, unnest(%s::int[], %s::text[], %s::bigint[])"
+                " AS x(idx, status, seed))"
+                f" SELECT j.seq, pg_notify('{CHANNEL}', %s || '|' || j.job_id) FROM j",
+                (job.job_id, job.created_at, job.priority, job.request.model_dump_json(), job.cleaned_lyrics,
+                 len(job.tracks), job.idempotency_key, [t.index for t in job.tracks],
+                 [t.status.value for t in job.tracks], [t.seed for t in job.tracks], self.origin),
+            )  # fmt: skip
         except pg_errors.UniqueViolation:
             found = await self.job_by_key(job.idempotency_key or "")
             if found is None:
                 raise
             raise DuplicateKey(found) from None
-        job.seq = int(row["seq"]) if row else 0
+        job.seq = int(rows[0]["seq"])
 
     async def claim(self, tracks: list[Track]) -> set[int]:
+        """One statement: lock the wanted rows still queued (``SKIP LOCKED``, in the given order), write
+        each one's new state, and NOTIFY, all in one round trip."""
         if not tracks:
             return set()
-        job_id, order = tracks[0].job_id, [t.index for t in tracks]
-        async with self._tx() as conn:
-            cur = await conn.execute(
-                "SELECT idx FROM tracks WHERE job_id=%s AND idx = ANY(%s) AND status='queued'"
-                " ORDER BY array_position(%s, idx) FOR UPDATE SKIP LOCKED",
-                (job_id, order, order),
-            )
-            won = {int(r["idx"]) for r in await cur.fetchall()}
-            for t in tracks:
-                if t.index in won:
-                    await self._write_track(conn, t, None)
-            if won:
-                await self._notify(conn, job_id)
-        return won
+        columns = ", ".join(STORED_TRACK_FIELDS)
+        arrays = ", ".join(f"%s::{TRACK_COLUMN_TYPES[f]}[]" for f in STORED_TRACK_FIELDS)
+        sets = ", ".join(f"{f}=w.{f}" for f in STORED_TRACK_FIELDS)
+        rows = await self._rows(
+            f"WITH w AS (SELECT * FROM unnest(%s::int[], {arrays}) WITH ORDINALITY AS w(idx, {columns}, ord)),"
+            " locked AS (SELECT t.idx FROM tracks t JOIN w ON t.idx = w.idx WHERE t.job_id=%s AND t.status='queued'"
+            " ORDER BY w.ord FOR UPDATE OF t SKIP LOCKED),"
+            f" claimed AS (UPDATE tracks t SET {sets} FROM w WHERE t.job_id=%s AND t.idx = w.idx"
+            " AND t.idx IN (SELECT idx FROM locked) RETURNING t.idx),"
+            f" n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || %s) WHERE EXISTS (SELECT 1 FROM claimed))"
+            " SELECT idx FROM claimed, (SELECT count(*) FROM n) AS sent",
+            [
+                [t.index for t in tracks],
+                *([stored_value(t, f) for t in tracks] for f in STORED_TRACK_FIELDS),
+                tracks[0].job_id,
+                tracks[0].job_id,
+                self.origin,
+                tracks[0].job_id,
+            ],
+        )
+        return {int(r["idx"]) for r in rows}
 
     async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
-        async with self._tx() as conn:
-            if not await self._write_track(conn, t, seen):
-                raise StaleTrack(t.key)
-            await self._notify(conn, t.job_id)
-
-    async def _write_track(self, conn: Conn, t: Track, seen: tuple[TrackStatus, str | None] | None) -> bool:
-        values = [stored_value(t, f) for f in STORED_TRACK_FIELDS]
         sets = ", ".join(f"{f}=%s" for f in STORED_TRACK_FIELDS)
-        where = "job_id=%s AND idx=%s"
-        params: list[Any] = [*values, t.job_id, t.index]
-        if seen is not None:
-            where += " AND status=%s AND owner IS NOT DISTINCT FROM %s"
-            params += [seen[0].value, seen[1]]
-        cur = await conn.execute(f"UPDATE tracks SET {sets} WHERE {where}", params)
-        return cur.rowcount == 1
+        rows = await self._rows(
+            self._announcing(
+                f"UPDATE tracks SET {sets} WHERE job_id=%s AND idx=%s AND status=%s"
+                " AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
+            ),
+            [
+                *(stored_value(t, f) for f in STORED_TRACK_FIELDS),
+                t.job_id,
+                t.index,
+                seen[0].value,
+                seen[1],
+                self.origin,
+            ],
+        )
+        if not rows:
+            raise StaleTrack(t.key)
 
     async def save_progress(self, t: Track) -> None:
-        async with self._tx() as conn:
-            await conn.execute(
+        await self._rows(
+            self._announcing(
                 "UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s, phase_rate=%s"
-                " WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s",
-                (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner),
-            )
-            await self._notify(conn, t.job_id)
-
-    async def _job_write(self, job_id: str, sql: str, params: tuple[Any, ...]) -> None:
-        async with self._tx() as conn:
-            await conn.execute(sql, params)
-            await self._notify(conn, job_id)
-
-    async def mark_started(self, job_id: str, at: float) -> None:
-        await self._job_write(
-            job_id, "UPDATE jobs SET started_at=COALESCE(started_at, %s) WHERE job_id=%s", (at, job_id)
+                " WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
+            ),
+            (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner, self.origin),
         )
 
+    async def _job_write(self, sql: str, params: tuple[Any, ...]) -> None:
+        await self._rows(self._announcing(sql + " RETURNING job_id"), (*params, self.origin))
+
+    async def mark_started(self, job_id: str, at: float) -> None:
+        await self._job_write("UPDATE jobs SET started_at=COALESCE(started_at, %s) WHERE job_id=%s", (at, job_id))
+
     async def mark_cancelled(self, job_id: str) -> None:
-        await self._job_write(job_id, "UPDATE jobs SET cancelled=true WHERE job_id=%s", (job_id,))
+        await self._job_write("UPDATE jobs SET cancelled=true WHERE job_id=%s", (job_id,))
 
     async def finish_job(self, job_id: str, at: float) -> bool:
-        async with self._tx() as conn:
-            cur = await conn.execute(
-                "UPDATE jobs SET terminal=true, finished_at=COALESCE(finished_at, %s) WHERE job_id=%s AND NOT terminal"
-                " AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=%s AND status <> ALL(%s))",
-                (at, job_id, job_id, TERMINAL_VALUES),
-            )
-            if cur.rowcount:
-                await self._notify(conn, job_id)
-            row = await (await conn.execute("SELECT terminal FROM jobs WHERE job_id=%s", (job_id,))).fetchone()
-        return bool(row and row["terminal"])
+        rows = await self._rows(
+            "WITH u AS (UPDATE jobs SET terminal=true, finished_at=COALESCE(finished_at, %s) WHERE job_id=%s"
+            " AND NOT terminal AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=%s AND status <> ALL(%s))"
+            f" RETURNING job_id), n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || job_id) FROM u)"
+            " SELECT (SELECT count(*) FROM n) > 0 OR COALESCE((SELECT terminal FROM jobs WHERE job_id=%s), false)"
+            " AS terminal",
+            (at, job_id, job_id, TERMINAL_VALUES, self.origin, job_id),
+        )
+        return bool(rows and rows[0]["terminal"])
 
     async def is_cancelled(self, job_id: str) -> bool:
         rows = await self._rows("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
@@ -229,23 +249,12 @@ class PgStore:
         return rows[0]["job_id"] if rows else None
 
     async def load_job(self, job_id: str) -> Job | None:
-        async with self._tx() as conn:
-            job = await (await conn.execute("SELECT * FROM jobs WHERE job_id=%s", (job_id,))).fetchone()
-            if job is None:
-                return None
-            cur = await conn.execute("SELECT * FROM tracks WHERE job_id=%s ORDER BY idx", (job_id,))
-            return job_from_row(job, await cur.fetchall())
+        rows = await self._rows(f"{JOB_WITH_TRACKS} WHERE j.job_id=%s", (job_id,))
+        return job_from_row(rows[0], rows[0]["tracks"]) if rows else None
 
     async def active_jobs(self) -> list[Job]:
-        async with self._tx() as conn:
-            jobs = await (await conn.execute("SELECT * FROM jobs WHERE NOT terminal ORDER BY seq")).fetchall()
-            cur = await conn.execute(
-                "SELECT t.* FROM tracks t JOIN jobs j USING (job_id) WHERE NOT j.terminal ORDER BY t.job_id, t.idx"
-            )
-            tracks: dict[str, list[dict[str, Any]]] = {}
-            for t in await cur.fetchall():
-                tracks.setdefault(t["job_id"], []).append(t)
-        return [job_from_row(r, tracks.get(r["job_id"], [])) for r in jobs]
+        rows = await self._rows(f"{JOB_WITH_TRACKS} WHERE NOT j.terminal ORDER BY j.seq")
+        return [job_from_row(r, r["tracks"]) for r in rows]
 
     async def running_on(self, worker_id: int) -> list[Key]:
         rows = await self._rows(
@@ -266,7 +275,7 @@ class PgStore:
         return {r["job_id"] for r in await self._rows("SELECT job_id FROM jobs")}
 
     async def delete_job(self, job_id: str) -> None:
-        await self._job_write(job_id, "DELETE FROM jobs WHERE job_id=%s", (job_id,))
+        await self._job_write("DELETE FROM jobs WHERE job_id=%s", (job_id,))
 
     async def counts(self) -> dict[str, int]:
         rows = await self._rows("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
