@@ -244,3 +244,26 @@ def test_a_bad_store_url_refuses_start_up_in_one_line(tmp_path, bad):
     assert len(lines) == 1, out.stderr
     assert "Traceback" not in out.stderr
     assert "store" in lines[0].lower()
+
+
+def test_cancel_and_idempotency_keys_work_across_dispatchers(tmp_path, pg_url):
+    workers = tone_workers(tmp_path, 2, delay=30.0)
+    a = start_dispatcher(tmp_path, "A", pg_url, workers)
+    b = start_dispatcher(tmp_path, "B", pg_url, workers)
+    try:
+        body = {"lyrics": "x", "duration": 0.05, "num_tracks": 2}
+        key = {"Idempotency-Key": "same-song-1"}
+        first = httpx.post(a.url + "/generate", json=body, headers=key).json()
+        again = httpx.post(b.url + "/generate", json=body, headers=key).json()
+        assert again["job_id"] == first["job_id"]  # one job, wherever the key was first used
+        job_id = first["job_id"]
+        wait_for(lambda: all(t["status"] == "generating" for t in job(b, job_id)["tracks"]), timeout=20)
+        cancelled = httpx.delete(f"{b.url}/job/{job_id}").json()  # at B, whichever dispatcher runs the tracks
+        assert cancelled["status"] == "cancelled"
+        assert wait_done(a, job_id, timeout=20)["status"] == "cancelled"
+        assert all(t["status"] == "cancelled" for t in wait_done(a, job_id)["tracks"])
+        # The workers stopped (freed long before their 30 s), and both are idle again.
+        wait_for(lambda: all(httpx.get(w.url + "/health").json()["status"] == "idle" for w in workers), timeout=20)
+        assert generated(workers) == 0
+    finally:
+        stop_all(a, b, *workers)
