@@ -161,8 +161,11 @@ class Dispatcher(TrackBook):
     async def _dispatch_pass(self) -> None:
         if not self.accepting:
             return
-        ordered = queue_order.order(self.queue.values(), self._started_counts())
         free = self.pool.available()
+        if not free:  # nothing can start: only the positions change (one ordering, not two)
+            self._reorder()
+            return
+        ordered = queue_order.order(self.queue.values(), self._started_counts())
         taken: set[Key] = set()
         try:
             for entry in ordered:
