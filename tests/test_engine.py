@@ -209,6 +209,62 @@ def test_a_take_in_a_batch_draws_what_it_draws_alone(backbone, n):
         assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
 
 
+def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backbone, monkeypatch):
+    """The tiny set's weights are below LARGE_WEIGHT: lower it so batches of 2-4 take the w @ x.T path."""
+    from songserve.pipeline import decode
+
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(decode, "LARGE_WEIGHT", 0)
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape) or real_mm(a, b))
+    seeds = [21, 22, 23]
+    batch, btakes = _run(backbone, seeds, frames=40)
+    assert calls
+    assert all(shape[1] == 3 for shape in calls)
+    for i, s in enumerate(seeds):
+        alone, atakes = _run(backbone, [s], frames=40)
+        assert torch.equal(batch[i].codes, alone[0].codes)
+        assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+
+
+def test_step_linear_equals_f_linear_for_every_row_count():
+    import torch.nn.functional as F
+
+    from songserve.pipeline.decode import step_linear
+
+    w, b = torch.randn(768, 512), torch.randn(768)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 1, 512)
+        for bias in (None, b):
+            got = step_linear(x, w, bias)
+            assert got.shape == (rows, 1, 768)
+            assert got.is_contiguous()
+            assert torch.allclose(got, F.linear(x, w, bias), atol=1e-4), (rows, bias is None)
+
+
+@pytest.mark.parametrize("top_p", [None, 0.8])
+def test_draw_equals_torch_multinomial(top_p):
+    """sample / sample_rows are multinomial's one-sample rule written out: same index, same generator state."""
+    from songserve.pipeline.sampling import _filtered, sample_rows
+
+    for trial in range(40):
+        k = (1, 7, 50, 300)[trial % 4]
+        logits = torch.randn(3, 1024) * 4
+        gens = [torch.Generator().manual_seed(100 * trial + r) for r in range(3)]
+        refs = [torch.Generator().manual_seed(100 * trial + r) for r in range(3)]
+        probs, idx = _filtered(logits, k, 0.9, top_p)
+        want = torch.stack(
+            [idx[r, torch.multinomial(probs[r : r + 1], 1, generator=g)[0, 0]] for r, g in enumerate(refs)]
+        )
+        assert torch.equal(sample_rows(logits, k, gens, 0.9, top_p), want)
+        for g, ref in zip(gens, refs, strict=True):
+            assert torch.equal(g.get_state(), ref.get_state())
+        one, ref = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        got = sample(logits, k, one, 0.9, top_p)  # one generator for the whole batch (superres's way)
+        assert torch.equal(got, idx.gather(-1, torch.multinomial(probs, 1, generator=ref)).squeeze(-1))
+        assert torch.equal(one.get_state(), ref.get_state())
+
+
 def _competitive_eod(backbone, monkeypatch):
     """End-of-document drawn with about 2 % per frame: each row ends at its own frame."""
     gpt, real = backbone.gpt, backbone.gpt.project

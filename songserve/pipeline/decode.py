@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+Linear = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,31 @@ def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, spec: StepSp
     if spec.normalization == "RMSNorm":
         return F.rms_norm(x, (x.shape[-1],), w, spec.eps)
     return F.layer_norm(x, (x.shape[-1],), w, b, spec.eps)
+
+
+FEW_ROWS = 4  # 2..FEW_ROWS rows times a large weight: the CPU matmul runs weight-major (``step_linear``)
+LARGE_WEIGHT = 1 << 18  # elements (1 MiB fp32): below this the weight sits in cache and plain F.linear is cheaper
+
+
+def step_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for the decode step; a few rows times a large weight on the CPU go as ``w @ x.T``.
+
+    Why: the step multiplies 1–4 rows (one per take) by each weight matrix. For one row MKL runs
+    a matrix-vector product that streams the weights once; for 2–4 rows ``x @ w.T`` is a gemm
+    that packs its weight operand on every call, which made 2 takes cost ~1.5× one take in the
+    linears of a 512-wide model (P9). With the weight as the left operand the call streams the
+    weights once for every row. Small weights (the tiny model's) stay in cache, where the plain
+    call is cheaper than the two extra transposes. Static per shape: ``torch.compile`` sees one
+    branch.
+    """
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type != "cpu" or rows < 2 or rows > FEW_ROWS or w.numel() < LARGE_WEIGHT:
+        return F.linear(x, w, b)
+    xt = x.reshape(rows, x.shape[-1]).t()
+    out = torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)
+    # contiguous again (a few rows: cheap), so what follows sees F.linear's layout (SDPA's CPU
+    # flash kernel, for one, is chosen only for contiguous inputs)
+    return out.t().contiguous().view(*x.shape[:-1], w.shape[0])
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -218,11 +245,13 @@ class DecodeModel:
             x = x.float()
         return x
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, H) → q (B, heads, S, D), k and v (B, groups, S, D), in megatron's interleaved layout."""
         s = self.spec
         B, S = x.shape[:2]
-        mixed = F.linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
+        mixed = linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
         per = s.heads // s.groups
         mixed = mixed.view(B, S, s.groups, (per + 2) * s.head_dim)
         q, k, v = mixed.split([per * s.head_dim, s.head_dim, s.head_dim], dim=-1)
@@ -235,20 +264,22 @@ class DecodeModel:
         t1 = t1 * cos + _rotate_half(t1, self.spec.rotary_interleaved) * sin
         return torch.cat((t1, t2), dim=-1) if t2.shape[-1] else t1
 
-    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor, linear: Linear = F.linear
+    ) -> torch.Tensor:
         """attn (B, S, heads·D) → output projection, residual, MLP, residual."""
         s = self.spec
-        out = F.linear(attn, lw.proj_w)
+        out = linear(attn, lw.proj_w)
         if lw.proj_b is not None:
             out = out + lw.proj_b
         x = x + out.to(x.dtype)
-        h = F.linear(_norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype), lw.fc1_w, lw.fc1_b)
+        h = linear(_norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype), lw.fc1_w, lw.fc1_b)
         if s.gated:
             a, b = h.chunk(2, dim=-1)
             h = self.activation(a) * b
         else:
             h = self.activation(h)
-        out = F.linear(h, lw.fc2_w)
+        out = linear(h, lw.fc2_w)
         if lw.fc2_b is not None:
             out = out + lw.fc2_b
         return x + out.to(x.dtype)
@@ -325,7 +356,7 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x)  # q (B, heads, 1, D), k/v (B, G, 1, D)
+            q, k, v = self._qkv(lw, x, step_linear)  # q (B, heads, 1, D), k/v (B, G, 1, D)
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_cache[i].index_copy_(2, pos, k)
@@ -333,7 +364,7 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.reshape(B, 1, -1))
+            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), step_linear)
         return self.final(x)[:, 0]
 
 
