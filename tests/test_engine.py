@@ -214,17 +214,21 @@ def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backb
     from songserve.pipeline import decode
 
     calls = []
-    real_mm = torch.mm
+    real_mm, real_addmm = torch.mm, torch.addmm
     monkeypatch.setattr(decode, "LARGE_WEIGHT", 0)
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape) or real_mm(a, b))
+    monkeypatch.setattr(torch, "addmm", lambda c, a, b: calls.append(b.shape) or real_addmm(c, a, b))
     seeds = [21, 22, 23]
     batch, btakes = _run(backbone, seeds, frames=40)
     assert calls
     assert all(shape[1] == 3 for shape in calls)
+    calls.clear()
     for i, s in enumerate(seeds):
         alone, atakes = _run(backbone, [s], frames=40)
         assert torch.equal(batch[i].codes, alone[0].codes)
         assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+    assert calls
+    assert all(shape[1] == 2 for shape in calls)  # one row padded to two: the same gemm kernel
 
 
 def test_step_linear_equals_f_linear_for_every_row_count():
@@ -240,6 +244,12 @@ def test_step_linear_equals_f_linear_for_every_row_count():
             assert got.shape == (rows, 1, 768)
             assert got.is_contiguous()
             assert torch.allclose(got, F.linear(x, w, bias), atol=1e-4), (rows, bias is None)
+    # weight-major, a row of a batch of 2 or 3 is bitwise what it is alone (the same gemm kernel)
+    x = torch.randn(3, 1, 512)
+    alone = [step_linear(x[i : i + 1], w, b) for i in range(3)]
+    for rows in (2, 3):
+        got = step_linear(x[:rows], w, b)
+        assert all(torch.equal(got[i : i + 1], alone[i]) for i in range(rows)), rows
 
 
 @pytest.mark.parametrize("top_p", [None, 0.8])

@@ -106,29 +106,36 @@ def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, spec: StepSp
     return F.layer_norm(x, (x.shape[-1],), w, b, spec.eps)
 
 
-FEW_ROWS = 4  # 2..FEW_ROWS rows times a large weight: the CPU matmul runs weight-major (``step_linear``)
+FEW_ROWS = 4  # 1..FEW_ROWS rows times a large weight: the CPU matmul runs weight-major (``step_linear``)
 LARGE_WEIGHT = 1 << 18  # elements (1 MiB fp32): below this the weight sits in cache and plain F.linear is cheaper
 
 
 def step_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for the decode step; a few rows times a large weight on the CPU go as ``w @ x.T``.
+    """``F.linear`` for the decode step; up to 4 rows times a large weight on the CPU go as ``w @ x.T``.
 
-    Why: the step multiplies 1–4 rows (one per take) by each weight matrix. For one row MKL runs
-    a matrix-vector product that streams the weights once; for 2–4 rows ``x @ w.T`` is a gemm
-    that packs its weight operand on every call, which made 2 takes cost ~1.5× one take in the
-    linears of a 512-wide model (P9). With the weight as the left operand the call streams the
-    weights once for every row. Small weights (the tiny model's) stay in cache, where the plain
-    call is cheaper than the two extra transposes. Static per shape: ``torch.compile`` sees one
-    branch.
+    Why: the step multiplies 1–4 rows (one per take) by each weight matrix, and MKL on these
+    CPUs handles that shape badly both ways the plain call can go: one row is a matrix-vector
+    product that streams the weights slower than a gemm does, and 2–4 rows as ``x @ w.T`` are a
+    gemm that packs its weight operand on every call (2 takes cost ~1.5× one take in the linears
+    of a 512-wide model: P9's miss). With the weight as the left operand a gemm streams the
+    weights once for all rows; one row is padded with a zero row to take the same kernel. Measured
+    over a 512-wide model's 32 matrices, 1 thread (ms): 1 row 6.4 → 5.3, 2 rows 9.8 → 5.4,
+    3 rows 11.2 → 7.5, 4 rows 9.3 → 8.1, 6 rows 10.8 vs 11.5 (so at most ``FEW_ROWS``). Small
+    weights (the tiny model's) stay in cache, where the plain call is cheaper than the extra
+    copies. Shapes are static per call: ``torch.compile`` sees one branch. The same kernel for a
+    take alone and in a batch of 2 or 3 also gives a row bitwise the values it gets alone.
     """
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.device.type != "cpu" or rows < 2 or rows > FEW_ROWS or w.numel() < LARGE_WEIGHT:
+    if x.device.type != "cpu" or rows > FEW_ROWS or w.numel() < LARGE_WEIGHT:
         return F.linear(x, w, b)
-    xt = x.reshape(rows, x.shape[-1]).t()
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = torch.cat([flat, torch.zeros_like(flat)])
+    xt = flat.t()
     out = torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)
     # contiguous again (a few rows: cheap), so what follows sees F.linear's layout (SDPA's CPU
     # flash kernel, for one, is chosen only for contiguous inputs)
-    return out.t().contiguous().view(*x.shape[:-1], w.shape[0])
+    return out[:, :rows].t().contiguous().view(*x.shape[:-1], w.shape[0])
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -169,6 +176,9 @@ class DecodeModel:
         self.word = model.embedding.word_embeddings.weight
         self.pos_table = model.embedding.position_embeddings.weight if self.spec.learned_positions else None
         self.layers = [self._layer(layer) for layer in model.decoder.layers]
+        self.largest_weight = max(
+            (w.numel() for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)), default=0
+        )
         fn = model.decoder.final_layernorm
         self.final_w, self.final_b = fn.weight, getattr(fn, "bias", None)
         self.output_weight = output_weight
@@ -343,6 +353,9 @@ class DecodeModel:
         depend only on (B, kv_len); the position lives on the device."""
         s = self.spec
         B = tokens.shape[0]
+        # a model whose weights all sit in cache (the tiny set) skips step_linear's checks entirely
+        weight_major = self.device.type == "cpu" and B <= FEW_ROWS and self.largest_weight >= LARGE_WEIGHT
+        linear: Linear = step_linear if weight_major else F.linear
         x = F.embedding(tokens.view(B, 1), self.word)
         if self.pos_table is not None:
             x = x + self.pos_table.index_select(0, pos).view(1, 1, -1)
@@ -356,7 +369,7 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, step_linear)  # q (B, heads, 1, D), k/v (B, G, 1, D)
+            q, k, v = self._qkv(lw, x, linear)  # q (B, heads, 1, D), k/v (B, G, 1, D)
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_cache[i].index_copy_(2, pos, k)
@@ -364,7 +377,7 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), step_linear)
+            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear)
         return self.final(x)[:, 0]
 
 
