@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -498,16 +500,24 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
 
     from tests.support import start_worker
 
-    w = start_worker(tmp_path, "--runtime-mode", "park", name="park")
+    w = start_worker(tmp_path, "--runtime-mode", "park", "--park-backbone", "1", name="park")
     try:
         w.wait_healthy()
         h = httpx.get(w.url + "/health", timeout=10).json()
         assert h["runtime_mode"] == "park"
+        assert h["park_backbone"] == "1"
         assert h["parked"] == ["decoder", "superres"]
         parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
         assert parked["status"] == "ok"
+        # the state each stage ran in: the backbone waited in host memory during superres and decoder
+        assert parked["metadata"]["parked"] == {
+            "backbone": ["decoder", "superres"],
+            "superres": ["backbone", "decoder"],
+            "decoder": ["backbone", "superres"],
+        }
         assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
         kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
+        assert "parked" not in kept["metadata"]
         assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
     finally:
         w.stop()
@@ -539,8 +549,86 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
     monkeypatch.setattr(pipe.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
-    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
+    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}  # PARK_BACKBONE=auto: never on the CPU
     assert pipe.parked == {"superres", "decoder"}
+
+
+def _park_pipe(tmp_path, megatron_cpu, **kw):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.settings import WorkerSettings
+
+    pipe = ModelPipeline(WorkerSettings(output_dir=tmp_path, **kw), resolve(WorkerSettings()), megatron_cpu)
+    pipe.load()
+    return pipe
+
+
+def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    import soundfile as sf
+
+    from songserve.pipeline.types import TrackRequest
+
+    pipe = _park_pipe(tmp_path / "park", megatron_cpu, runtime_mode="park", park_backbone="1")
+    assert pipe.loaded()["park_backbone"] == "1"
+    states = []
+    bb, sr = next(iter(pipe.backbones.values())), next(iter(pipe.superres.values()))
+    for stage, obj, name in (("backbone", bb, "generate_batch"), ("superres", sr, "generate_batch")):
+        real = getattr(obj, name)
+        monkeypatch.setattr(
+            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.parked))) or _r(*a, **k)
+        )
+    real_dec = pipe.decoder.decode
+    monkeypatch.setattr(
+        pipe.decoder, "decode", lambda *a, **k: states.append(("decoder", set(pipe.parked))) or real_dec(*a, **k)
+    )
+    reqs = [TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=s, task_id=f"pb{s}") for s in (1, 2)]
+    got = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    assert states == [
+        ("backbone", {"superres", "decoder"}),
+        ("superres", {"backbone", "decoder"}),
+        ("decoder", {"backbone", "superres"}),
+        ("decoder", {"backbone", "superres"}),  # one decode per take
+    ]
+    assert pipe.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
+    assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder"]
+
+    kept = _park_pipe(tmp_path / "kept", megatron_cpu, runtime_mode="keep_loaded")
+    want = kept.run_batch(
+        [dataclasses.replace(r, task_id=r.task_id + "k") for r in reqs], [TaskContext(r.task_id + "k") for r in reqs]
+    )
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(
+            sf.read(tmp_path / "park" / a.wav_filename)[0], sf.read(tmp_path / "kept" / b.wav_filename)[0]
+        )
+        assert a.metadata["tokens"] == b.metadata["tokens"]
+    # a failure mid-stage still ends in idle's state (the backbone resident, the stages parked)
+    monkeypatch.setattr(sr, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        pipe.run(dataclasses.replace(reqs[0], task_id="pbx"), TaskContext("pbx"))
+    assert pipe.parked == {"superres", "decoder"}
+
+
+def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
+    tiny_dir, megatron_cpu, tmp_path, monkeypatch
+):
+    from songserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PARK_BACKBONE=1 .* RUNTIME_MODE is keep_loaded"):
+        _park_pipe(tmp_path, megatron_cpu, runtime_mode="keep_loaded", park_backbone="1")
+    pipe = _park_pipe(tmp_path, megatron_cpu, runtime_mode="park")
+    sr = next(iter(pipe.superres.values()))
+    assert not pipe._backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
+    need = pipe._stage2_need(sr, 2, 300)
+    weights = sum(p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.decoder.parameters()])
+    assert need > weights
+    assert pipe._stage2_need(sr, 4, 300) > need  # more takes, more activations
+    # auto on CUDA, with the device's numbers stubbed: park exactly when free memory is short
+    monkeypatch.setattr(pipe, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
+    for free, parks in ((need - 1, True), (need, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, _f=free: (_f, 10 * need))
+        assert pipe._backbone_must_park(sr, 2, 300) is parks
 
 
 def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):

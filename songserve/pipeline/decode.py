@@ -481,6 +481,13 @@ class GraphedStep:
     def graphs(self) -> set[tuple[int, int]]:
         return set(self._graphs)
 
+    def reset(self) -> None:
+        """Forget every graph and persistent cache: the weights moved (park mode), and a graph reads
+        the addresses it was captured on. The next call of each shape captures it again."""
+        self._graphs.clear()
+        self.caches.clear()
+        self.pool = None
+
     def cache_for(self, batch: int, length: int) -> KVCache:
         """The persistent cache for this batch size (graphs captured on it read its addresses)."""
         if self.failed is not None or length > self.max_len:
