@@ -277,15 +277,15 @@ def test_draw_equals_torch_multinomial(top_p):
         assert torch.equal(one.get_state(), ref.get_state())
 
 
-def _competitive_eod(backbone, monkeypatch):
-    """End-of-document drawn with about 2 % per frame: each row ends at its own frame."""
+def _competitive_eod(backbone, monkeypatch, share: float = 0.02):
+    """End-of-document given ``share`` of the window's mass (more after top-k): each row ends at its own frame."""
     gpt, real = backbone.gpt, backbone.gpt.project
     state = {"last": None}
 
     def project(hidden, start, stop):
         logits = real(hidden, start, stop)
         if (start, stop) == (backbone.eod_id, backbone.eod_id + 1):
-            return state["last"].logsumexp(-1, keepdim=True) + math.log(0.02 / 0.98)
+            return state["last"].logsumexp(-1, keepdim=True) + math.log(share / (1 - share))
         state["last"] = logits
         return logits
 
@@ -304,6 +304,63 @@ def test_rows_end_at_different_frames_and_each_equals_its_take_alone(backbone, m
         assert torch.equal(batch[i].codes, alone[0].codes)
         # the generator is where it would be alone: superres draws the same
         assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+
+
+class _CountingBackend:
+    """A torch.compile backend that runs the captured graph as is and counts compilations."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def _compiled(backbone, monkeypatch, bucket: int) -> tuple[CompiledStep, _CountingBackend, list[int]]:
+    """The backbone with a compiled step (counting backend); returns the step, its backend, the batch of each call."""
+    torch._dynamo.reset()  # no graph of another test's backend is reused
+    counter = _CountingBackend()
+    step = CompiledStep(backbone.dm, backend=counter)
+    batches: list[int] = []
+    real_call = CompiledStep.__call__
+    monkeypatch.setattr(
+        CompiledStep, "__call__", lambda self, tok, *a: batches.append(tok.shape[0]) or real_call(self, tok, *a)
+    )
+    monkeypatch.setattr(backbone, "compiled", step)
+    monkeypatch.setattr(backbone, "bucket", bucket)
+    return step, counter, batches
+
+
+def test_the_compiled_step_compiles_once_per_shape_whatever_the_requests_length(backbone, monkeypatch):
+    step, counter, _ = _compiled(backbone, monkeypatch, bucket=128)
+    step.warm([2], [128], backbone.gpt.arch.context_length)
+    assert counter.compiles == 1
+    for frames in (20, 30, 45):  # three request lengths, one KV bucket
+        _run(backbone, [5, 6], frames=frames)
+    assert counter.compiles == 1  # warmed at load, reused by every request (a cache per length recompiled)
+    assert step.graphs == {(2, 128)}
+
+
+@pytest.mark.parametrize("warm", [[1, 2, 3, 4], [4]])
+def test_the_compiled_step_drops_finished_rows_when_the_smaller_batch_is_compiled(backbone, monkeypatch, warm):
+    _competitive_eod(backbone, monkeypatch, share=0.003)  # rows end tens of frames apart (21-108)
+    seeds = [31, 32, 33, 34]
+    eager = [_run(backbone, [s], frames=200, min_frames=2)[0][0] for s in seeds]
+    step, counter, batches = _compiled(backbone, monkeypatch, bucket=512)  # P + 400 tokens: one bucket
+    step.warm(warm, [512], backbone.gpt.arch.context_length)
+    batches.clear()
+    got, _ = _run(backbone, seeds, frames=200, min_frames=2)
+    assert step.failed is None
+    assert counter.compiles == len(warm)  # nothing compiled mid-song
+    for a, b in zip(eager, got, strict=True):
+        assert torch.equal(a.codes, b.codes)
+    assert batches == sorted(batches, reverse=True)
+    if warm == [4]:
+        assert set(batches) == {4}  # no graph for a smaller batch: the finished rows ride along
+    else:
+        assert batches[0] == 4
+        assert set(batches) == {4, 3, 2, 1}  # each row that ended stopped costing (rows end at 21, 37, 55, 108)
 
 
 def test_cancelling_one_take_leaves_the_others_untouched(backbone, monkeypatch):

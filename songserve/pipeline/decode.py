@@ -427,11 +427,17 @@ class CompiledStep:
         self.graphs.add(key)
         return out
 
-    def warm(self, batches: list[int], kv_lens: list[int]) -> None:
-        """Compile (and capture) the given shapes now, at load, on a scratch cache."""
+    def warm(self, batches: list[int], kv_lens: list[int], cache_len: int | None = None) -> None:
+        """Compile (and capture) the given shapes now, at load, on a scratch cache of ``cache_len``
+        positions: the length the backbone decodes into (its context), and under inference mode as
+        the backbone decodes: either one differing, the graphs are not reused."""
+        with torch.inference_mode():
+            self._warm(batches, kv_lens, max(cache_len or 0, *kv_lens))
+
+    def _warm(self, batches: list[int], kv_lens: list[int], length: int) -> None:
         for b in batches:
-            cache = self.dm.new_cache(b, max(kv_lens))
-            self.dm.rope_tables(max(kv_lens))
+            cache = self.dm.new_cache(b, length)
+            self.dm.rope_tables(length)
             tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.dm.device)
             for n in kv_lens:

@@ -124,9 +124,10 @@ class ModelPipeline:
                 step: CompiledStep | GraphedStep
                 if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
                     step = GraphedStep(bb.dm, bb.gpt.arch.context_length)
-                else:
+                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                else:  # the backbone decodes into caches of its full context (static shapes)
                     step = CompiledStep(bb.dm)
-                step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket], bb.gpt.arch.context_length)
                 bb.compiled = None if step.failed else step
 
     # -- park mode: stage weights wait in host memory ---------------------------------------------
@@ -173,7 +174,10 @@ class ModelPipeline:
         if stage == "backbone":
             for bb in self.backbones.values():
                 bb.gpt.device = bb.dm.device = device
-                bb.dm._rope_cos = bb.dm._rope_sin = None
+                # RoPE tables moved, not rebuilt: on the CPU the very same tensors (a compiled step's guards hold)
+                if bb.dm._rope_cos is not None and bb.dm._rope_sin is not None:
+                    bb.dm._rope_cos = bb.dm._rope_cos.to(device)
+                    bb.dm._rope_sin = bb.dm._rope_sin.to(device)
                 if isinstance(bb.compiled, GraphedStep):
                     bb.compiled.reset()  # its graphs and persistent caches hold the old addresses
 
