@@ -393,7 +393,7 @@ class CompiledStep:
     compile or capture turns this object into the eager step for good, with one log line.
     """
 
-    def __init__(self, dm: DecodeModel, *, backend: str = "inductor") -> None:
+    def __init__(self, dm: DecodeModel, *, backend: str | Callable[..., Any] = "inductor") -> None:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

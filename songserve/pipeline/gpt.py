@@ -296,7 +296,8 @@ class AcousticGPT:
     def project(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Logits over output rows [start, stop) only: (..., H) → (..., stop - start).
 
-        A decode step's few rows go through ``step_linear`` (weight-major on the CPU for 2–4 rows)."""
+        A decode step's few rows go through ``step_linear`` (on the CPU, 1–4 rows times a large window
+        as ``w @ x.T``)."""
         return step_linear(hidden, self.output_weight[start:stop])
 
     def new_kv_context(self, max_len: int, batch: int = 1) -> StaticInferenceContext:

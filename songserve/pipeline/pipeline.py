@@ -205,7 +205,8 @@ class ModelPipeline:
         ≈ 3·ffn per position, and fp32 logits over one codebook)."""
         weights = sum(h.numel() * h.element_size() for st in ("superres", "decoder") for _, h in self._host.get(st, []))
         a = superres.gpt.arch
-        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * superres.dm.word.element_size() + 1024 * 4
+        elt = int(superres.dm.word.element_size())
+        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * elt + 1024 * 4
         return weights + takes * seq * per_position
 
     def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
