@@ -2,7 +2,8 @@
 
 Baseline in the same run: one_shot, which loads super-resolution and decoder for every request.
 park keeps them in host memory and moves them to the device per stage (on the CPU a no-op move:
-its figure there is the bookkeeping; on a GPU, the host→device copy).
+its figure there is the bookkeeping; on a GPU, the host→device copy); "park+backbone" also parks
+the backbone while they run (``PARK_BACKBONE=1``: on a GPU one more copy back per request).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from bench.common import args, report
 from tests.support import start_worker
 
 
-def second_request(mode: str, tmp: Path, seconds: float) -> float:
-    w = start_worker(tmp, "--runtime-mode", mode, name=mode)
+def second_request(mode: str, tmp: Path, seconds: float, *extra: str) -> float:
+    w = start_worker(tmp, "--runtime-mode", mode, *extra, name=mode)
     try:
         w.wait_healthy()
         body = {"lyrics": "hello", "duration": seconds / 60, "seed_override": 1}
@@ -37,10 +38,12 @@ def main() -> None:
         one = second_request("one_shot", Path(tmp), seconds)
         keep = second_request("keep_loaded", Path(tmp), seconds)
         park = second_request("park", Path(tmp), seconds)
+        park_bb = second_request("park", Path(tmp), seconds, "--park-backbone", "1")
     report(
         "P8",
-        f"second request, {seconds:.0f}s audio: keep_loaded {keep / one:.2f}x, park {park / one:.2f}x of one_shot "
-        f"({keep:.2f}, {park:.2f} vs {one:.2f} s; the tiny set loads in ~0.2 s, real sets in tens of seconds)",
+        f"second request, {seconds:.0f}s audio: keep_loaded {keep / one:.2f}x, park {park / one:.2f}x, "
+        f"park+backbone {park_bb / one:.2f}x of one_shot ({keep:.2f}, {park:.2f}, {park_bb:.2f} vs {one:.2f} s; "
+        "the tiny set loads in ~0.2 s, real sets in tens of seconds)",
     )
 
 

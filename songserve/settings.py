@@ -73,6 +73,11 @@ class WorkerSettings(BaseSettings):
         "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
     )
     max_batch: int = Field(4, ge=1, le=64, description="most takes of one request run as one batch")
+    park_backbone: Literal["auto", "0", "1"] = Field(
+        "auto",
+        description="park mode: the backbone also waits in host memory while superres and decoder run; "
+        "auto = only when the device lacks the memory for them (never on the CPU)",
+    )
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")

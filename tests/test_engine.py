@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,15 +211,81 @@ def test_a_take_in_a_batch_draws_what_it_draws_alone(backbone, n):
         assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
 
 
-def _competitive_eod(backbone, monkeypatch):
-    """End-of-document drawn with about 2 % per frame: each row ends at its own frame."""
+def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backbone, monkeypatch):
+    """The tiny set's weights are below LARGE_WEIGHT: lower it so batches of 2-4 take the w @ x.T path."""
+    from songserve.pipeline import decode
+
+    calls = []
+    real_mm, real_addmm = torch.mm, torch.addmm
+    monkeypatch.setattr(decode, "LARGE_WEIGHT", 0)
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape) or real_mm(a, b))
+    monkeypatch.setattr(torch, "addmm", lambda c, a, b: calls.append(b.shape) or real_addmm(c, a, b))
+    seeds = [21, 22, 23]
+    batch, btakes = _run(backbone, seeds, frames=40)
+    assert calls
+    assert all(shape[1] == 3 for shape in calls)
+    calls.clear()
+    for i, s in enumerate(seeds):
+        alone, atakes = _run(backbone, [s], frames=40)
+        assert torch.equal(batch[i].codes, alone[0].codes)
+        assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+    assert calls
+    assert all(shape[1] == 2 for shape in calls)  # one row padded to two: the same gemm kernel
+
+
+def test_step_linear_equals_f_linear_for_every_row_count():
+    import torch.nn.functional as F
+
+    from songserve.pipeline.decode import step_linear
+
+    w, b = torch.randn(768, 512), torch.randn(768)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 1, 512)
+        for bias in (None, b):
+            got = step_linear(x, w, bias)
+            assert got.shape == (rows, 1, 768)
+            assert got.is_contiguous()
+            assert torch.allclose(got, F.linear(x, w, bias), atol=1e-4), (rows, bias is None)
+    # weight-major, a row of a batch of 2 or 3 is bitwise what it is alone (the same gemm kernel)
+    x = torch.randn(3, 1, 512)
+    alone = [step_linear(x[i : i + 1], w, b) for i in range(3)]
+    for rows in (2, 3):
+        got = step_linear(x[:rows], w, b)
+        assert all(torch.equal(got[i : i + 1], alone[i]) for i in range(rows)), rows
+
+
+@pytest.mark.parametrize("top_p", [None, 0.8])
+def test_draw_equals_torch_multinomial(top_p):
+    """sample / sample_rows are multinomial's one-sample rule written out: same index, same generator state."""
+    from songserve.pipeline.sampling import _filtered, sample_rows
+
+    for trial in range(40):
+        k = (1, 7, 50, 300)[trial % 4]
+        logits = torch.randn(3, 1024) * 4
+        gens = [torch.Generator().manual_seed(100 * trial + r) for r in range(3)]
+        refs = [torch.Generator().manual_seed(100 * trial + r) for r in range(3)]
+        probs, idx = _filtered(logits, k, 0.9, top_p)
+        want = torch.stack(
+            [idx[r, torch.multinomial(probs[r : r + 1], 1, generator=g)[0, 0]] for r, g in enumerate(refs)]
+        )
+        assert torch.equal(sample_rows(logits, k, gens, 0.9, top_p), want)
+        for g, ref in zip(gens, refs, strict=True):
+            assert torch.equal(g.get_state(), ref.get_state())
+        one, ref = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        got = sample(logits, k, one, 0.9, top_p)  # one generator for the whole batch (superres's way)
+        assert torch.equal(got, idx.gather(-1, torch.multinomial(probs, 1, generator=ref)).squeeze(-1))
+        assert torch.equal(one.get_state(), ref.get_state())
+
+
+def _competitive_eod(backbone, monkeypatch, share: float = 0.02):
+    """End-of-document given ``share`` of the window's mass (more after top-k): each row ends at its own frame."""
     gpt, real = backbone.gpt, backbone.gpt.project
     state = {"last": None}
 
     def project(hidden, start, stop):
         logits = real(hidden, start, stop)
         if (start, stop) == (backbone.eod_id, backbone.eod_id + 1):
-            return state["last"].logsumexp(-1, keepdim=True) + math.log(0.02 / 0.98)
+            return state["last"].logsumexp(-1, keepdim=True) + math.log(share / (1 - share))
         state["last"] = logits
         return logits
 
@@ -236,6 +304,63 @@ def test_rows_end_at_different_frames_and_each_equals_its_take_alone(backbone, m
         assert torch.equal(batch[i].codes, alone[0].codes)
         # the generator is where it would be alone: superres draws the same
         assert torch.equal(btakes[i].generator.get_state(), atakes[0].generator.get_state())
+
+
+class _CountingBackend:
+    """A torch.compile backend that runs the captured graph as is and counts compilations."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def _compiled(backbone, monkeypatch, bucket: int) -> tuple[CompiledStep, _CountingBackend, list[int]]:
+    """The backbone with a compiled step (counting backend); returns the step, its backend, the batch of each call."""
+    torch._dynamo.reset()  # no graph of another test's backend is reused
+    counter = _CountingBackend()
+    step = CompiledStep(backbone.dm, backend=counter)
+    batches: list[int] = []
+    real_call = CompiledStep.__call__
+    monkeypatch.setattr(
+        CompiledStep, "__call__", lambda self, tok, *a: batches.append(tok.shape[0]) or real_call(self, tok, *a)
+    )
+    monkeypatch.setattr(backbone, "compiled", step)
+    monkeypatch.setattr(backbone, "bucket", bucket)
+    return step, counter, batches
+
+
+def test_the_compiled_step_compiles_once_per_shape_whatever_the_requests_length(backbone, monkeypatch):
+    step, counter, _ = _compiled(backbone, monkeypatch, bucket=128)
+    step.warm([2], [128], backbone.gpt.arch.context_length)
+    assert counter.compiles == 1
+    for frames in (20, 30, 45):  # three request lengths, one KV bucket
+        _run(backbone, [5, 6], frames=frames)
+    assert counter.compiles == 1  # warmed at load, reused by every request (a cache per length recompiled)
+    assert step.graphs == {(2, 128)}
+
+
+@pytest.mark.parametrize("warm", [[1, 2, 3, 4], [4]])
+def test_the_compiled_step_drops_finished_rows_when_the_smaller_batch_is_compiled(backbone, monkeypatch, warm):
+    _competitive_eod(backbone, monkeypatch, share=0.003)  # rows end tens of frames apart (21-108)
+    seeds = [31, 32, 33, 34]
+    eager = [_run(backbone, [s], frames=200, min_frames=2)[0][0] for s in seeds]
+    step, counter, batches = _compiled(backbone, monkeypatch, bucket=512)  # P + 400 tokens: one bucket
+    step.warm(warm, [512], backbone.gpt.arch.context_length)
+    batches.clear()
+    got, _ = _run(backbone, seeds, frames=200, min_frames=2)
+    assert step.failed is None
+    assert counter.compiles == len(warm)  # nothing compiled mid-song
+    for a, b in zip(eager, got, strict=True):
+        assert torch.equal(a.codes, b.codes)
+    assert batches == sorted(batches, reverse=True)
+    if warm == [4]:
+        assert set(batches) == {4}  # no graph for a smaller batch: the finished rows ride along
+    else:
+        assert batches[0] == 4
+        assert set(batches) == {4, 3, 2, 1}  # each row that ended stopped costing (rows end at 21, 37, 55, 108)
 
 
 def test_cancelling_one_take_leaves_the_others_untouched(backbone, monkeypatch):
@@ -406,14 +531,16 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
 
     from tests.support import wait_for
 
-    takes = [_body(80 + i, f"c{i}", duration=0.5) for i in range(2)]
+    takes = [_body(80 + i, f"c{i}", duration=1.0) for i in range(2)]
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, worker.url + "/generate_batch", json={"takes": takes}, timeout=180)
 
         def both_running():
+            # a cancel in the backbone or superres lands before c1 is decoded (the tiny backbone of
+            # a 1-minute batch of 2 takes ~0.6 s: polling for that phase alone could miss it)
             h = httpx.get(worker.url + "/health", timeout=5).json()
             tasks = {t["task_id"]: t for t in h.get("tasks", [])}
-            return len(tasks) == 2 and tasks["c1"]["phase"] == "backbone" and tasks["c1"]["progress_detail"]
+            return len(tasks) == 2 and tasks["c1"]["phase"] in ("backbone", "superres")
 
         wait_for(both_running, timeout=60, interval=0.02)
         c = httpx.post(worker.url + "/cancel/c1", timeout=10)
@@ -422,7 +549,7 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
     results = r.json()["results"]
     assert results[0]["status"] == "ok"
     assert results[1]["status"] == "cancelled"
-    assert results[0]["metadata"]["tokens"]["frames"] == int(0.5 * 60 * 44100 / 2048)
+    assert results[0]["metadata"]["tokens"]["frames"] == int(1.0 * 60 * 44100 / 2048)
     assert httpx.get(worker.url + "/tasks/c1", timeout=5).json()["status"] == "cancelled"
 
 
@@ -432,16 +559,24 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
 
     from tests.support import start_worker
 
-    w = start_worker(tmp_path, "--runtime-mode", "park", name="park")
+    w = start_worker(tmp_path, "--runtime-mode", "park", "--park-backbone", "1", name="park")
     try:
         w.wait_healthy()
         h = httpx.get(w.url + "/health", timeout=10).json()
         assert h["runtime_mode"] == "park"
+        assert h["park_backbone"] == "1"
         assert h["parked"] == ["decoder", "superres"]
         parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
         assert parked["status"] == "ok"
+        # the state each stage ran in: the backbone waited in host memory during superres and decoder
+        assert parked["metadata"]["parked"] == {
+            "backbone": ["decoder", "superres"],
+            "superres": ["backbone", "decoder"],
+            "decoder": ["backbone", "superres"],
+        }
         assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
         kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
+        assert "parked" not in kept["metadata"]
         assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
     finally:
         w.stop()
@@ -473,8 +608,86 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
     monkeypatch.setattr(pipe.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
-    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}
+    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}  # PARK_BACKBONE=auto: never on the CPU
     assert pipe.parked == {"superres", "decoder"}
+
+
+def _park_pipe(tmp_path, megatron_cpu, **kw):
+    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.settings import WorkerSettings
+
+    pipe = ModelPipeline(WorkerSettings(output_dir=tmp_path, **kw), resolve(WorkerSettings()), megatron_cpu)
+    pipe.load()
+    return pipe
+
+
+def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
+    import soundfile as sf
+
+    from songserve.pipeline.types import TrackRequest
+
+    pipe = _park_pipe(tmp_path / "park", megatron_cpu, runtime_mode="park", park_backbone="1")
+    assert pipe.loaded()["park_backbone"] == "1"
+    states = []
+    bb, sr = next(iter(pipe.backbones.values())), next(iter(pipe.superres.values()))
+    for stage, obj, name in (("backbone", bb, "generate_batch"), ("superres", sr, "generate_batch")):
+        real = getattr(obj, name)
+        monkeypatch.setattr(
+            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.parked))) or _r(*a, **k)
+        )
+    real_dec = pipe.decoder.decode
+    monkeypatch.setattr(
+        pipe.decoder, "decode", lambda *a, **k: states.append(("decoder", set(pipe.parked))) or real_dec(*a, **k)
+    )
+    reqs = [TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=s, task_id=f"pb{s}") for s in (1, 2)]
+    got = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    assert states == [
+        ("backbone", {"superres", "decoder"}),
+        ("superres", {"backbone", "decoder"}),
+        ("decoder", {"backbone", "superres"}),
+        ("decoder", {"backbone", "superres"}),  # one decode per take
+    ]
+    assert pipe.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
+    assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder"]
+
+    kept = _park_pipe(tmp_path / "kept", megatron_cpu, runtime_mode="keep_loaded")
+    want = kept.run_batch(
+        [dataclasses.replace(r, task_id=r.task_id + "k") for r in reqs], [TaskContext(r.task_id + "k") for r in reqs]
+    )
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(
+            sf.read(tmp_path / "park" / a.wav_filename)[0], sf.read(tmp_path / "kept" / b.wav_filename)[0]
+        )
+        assert a.metadata["tokens"] == b.metadata["tokens"]
+    # a failure mid-stage still ends in idle's state (the backbone resident, the stages parked)
+    monkeypatch.setattr(sr, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        pipe.run(dataclasses.replace(reqs[0], task_id="pbx"), TaskContext("pbx"))
+    assert pipe.parked == {"superres", "decoder"}
+
+
+def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
+    tiny_dir, megatron_cpu, tmp_path, monkeypatch
+):
+    from songserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PARK_BACKBONE=1 .* RUNTIME_MODE is keep_loaded"):
+        _park_pipe(tmp_path, megatron_cpu, runtime_mode="keep_loaded", park_backbone="1")
+    pipe = _park_pipe(tmp_path, megatron_cpu, runtime_mode="park")
+    sr = next(iter(pipe.superres.values()))
+    assert not pipe._backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
+    need = pipe._stage2_need(sr, 2, 300)
+    weights = sum(p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.decoder.parameters()])
+    assert need > weights
+    assert pipe._stage2_need(sr, 4, 300) > need  # more takes, more activations
+    # auto on CUDA, with the device's numbers stubbed: park exactly when free memory is short
+    monkeypatch.setattr(pipe, "device", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
+    for free, parks in ((need - 1, True), (need, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, _f=free: (_f, 10 * need))
+        assert pipe._backbone_must_park(sr, 2, 300) is parks
 
 
 def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):

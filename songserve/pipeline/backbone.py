@@ -10,7 +10,13 @@ Why the loop looks like this (issue 14):
 - the per-token work is ``DecodeModel.step`` (static shapes, position on the device) plus device
   sampling: nothing per token converts a tensor to a Python value. Every ``check_every`` tokens
   the loop synchronises once: it reads the new codes, ends rows on their end-of-audio, drops
-  cancelled rows, publishes progress, and (eager mode) shrinks the batch to the rows still running;
+  cancelled rows, publishes progress, and shrinks the batch to the rows still running (eager mode
+  always; the compiled step when it already holds a graph for the smaller batch at the current KV
+  bucket, since compiling one costs ~25 s on the CPU; CUDA graphs keep the batch: each batch size
+  has its own captured cache, and on a GPU a finished row adds little to a step that reads the
+  weights once for every row);
+- the compiled step decodes into a cache of the model's full context, so its shapes are the same
+  for every request (a cache sized to each request's length recompiled the step per length);
 - a row that ended keeps drawing until that check, so its generator is rewound to the state right
   after its end-of-audio draw: the later stages see the same generator as a take run alone.
 """
@@ -175,6 +181,8 @@ class Backbone:
         B = len(takes)
         if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
             cache = self.compiled.cache_for(B, P + total)
+        elif self.compiled is not None:  # static shapes whatever the request's length: no recompile per length
+            cache = dm.new_cache(B, max(self.gpt.arch.context_length, P + total))
         else:
             cache = dm.new_cache(B, P + total)
         dm.rope_tables(P + total)
@@ -223,7 +231,7 @@ class Backbone:
             t += 1
             if t - last_check >= self.check_every or last:
                 h, cache, rows, slots = self._check(
-                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last
+                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last, P
                 )
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
                 saved.clear()
@@ -247,6 +255,7 @@ class Backbone:
         plan: LengthPlan,
         t0: float,
         last: bool,
+        prompt_len: int,
     ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
         """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
         block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
@@ -274,12 +283,21 @@ class Backbone:
         new_rows = [rows[j] for j in keep]
         if len(keep) == len(rows) or not new_rows or last:
             return h, cache, new_rows, [slots[j] for j in keep]
-        if self.compiled is None:  # eager: finished rows stop costing
+        if self._can_shrink(len(keep), prompt_len + t + 1, cache.length):  # finished rows stop costing
             kept_slots = [slots[j] for j in keep]
             idx = _long(kept_slots, h.device)
             return h.index_select(0, idx), cache.keep_rows(kept_slots), new_rows, list(range(len(keep)))
-        # compiled: keep the batch shape (its graph); ended rows cost the tail but are never read
+        # keep the batch shape (its graph); ended rows cost the tail but are never read
         return h, cache, new_rows, [slots[j] for j in keep]
+
+    def _can_shrink(self, rows: int, end: int, cache_len: int) -> bool:
+        """Eager: always. The compiled step: when it holds a graph for ``rows`` at the next step's KV
+        bucket already (a smaller batch is a new shape). CUDA graphs: never (see the module docstring)."""
+        if self.compiled is None:
+            return True
+        if isinstance(self.compiled, CompiledStep):
+            return (rows, self._kv_len(end, cache_len)[0]) in self.compiled.graphs
+        return False
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+Linear = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,38 @@ def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, spec: StepSp
     return F.layer_norm(x, (x.shape[-1],), w, b, spec.eps)
 
 
+FEW_ROWS = 4  # 1..FEW_ROWS rows times a large weight: the CPU matmul runs weight-major (``step_linear``)
+LARGE_WEIGHT = 1 << 18  # elements (1 MiB fp32): below this the weight sits in cache and plain F.linear is cheaper
+
+
+def step_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for the decode step; up to 4 rows times a large weight on the CPU go as ``w @ x.T``.
+
+    Why: the step multiplies 1–4 rows (one per take) by each weight matrix, and MKL on these
+    CPUs handles that shape badly both ways the plain call can go: one row is a matrix-vector
+    product that streams the weights slower than a gemm does, and 2–4 rows as ``x @ w.T`` are a
+    gemm that packs its weight operand on every call (2 takes cost ~1.5× one take in the linears
+    of a 512-wide model: P9's miss). With the weight as the left operand a gemm streams the
+    weights once for all rows; one row is padded with a zero row to take the same kernel. Measured
+    over a 512-wide model's 32 matrices, 1 thread (ms): 1 row 6.4 → 5.3, 2 rows 9.8 → 5.4,
+    3 rows 11.2 → 7.5, 4 rows 9.3 → 8.1, 6 rows 10.8 vs 11.5 (so at most ``FEW_ROWS``). Small
+    weights (the tiny model's) stay in cache, where the plain call is cheaper than the extra
+    copies. Shapes are static per call: ``torch.compile`` sees one branch. The same kernel for a
+    take alone and in a batch of 2 or 3 also gives a row bitwise the values it gets alone.
+    """
+    rows = x.numel() // max(x.shape[-1], 1)
+    if x.device.type != "cpu" or rows > FEW_ROWS or w.numel() < LARGE_WEIGHT:
+        return F.linear(x, w, b)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        flat = torch.cat([flat, torch.zeros_like(flat)])
+    xt = flat.t()
+    out = torch.mm(w, xt) if b is None else torch.addmm(b.unsqueeze(1), w, xt)
+    # contiguous again (a few rows: cheap), so what follows sees F.linear's layout (SDPA's CPU
+    # flash kernel, for one, is chosen only for contiguous inputs)
+    return out[:, :rows].t().contiguous().view(*x.shape[:-1], w.shape[0])
+
+
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if not interleaved:
         x1, x2 = x.chunk(2, dim=-1)
@@ -142,6 +176,9 @@ class DecodeModel:
         self.word = model.embedding.word_embeddings.weight
         self.pos_table = model.embedding.position_embeddings.weight if self.spec.learned_positions else None
         self.layers = [self._layer(layer) for layer in model.decoder.layers]
+        self.largest_weight = max(
+            (w.numel() for lw in self.layers for w in (lw.qkv_w, lw.proj_w, lw.fc1_w, lw.fc2_w)), default=0
+        )
         fn = model.decoder.final_layernorm
         self.final_w, self.final_b = fn.weight, getattr(fn, "bias", None)
         self.output_weight = output_weight
@@ -218,11 +255,13 @@ class DecodeModel:
             x = x.float()
         return x
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, H) → q (B, heads, S, D), k and v (B, groups, S, D), in megatron's interleaved layout."""
         s = self.spec
         B, S = x.shape[:2]
-        mixed = F.linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
+        mixed = linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
         per = s.heads // s.groups
         mixed = mixed.view(B, S, s.groups, (per + 2) * s.head_dim)
         q, k, v = mixed.split([per * s.head_dim, s.head_dim, s.head_dim], dim=-1)
@@ -235,20 +274,22 @@ class DecodeModel:
         t1 = t1 * cos + _rotate_half(t1, self.spec.rotary_interleaved) * sin
         return torch.cat((t1, t2), dim=-1) if t2.shape[-1] else t1
 
-    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor, linear: Linear = F.linear
+    ) -> torch.Tensor:
         """attn (B, S, heads·D) → output projection, residual, MLP, residual."""
         s = self.spec
-        out = F.linear(attn, lw.proj_w)
+        out = linear(attn, lw.proj_w)
         if lw.proj_b is not None:
             out = out + lw.proj_b
         x = x + out.to(x.dtype)
-        h = F.linear(_norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype), lw.fc1_w, lw.fc1_b)
+        h = linear(_norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype), lw.fc1_w, lw.fc1_b)
         if s.gated:
             a, b = h.chunk(2, dim=-1)
             h = self.activation(a) * b
         else:
             h = self.activation(h)
-        out = F.linear(h, lw.fc2_w)
+        out = linear(h, lw.fc2_w)
         if lw.fc2_b is not None:
             out = out + lw.fc2_b
         return x + out.to(x.dtype)
@@ -312,6 +353,9 @@ class DecodeModel:
         depend only on (B, kv_len); the position lives on the device."""
         s = self.spec
         B = tokens.shape[0]
+        # a model whose weights all sit in cache (the tiny set) skips step_linear's checks entirely
+        weight_major = self.device.type == "cpu" and B <= FEW_ROWS and self.largest_weight >= LARGE_WEIGHT
+        linear: Linear = step_linear if weight_major else F.linear
         x = F.embedding(tokens.view(B, 1), self.word)
         if self.pos_table is not None:
             x = x + self.pos_table.index_select(0, pos).view(1, 1, -1)
@@ -325,7 +369,7 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x)  # q (B, heads, 1, D), k/v (B, G, 1, D)
+            q, k, v = self._qkv(lw, x, linear)  # q (B, heads, 1, D), k/v (B, G, 1, D)
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_cache[i].index_copy_(2, pos, k)
@@ -333,7 +377,7 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.reshape(B, 1, -1))
+            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear)
         return self.final(x)[:, 0]
 
 
@@ -349,7 +393,7 @@ class CompiledStep:
     compile or capture turns this object into the eager step for good, with one log line.
     """
 
-    def __init__(self, dm: DecodeModel, *, backend: str = "inductor") -> None:
+    def __init__(self, dm: DecodeModel, *, backend: str | Callable[..., Any] = "inductor") -> None:
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -383,11 +427,17 @@ class CompiledStep:
         self.graphs.add(key)
         return out
 
-    def warm(self, batches: list[int], kv_lens: list[int]) -> None:
-        """Compile (and capture) the given shapes now, at load, on a scratch cache."""
+    def warm(self, batches: list[int], kv_lens: list[int], cache_len: int | None = None) -> None:
+        """Compile (and capture) the given shapes now, at load, on a scratch cache of ``cache_len``
+        positions: the length the backbone decodes into (its context), and under inference mode as
+        the backbone decodes: either one differing, the graphs are not reused."""
+        with torch.inference_mode():
+            self._warm(batches, kv_lens, max(cache_len or 0, *kv_lens))
+
+    def _warm(self, batches: list[int], kv_lens: list[int], length: int) -> None:
         for b in batches:
-            cache = self.dm.new_cache(b, max(kv_lens))
-            self.dm.rope_tables(max(kv_lens))
+            cache = self.dm.new_cache(b, length)
+            self.dm.rope_tables(length)
             tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.dm.device)
             for n in kv_lens:
@@ -436,6 +486,13 @@ class GraphedStep:
     @property
     def graphs(self) -> set[tuple[int, int]]:
         return set(self._graphs)
+
+    def reset(self) -> None:
+        """Forget every graph and persistent cache: the weights moved (park mode), and a graph reads
+        the addresses it was captured on. The next call of each shape captures it again."""
+        self._graphs.clear()
+        self.caches.clear()
+        self.pool = None
 
     def cache_for(self, batch: int, length: int) -> KVCache:
         """The persistent cache for this batch size (graphs captured on it read its addresses)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from songserve.errors import ConfigError
+from songserve.pipeline.decode import step_linear
 
 if TYPE_CHECKING:
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -293,8 +294,11 @@ class AcousticGPT:
         return out
 
     def project(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Logits over output rows [start, stop) only: (..., H) → (..., stop - start)."""
-        return hidden @ self.output_weight[start:stop].t()
+        """Logits over output rows [start, stop) only: (..., H) → (..., stop - start).
+
+        A decode step's few rows go through ``step_linear`` (on the CPU, 1–4 rows times a large window
+        as ``w @ x.T``)."""
+        return step_linear(hidden, self.output_weight[start:stop])
 
     def new_kv_context(self, max_len: int, batch: int = 1) -> StaticInferenceContext:
         """A static KV cache with its buffers allocated here, on the model's device (5.)."""

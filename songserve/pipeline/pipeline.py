@@ -5,6 +5,16 @@ for each request and released afterwards; in ``keep_loaded`` mode they stay; in 
 wait in (pinned, on CUDA) host memory and move to the device only for their stage. All model work
 runs on the worker's single model thread, under ``torch.inference_mode``. Several takes of one
 request run as one batch (``run_batch``); ``run`` is a batch of one.
+
+Park mode as a state machine over ``parked`` (the stages whose weights are in host memory now):
+idle and during the backbone ``{superres, decoder}``; during superres ``{decoder}``, during the
+decoder ``{superres}``, each plus ``backbone`` when ``PARK_BACKBONE`` parks it for those two
+stages (``1``; ``auto``: when the device's free memory is short of what they need). However a
+batch ends (done, cancelled, failed mid-stage), the state returns to idle's. Every move swaps
+the ``.data`` of the same parameter objects (models, decode functions and tests keep their
+references) and the host copy is kept, so parking is free and unparking is one host→device
+copy; on the CPU both are no-ops and the outputs are keep_loaded's. The backbone's captured
+CUDA graphs read the old addresses: they are dropped at a park and captured again on first use.
 """
 
 from __future__ import annotations
@@ -86,6 +96,10 @@ class ModelPipeline:
     # -- lifecycle ------------------------------------------------------------------------------
     def load(self) -> None:
         """Load what stays resident; validate everything else once, so start-up fails early."""
+        if self.s.park_backbone == "1" and self.s.runtime_mode != "park":
+            raise ConfigError(
+                f"PARK_BACKBONE=1 parks the backbone in park mode only; RUNTIME_MODE is {self.s.runtime_mode}."
+            )
         self.phase_hook("loading_backbone")
         self.tokenizer = tk.load_tokenizer(self.ckpt.tokenizer)
         eod = self.tokenizer.token_id(tk.EOD)
@@ -102,32 +116,40 @@ class ModelPipeline:
         if self.s.runtime_mode == "park":
             self._park("superres")
             self._park("decoder")
+            if self.s.park_backbone != "0":
+                self._host_copy("backbone")  # now, at load: parking it later costs nothing
         if want_compile(self.s.compile, self.device):
             self.phase_hook("compiling")
             for bb in self.backbones.values():
                 step: CompiledStep | GraphedStep
                 if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
                     step = GraphedStep(bb.dm, bb.gpt.arch.context_length)
-                else:
+                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                else:  # the backbone decodes into caches of its full context (static shapes)
                     step = CompiledStep(bb.dm)
-                step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
+                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket], bb.gpt.arch.context_length)
                 bb.compiled = None if step.failed else step
 
     # -- park mode: stage weights wait in host memory ---------------------------------------------
     def _modules(self, stage: str) -> list[torch.nn.Module]:
+        if stage == "backbone":
+            return [bb.gpt.model for bb in self.backbones.values()]
         if stage == "superres":
             return [sr.gpt.model for sr in self.superres.values()]
         return [self.decoder] if self.decoder is not None else []
 
-    def _park(self, stage: str) -> None:
-        """Weights back to their host copy (pinned on CUDA). The copy is made once, at the first
-        park, and kept: parking later costs nothing, unparking is one host→device copy."""
-        if self.s.runtime_mode != "park" or stage in self.parked:
-            return
+    def _host_copy(self, stage: str) -> None:
+        """The stage's host copy (pinned on CUDA; on the CPU the tensors themselves), made once and kept."""
         if stage not in self._host:
             tensors = [t for m in self._modules(stage) for t in (*m.parameters(), *m.buffers())]
             pin = self.device.type == "cuda"
             self._host[stage] = [(t, t.data.to("cpu").pin_memory() if pin else t.data.to("cpu")) for t in tensors]
+
+    def _park(self, stage: str) -> None:
+        """Weights back to their host copy: parking costs nothing, unparking is one host→device copy."""
+        if self.s.runtime_mode != "park" or stage in self.parked:
+            return
+        self._host_copy(stage)
         for t, host in self._host[stage]:
             t.data = host
         self._retarget(stage, torch.device("cpu"))
@@ -149,6 +171,43 @@ class ModelPipeline:
             for sr in self.superres.values():
                 sr.gpt.device = sr.dm.device = device
                 sr.dm._rope_cos = sr.dm._rope_sin = None  # rebuilt on the next use, where the weights are
+        if stage == "backbone":
+            for bb in self.backbones.values():
+                bb.gpt.device = bb.dm.device = device
+                # RoPE tables moved, not rebuilt: on the CPU the very same tensors (a compiled step's guards hold)
+                if bb.dm._rope_cos is not None and bb.dm._rope_sin is not None:
+                    bb.dm._rope_cos = bb.dm._rope_cos.to(device)
+                    bb.dm._rope_sin = bb.dm._rope_sin.to(device)
+                if isinstance(bb.compiled, GraphedStep):
+                    bb.compiled.reset()  # its graphs and persistent caches hold the old addresses
+
+    def _backbone_must_park(self, superres: SuperRes, takes: int, seq: int) -> bool:
+        """PARK_BACKBONE for this batch: ``1`` always, ``0`` never, ``auto`` when the device's free
+        memory (free plus what torch's cache holds unused) is short of ``_stage2_need`` (the CPU: never)."""
+        if self.s.runtime_mode != "park" or self.s.park_backbone == "0":
+            return False
+        if self.s.park_backbone == "1":
+            return True
+        if self.device.type != "cuda":
+            return False
+        free = torch.cuda.mem_get_info(self.device)[0]
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        need = self._stage2_need(superres, takes, seq)
+        if free < need:
+            log.info(
+                "parking the backbone: %.0f MiB free, superres and decoder need ~%.0f MiB", free / 2**20, need / 2**20
+            )
+        return free < need
+
+    def _stage2_need(self, superres: SuperRes, takes: int, seq: int) -> int:
+        """Device bytes superres and decoder take once unparked: their weights, plus an estimate of a
+        superres pass's live tensors (one layer's: x, qkv, attention out, projections ≈ 8·hidden, MLP
+        ≈ 3·ffn per position, and fp32 logits over one codebook)."""
+        weights = sum(h.numel() * h.element_size() for st in ("superres", "decoder") for _, h in self._host.get(st, []))
+        a = superres.gpt.arch
+        elt = int(superres.dm.word.element_size())
+        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * elt + 1024 * 4
+        return weights + takes * seq * per_position
 
     def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
         gpt = load_model(path, self.device, self.dtype, self.s.megatron_args, kind)
@@ -198,6 +257,7 @@ class ModelPipeline:
         }
         if self.s.runtime_mode == "park":
             out["parked"] = sorted(self.parked)
+            out["park_backbone"] = self.s.park_backbone
         compiled = [bb.compiled.describe() for bb in self.backbones.values() if bb.compiled is not None]
         out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
         return out
@@ -334,11 +394,10 @@ class ModelPipeline:
             return results
 
         superres: SuperRes | None = None
+        parked_during = {"backbone": sorted(self.parked)}  # park mode: the state each stage ran in
         try:
             t = time.perf_counter()
             self._load_stage2()
-            self._unpark("superres")
-            timings["load_sec"] = time.perf_counter() - t
             sr_name, superres = self._pick(self.superres, req.superres_name, "superres")
             sr_style = style_of("" if req.superres_text_mode != "full" else req.description, req.tags, req.genre)
             sr_prompt = build_prompt(
@@ -346,6 +405,13 @@ class ModelPipeline:
                 PromptRequest(sr_style, req.lyrics, req.duration, vocal_lang_of(req), req.instrumental),
                 superres.gpt.arch.max_prompt_length,
             )
+            frames = max(got.codes.shape[1] for got in bbs if got is not None)
+            seq = min(superres.gpt.arch.context_length, len(sr_prompt) + frames)
+            if self._backbone_must_park(superres, len(live), seq):
+                self._park("backbone")
+            self._unpark("superres")
+            timings["load_sec"] = time.perf_counter() - t
+            parked_during["superres"] = sorted(self.parked)
             t = time.perf_counter()
             for i in live:
                 ctxs[i].report("superres", 0, 62)
@@ -362,6 +428,7 @@ class ModelPipeline:
             t = time.perf_counter()
             self._unpark("decoder")
             timings["load_sec"] += time.perf_counter() - t
+            parked_during["decoder"] = sorted(self.parked)
             for i, codes in zip(live, codes_list, strict=True):
                 bb = bbs[i]
                 assert bb is not None
@@ -369,12 +436,25 @@ class ModelPipeline:
                     continue
                 try:
                     results[i] = self._finish_take(
-                        reqs[i], ctxs[i], codes, bb, dict(timings), t_all, B, bb_name, sr_name, len(sr_prompt)
+                        reqs[i],
+                        ctxs[i],
+                        codes,
+                        bb,
+                        dict(timings),
+                        t_all,
+                        B,
+                        bb_name,
+                        sr_name,
+                        len(sr_prompt),
+                        dict(parked_during) if self.s.runtime_mode == "park" else None,
                     )
                 except TaskCancelled as exc:
                     results[i] = exc
             self._park("decoder")
-        finally:
+        finally:  # park mode, however the batch ended (a cancel or an error mid-stage): back to idle's state
+            self._park("superres")
+            self._park("decoder")
+            self._unpark("backbone")
             if self.s.runtime_mode == "one_shot":
                 superres = None  # this frame's reference would keep the model alive through the release
                 self._unload_stage2()
@@ -393,6 +473,7 @@ class ModelPipeline:
         bb_name: str,
         sr_name: str,
         sr_prompt_len: int,
+        parked: dict[str, list[str]] | None = None,
     ) -> TrackResult:
         """Decoder and files for one take of a batch."""
         t = time.perf_counter()
@@ -439,6 +520,8 @@ class ModelPipeline:
             "runtime_mode": self.s.runtime_mode,
             "load_sec": dict(self.load_sec),
         }
+        if parked is not None:  # park mode: which stages waited in host memory while each stage ran
+            metadata["parked"] = parked
         ctx.report("decoding", 1, 1, "writing files")
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
         timings["model_sec"] = time.perf_counter() - t_all

@@ -2,8 +2,16 @@
 
 ``sample`` draws one batch with one generator; ``sample_rows`` filters a batch of rows together and
 draws each row with its own generator, so row *i* consumes exactly what ``sample`` would consume
-for that row alone (the filtering is row-wise, the draw is the same call on the same values).
-Nothing here converts a tensor to a Python value: no host synchronisation.
+for that row alone. Nothing here converts a tensor to a Python value: no host synchronisation.
+
+The draw is ``torch.multinomial``'s own single-sample algorithm written out (its fast path for one
+sample: ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn by ``exponential_`` from the generator, one
+value per candidate), so the tokens and the generator's state after the draw are bitwise what
+``torch.multinomial(probs, 1, generator=g)`` gives (``test_draw_equals_torch_multinomial``). Why
+not call it: on the CPU ``multinomial`` validates its input with reductions on every call (20–50
+µs, more than the rest of a tiny model's sampling), and a batch of rows with one generator each
+needed one call per row; written out, the per-row part is one ``exponential_`` into that row of a
+shared buffer, and the divide and the argmax run once for the whole batch.
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ def _filtered(logits: torch.Tensor, top_k: int, temperature: float, top_p: float
     return probs, idx
 
 
+def _pick(probs: torch.Tensor, q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """argmax(p / q) per row (multinomial's one-sample rule), mapped back through the top-k indices."""
+    choice = torch.div(probs, q, out=q).argmax(-1, keepdim=True)
+    return idx.gather(-1, choice).squeeze(-1)
+
+
 def sample(
     logits: torch.Tensor,
     top_k: int,
@@ -32,10 +46,9 @@ def sample(
     temperature: float = 1.0,
     top_p: float | None = None,
 ) -> torch.Tensor:
-    """logits (N, V) → indices (N,) drawn from the filtered distribution."""
+    """logits (N, V) → indices (N,) drawn from the filtered distribution, as ``multinomial(probs, 1)``."""
     probs, idx = _filtered(logits, top_k, temperature, top_p)
-    choice = torch.multinomial(probs, 1, generator=generator)  # (N, 1)
-    return idx.gather(-1, choice).squeeze(-1)
+    return _pick(probs, torch.empty_like(probs).exponential_(generator=generator), idx)
 
 
 def sample_rows(
@@ -49,5 +62,7 @@ def sample_rows(
     if len(generators) == 1:
         return sample(logits, top_k, generators[0], temperature, top_p)
     probs, idx = _filtered(logits, top_k, temperature, top_p)
-    choice = torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g) for i, g in enumerate(generators)])
-    return idx.gather(-1, choice).squeeze(-1)
+    q = torch.empty_like(probs)
+    for row, g in zip(q, generators, strict=True):  # a contiguous row draws what a (1, k) tensor draws
+        row.exponential_(generator=g)
+    return _pick(probs, q, idx)
