@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -42,8 +44,15 @@ class Two:
     b: JobStore
 
 
-async def two_stores(where: str) -> Two:
-    return Two(await open_store(where, "A"), await open_store(where, "B"))
+@asynccontextmanager
+async def two_stores(where: str) -> AsyncIterator[Two]:
+    """Two dispatchers' views of one store (A and B), closed at the end."""
+    s = Two(await open_store(where, "A"), await open_store(where, "B"))
+    try:
+        yield s
+    finally:
+        await s.a.close()
+        await s.b.close()
 
 
 def run(coro_fn):  # type: ignore[no-untyped-def]
@@ -70,143 +79,129 @@ def running(t: Track, owner: str, worker: int = 0) -> Track:
 
 def test_a_queued_track_is_claimed_by_exactly_one_dispatcher(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        job = new_job("aaaa000000000001", tracks=4)
-        await s.a.insert_job(job)
-        assert job.seq >= 1
-        # Both claim all four at once, in opposite orders: every track is won once.
-        wins = await asyncio.gather(
-            s.a.claim([running(t, "A") for t in job.tracks]),
-            s.b.claim([running(t, "B") for t in reversed(job.tracks)]),
-        )
-        assert wins[0] | wins[1] == {0, 1, 2, 3}
-        assert not wins[0] & wins[1]
-        loaded = await s.b.load_job(job.job_id)
-        assert loaded is not None
-        for t in loaded.tracks:
-            assert t.owner == ("A" if t.index in wins[0] else "B")
-        # A claim of tracks no longer queued wins nothing.
-        assert await s.a.claim([running(t, "A") for t in job.tracks]) == set()
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            job = new_job("aaaa000000000001", tracks=4)
+            await s.a.insert_job(job)
+            assert job.seq >= 1
+            # Both claim all four at once, in opposite orders: every track is won once.
+            wins = await asyncio.gather(
+                s.a.claim([running(t, "A") for t in job.tracks]),
+                s.b.claim([running(t, "B") for t in reversed(job.tracks)]),
+            )
+            assert wins[0] | wins[1] == {0, 1, 2, 3}
+            assert not wins[0] & wins[1]
+            loaded = await s.b.load_job(job.job_id)
+            assert loaded is not None
+            for t in loaded.tracks:
+                assert t.owner == ("A" if t.index in wins[0] else "B")
+            # A claim of tracks no longer queued wins nothing.
+            assert await s.a.claim([running(t, "A") for t in job.tracks]) == set()
 
     run(go)
 
 
 def test_a_write_from_a_stale_view_is_refused(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        job = new_job("aaaa000000000002", tracks=1)
-        await s.a.insert_job(job)
-        t = job.tracks[0]
-        assert await s.a.claim([running(t, "A")]) == {0}
-        # B still believes the track queued: its cancel is refused, A's progress stays.
-        with pytest.raises(StaleTrack):
-            await s.b.save_track(dataclasses.replace(t, status=TrackStatus.cancelled), (TrackStatus.queued, None))
-        mine = running(t, "A")
-        await s.a.save_track(dataclasses.replace(mine, status=TrackStatus.superres), (TrackStatus.generating, "A"))
-        loaded = await s.b.load_job(job.job_id)
-        assert loaded is not None
-        assert loaded.tracks[0].status is TrackStatus.superres
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            job = new_job("aaaa000000000002", tracks=1)
+            await s.a.insert_job(job)
+            t = job.tracks[0]
+            assert await s.a.claim([running(t, "A")]) == {0}
+            # B still believes the track queued: its cancel is refused, A's progress stays.
+            with pytest.raises(StaleTrack):
+                await s.b.save_track(dataclasses.replace(t, status=TrackStatus.cancelled), (TrackStatus.queued, None))
+            mine = running(t, "A")
+            await s.a.save_track(dataclasses.replace(mine, status=TrackStatus.superres), (TrackStatus.generating, "A"))
+            loaded = await s.b.load_job(job.job_id)
+            assert loaded is not None
+            assert loaded.tracks[0].status is TrackStatus.superres
 
     run(go)
 
 
 def test_a_job_is_finished_only_when_every_track_ended(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        job = new_job("aaaa000000000003", tracks=2)
-        await s.a.insert_job(job)
-        t0, t1 = job.tracks
-        await s.a.claim([running(t0, "A")])
-        await s.b.claim([running(t1, "B")])
-        done0 = dataclasses.replace(running(t0, "A"), status=TrackStatus.done, owner=None)
-        await s.a.save_track(done0, (TrackStatus.generating, "A"))
-        assert not await s.a.finish_job(job.job_id, time.time())
-        done1 = dataclasses.replace(running(t1, "B"), status=TrackStatus.error, owner=None, error="boom")
-        await s.b.save_track(done1, (TrackStatus.generating, "B"))
-        assert await s.b.finish_job(job.job_id, 123.0)
-        assert await s.a.active_jobs() == []
-        assert await s.a.expired_jobs(124.0) == [job.job_id]
-        assert await s.a.counts() == {"done": 1, "error": 1}
-        await s.a.delete_job(job.job_id)
-        assert await s.b.load_job(job.job_id) is None
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            job = new_job("aaaa000000000003", tracks=2)
+            await s.a.insert_job(job)
+            t0, t1 = job.tracks
+            await s.a.claim([running(t0, "A")])
+            await s.b.claim([running(t1, "B")])
+            done0 = dataclasses.replace(running(t0, "A"), status=TrackStatus.done, owner=None)
+            await s.a.save_track(done0, (TrackStatus.generating, "A"))
+            assert not await s.a.finish_job(job.job_id, time.time())
+            done1 = dataclasses.replace(running(t1, "B"), status=TrackStatus.error, owner=None, error="boom")
+            await s.b.save_track(done1, (TrackStatus.generating, "B"))
+            assert await s.b.finish_job(job.job_id, 123.0)
+            assert await s.a.active_jobs() == []
+            assert await s.a.expired_jobs(124.0) == [job.job_id]
+            assert await s.a.counts() == {"done": 1, "error": 1}
+            await s.a.delete_job(job.job_id)
+            assert await s.b.load_job(job.job_id) is None
 
     run(go)
 
 
 def test_an_idempotency_key_names_one_job_across_dispatchers(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        await s.a.insert_job(new_job("aaaa000000000004", key="k-1"))
-        with pytest.raises(DuplicateKey) as dup:
-            await s.b.insert_job(new_job("bbbb000000000004", key="k-1"))
-        assert dup.value.job_id == "aaaa000000000004"
-        assert await s.b.job_by_key("k-1") == "aaaa000000000004"
-        assert await s.b.load_job("bbbb000000000004") is None  # nothing of the refused job was stored
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            await s.a.insert_job(new_job("aaaa000000000004", key="k-1"))
+            with pytest.raises(DuplicateKey) as dup:
+                await s.b.insert_job(new_job("bbbb000000000004", key="k-1"))
+            assert dup.value.job_id == "aaaa000000000004"
+            assert await s.b.job_by_key("k-1") == "aaaa000000000004"
+            assert await s.b.load_job("bbbb000000000004") is None  # nothing of the refused job was stored
 
     run(go)
 
 
 def test_worker_leases_are_exclusive_renewed_and_expire(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        w0 = await s.a.register_worker("http://w0:1", ttl=60, announced=False)
-        w1 = await s.b.register_worker("http://w1:1", ttl=60, announced=True)
-        assert await s.b.register_worker("http://w0:1", ttl=60, announced=False) == w0  # one id per URL
-        assert (w0, w1) == (0, 1)
-        assert await s.a.acquire_lease("A", w0, ttl=0.6)
-        assert not await s.b.acquire_lease("B", w0, ttl=0.6)
-        assert await s.a.acquire_lease("A", w0, ttl=0.6)  # its own: renewed
-        assert await s.a.renew_leases("A", ttl=0.6) == {w0}
-        rows = {r.worker_id: r for r in await s.b.live_workers()}
-        assert rows[w0].lease_owner == "A"
-        assert rows[w1].announced
-        await asyncio.sleep(0.8)  # A stops renewing: its lease expires
-        assert await s.a.renew_leases("A", ttl=0.6) == set()
-        assert await s.b.acquire_lease("B", w0, ttl=5)
-        assert not await s.a.acquire_lease("A", w0, ttl=5)
-        await s.b.leave("B")  # a dispatcher that stops gives its leases back at once
-        assert await s.a.acquire_lease("A", w0, ttl=5)
-        assert await s.a.withdraw_worker(w1)
-        assert not await s.a.withdraw_worker(w1)
-        assert [r.worker_id for r in await s.a.live_workers()] == [w0]
-        assert not await s.b.acquire_lease("B", w1, ttl=5)  # not registered any more
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            w0 = await s.a.register_worker("http://w0:1", ttl=60, announced=False)
+            w1 = await s.b.register_worker("http://w1:1", ttl=60, announced=True)
+            assert await s.b.register_worker("http://w0:1", ttl=60, announced=False) == w0  # one id per URL
+            assert (w0, w1) == (0, 1)
+            assert await s.a.acquire_lease("A", w0, ttl=0.6)
+            assert not await s.b.acquire_lease("B", w0, ttl=0.6)
+            assert await s.a.acquire_lease("A", w0, ttl=0.6)  # its own: renewed
+            assert await s.a.renew_leases("A", ttl=0.6) == {w0}
+            rows = {r.worker_id: r for r in await s.b.live_workers()}
+            assert rows[w0].lease_owner == "A"
+            assert rows[w1].announced
+            await asyncio.sleep(0.8)  # A stops renewing: its lease expires
+            assert await s.a.renew_leases("A", ttl=0.6) == set()
+            assert await s.b.acquire_lease("B", w0, ttl=5)
+            assert not await s.a.acquire_lease("A", w0, ttl=5)
+            await s.b.leave("B")  # a dispatcher that stops gives its leases back at once
+            assert await s.a.acquire_lease("A", w0, ttl=5)
+            assert await s.a.withdraw_worker(w1)
+            assert not await s.a.withdraw_worker(w1)
+            assert [r.worker_id for r in await s.a.live_workers()] == [w0]
+            assert not await s.b.acquire_lease("B", w1, ttl=5)  # not registered any more
 
     run(go)
 
 
 def test_live_dispatchers_are_those_that_kept_their_heartbeat(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        assert await s.a.heartbeat("A", ttl=0.5) == {"A"}
-        assert await s.b.heartbeat("B", ttl=5) == {"A", "B"}
-        await asyncio.sleep(0.7)
-        assert await s.b.heartbeat("B", ttl=5) == {"B"}
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            assert await s.a.heartbeat("A", ttl=0.5) == {"A"}
+            assert await s.b.heartbeat("B", ttl=5) == {"A", "B"}
+            await asyncio.sleep(0.7)
+            assert await s.b.heartbeat("B", ttl=5) == {"B"}
 
     run(go)
 
 
 def test_running_tracks_are_found_by_their_worker(engine: str) -> None:
     async def go() -> None:
-        s = await two_stores(engine)
-        job = new_job("aaaa000000000005", tracks=3)
-        await s.a.insert_job(job)
-        await s.a.claim([running(job.tracks[0], "A", worker=7), running(job.tracks[2], "A", worker=7)])
-        await s.a.claim([running(job.tracks[1], "A", worker=8)])
-        assert sorted(await s.b.running_on(7)) == [(job.job_id, 0), (job.job_id, 2)]
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(engine) as s:
+            job = new_job("aaaa000000000005", tracks=3)
+            await s.a.insert_job(job)
+            await s.a.claim([running(job.tracks[0], "A", worker=7), running(job.tracks[2], "A", worker=7)])
+            await s.a.claim([running(job.tracks[1], "A", worker=8)])
+            assert sorted(await s.b.running_on(7)) == [(job.job_id, 0), (job.job_id, 2)]
 
     run(go)
 
@@ -215,23 +210,21 @@ def test_changes_at_one_dispatcher_are_heard_by_the_others(pg_url: str) -> None:
     """PostgreSQL only: every write NOTIFYs; a dispatcher does not hear its own; one sweeper at a time."""
 
     async def go() -> None:
-        s = await two_stores(pg_url)
-        heard_a: list[str] = []
-        heard_b: list[str] = []
-        async with s.a.listen(heard_a.append), s.b.listen(heard_b.append):
-            while "*" not in heard_b or "*" not in heard_a:  # each listener says it (re)started
-                await asyncio.sleep(0.01)
-            job = new_job("aaaa000000000006", tracks=1)
-            await s.a.insert_job(job)
-            await s.a.claim([running(job.tracks[0], "A")])
-            while heard_b.count(job.job_id) < 2:
-                await asyncio.sleep(0.01)
-            assert job.job_id not in heard_a
-        async with s.a.exclusive("retention") as a_got, s.b.exclusive("retention") as b_got:
-            assert (a_got, b_got) == (True, False)
-        async with s.b.exclusive("retention") as b_got:
-            assert b_got
-        await s.a.close()
-        await s.b.close()
+        async with two_stores(pg_url) as s:
+            heard_a: list[str] = []
+            heard_b: list[str] = []
+            async with s.a.listen(heard_a.append), s.b.listen(heard_b.append):
+                while "*" not in heard_b or "*" not in heard_a:  # each listener says it (re)started
+                    await asyncio.sleep(0.01)
+                job = new_job("aaaa000000000006", tracks=1)
+                await s.a.insert_job(job)
+                await s.a.claim([running(job.tracks[0], "A")])
+                while heard_b.count(job.job_id) < 2:
+                    await asyncio.sleep(0.01)
+                assert job.job_id not in heard_a
+            async with s.a.exclusive("retention") as a_got, s.b.exclusive("retention") as b_got:
+                assert (a_got, b_got) == (True, False)
+            async with s.b.exclusive("retention") as b_got:
+                assert b_got
 
     run(go)
