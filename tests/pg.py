@@ -125,6 +125,16 @@ class PgServer:
         log.info("PostgreSQL started on port %d in %s", self.port, self.root)
         return self
 
+    def pause(self) -> None:
+        """Stop the server as a crash would (``immediate``), keeping its data: a database outage."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop", timeout=60)
+        self.running = False
+
+    def resume(self) -> None:
+        """Start it again on the same port and data after ``pause``."""
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60", "start")
+        self.running = True
+
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
 

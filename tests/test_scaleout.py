@@ -267,3 +267,31 @@ def test_cancel_and_idempotency_keys_work_across_dispatchers(tmp_path, pg_url):
         assert generated(workers) == 0
     finally:
         stop_all(a, b, *workers)
+
+
+def test_a_dispatcher_whose_database_is_gone_answers_503_and_recovers(tmp_path, pg_server, pg_url):
+    """The database restarts under a running dispatcher: requests get 503 + Retry-After, then all is well."""
+    workers = tone_workers(tmp_path, 1, delay=0.2)
+    a = start_dispatcher(tmp_path, "A", pg_url, workers)
+    try:
+        done = httpx.post(a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}).json()
+        wait_done(a, done["job_id"])
+        pg_server.pause()
+        r = httpx.post(a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, timeout=30)
+        assert r.status_code == 503
+        assert "Retry-After" in r.headers
+        assert r.json()["status"] == "error"
+        r = httpx.get(f"{a.url}/job/{'0' * 16}", timeout=30)  # not in memory: needs the store
+        assert r.status_code == 503
+        pg_server.resume()
+        r = wait_for(
+            lambda: (x := httpx.post(a.url + "/generate", json={"lyrics": "y", "duration": 0.05}, timeout=30))
+            .status_code == 200 and x,
+            timeout=60, interval=0.5,
+        )  # fmt: skip
+        assert wait_done(a, r.json()["job_id"], timeout=60)["status"] == "completed"
+        assert job(a, done["job_id"])["status"] == "completed"  # what was stored before is all there
+    finally:
+        if not pg_server.running:
+            pg_server.resume()
+        stop_all(a, *workers)

@@ -49,11 +49,12 @@ class StoreUnavailable(SongserveError):
     """The job store cannot write (disk full, I/O error): nothing was accepted; try again later."""
 
     def __init__(self, exc: Exception) -> None:
-        full = "full" in str(exc).lower()
+        reason = exc.args[0] if exc.args else exc
+        full = "full" in str(reason).lower()
         super().__init__(
             "The job store's disk is full; nothing was queued, try again later."
             if full
-            else f"The job store cannot write ({exc}); nothing was queued, try again later."
+            else f"The job store cannot write ({reason}); nothing was queued, try again later."
         )
         self.http_status = 507 if full else 503
         self.headers = {"Retry-After": "30"}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from songserve.api.states import TrackStatus
+from songserve.errors import SongserveError
 from songserve.schemas import GenerateRequest
 
 Key = tuple[str, int]  # (job_id, track index)
@@ -109,8 +110,17 @@ class DuplicateKey(Exception):
         self.job_id = job_id
 
 
-class StoreError(Exception):
-    """The store could not be reached or could not write (disk full, I/O error, connection lost)."""
+class StoreError(SongserveError):
+    """The store could not be reached or could not write (disk full, I/O error, connection lost).
+
+    A request that meets it gets 503 with Retry-After (the error body of api.md), never a bare 500.
+    """
+
+    http_status = 503
+    headers = {"Retry-After": "5"}
+
+    def __str__(self) -> str:
+        return f"The job store is unavailable ({self.args[0] if self.args else 'no answer'}); try again shortly."
 
 
 class JobStore(Protocol):
