@@ -161,6 +161,7 @@ def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(t
         wait_for(lambda: status(a)["running_tracks"] == 3, timeout=20)
         b = start_dispatcher(tmp_path, "B", pg_url, workers)
         assert status(b)["queued_tracks"] == 10  # B sees A's queue, but every worker is leased to A (all busy)
+        assert "taking over task" not in b.log_tail(1_000_000)  # A is alive: its running tracks stay its own
         a.signal(signal.SIGKILL)
         jobs = [wait_done(b, j, timeout=120) for j in ids]
         assert all(j["status"] == "completed" for j in jobs)

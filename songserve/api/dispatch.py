@@ -456,7 +456,8 @@ class Dispatcher(TrackBook):
                 w.lease_owner = self.me
         if first:
             await self.pool.poll_once()
-        await self._take_over([*taken, *(self.pool.workers if first else ())])
+        # At start, every worker leased here may run tracks of this dispatcher's previous life.
+        await self._take_over([w for w in self.pool.workers if w.leased] if first else taken)
         await self._orphans({r.worker_id for r in rows})
         self._membership_ticks += 1
         if store.shared and self._membership_ticks % 5 == 0:
