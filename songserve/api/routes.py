@@ -14,7 +14,8 @@ from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, Worker
 router = APIRouter()
 
 
-def service(request: Request) -> JobService:
+async def service(request: Request) -> JobService:
+    """The service behind the routes. Async: FastAPI runs a sync dependency in a thread, a hop per request."""
     svc: JobService = request.app.state.service
     return svc
 
