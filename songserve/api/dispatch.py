@@ -28,7 +28,6 @@ import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -69,7 +68,7 @@ class Dispatcher(TrackBook):
         self._stopping: dict[Key, str] = {}  # attempts asked to stop, with the reason
         self._deadlines: dict[Key, float] = {}  # monotonic
         self._tasks: list[asyncio.Task[None]] = []
-        self._listening: AbstractAsyncContextManager[None] | None = None
+        self._exit = contextlib.AsyncExitStack()  # what start() entered, left by stop()
         self.accepting = True
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -96,8 +95,7 @@ class Dispatcher(TrackBook):
             ("store-sync", self.sync_step, 0.0),
             *loop_tasks,
         ]
-        self._listening = self.store.listen(self.resync)
-        await self._listening.__aenter__()
+        await self._exit.enter_async_context(self.store.listen(self.resync))
         for name, step, interval in loops:
             self._tasks.append(asyncio.create_task(supervised(name, step, interval, self.loops), name=name))
         self._kick.set()
@@ -114,8 +112,7 @@ class Dispatcher(TrackBook):
         for t in self._tasks + list(self.running.values()):
             t.cancel()
         await asyncio.gather(*self._tasks, *self.running.values(), return_exceptions=True)
-        if self._listening is not None:
-            await self._listening.__aexit__(None, None, None)
+        await self._exit.aclose()  # the store's event listener
         try:  # the leases go now, so another dispatcher takes the workers (and their tracks) at once
             await self.store.leave(self.me)
         except Exception as exc:  # the store is gone: the leases expire on their own

@@ -11,7 +11,8 @@ The view a client sees (``/status``) is derived from both:
 
     offline   not answering its health poll, or its connection broke
     loading   online, still loading its models
-    idle      online, ready, nothing assigned          (the only state that takes a track)
+    idle      online, ready, nothing assigned          (the only state that takes a track, and only
+              from the dispatcher holding its lease: ``leased``)
     busy      a track is assigned, or it reports busy
     error     it reports its model thread died or loading failed
     stalled   it reports a stalled model thread, or our watchdog saw no progress

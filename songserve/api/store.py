@@ -65,7 +65,6 @@ STORED_TRACK_FIELDS = (
     "status", "seed", "attempts", "worker_id", "task_id", "owner", "error", "duration_sec", "started_at",
     "finished_at", "metadata", "worker_phase", "phase_progress", "phase_detail", "phase_rate",
 )  # fmt: skip
-PROGRESS_FIELDS = ("worker_phase", "phase_progress", "phase_detail", "phase_rate")
 
 
 @dataclass

@@ -310,11 +310,11 @@ class PgStore:
         return int(row["worker_id"])  # type: ignore[index]
 
     async def withdraw_worker(self, worker_id: int) -> bool:
-        async with self._tx() as conn:
-            cur = await conn.execute(
-                "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0", (worker_id,)
-            )
-            return cur.rowcount == 1
+        rows = await self._rows(
+            "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0 RETURNING worker_id",
+            (worker_id,),
+        )
+        return bool(rows)
 
     async def live_workers(self) -> list[WorkerRow]:
         rows = await self._rows(
@@ -349,20 +349,18 @@ class PgStore:
         return {int(r["worker_id"]) for r in rows}
 
     async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
-        async with self._tx() as conn:
-            cur = await conn.execute(
-                f"UPDATE workers SET lease_owner=%s, lease_until={NOW} + %s WHERE worker_id=%s"
-                f" AND registered_until > {NOW} AND (lease_owner IS NULL OR lease_owner=%s OR lease_until <= {NOW})",
-                (owner, ttl, worker_id, owner),
-            )
-            return cur.rowcount == 1
+        rows = await self._rows(
+            f"UPDATE workers SET lease_owner=%s, lease_until={NOW} + %s WHERE worker_id=%s AND registered_until > {NOW}"
+            f" AND (lease_owner IS NULL OR lease_owner=%s OR lease_until <= {NOW}) RETURNING worker_id",
+            (owner, ttl, worker_id, owner),
+        )
+        return bool(rows)
 
     async def release_lease(self, owner: str, worker_id: int) -> None:
-        async with self._tx() as conn:
-            await conn.execute(
-                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=%s AND lease_owner=%s",
-                (worker_id, owner),
-            )
+        await self._rows(
+            "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=%s AND lease_owner=%s RETURNING worker_id",
+            (worker_id, owner),
+        )
 
     # ---- events and one-at-a-time work ---------------------------------------------------------
     @asynccontextmanager
