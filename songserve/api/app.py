@@ -23,6 +23,7 @@ from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.settings import DispatcherSettings
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
+KEEPALIVE_SEC = 2.0  # below the workers' server-side keep-alive (uvicorn: 5 s)
 PAGE = {"/", "/index.html", "/app.js", "/style.css", "/tags"}
 
 
@@ -39,7 +40,10 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
+        # An idle connection is dropped here before a worker's server drops it (uvicorn's keep-alive is
+        # 5 s, ours and the reference's): at equal timeouts a request could be sent on a connection
+        # the worker was closing, and fail before the worker saw it (a needless retry).
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=KEEPALIVE_SEC)
         async with httpx.AsyncClient(headers=headers, limits=limits) as http:
             store = await open_store(s)
             app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
