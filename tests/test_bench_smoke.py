@@ -27,3 +27,13 @@ def test_benchmark_smoke(script, tiny_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith(script.split("_")[0].upper() + " ")
+
+
+def test_gpu_check_smoke_runs_its_figures_on_this_device():
+    """bench/gpu_check.py runs only on the rare GPU machine; --smoke runs its code here at small shapes."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("GPU")]
+    assert lines == ["GPU-build", "GPU-decode", "GPU-track"], out.stdout
