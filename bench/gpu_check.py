@@ -116,18 +116,23 @@ def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
 def decode_speed(bb, dev: torch.device, tokens: int) -> None:
     from songserve.pipeline.decode import GraphedStep
 
-    eager = {b: tokens_per_s(bb, dev, b, tokens) for b in (1, 2)}
-    line = f"eager b1 {eager[1]:.0f}, b2 {eager[2]:.0f} tok/s/batch; eager 2 takes cost {eager[1] / eager[2]:.2f}x one"
+    sizes = (1, 2, 4)
+    eager = {b: tokens_per_s(bb, dev, b, tokens) for b in sizes}
+    line = (
+        f"eager b1 {eager[1]:.0f}, b2 {eager[2]:.0f}, b4 {eager[4]:.0f} tok/s/batch; "
+        f"eager 2 takes cost {eager[1] / eager[2]:.2f}x one"
+    )
     if dev.type == "cuda":
         t0 = time.perf_counter()
         step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
-        step.warm([1, 2], [1024])
+        step.warm(list(sizes), [1024])
         bb.compiled = step
         warm = time.perf_counter() - t0
-        graphs = {b: tokens_per_s(bb, dev, b, tokens) for b in (1, 2)}
+        graphs = {b: tokens_per_s(bb, dev, b, tokens) for b in sizes}
         line += (
-            f"; graphs b1 {graphs[1]:.0f}, b2 {graphs[2]:.0f}; graphs/eager b1 {graphs[1] / eager[1]:.2f}x; "
-            f"2 takes cost {graphs[1] / graphs[2]:.2f}x one take (target <= 1.2x); capture {warm:.1f}s; "
+            f"; graphs b1 {graphs[1]:.0f}, b2 {graphs[2]:.0f}, b4 {graphs[4]:.0f}; "
+            f"graphs/eager b1 {graphs[1] / eager[1]:.2f}x; 2 takes cost {graphs[1] / graphs[2]:.2f}x one take "
+            f"(target <= 1.2x), 4 takes {graphs[1] / graphs[4]:.2f}x; capture {warm:.1f}s; "
             f"fallback {step.describe()['fallback']}"
         )
     else:

@@ -280,6 +280,8 @@ def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
         assert data.shape[1] == 2
         assert abs(data.shape[0] / sr - 3.0) < 0.1
         assert job["tracks"][0]["metadata"]["timings"]["backbone_sec"] > 0
+        # one idle worker, two tracks: packed into one batch, and the view says so
+        assert [t["metadata"]["batch_size"] for t in job["tracks"]] == [2, 2]
         c.api.stop()
     finally:
         w.stop()

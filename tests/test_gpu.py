@@ -94,3 +94,39 @@ def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_pa
     assert r.duration_sec > 0
     assert pipe.loaded()["parked"] == ["decoder", "superres"]
     assert torch.cuda.memory_allocated() <= before + 64 * 2**20
+
+
+def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_path):
+    """The production path on a GPU, through real processes and HTTP: a worker in park mode with
+    CUDA graphs warmed at load, and a dispatcher that packs a 2-track job onto it as one batch."""
+    import io
+
+    import httpx
+    import soundfile as sf
+
+    from tests.support import cluster_of, start_worker
+
+    w = start_worker(tmp_path, "--runtime-mode", "park", name="gpu")
+    try:
+        h = w.wait_healthy(timeout=300)
+        assert h["device"].startswith("cuda"), h
+        assert h["parked"] == ["decoder", "superres"], h
+        assert h["decode_step"]["cuda_graphs"] is True, h["decode_step"]
+        assert h["decode_step"]["graphs"], h["decode_step"]
+        cfg = httpx.get(w.url + "/config", timeout=10).json()
+        assert cfg["max_batch"] >= 2
+        assert cfg["kv_bytes_per_take"] > 0
+        with cluster_of(tmp_path, [w]) as c:
+            job = c.wait_job(c.submit(duration=3 / 60, num_tracks=2)["job_id"], timeout=240)
+            assert job["status"] == "completed", job
+            for t in job["tracks"]:
+                assert t["metadata"]["batch_size"] == 2, t["metadata"]
+                r = httpx.get(c.url + t["files"]["wav"], timeout=30)
+                assert r.status_code == 200
+                audio, rate = sf.read(io.BytesIO(r.content))
+                assert rate == 44100
+                assert abs(len(audio) / rate - 3.0) < 0.1
+                assert httpx.get(c.url + t["files"]["mp3"], timeout=30).status_code == 200
+            assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
+    finally:
+        w.stop()

@@ -140,6 +140,24 @@ def test_kv_cached_steps_match_a_full_causal_forward(backbone):
     assert torch.allclose(torch.cat(steps), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["backbone", "superres"])
+def test_bf16_model_is_bf16_throughout_and_the_step_matches_megatron(tiny_dir, megatron_cpu, kind):
+    """As Megatron-LM's Float16Module: norms and the position table too (megatron builds them fp32),
+    so megatron's own bf16 forward runs, and the decode step agrees with it to bf16 rounding."""
+    from songserve.pipeline.decode import DecodeModel
+
+    gpt = load_model(tiny_dir / kind, megatron_cpu, torch.bfloat16)
+    assert {p.dtype for p in gpt.model.parameters()} == {torch.bfloat16}
+    dm = DecodeModel(gpt.model, gpt.output_weight)
+    ids = torch.randint(0, gpt.arch.vocab_size, (1, 24))
+    pos = torch.arange(24).view(1, -1)
+    with torch.inference_mode():
+        ref = gpt.hidden(ids.unsqueeze(-1), pos, causal_mask(24, megatron_cpu))[:, 0].float()
+        got = dm.forward(dm.embed(ids.unsqueeze(-1), pos))[0].float()
+    assert got.dtype == ref.dtype
+    assert (got - ref).abs().max().item() < 0.1  # bf16 rounding
+
+
 def test_end_of_audio_is_accepted_only_after_the_minimum_share(backbone, monkeypatch):
     gpt = backbone.gpt
     real_project = gpt.project

@@ -37,7 +37,10 @@ from songserve.api.worker_client import Outcome, OutcomeKind, WorkerUnreachable
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
+# What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
+# (a reference worker runs each take alone and sends neither).
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
+BATCH_KEYS = ("batch_size", "parked")
 IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
 
 
@@ -122,6 +125,7 @@ class TrackBook:
                 raise RetryTrack(f"could not copy the files from worker {w.worker_id} ({exc})") from None
             now = time.time()
             meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
+            meta |= {k: res.metadata[k] for k in BATCH_KEYS if k in res.metadata}
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
             # The seed the worker used (a worker reads seed_override 0 as its own seed, as the reference).
             seed = res.seed if res.seed is not None else t.seed

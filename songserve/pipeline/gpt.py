@@ -237,9 +237,13 @@ def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype, init: b
             seq_len_interpolation_factor=arch.rotary_interpolation_factor,
             share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights,
         )
+    # Every parameter in ``dtype``: megatron-core builds its local torch norms and the learned
+    # position table in fp32 whatever ``params_dtype`` says. Megatron-LM serves bf16 through
+    # Float16Module, which casts the whole module; without the cast a bf16 model fed fp32 norms
+    # into bf16 linears (megatron's own forward refused it; the decode step ran an fp32 residual).
     if not init:
-        return model.to_empty(device=device).eval()
-    return model.to(device).eval()
+        return model.to_empty(device=device).to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 class AcousticGPT:
