@@ -15,7 +15,7 @@ $PY -c 'import torch; print("GPU-env torch", torch.__version__, torch.cuda.get_d
 $PY -m songserve.pipeline.tiny >"$LOGS/gpu-tiny.log" 2>&1 || { echo "GPU tiny set failed to build:"; tail -5 "$LOGS/gpu-tiny.log"; exit 1; }
 # -W default: a warning from another torch build on the device is shown, not an error (CI keeps "error").
 timeout 210 $PY -m pytest tests/test_gpu.py -q -rfE -W default -p no:cacheprovider >"$LOGS/gpu-tests.log" 2>&1
-echo "GPU-tests tests/test_gpu.py (bf16 step, graphs, no host sync, park): $(tail -1 "$LOGS/gpu-tests.log")"
+echo "GPU-tests tests/test_gpu.py (bf16 step, graphs, no host sync, park, real worker + dispatcher): $(grep -E "[0-9]+ (passed|failed|error)" "$LOGS/gpu-tests.log" | tail -1)"
 grep -E '^(FAILED|ERROR) ' "$LOGS/gpu-tests.log" | cut -c1-300
 timeout 240 $PY -m bench.gpu_check "$@" 2>"$LOGS/gpu-check.err" | grep '^GPU' \
   || { echo "GPU-check failed: tail of $LOGS/gpu-check.err:"; tail -5 "$LOGS/gpu-check.err"; }

@@ -425,6 +425,33 @@ def test_kv_bytes_per_take(backbone):
     assert math.isfinite(dm.spec.scale)
 
 
+def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
+    """What the worker's split-don't-OOM check counts: eager, the request's length; the compiled
+    step, the full context; CUDA graphs, nothing where their persistent cache holds the rows."""
+    from songserve.pipeline.decode import CompiledStep, GraphedStep
+
+    dm, ctx = backbone.dm, backbone.gpt.arch.context_length
+    assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(100)
+    monkeypatch.setattr(backbone, "compiled", CompiledStep(dm))  # built, not compiled: nothing runs
+    assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(ctx)
+    graphs = GraphedStep(dm, ctx)  # on the CPU only its cache bookkeeping is exercised (no capture)
+    monkeypatch.setattr(backbone, "compiled", graphs)
+    assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(ctx)
+    two = graphs.cache_for(2, 100)
+    assert backbone.kv_bytes_new(2, 100) == 0
+    assert backbone.kv_bytes_new(4, 100) == 4 * dm.kv_bytes_per_take(ctx)  # a wider batch regrows it
+    four = graphs.cache_for(4, 100)
+    assert graphs.describe()["kv_rows"] == 4
+    one, two_again = graphs.cache_for(1, 100), graphs.cache_for(2, 100)
+    for c, rows in ((one, 1), (two_again, 2), (four, 4)):  # every batch size: the first rows of one cache
+        assert c.batch == rows
+        assert c.k[0].is_contiguous()
+        assert c.k[0].data_ptr() == four.k[0].data_ptr()
+    assert two.k[0].data_ptr() != four.k[0].data_ptr()  # the regrow replaced the old cache
+    assert backbone.kv_bytes_new(3, 100) == 0
+    assert backbone.kv_bytes_new(2, ctx + 1) == 2 * dm.kv_bytes_per_take(ctx + 1)  # past the graphs: eager
+
+
 # ---- super-resolution batched --------------------------------------------------------------------
 
 

@@ -109,6 +109,18 @@ class Backbone:
         self.compiled: CompiledStep | GraphedStep | None = None  # set at load when COMPILE is on
         self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
 
+    def _cache_len(self, length: int) -> int:
+        """The compiled step decodes into a cache of the full context: static shapes whatever the
+        request's length (no recompile per length). Eager: exactly the request's length."""
+        return max(self.gpt.arch.context_length, length) if self.compiled is not None else length
+
+    def kv_bytes_new(self, batch: int, length: int) -> int:
+        """Memory a batch of ``batch`` takes decoding ``length`` positions newly takes for its KV
+        cache (the worker splits a batch that would not fit)."""
+        if isinstance(self.compiled, GraphedStep):
+            return self.compiled.kv_bytes_new(batch, length)
+        return batch * self.dm.kv_bytes_per_take(self._cache_len(length))
+
     def max_frames(self, prompt_len: int) -> int:
         return max(0, (self.gpt.arch.context_length - prompt_len) // 2)
 
@@ -181,10 +193,8 @@ class Backbone:
         B = len(takes)
         if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
             cache = self.compiled.cache_for(B, P + total)
-        elif self.compiled is not None:  # static shapes whatever the request's length: no recompile per length
-            cache = dm.new_cache(B, max(self.gpt.arch.context_length, P + total))
         else:
-            cache = dm.new_cache(B, P + total)
+            cache = dm.new_cache(B, self._cache_len(P + total))
         dm.rope_tables(P + total)
         h = self.prefill(prompt, cache, [t.ctx for t in takes]).expand(B, -1)
         dev = dm.device

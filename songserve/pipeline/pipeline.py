@@ -179,7 +179,7 @@ class ModelPipeline:
                     bb.dm._rope_cos = bb.dm._rope_cos.to(device)
                     bb.dm._rope_sin = bb.dm._rope_sin.to(device)
                 if isinstance(bb.compiled, GraphedStep):
-                    bb.compiled.reset()  # its graphs and persistent caches hold the old addresses
+                    bb.compiled.reset()  # its graphs and persistent cache hold the old addresses
 
     def _backbone_must_park(self, superres: SuperRes, takes: int, seq: int) -> bool:
         """PARK_BACKBONE for this batch: ``1`` always, ``0`` never, ``auto`` when the device's free
@@ -304,14 +304,18 @@ class ModelPipeline:
             out["superres_max_prompt_length"] = min(a.max_prompt_length for a in self._superres_arch.values())
         return out
 
-    def _fit(self, n: int, per_take: int) -> int:
-        """How many takes fit one batch: MAX_BATCH, then free memory (a batch is split, never OOM)."""
+    def _fit(self, n: int, kv_bytes_new: Callable[[int], int]) -> int:
+        """How many takes fit one batch: MAX_BATCH, then free memory for the KV cache the batch
+        would newly take (none where the CUDA graphs' persistent cache holds it): a batch is split,
+        never run out of memory."""
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
             free = _mem_available()
-        fit = int(0.8 * free // max(per_take, 1)) if free else n
-        return max(1, min(n, self.s.max_batch, fit))
+        size = max(1, min(n, self.s.max_batch))
+        while free and size > 1 and kv_bytes_new(size) > 0.8 * free:
+            size -= 1
+        return size
 
     # -- takes --------------------------------------------------------------------------------------
     def _pick(self, table: dict[str, Any], name: str, what: str) -> tuple[str, Any]:
@@ -358,8 +362,8 @@ class ModelPipeline:
             max_new_tokens=self.s.max_new_tokens,
             min_share=self.min_share(),
         )
-        per_take = backbone.dm.kv_bytes_per_take(len(bb_prompt) + 2 * plan.budget_frames)
-        size = self._fit(len(reqs), per_take)
+        length = len(bb_prompt) + 2 * plan.budget_frames
+        size = self._fit(len(reqs), lambda b: backbone.kv_bytes_new(b, length))
         out: list[TrackResult | BaseException] = []
         for a in range(0, len(reqs), size):
             out += self._run_batch(reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan)
