@@ -116,6 +116,9 @@ def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_pat
         cfg = httpx.get(w.url + "/config", timeout=10).json()
         assert cfg["max_batch"] >= 2
         assert cfg["kv_bytes_per_take"] > 0
+        # one persistent cache, taken at load, holds the widest batch; every batch size uses its first rows
+        assert h["decode_step"]["kv_rows"] == cfg["max_batch"], h["decode_step"]
+        assert h["decode_step"]["kv_bytes"] == cfg["max_batch"] * cfg["kv_bytes_per_take"], h["decode_step"]
         with cluster_of(tmp_path, [w]) as c:
             job = c.wait_job(c.submit(duration=3 / 60, num_tracks=2)["job_id"], timeout=240)
             assert job["status"] == "completed", job
