@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from songserve.api.states import TrackStatus
-from songserve.api.store import DuplicateKey, Job, JobStore, StaleTrack, Track
+from songserve.api.store import DuplicateKey, Job, JobStore, StaleTrack, StoreError, Track
 from songserve.api.store_sqlite import SqliteStore
 from songserve.schemas import GenerateRequest
 
@@ -228,3 +228,31 @@ def test_changes_at_one_dispatcher_are_heard_by_the_others(pg_url: str) -> None:
                 assert b_got
 
     run(go)
+
+
+def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url: str) -> None:
+    """A restart leaves every pooled connection dead. The first failure has the pool test and replace
+    them all, and a read that met a dead connection is tried once more: no read fails after the server
+    is back (seen before: a GET /job answered 503 on the second of several stale connections)."""
+    from songserve.api.store_pg import PgStore
+
+    async def body() -> None:
+        store = await PgStore.open(pg_url, "A", pool_size=4)
+        try:
+            await store.insert_job(new_job("r1"))
+            await asyncio.gather(*(store.load_job("r1") for _ in range(8)))  # fill the pool
+            assert store.pool.get_stats()["pool_size"] >= 2
+            pg_server.pause()
+            with pytest.raises(StoreError):  # down: a read answers (503 at the HTTP layer), it does not hang
+                await store.load_job("r1")
+            pg_server.resume()
+            for _ in range(6):  # more reads than the pool has connections, one after another
+                job = await store.load_job("r1")
+                assert job is not None
+                assert job.job_id == "r1"
+        finally:
+            if not pg_server.running:
+                pg_server.resume()
+            await store.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -11,6 +11,10 @@ Through psycopg 3 with an async connection pool; every method is one short trans
   transaction (delivered on commit); ``listen`` keeps one connection of its own on ``LISTEN`` and
   reconnects with a back-off, asking for a full resync (``*``) after any gap.
 - ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
+- A database restart kills every pooled connection. The first call that meets a dead one has the
+  pool test and replace all of them (``_recheck``), and a read that met one runs once more on a
+  fresh connection; a write answers 503 (``StoreError``) for its client to retry, since whether a
+  statement whose connection died was applied cannot be known.
 """
 
 from __future__ import annotations
@@ -60,7 +64,14 @@ JOB_WITH_TRACKS = (
     " AS tracks FROM jobs j"
 )
 RUNNING_VALUES = [s.value for s in RUNNING]
+# How long a call waits for a pooled connection before it answers 503: short, so that while the
+# database is down (no connection to be had) clients hear so in seconds, not after psycopg's 30 s.
+CONNECTION_WAIT_SEC = 5.0
 Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+class ConnectionLost(StoreError):
+    """The pooled connection was dead (the server restarted or dropped it)."""
 
 
 def redact(url: str) -> str:
@@ -88,7 +99,9 @@ class PgStore:
             open=False,
             kwargs={"autocommit": True, "row_factory": dict_row},
             name="songserve-store",
+            timeout=CONNECTION_WAIT_SEC,
         )
+        self._checking: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, url: str, origin: str, pool_size: int = 10, timeout: float = 10.0) -> PgStore:
@@ -120,25 +133,46 @@ class PgStore:
     async def _tx(self, transaction: bool = True) -> AsyncIterator[Conn]:
         """A pooled connection, in one transaction (or autocommit for a single statement, which is one
         implicit transaction and saves the BEGIN/COMMIT round trips); a database failure becomes ``StoreError``."""
+        used: Conn | None = None
         try:
             async with self.pool.connection() as conn:
+                used = conn  # type: ignore[assignment]  # the pool's connections make dict rows
                 if not transaction:
-                    yield conn  # type: ignore[misc]  # the pool's connections make dict rows
+                    yield conn  # type: ignore[misc]
                     return
                 async with conn.transaction():
                     yield conn  # type: ignore[misc]
         except (DuplicateKey, StaleTrack):
             raise
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
-            raise StoreError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if used is not None and used.broken:
+                self._recheck()
+                raise ConnectionLost(first) from exc
+            raise StoreError(first) from exc
         except PoolTimeout as exc:
             raise StoreError(f"no database connection ({exc})") from exc
 
+    def _recheck(self) -> asyncio.Task[None]:
+        """Test every idle pooled connection and replace the dead ones (once at a time)."""
+        if self._checking is None or self._checking.done():
+            log.warning("job store: a pooled connection was dead; testing the others")
+            self._checking = asyncio.get_running_loop().create_task(self.pool.check())
+        return self._checking
+
     async def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """One statement (a read, or a write with its NOTIFY in the same statement): one round trip."""
+        """One statement (a write with its NOTIFY in the same statement): one round trip."""
         async with self._tx(transaction=False) as conn:
             cur = await conn.execute(sql, params)
             return await cur.fetchall()
+
+    async def _read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """One read; on a dead connection, once more after the pool has replaced its dead ones."""
+        try:
+            return await self._rows(sql, params)
+        except ConnectionLost:
+            await asyncio.shield(self._recheck())
+            return await self._rows(sql, params)
 
     def _announcing(self, write: str) -> str:
         """``write`` (an UPDATE/DELETE … RETURNING job_id) and its NOTIFY as one statement."""
@@ -241,48 +275,48 @@ class PgStore:
         return bool(rows and rows[0]["terminal"])
 
     async def is_cancelled(self, job_id: str) -> bool:
-        rows = await self._rows("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
+        rows = await self._read("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
         return bool(rows and rows[0]["cancelled"])
 
     async def job_by_key(self, key: str) -> str | None:
-        rows = await self._rows("SELECT job_id FROM jobs WHERE idempotency_key=%s", (key,))
+        rows = await self._read("SELECT job_id FROM jobs WHERE idempotency_key=%s", (key,))
         return rows[0]["job_id"] if rows else None
 
     async def load_job(self, job_id: str) -> Job | None:
-        rows = await self._rows(f"{JOB_WITH_TRACKS} WHERE j.job_id=%s", (job_id,))
+        rows = await self._read(f"{JOB_WITH_TRACKS} WHERE j.job_id=%s", (job_id,))
         return job_from_row(rows[0], rows[0]["tracks"]) if rows else None
 
     async def active_jobs(self) -> list[Job]:
-        rows = await self._rows(f"{JOB_WITH_TRACKS} WHERE NOT j.terminal ORDER BY j.seq")
+        rows = await self._read(f"{JOB_WITH_TRACKS} WHERE NOT j.terminal ORDER BY j.seq")
         return [job_from_row(r, r["tracks"]) for r in rows]
 
     async def running_on(self, worker_id: int) -> list[Key]:
-        rows = await self._rows(
+        rows = await self._read(
             "SELECT job_id, idx FROM tracks WHERE worker_id=%s AND status = ANY(%s)", (worker_id, RUNNING_VALUES)
         )
         return [(r["job_id"], int(r["idx"])) for r in rows]
 
     async def expired_jobs(self, older_than: float) -> list[str]:
-        rows = await self._rows(
+        rows = await self._read(
             "SELECT job_id FROM jobs WHERE terminal AND finished_at < %s ORDER BY finished_at", (older_than,)
         )
         return [r["job_id"] for r in rows]
 
     async def finished_jobs_oldest_first(self) -> list[str]:
-        return [r["job_id"] for r in await self._rows("SELECT job_id FROM jobs WHERE terminal ORDER BY finished_at")]
+        return [r["job_id"] for r in await self._read("SELECT job_id FROM jobs WHERE terminal ORDER BY finished_at")]
 
     async def job_ids(self) -> set[str]:
-        return {r["job_id"] for r in await self._rows("SELECT job_id FROM jobs")}
+        return {r["job_id"] for r in await self._read("SELECT job_id FROM jobs")}
 
     async def delete_job(self, job_id: str) -> None:
         await self._job_write("DELETE FROM jobs WHERE job_id=%s", (job_id,))
 
     async def counts(self) -> dict[str, int]:
-        rows = await self._rows("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
+        rows = await self._read("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
         return {r["status"]: int(r["n"]) for r in rows}
 
     async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]:
-        rows = await self._rows(
+        rows = await self._read(
             "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
             " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT %s",
             (limit,),
@@ -317,7 +351,7 @@ class PgStore:
         return bool(rows)
 
     async def live_workers(self) -> list[WorkerRow]:
-        rows = await self._rows(
+        rows = await self._read(
             f"SELECT worker_id, url, announced, CASE WHEN lease_until > {NOW} THEN lease_owner END AS owner"
             f" FROM workers WHERE registered_until > {NOW} ORDER BY worker_id"
         )
