@@ -146,6 +146,38 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
         stop_all(*apis, *workers)
 
 
+def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, pg_url):
+    """A holds both workers and keeps them busy; B joins: A hands one lease back when that worker's
+    task ends (no new task goes to it meanwhile), and B runs part of the remaining queue."""
+    workers = tone_workers(tmp_path, 2, delay=1.0)
+    a = start_dispatcher(tmp_path, "A", pg_url, workers)
+    b = None
+    try:
+        wait_for(lambda: all(w["leased_by"] == "A" for w in httpx.get(a.url + "/status").json()["workers"]), 30)
+        ids = [
+            httpx.post(a.url + "/generate", json={"lyrics": f"q{i}", "duration": 0.05, "num_tracks": 1}).json()[
+                "job_id"
+            ]
+            for i in range(16)
+        ]  # 8 s of work on two workers, never idle between tracks
+        wait_for(lambda: all(w["status"] == "busy" for w in httpx.get(a.url + "/status").json()["workers"]), 30)
+        b = start_dispatcher(tmp_path, "B", pg_url, workers)
+        owners = wait_for(
+            lambda: (o := [w["leased_by"] for w in httpx.get(b.url + "/status").json()["workers"]])
+            and sorted(o) == ["A", "B"] and o,
+            timeout=30, interval=0.2,
+        )  # fmt: skip
+        assert sorted(owners) == ["A", "B"]
+        jobs = [wait_done(a, j) for j in ids]
+        assert all(j["status"] == "completed" for j in jobs)
+        assert all(t["attempts"] == 1 for j in jobs for t in j["tracks"])
+        assert b.log_tail(1_000_000).count(": attempt 1 on worker") > 0  # B ran part of A's queue
+        assert "lease goes back once its tasks end" in a.log_tail(1_000_000)
+        assert generated(workers) == 16
+    finally:
+        stop_all(*([b] if b else []), a, *workers)
+
+
 def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(tmp_path, pg_url):
     workers = tone_workers(tmp_path, 3, delay=3.0)
     a = start_dispatcher(tmp_path, "A", pg_url, workers)

@@ -11,7 +11,9 @@ reconcile a running track after a restart), and the reasons an attempt stops:
 Membership (``_membership_step``, every third of ``LEASE_TTL_SEC``): this dispatcher says it is
 alive, renews the registration of the workers its ``WORKER_URLS`` lists, follows the registry (which
 also holds announced workers), renews its worker leases and takes free or expired ones up to its
-fair share (workers / live dispatchers). A worker whose lease it just took may be running tracks of
+fair share (workers / live dispatchers), and hands extras back: an idle one at once, a busy one
+once its tasks end (it gets no new ones meanwhile), so a dispatcher joining a fleet under
+sustained load gets its share too. A worker whose lease it just took may be running tracks of
 a dispatcher that died: they are reattached through the worker's ``/tasks/{id}``, as after a
 restart. A lease this dispatcher lost (it stalled past the TTL) ends its attempts there silently:
 the new holder owns them.
@@ -158,6 +160,8 @@ class Dispatcher(TrackBook):
     async def _dispatch_pass(self) -> None:
         if not self.accepting:
             return
+        if any(w.handing_back and not w.assigned for w in self.pool.workers):
+            self.membership_soon()  # its last task ended: give its lease back now, not at the next tick
         free = self.pool.available()
         if not free:  # nothing can start: only the positions change (one ordering, not two)
             self._reorder()
@@ -451,6 +455,8 @@ class Dispatcher(TrackBook):
             w.leased = w.worker_id in held
             if w.leased:
                 w.lease_owner = self.me
+            else:
+                w.handing_back = False
         if first:
             await self.pool.poll_once()
         # At start, every worker leased here may run tracks of this dispatcher's previous life.
@@ -463,7 +469,8 @@ class Dispatcher(TrackBook):
         self._kick.set()
 
     async def _take_leases(self, held: set[int], rows: list[WorkerRow]) -> list[WorkerHandle]:
-        """Take free or expired leases up to this dispatcher's fair share; give back idle extras."""
+        """Take free or expired leases up to this dispatcher's fair share; hand extras back (an idle
+        one now, a busy one once its tasks end: it is marked ``handing_back`` and gets no new ones)."""
         share = math.ceil(len(rows) / max(1, len(self.alive)))
         taken = []
         for r in rows:
@@ -476,14 +483,24 @@ class Dispatcher(TrackBook):
                 if (w := self.pool.by_id(r.worker_id)) is not None:
                     taken.append(w)
                     log.info("worker %d (%s): leased by %s", w.worker_id, w.url, self.me)
-        for w in self.pool.workers:
-            if len(held) <= share:
-                break
-            if w.worker_id in held and not w.assigned and len(self.alive) > 1:
-                await self.store.release_lease(self.me, w.worker_id)
-                held.discard(w.worker_id)
-                log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,
-                         len(self.alive))  # fmt: skip
+        extra = len(held) - share if len(self.alive) > 1 else 0
+        mine = [w for w in self.pool.workers if w.worker_id in held]
+        for w in sorted(mine, key=lambda w: (bool(w.assigned), w.worker_id)):  # idle ones go first
+            if extra <= 0:
+                w.handing_back = False
+                continue
+            extra -= 1
+            if w.assigned:
+                if not w.handing_back:
+                    log.info("worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
+                             w.worker_id, share, len(self.alive))  # fmt: skip
+                w.handing_back = True
+                continue
+            await self.store.release_lease(self.me, w.worker_id)
+            held.discard(w.worker_id)
+            w.handing_back = False
+            log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,
+                     len(self.alive))  # fmt: skip
         return taken
 
     def _lease_lost(self, w: WorkerHandle) -> None:
