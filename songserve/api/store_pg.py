@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from songserve.api.migrations_pg import migrate
 from songserve.api.migrations_sqlite import NewerSchemaError
@@ -170,8 +170,11 @@ class PgStore:
         """One read; on a dead connection, once more after the pool has replaced its dead ones."""
         try:
             return await self._rows(sql, params)
-        except ConnectionLost:
-            await asyncio.shield(self._recheck())
+        except ConnectionLost as lost:
+            try:
+                await asyncio.shield(self._recheck())
+            except (psycopg.Error, PoolClosed) as exc:  # the pool is closing, or cannot test its connections
+                raise StoreError(f"no database connection ({exc})") from lost
             return await self._rows(sql, params)
 
     def _announcing(self, write: str) -> str:
