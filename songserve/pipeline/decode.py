@@ -472,8 +472,9 @@ class GraphedStep:
     ``b`` takes uses its first ``b`` rows (``cache_for``; a prefix of the batch dimension is a
     contiguous view), so the cache costs ``rows`` takes' KV whatever mix of batch sizes comes, and
     that memory is taken once, at load (``warm``). The token and position are copied into static
-    buffers before each replay (device-to-device, no host sync). Capturing a new bucket mid-song is safe: the warm-up runs
-    write exactly what the real step writes (same token, same position, same prefix).
+    buffers before each replay (device-to-device, no host sync). Capturing a new bucket mid-song
+    is safe: the warm-up runs write exactly what the real step writes (same token, same position,
+    same prefix).
     Any failure falls back to the eager step for good, with one log line.
     """
 
