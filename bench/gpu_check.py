@@ -3,7 +3,8 @@ batch 1 and 2, and one 30 s track at the release's full-size shapes with random 
 
 Release shapes (shared/docs/model.md): 24 layers, hidden 2,048, 32 heads in 8 query groups, SwiGLU
 ffn 5,632, RMSNorm ε 1e-6, RoPE base 500,000, qkv biases, untied output, bf16; backbone vocabulary
-130,304 (context 25,600), superres 193,792; the full DAC decoder. One summary line per figure.
+130,304 in 130,432 rows (context 25,600), superres 193,792 in 193,920 rows; the full DAC decoder.
+One summary line per figure.
 
 ``--smoke`` runs the same code at small shapes on whatever device there is (the CPU in CI), so the
 script cannot rot between the rare runs on a GPU; CUDA graphs are then skipped.
@@ -11,10 +12,10 @@ script cannot rot between the rare runs on a GPU; CUDA graphs are then skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +24,7 @@ from bench.common import args, report
 T_TEXT = 128256
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Shape:
     layers: int
     hidden: int
@@ -36,58 +37,31 @@ RELEASE = Shape(24, 2048, 32, 8, 5632)
 SMOKE = Shape(2, 128, 4, 2, 256)
 
 
-def release_gpt(shape: Shape, vocab: int, context: int, device: torch.device, kind: str):
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+def release_gpt(shape: Shape, kind: str, context: int, device: torch.device):
+    """The model the worker builds (``build_model``, the release's architecture family of
+    ``tiny.release_arch``, its padded vocabulary rows included) at ``shape``, in bf16, with random
+    weights drawn on the device: megatron's own initialisation runs on the CPU, which at the
+    release's size would spend the scarce device time waiting."""
+    from songserve.pipeline.gpt import AcousticGPT, build_model
+    from songserve.pipeline.tiny import release_arch
 
-    from songserve.pipeline.attention import SdpaDotProductAttention
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch
-
-    config = TransformerConfig(
+    arch = dataclasses.replace(
+        release_arch(kind, T_TEXT),
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         num_attention_heads=shape.heads,
         num_query_groups=shape.groups,
         ffn_hidden_size=shape.ffn,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=True,
-        add_qkv_bias=True,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        cuda_graph_scope=[],
-        use_cpu_initialization=device.type == "cpu",
-    )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab,
-        max_sequence_length=context,
-        position_embedding_type="rope",
-        rotary_base=500000,
-        share_embeddings_and_output_weights=False,
-    )
-    model = model.to(device=device, dtype=torch.bfloat16).eval()
-    arch = GPTArch(
-        kind=kind,
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        ffn_hidden_size=shape.ffn,
-        text_vocab_size=T_TEXT,
-        vocab_size=vocab,
         max_sequence_length=context,
         max_prompt_length=4096,
-        num_query_groups=shape.groups,
-    )  # only the vocabulary layout and limits are read from it: the step reads megatron's config
+    )
+    model = build_model(arch, device, torch.bfloat16, init=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+            else:  # norm weights 1, biases 0
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
     return AcousticGPT(arch, model)
 
 
@@ -159,7 +133,7 @@ def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
         sync(dev)
         t_bb = time.perf_counter() - t0
         coarse = r[0].codes
-        sr = SuperRes(release_gpt(shape, 193792, 8192 + 2048, dev, "superres"))
+        sr = SuperRes(release_gpt(shape, "superres", 8192 + 2048, dev))
         sync(dev)
         t0 = time.perf_counter()
         codes = sr.generate(prompt, coarse, top_k=10, generator=gen, ctx=ctx)
@@ -198,7 +172,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
 
     t0 = time.perf_counter()
-    bb = Backbone(release_gpt(shape, 130304, 25600, dev, "backbone"), eod_id=128001)
+    bb = Backbone(release_gpt(shape, "backbone", 25600, dev), eod_id=128001)
     mem = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     report(
         "GPU-build",
