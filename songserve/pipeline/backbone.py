@@ -12,9 +12,9 @@ Why the loop looks like this (issue 14):
   the loop synchronises once: it reads the new codes, ends rows on their end-of-audio, drops
   cancelled rows, publishes progress, and shrinks the batch to the rows still running (eager mode
   always; the compiled step when it already holds a graph for the smaller batch at the current KV
-  bucket, since compiling one costs ~25 s on the CPU; CUDA graphs keep the batch: each batch size
-  has its own captured cache, and on a GPU a finished row adds little to a step that reads the
-  weights once for every row);
+  bucket, since compiling one costs ~25 s on the CPU; CUDA graphs keep the batch: a smaller one
+  would need its rows moved to the front of the shared captured cache, and on a GPU a finished
+  row adds little to a step that reads the weights once for every row);
 - the compiled step decodes into a cache of the model's full context, so its shapes are the same
   for every request (a cache sized to each request's length recompiled the step per length);
 - a row that ended keeps drawing until that check, so its generator is rewound to the state right

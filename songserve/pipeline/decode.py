@@ -574,9 +574,8 @@ class GraphedStep:
         """Capture the given shapes now, at load: the cache for the widest batch first, so that no
         later batch size regrows it (which would drop the graphs captured before)."""
         self.dm.rope_tables(self.max_len)
-        if max(batches, default=0) > self.rows:
-            self.reset()
-            self.rows = max(batches)
+        if batches:
+            self.cache_for(max(batches), self.max_len)
         for b in batches:
             cache = self.cache_for(b, self.max_len)
             tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
