@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -40,6 +41,16 @@ def _bar(progress: int, width: int = 24) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + f"] {progress:3d}%"
 
 
+def _submit(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
+    """POST /generate under an Idempotency-Key, sent again once if the connection drops on the way:
+    the key makes the second try return the job the first one may have made, never a second job."""
+    headers = {"Idempotency-Key": uuid.uuid4().hex}
+    try:
+        return client.post("/generate", json=body, headers=headers)
+    except httpx.TransportError:
+        return client.post("/generate", json=body, headers=headers)
+
+
 def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     lyrics = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
     body = {
@@ -53,7 +64,7 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
         body["seed"] = args.seed
-    accepted = _check(client.post("/generate", json=body))
+    accepted = _check(_submit(client, body))
     job_id = accepted["job_id"]
     print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
     tty = out.isatty()
@@ -129,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        with httpx.Client(base_url=args.server, headers=headers, timeout=30) as client:
+        # an idle socket is dropped here before the server's keep-alive (5 s) closes it under a request
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        with httpx.Client(base_url=args.server, headers=headers, timeout=30, limits=limits) as client:
             return {"generate": generate, "status": status}[args.command](args, client)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 
+from songserve.client import _submit
 from tests.support import ROOT, Cluster
 
 
@@ -65,3 +67,31 @@ def test_status_prints_the_worker_table(cluster):
     assert lines[0].startswith("1/1 workers idle")
     assert "idle" in lines[2]
     assert cluster.workers[0].url in lines[2]
+
+
+class LosesFirstAnswer(httpx.HTTPTransport):
+    """Real HTTP, except that the first answer is lost on the way back (the server did the work)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[httpx.Request] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        response = super().handle_request(request)
+        if len(self.sent) == 1:
+            response.close()
+            raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+
+def test_a_submission_whose_answer_is_lost_is_sent_again_and_makes_one_job(cluster):
+    transport = LosesFirstAnswer()
+    body = {"lyrics": "once", "duration": 0.05, "num_tracks": 1}
+    with httpx.Client(base_url=cluster.url, transport=transport, timeout=30) as client:
+        job_id = _submit(client, body).json()["job_id"]
+    assert len(transport.sent) == 2
+    keys = {r.headers["Idempotency-Key"] for r in transport.sent}
+    assert len(keys) == 1  # the same key both times
+    first = httpx.post(cluster.url + "/generate", json=body, headers={"Idempotency-Key": keys.pop()}).json()
+    assert first["job_id"] == job_id  # the job the lost answer made: the retry did not make a second one

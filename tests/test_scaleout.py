@@ -114,13 +114,14 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
 
         def client(n: int) -> list[str]:
             ids = []
-            with httpx.Client(timeout=30) as http:
+            # Idle sockets are dropped here before the server's keep-alive (5 s) drops them, as the
+            # dispatcher does with its workers.
+            with httpx.Client(timeout=30, limits=httpx.Limits(keepalive_expiry=2)) as http:
                 while len(ids) < 10:
                     api = apis[(n + len(ids)) % 2]  # each client alternates between the dispatchers
                     body = {"lyrics": f"c{n}", "duration": 0.05, "num_tracks": 1}
-                    # A keep-alive socket idle while this client talked to the other dispatcher can be
-                    # closed by the server just as the next request goes out; a careful client sends
-                    # an Idempotency-Key and retries, and the key keeps it to one job.
+                    # A socket can still be closed by the server just as a request goes out; a careful
+                    # client sends an Idempotency-Key and retries, and the key keeps it to one job.
                     key = {"Idempotency-Key": f"c{n}-{len(ids)}"}
                     try:
                         r = http.post(api.url + "/generate", json=body, headers=key)
