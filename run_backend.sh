@@ -34,10 +34,16 @@ say() { echo "run_backend: $*"; }
 die() { echo "run_backend: $*" >&2; exit 1; }
 
 # ---- stop -------------------------------------------------------------------------------------
-ours() {  # is pid $1 alive and one of our processes (not a stale pid reused by something else)?
-  local pid=$1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
-  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qE 'backend_(api|worker)\.py'
+ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused by something else is not)?
+  local pid=$1 stat cmd
+  [ -n "$pid" ] && stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  set -- ${stat##*) }                  # state, parent pid, ...
+  [ "$1" != Z ] || return 1            # a zombie has exited; only its parent's wait is left
+  [ "$2" != 2 ] || return 1            # a kernel thread (child of kthreadd) took the pid
+  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  # an exiting process gives up its memory, and with it its command line, some time before it is
+  # gone: an empty command line is still ours (else stop would return while it closes its files)
+  [ -z "$cmd" ] || grep -qE 'backend_(api|worker)\.py' <<<"$cmd"
 }
 
 stop_all() {

@@ -12,7 +12,9 @@ from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService, QueueFull
 from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
+from songserve.api.store import Job, Track
 from songserve.api.store_sqlite import SqliteStore
+from songserve.api.views import job_view
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
@@ -83,6 +85,25 @@ Q, G, S, D, OK, E, C = (
 )
 def test_job_status_derivation(tracks, cancelled, want):
     assert job_status(tracks, cancelled) is want
+
+
+def test_a_job_reads_started_and_finished_from_its_tracks_before_its_own_marks_land():
+    """A job reads terminal the moment its last track does; its own times are separate, later writes."""
+    req = GenerateRequest(lyrics="x", num_tracks=2)
+    tracks = [Track("j", i, seed=i) for i in range(2)]
+    job = Job("j", 1, created_at=100.0, request=req, cleaned_lyrics="x", tracks=tracks)
+    view = job_view(job, {}, None)
+    assert (view.status, view.started_at, view.finished_at) == ("queued", None, None)
+    tracks[0].status, tracks[0].started_at = G, 101.0
+    view = job_view(job, {}, None)
+    assert (view.status, view.started_at, view.finished_at) == ("generating", 101.0, None)
+    tracks[0].status, tracks[0].finished_at = OK, 103.0
+    tracks[1].status, tracks[1].finished_at = C, 102.0  # cancelled while queued: never started
+    view = job_view(job, {}, None)
+    assert (view.status, view.started_at, view.finished_at) == ("partial", 101.0, 103.0)
+    job.started_at, job.finished_at = 101.5, 104.0  # the job's own marks win once written
+    view = job_view(job, {}, None)
+    assert (view.started_at, view.finished_at) == (101.5, 104.0)
 
 
 def test_track_transitions():

@@ -82,6 +82,20 @@ class Job:
     finished_at: float | None = None
     idempotency_key: str | None = None
 
+    # The job's own times are written after its tracks' (separate writes), so a reader can see a
+    # track started or every track ended before the job says so; these answer from the tracks then.
+    def start_time(self) -> float | None:
+        """When its first track started."""
+        if self.started_at is not None:
+            return self.started_at
+        return min((t.started_at for t in self.tracks if t.started_at is not None), default=None)
+
+    def end_time(self) -> float | None:
+        """When its last track ended, once every track has (None while any runs or waits)."""
+        if self.finished_at is not None or not all(t.status.terminal for t in self.tracks):
+            return self.finished_at
+        return max((t.finished_at for t in self.tracks if t.finished_at is not None), default=None)
+
 
 @dataclass(frozen=True)
 class WorkerRow:

@@ -234,7 +234,7 @@ class TrackBook:
         """A job whose tracks all ended is finished in the store (whichever dispatcher ran them)."""
         if not all(t.status.terminal for t in job.tracks):
             return
-        now = job.finished_at or time.time()
+        now = job.end_time() or time.time()  # the last track's end: what the job's view showed until now
         if not await self.store.finish_job(job.job_id, now):
             self.resync(job.job_id)  # memory is ahead of or behind the store: read it again
             return
