@@ -62,7 +62,10 @@ stop_all() {
     [ -f "$f" ] || continue
     pid=$(cat "$f" 2>/dev/null || true)
     while ours "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
-    if ours "$pid"; then say "$(basename "$f" .pid) did not stop in ${STOP_TIMEOUT}s: killing"; kill -KILL "$pid" 2>/dev/null || true; fi
+    if ours "$pid"; then
+      say "$(basename "$f" .pid) did not stop in ${STOP_TIMEOUT}s: killing"; kill -KILL "$pid" 2>/dev/null || true
+      local gone=$((SECONDS + 10)); while ours "$pid" && [ $SECONDS -lt $gone ]; do sleep 0.1; done
+    fi
     rm -f "$f"
   done
   say "stopped $stopped processes"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -159,3 +161,25 @@ def test_stop_handles_stale_pid_files(tmp_path):
     assert out.returncode == 0
     assert "stale pid file" in out.stdout
     assert not list((tmp_path / "logs").glob("*.pid"))
+
+
+def test_stop_kills_what_ignores_sigterm_and_returns_once_it_is_gone(tmp_path):
+    env = launcher_env(tmp_path, STOP_TIMEOUT="1")
+    (tmp_path / "logs").mkdir()
+    stubborn = subprocess.Popen(  # its command line names backend_worker.py, so the launcher owns it
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+         "backend_worker.py"]
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "backend_worker.py" in Path(f"/proc/{stubborn.pid}/cmdline").read_text(), timeout=10)
+        (tmp_path / "logs" / "worker_0.pid").write_text(f"{stubborn.pid}\n")
+        out = subprocess.run(
+            ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 0
+        assert "worker_0 did not stop in 1s: killing" in out.stdout
+        assert not alive(stubborn.pid)  # gone (or a zombie awaiting this test's wait) when stop returns
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        stubborn.kill()
+        stubborn.wait()
