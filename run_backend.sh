@@ -49,7 +49,7 @@ ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused 
 stop_all() {
   local pidfiles=() pid f stopped=0
   shopt -s nullglob
-  pidfiles=("$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid)
+  pidfiles=("$LOG_DIR"/api[.]pid "$LOG_DIR"/worker_*.pid)   # [.]: a pattern, so a missing file drops out
   shopt -u nullglob
   [ ${#pidfiles[@]} -eq 0 ] && { say "nothing to stop (no pid files in $LOG_DIR/)"; return 0; }
   for f in "${pidfiles[@]}"; do   # dispatcher first: it drains, then the workers

@@ -166,20 +166,26 @@ def test_stop_handles_stale_pid_files(tmp_path):
 def test_stop_kills_what_ignores_sigterm_and_returns_once_it_is_gone(tmp_path):
     env = launcher_env(tmp_path, STOP_TIMEOUT="1")
     (tmp_path / "logs").mkdir()
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); time.sleep(60)"
     stubborn = subprocess.Popen(  # its command line names backend_worker.py, so the launcher owns it
-        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
-         "backend_worker.py"]
-    )  # fmt: skip
+        [sys.executable, "-c", code, "backend_worker.py"], stdout=subprocess.PIPE, text=True
+    )
     try:
-        wait_for(lambda: "backend_worker.py" in Path(f"/proc/{stubborn.pid}/cmdline").read_text(), timeout=10)
+        assert stubborn.stdout is not None
+        assert stubborn.stdout.readline() == "ignoring\n"  # SIGTERM is ignored from now on
         (tmp_path / "logs" / "worker_0.pid").write_text(f"{stubborn.pid}\n")
         out = subprocess.run(
             ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
         )
         assert out.returncode == 0
-        assert "worker_0 did not stop in 1s: killing" in out.stdout
+        assert out.stdout.splitlines() == [
+            "run_backend: worker_0 did not stop in 1s: killing",
+            "run_backend: stopped 1 processes",
+        ]  # and no word about an api.pid that was never there
         assert not alive(stubborn.pid)  # gone (or a zombie awaiting this test's wait) when stop returns
         assert stubborn.wait(timeout=5) == -signal.SIGKILL
     finally:
         stubborn.kill()
         stubborn.wait()
+        if stubborn.stdout is not None:
+            stubborn.stdout.close()
