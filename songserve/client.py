@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from songserve.serving import CLIENT_KEEPALIVE_SEC
+
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 
 
@@ -140,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        # an idle socket is dropped here before the server's keep-alive (5 s) closes it under a request
-        limits = httpx.Limits(keepalive_expiry=2.0)
+        limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)
         with httpx.Client(base_url=args.server, headers=headers, timeout=30, limits=limits) as client:
             return {"generate": generate, "status": status}[args.command](args, client)
     except ClientError as exc:

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from songserve.serving import CLIENT_KEEPALIVE_SEC
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -114,9 +115,8 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
 
         def client(n: int) -> list[str]:
             ids = []
-            # Idle sockets are dropped here before the server's keep-alive (5 s) drops them, as the
-            # dispatcher does with its workers.
-            with httpx.Client(timeout=30, limits=httpx.Limits(keepalive_expiry=2)) as http:
+            limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)  # as our own clients do
+            with httpx.Client(timeout=30, limits=limits) as http:
                 while len(ids) < 10:
                     api = apis[(n + len(ids)) % 2]  # each client alternates between the dispatchers
                     body = {"lyrics": f"c{n}", "duration": 0.05, "num_tracks": 1}

@@ -20,10 +20,10 @@ from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
+from songserve.serving import CLIENT_KEEPALIVE_SEC
 from songserve.settings import DispatcherSettings
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
-KEEPALIVE_SEC = 2.0  # below the workers' server-side keep-alive (uvicorn: 5 s)
 PAGE = {"/", "/index.html", "/app.js", "/style.css", "/tags"}
 
 
@@ -40,10 +40,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
-        # An idle connection is dropped here before a worker's server drops it (uvicorn's keep-alive is
-        # 5 s, ours and the reference's): at equal timeouts a request could be sent on a connection
-        # the worker was closing, and fail before the worker saw it (a needless retry).
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=KEEPALIVE_SEC)
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=CLIENT_KEEPALIVE_SEC)
         async with httpx.AsyncClient(headers=headers, limits=limits) as http:
             store = await open_store(s)
             app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
