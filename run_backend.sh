@@ -46,6 +46,10 @@ ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused 
   [ -z "$cmd" ] || grep -qE 'backend_(api|worker)\.py' <<<"$cmd"
 }
 
+wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
+  while ours "$1" && [ $SECONDS -lt "$2" ]; do sleep 0.2; done
+}
+
 stop_all() {
   local pidfiles=() pid f stopped=0
   shopt -s nullglob
@@ -61,10 +65,10 @@ stop_all() {
   for f in "${pidfiles[@]}"; do
     [ -f "$f" ] || continue
     pid=$(cat "$f" 2>/dev/null || true)
-    while ours "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+    wait_gone "$pid" $deadline
     if ours "$pid"; then
       say "$(basename "$f" .pid) did not stop in ${STOP_TIMEOUT}s: killing"; kill -KILL "$pid" 2>/dev/null || true
-      local gone=$((SECONDS + 10)); while ours "$pid" && [ $SECONDS -lt $gone ]; do sleep 0.1; done
+      wait_gone "$pid" $((SECONDS + 10))
     fi
     rm -f "$f"
   done
