@@ -19,6 +19,21 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def release_dir(tmp_path_factory) -> Path:
+    """The release-shaped tiny set (``tiny --layout release``), built once in a subprocess."""
+    out = tmp_path_factory.mktemp("release") / "khala"
+    run = subprocess.run(
+        [sys.executable, "-m", "songserve.pipeline.tiny", "--layout", "release", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
 def megatron_cpu():
     import torch
 

@@ -32,6 +32,11 @@ def test_plan_with_a_full_share_is_exactly_the_requested_length():
     assert plan.budget_frames == plan.min_frames == int(0.5 * 60 * FPS)
 
 
+def test_the_token_budget_caps_an_exact_length_plan_too():
+    plan = plan_length(100, 0.5, FPS, context=27648, max_new_tokens=128, min_share=1.0)
+    assert plan.budget_frames == plan.min_frames == 64
+
+
 def test_a_request_longer_than_the_context_is_refused_naming_the_limit():
     with pytest.raises(RequestError, match=r"context of 25600 tokens \(max_sequence_length\)"):
         plan_length(100, 10.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)  # 25,840 + 100 tokens

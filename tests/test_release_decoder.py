@@ -120,7 +120,7 @@ def test_release_yaml_with_interpolation_gives_the_codec_shape(release):
         (("  out_channel: 2", "  out_channel: two"), "key 'decoder.out_channel' must be a non-negative integer"),
         (("${encoder.d_latent}", "16"), r"'quantizer.dim' \(16\) must equal 'decoder.d_latent' \(32\)"),
         (("  strides: [4, 8, 8, 8]", "  strides: 4"), "key 'encoder.strides' must be a list"),
-        (("  d_latent: 32\ndecoder", "  d_latent: ${quantizer.dim}\ndecoder"), "circular reference"),
+        (("  d_latent: 32\n\ndecoder", "  d_latent: ${quantizer.dim}\n\ndecoder"), "circular reference"),
     ],
 )
 def test_bad_release_yaml_refuses_naming_file_and_key(tmp_path, edit, message):

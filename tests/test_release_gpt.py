@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import io
 import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,23 +16,9 @@ import soundfile as sf
 import torch
 
 from songserve.errors import ConfigError
-from tests.support import ROOT, start_worker
+from tests.support import start_worker
 
 T = 128256  # the Llama-3 text vocabulary of the release
-
-
-@pytest.fixture(scope="session")
-def release_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("release") / "khala"
-    run = subprocess.run(
-        [sys.executable, "-m", "songserve.pipeline.tiny", "--layout", "release", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return out
 
 
 # ---- the layout and formats as written -----------------------------------------------------------
@@ -321,7 +305,7 @@ def test_a_tensor_the_model_needs_and_the_file_lacks_refuses_naming_it(release_d
         )
 
 
-def test_flags_override_saved_args_and_speed_flags_are_accepted(release_dir, caplog):
+def test_flags_override_saved_args(release_dir):
     from songserve.pipeline.gpt_checkpoint import resolve_arch
 
     flags = (
@@ -329,12 +313,9 @@ def test_flags_override_saved_args_and_speed_flags_are_accepted(release_dir, cap
         "--norm-epsilon 1e-5 --num-tokens-to-generate 23552 --inference-max-seq-length 25600 --stream "
         "--enable-cuda-graph --flash-decode --bf16"
     )
-    with caplog.at_level("INFO"):
-        arch, _ = resolve_arch(release_dir / "checkpoints" / "backbone", "backbone", flags)
+    arch, _ = resolve_arch(release_dir / "checkpoints" / "backbone", "backbone", flags)
     assert arch.norm_epsilon == 1e-5
-    assert arch.num_tokens_to_generate == 23552
     assert arch.inference_max_seq_length == 25600
-    assert "--enable-cuda-graph True accepted" in caplog.text
     with pytest.raises(ConfigError, match="tensor-model-parallel-size 2"):
         resolve_arch(release_dir / "checkpoints" / "backbone", "backbone", "--tensor-model-parallel-size 2")
     with pytest.raises(ConfigError, match="num_experts=4"):
@@ -385,25 +366,6 @@ def test_worker_serves_the_release_set_with_only_checkpoints_dir(release_dir, tm
         assert meta["load_sec"]["superres"] > 0
         assert meta["models"]["superres"] == "superresolution"
         assert "checkpoint set (release layout)" in w.log_tail(200_000)
-    finally:
-        w.stop()
-
-
-def test_worker_starts_with_the_reference_launchers_command_line(release_dir, tmp_path):
-    flags = (
-        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --tokenizer-type NullTokenizer "
-        "--norm-epsilon 1e-6 --num-tokens-to-generate 23552 --inference-max-seq-length 25600 --stream "
-        "--enable-cuda-graph --flash-decode --bf16"
-    ).split()
-    w = start_worker(
-        tmp_path, "--runtime-mode", "keep_loaded", "--seed", "1283", *flags, env={"CHECKPOINTS_DIR": str(release_dir)}
-    )
-    try:
-        w.wait_healthy(timeout=300)
-        _five_seconds(w)
-        log = w.log_tail(200_000)
-        assert "--flash-decode True accepted" in log
-        assert "unrecognized" not in log
     finally:
         w.stop()
 

@@ -1,18 +1,16 @@
 """The tag catalogue for tag-mode frontends (``GET /tags``).
 
-Why this shape: the reference backend serves its ``backend/tags.json`` verbatim, and the reference
-frontend reads it as ``{category_key: {"tags": [...]}}`` for the four keys ``genre_style``,
-``vocal_instrument``, ``emotion_mood`` and ``production_other``, shown as "Genre/Style",
-"Vocals/Instruments", "Emotion/Mood" and "Rhythm/Production/Other", with "Mandopop", "Female Vocals",
-"Acoustic Guitar", "Piano", "Atmospheric" and "Modern Production" selected by default. Our contract
-(shared/docs/api.md) is the same object with a ``label`` in each category, so a reference-style file
-maps onto it one to one: each key stays, its ``tags`` list stays in order, and a missing ``label``
-is filled from the frontend's names above (a bare list of tags is accepted as a category too).
+The built-in catalogue, ``tags.json`` beside this module, is the reference backend's own
+``backend/tags.json`` (Khala-Music-AI/Khala at f3992801, 2026-05-16): four groups, ``genre_style``,
+``vocal_instrument``, ``emotion_mood`` and ``production_other``, each with its bilingual ``label``
+("流派/风格 (Genre/Style)", …) and its ``tags`` in the reference's order, 197 tags in all. The
+reference serves that file verbatim and so do we, so a frontend written for it sees the same chips
+(its default selections "Mandopop", "Female Vocals", "Acoustic Guitar", "Piano", "Atmospheric" and
+"Modern Production" among them) and the tags it sends are the ones the model was trained on.
 
-The built-in catalogue (``tags.json`` next to this module) uses those keys, labels and the
-TitleCase vocabulary, including every default selection of the reference frontend. ``TAGS_FILE``
-replaces it with any file of that shape (the reference's own ``tags.json`` included); a file that
-is missing or malformed refuses start-up with one line naming the path.
+``TAGS_FILE`` replaces it with any file of that shape; a category may omit its ``label`` (filled
+from the frontend's English names) or be a bare list of tags. A file that is missing or malformed
+refuses start-up with one line naming the path.
 """
 
 from __future__ import annotations

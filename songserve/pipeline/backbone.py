@@ -65,7 +65,8 @@ def plan_length(
 
     ``min_share`` ≥ 1 means exact length (the tiny set: its end-of-audio is untrained noise), so
     the budget is the requested length. Otherwise the budget is the reference's token budget,
-    capped by the context, and the model ends the song itself.
+    capped by the context, and the model ends the song itself. Either way the token budget
+    (``MAX_NEW_TOKENS``, the launcher's ``--num-tokens-to-generate``) caps it.
     """
     requested = max(1, int(duration_min * 60 * frame_rate))
     room = context - prompt_len
@@ -74,7 +75,7 @@ def plan_length(
             f"The request needs {prompt_len} prompt tokens plus {2 * requested} audio tokens "
             f"({duration_min:g} min), more than the model's context of {context} tokens (max_sequence_length)."
         )
-    budget = requested if min_share >= 1.0 else min(max_new_tokens, room) // 2
+    budget = min(requested, max_new_tokens // 2) if min_share >= 1.0 else min(max_new_tokens, room) // 2
     estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
     floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
     return LengthPlan(budget, min(budget, floor), estimate)

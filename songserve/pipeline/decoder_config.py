@@ -6,7 +6,7 @@
       decoder:   {d_latent, n_filters, rates, out_channel}
       quantizer: {dim: ${encoder.d_latent}, codebook_size, num_quantizers, decay, q_dropout}
 
-  with OmegaConf-style ``${a.b}`` interpolation, resolved here by a small resolver (omegaconf is
+  read as the reference's own code reads it (``RELEASE_KEYS`` says how), with OmegaConf-style ``${a.b}`` interpolation, resolved here by a small resolver (omegaconf is
   not a dependency for one feature);
 - the project's own schema (``latent_dim``, ``upsampling_ratios``, ``n_codebooks``, …), which the
   default tiny set writes.
@@ -25,6 +25,43 @@ from typing import Any
 from songserve.errors import ConfigError
 
 _REF = re.compile(r"\$\{([^${}]+)\}")
+
+# The release's schema is the keyword arguments of the reference's constructors, as its
+# ``DacRVQ.__init__`` (models/Decoder/dac_rvq.py) passes them: ``Encoder(**configs['encoder'])``,
+# ``Decoder(**configs['decoder'])``, then ``configs['quantizer'].pop('q_dropout')`` and
+# ``ResidualVectorQuantization(num_quantizers, **rest)`` → ``VectorQuantization(**rest)`` (rvq.py).
+# So a section must exist, a key outside these lists is a TypeError there (refused here), a key
+# with a default there may be absent, and ``q_dropout`` must be present (``pop`` has no default) but
+# may hold anything: ``DacRVQ.forward`` reads it only while training (``self.training and
+# self.q_dropout``), so the release's ``q_dropout: False`` and a count such as 64 both load. The
+# training-only quantizer arguments (decay, epsilon, k-means, dead-code threshold, losses) are not
+# checked, as the reference does not check them either.
+RELEASE_KEYS: dict[str, tuple[str, ...]] = {
+    "encoder": ("input_channel", "n_filters", "strides", "d_latent"),
+    "decoder": ("d_latent", "n_filters", "rates", "out_channel"),
+    "quantizer": (
+        "num_quantizers",
+        "q_dropout",
+        "dim",
+        "codebook_size",
+        "codebook_dim",
+        "decay",
+        "epsilon",
+        "kmeans_init",
+        "kmeans_iters",
+        "threshold_ema_dead_code",
+        "channels_last",
+        "commitment_weight",
+        "orthogonal_reg_weight",
+        "orthogonal_reg_active_codes_only",
+        "orthogonal_reg_max_codes",
+    ),
+}
+RELEASE_BUILDERS = {
+    "encoder": "Encoder (dac.py)",
+    "decoder": "Decoder (dac.py)",
+    "quantizer": "ResidualVectorQuantization / VectorQuantization (rvq.py)",
+}
 
 
 @dataclass(frozen=True)
@@ -89,28 +126,47 @@ class DecoderConfig:
 
     @classmethod
     def _from_release(cls, f: _Fields) -> DecoderConfig:
-        # The encoder is never built, but its section is part of the schema: check it is well formed.
-        f.integer("encoder.input_channel")
-        f.integer("encoder.n_filters")
-        f.int_list("encoder.strides")
-        f.integer("encoder.d_latent")
-        f.number("quantizer.decay")
-        f.integer("quantizer.q_dropout")
+        """Read as the reference's ``DacRVQ(configs)`` reads it (see ``RELEASE_KEYS``)."""
+        for section, keys in RELEASE_KEYS.items():
+            unknown = sorted(set(map(str, f.section(section))) - set(keys))
+            if unknown:
+                raise ConfigError(
+                    f"Decoder config {f.source}: key '{section}.{unknown[0]}' is not an argument of the reference's "
+                    f"{RELEASE_BUILDERS[section]} (it takes {', '.join(keys)})."
+                )
+        f.present("quantizer.q_dropout")
+        # Encoder widths: the reference's Encoder defaults where a key is absent (built only to encode).
+        f.integer("encoder.input_channel", 2)
+        f.integer("encoder.n_filters", 128)
+        f.int_list("encoder.strides", (2, 4, 8, 8))
+        f.integer("encoder.d_latent", 64)
         d_latent = f.integer("decoder.d_latent")
         dim = f.integer("quantizer.dim")
         if dim != d_latent:
             raise ConfigError(
                 f"Decoder config {f.source}: key 'quantizer.dim' ({dim}) must equal 'decoder.d_latent' ({d_latent})."
             )
+        # codebook_dim ≠ dim gives each VQ layer project_in/project_out Linear layers (rvq.py); the
+        # release has none, and this decoder does not build them.
+        codebook_dim = f.integer("quantizer.codebook_dim", dim)
+        if codebook_dim != dim:
+            raise ConfigError(
+                f"Decoder config {f.source}: key 'quantizer.codebook_dim' ({codebook_dim}) differs from "
+                f"'quantizer.dim' ({dim}); projected codebooks are not supported."
+            )
+        if f.present("quantizer.channels_last", False) is True:
+            raise ConfigError(
+                f"Decoder config {f.source}: key 'quantizer.channels_last' is true; the reference's DacRVQ "
+                "passes channels-first latents, so only false is supported."
+            )
         return cls(
-            sample_rate=f.integer("sample_rate", 44100),
             latent_dim=d_latent,
             n_filters=f.integer("decoder.n_filters"),
             rates=f.int_list("decoder.rates"),
-            channels=f.integer("decoder.out_channel"),
+            channels=f.integer("decoder.out_channel", 2),
             n_codebooks=f.integer("quantizer.num_quantizers"),
             codebook_size=f.integer("quantizer.codebook_size"),
-            final_tanh=False,  # the release's decoder ends at its last conv (shared/docs/model.md)
+            final_tanh=False,  # dac.py's Decoder ends at its last conv: its nn.Tanh() is commented out
         )
 
     @classmethod
@@ -222,8 +278,20 @@ class _Fields:
             raise self._bad(dotted, "true or false", value)
         return value
 
-    def int_list(self, dotted: str) -> tuple[int, ...]:
-        value = self._get(dotted, self._MISSING)
+    def present(self, dotted: str, default: Any = _MISSING) -> Any:
+        """The value, of any type, ``None`` included (for keys the reference only requires to exist)."""
+        parent, _, key = dotted.rpartition(".")
+        node = self._get(parent, self._MISSING) if parent else self.raw
+        if isinstance(node, dict) and key in node:
+            return node[key]
+        if default is not self._MISSING:
+            return default
+        raise ConfigError(f"Decoder config {self.source} is missing the key '{dotted}'.")
+
+    def int_list(self, dotted: str, default: Any = _MISSING) -> tuple[int, ...]:
+        value = self._get(dotted, default)
+        if isinstance(value, tuple):
+            return value
         if (
             not isinstance(value, list)
             or not value

@@ -8,15 +8,20 @@ Layouts (all with or without the ``generator.`` prefix, tensors at the top or un
 - the project's tiny set: ``generator.decoder.*`` + ``generator.quantizer.quantizers.{i}.codebook.weight``;
 - DAC's own files: ``{"state_dict", "metadata": {"kwargs"}}`` with factorised codebooks.
 
-Which release tensor is the codebook at decode: the release's ``DacRVQ.decode`` calls its
-``ResidualVectorQuantization.decode``, whose layers are EnCodec-style ``VectorQuantization`` modules
-(``_codebook`` = ``EuclideanCodebook`` with the buffers ``inited``/``cluster_size``/``embed``/
-``embed_avg``). Their decode is ``F.embedding(codes, _codebook.embed)`` followed by ``project_out``,
-which is the identity because the quantizer's ``dim`` equals the latent width (the YAML's
-``dim: ${encoder.d_latent}``), so the latent is the sum of the 64 selected ``_codebook.embed`` rows.
-``embed_avg``/``cluster_size``/``inited`` are EMA training state and ``embed_{i}`` is not on the decode
-path; all must still be present (the reference loads strictly), and a differing ``embed_{i}`` is
-logged, because it would mean a release whose decode path differs from this reading.
+Which release tensor is the codebook at decode, settled by the reference's code, not inferred:
+- ``DacRVQ.decode`` → ``ResidualVectorQuantization.decode`` → per level ``VectorQuantization.decode``
+  = ``F.embedding(codes, _codebook.embed)`` then ``project_out``, the identity because ``codebook_dim``
+  defaults to ``dim`` (rvq.py), so the latent is the sum of the 64 selected ``_codebook.embed`` rows.
+- ``quantizer.embed_{i}`` is not a second tensor: rvq.py's ``self.register_parameter(f"embed_{i}",
+  vq_layer._codebook.embed)`` registers the *same* ``Parameter`` under a second name. The reference
+  loads with ``decoder.load_state_dict(generator_state_dict)`` (backend_worker.py ``load_decoder``),
+  and ``nn.Module.load_state_dict`` fills a module's own parameters before its children's, so
+  ``embed_{i}`` is copied first and ``vq_layer_{i}._codebook.embed`` then overwrites the shared
+  storage: the value the reference decodes with is ``vq_layer_{i}._codebook.embed``, which is what we
+  read. In a file Lightning saved the two are equal (one tensor, two names); a file where they differ
+  is logged, and decoded as the reference would.
+- ``embed_avg``/``cluster_size``/``inited`` are EMA training state; all must still be present,
+  because the reference's load is strict.
 
 Memory: the file is memory-mapped, the model is built on the meta device and materialised empty,
 and each weight is filled (weight norm folded) in slices whose source pages are returned to the

@@ -49,28 +49,33 @@ class ReleaseDecoderSizes:
         )
 
 
-FULL_SIZES = ReleaseDecoderSizes(encoder_filters=64, d_latent=128, decoder_filters=192)  # the release's widths
+FULL_SIZES = ReleaseDecoderSizes(encoder_filters=128, d_latent=128, decoder_filters=192)  # the golden YAML's widths
 
 
 def release_yaml(s: ReleaseDecoderSizes) -> str:
-    """The release's YAML schema, interpolation included."""
+    """The release's YAML, laid out as ``models/Decoder/dac_rvq_1024_64_golden.yaml`` is (comment,
+    blank lines, interpolation, ``q_dropout: False``, no final newline): at ``FULL_SIZES`` it is that
+    file byte for byte (tests/test_release_files.py holds the file and checks it)."""
     return (
+        "# model config\n"
         "encoder:\n"
         f"  input_channel: {s.input_channel}\n"
         f"  n_filters: {s.encoder_filters}\n"
         f"  strides: [{', '.join(map(str, s.strides))}]\n"
         f"  d_latent: {s.d_latent}\n"
+        "\n"
         "decoder:\n"
         f"  d_latent: {s.d_latent}\n"
         f"  n_filters: {s.decoder_filters}\n"
         f"  rates: [{', '.join(map(str, s.rates))}]\n"
         f"  out_channel: {s.out_channel}\n"
+        "\n"
         "quantizer:\n"
         "  dim: ${encoder.d_latent}\n"
         f"  codebook_size: {s.codebook_size}\n"
         f"  num_quantizers: {s.num_quantizers}\n"
         "  decay: 0.99\n"
-        f"  q_dropout: {s.num_quantizers}\n"
+        "  q_dropout: False"
     )
 
 

@@ -72,7 +72,6 @@ class GPTArch:
     rotary_interpolation_factor: float | None = None
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
-    num_tokens_to_generate: int | None = None  # the launcher's budget (backbone new tokens)
     inference_max_seq_length: int | None = None  # the launcher's KV-cache context
 
     @property
@@ -108,6 +107,12 @@ class GPTArch:
     @classmethod
     def from_fields(cls, raw: dict[str, Any], source: str) -> GPTArch:
         names = {f.name for f in dataclasses.fields(cls)}
+        if raw.get("num_tokens_to_generate") is not None:  # tiny sets before version 4 wrote it (as null)
+            raise ConfigError(
+                f"{source}: num_tokens_to_generate is a worker setting, not part of the model: "
+                "set MAX_NEW_TOKENS or pass --num-tokens-to-generate instead."
+            )
+        raw = {k: v for k, v in raw.items() if k != "num_tokens_to_generate"}
         unknown = set(raw) - names
         if unknown:
             raise ConfigError(f"{source} has unknown keys: {', '.join(sorted(unknown))}.")

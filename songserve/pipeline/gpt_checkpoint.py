@@ -43,7 +43,7 @@ from songserve.errors import ConfigError
 from songserve.pipeline.gpt import MODEL_CONFIG, TRACKER, AcousticGPT, GPTArch, build_model
 from songserve.pipeline.megatron_args import (
     arch_fields_from_args,
-    describe_overrides,
+    check_parallel,
     flags_to_arch_overrides,
     parse_flags,
     read_saved_args,
@@ -103,7 +103,7 @@ def resolve_arch(path: Path, kind: str | None = None, megatron_args: str = "") -
     flags = parse_flags(megatron_args) if megatron_args.strip() else {}
     saved = read_saved_args(it_dir)
     cfg = path / MODEL_CONFIG
-    describe_overrides(flags, saved, f"MEGATRON_ARGS for {path.name}")
+    check_parallel(flags, f"MEGATRON_ARGS for {path.name}")
     if saved is None:
         if not cfg.is_file():
             raise ConfigError(

@@ -9,7 +9,8 @@ code on load.
 
 Every field that changes the computation is either mapped onto megatron-core's config or refuses
 start-up with one line naming it: a worker must never silently compute something else than the
-model was trained to compute. Flags that only tune speed or training are accepted and logged.
+model was trained to compute. What the worker does with each of the reference launcher's flags is
+``songserve/worker/launcher_flags.py``.
 
 How the text vocabulary T is derived for the release: Megatron-LM with ``NullTokenizer`` saves
 ``vocab_size`` = the model's real vocabulary (backbone 130,304, superres 193,792) and
@@ -52,30 +53,12 @@ _SWITCH_OFF = {
     "no_load_rng": "no_load_rng",
 }
 
-# Accepted flags that do not change what is computed, and what the worker does with them.
-SPEED_FLAGS = {
-    "bf16": "precision is per device: bf16 on CUDA, fp32 on the CPU",
-    "fp16": "precision is per device: bf16 on CUDA, fp32 on the CPU",
-    "enable_cuda_graph": "not used: the worker drives GPTModel with a static KV cache",
-    "flash_decode": "not used: attention runs through torch's scaled_dot_product_attention",
-    "stream": "not used: progress is reported through /health",
-    "num_tokens_to_generate": "caps the backbone's new tokens (arch.num_tokens_to_generate)",
-    "inference_max_seq_length": "bounds the backbone's KV-cache context (arch.inference_max_seq_length)",
-    "tensor_model_parallel_size": "one GPU per worker: must be 1",
-    "pipeline_model_parallel_size": "one GPU per worker: must be 1",
-    "context_parallel_size": "one GPU per worker: must be 1",
-    "expert_model_parallel_size": "one GPU per worker: must be 1",
-    "tokenizer_type": "not used: the tokenizer is read from the tokenizer folder",
-    "tokenizer_model": "not used: the tokenizer is read from the tokenizer folder",
-    "use_checkpoint_args": "always on: the architecture comes from the checkpoint",
-    "micro_batch_size": "not used: one track per worker",
-    "load": "not used: paths come from CHECKPOINTS_DIR / BACKBONE_MODELS / SUPERRES_MODELS",
-    "seed": "not used here: the worker's --seed seeds requests",
-    "no_load_optim": "not used: optimizer state is never loaded",
-    "no_load_rng": "not used: RNG state is never loaded",
-}
-_PARALLEL: tuple[str, ...] = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-_PARALLEL += ("expert_model_parallel_size",)
+PARALLEL = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
 
 # Math-changing fields the worker does not implement: (field, "is it in use?").
 _UNSUPPORTED: tuple[tuple[str, Any], ...] = (
@@ -174,11 +157,14 @@ def parse_flags(text: str | list[str]) -> dict[str, Any]:
             raise ConfigError(f"MEGATRON_ARGS: {tok!r} is not a --flag.")
         name, eq, value = tok[2:].partition("=")
         dest = name.replace("-", "_")
+        values = []
+        while not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            i += 1
+            values.append(_coerce(tokens[i]))  # nargs="+" flags (--prompts a b) keep every value
         if eq:
             out[dest] = _coerce(value)
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            i += 1
-            out[dest] = _coerce(tokens[i])
+        elif values:
+            out[dest] = values[0] if len(values) == 1 else values
         elif dest in _SWITCH_OFF:
             out[_SWITCH_OFF[dest]] = _SWITCH_OFF[dest] == dest  # --no-load-optim names itself
         else:
@@ -187,27 +173,16 @@ def parse_flags(text: str | list[str]) -> dict[str, Any]:
     return out
 
 
-def describe_overrides(flags: dict[str, Any], saved: dict[str, Any] | None, source: str) -> None:
-    """Refuse parallel sizes above 1; log what each accepted speed flag does; warn on unknown ones."""
-    for k in _PARALLEL:
+def check_parallel(flags: dict[str, Any], source: str) -> None:
+    """Refuse parallel sizes above 1: a worker owns one GPU."""
+    for k in PARALLEL:
         if k in flags and flags[k] not in (1, None):
             raise ConfigError(f"{source}: --{k.replace('_', '-')} {flags[k]} is not supported (one GPU per worker).")
-    for k, v in flags.items():
-        if (source, k, str(v)) in _LOGGED:  # one_shot reloads superres per request: say it once
-            continue
-        _LOGGED.add((source, k, str(v)))
-        if k in SPEED_FLAGS:
-            log.info("%s: --%s %s accepted: %s", source, k.replace("_", "-"), v, SPEED_FLAGS[k])
-        elif k not in _ARCH_KEYS and (saved is None or k not in saved):
-            log.warning("%s: --%s is not a model setting the worker knows; ignored", source, k.replace("_", "-"))
-
-
-_LOGGED: set[tuple[str, str, str]] = set()
 
 
 # ---- mapping -----------------------------------------------------------------------------------
 
-_ARCH_KEYS = {
+ARCH_KEYS = {  # the saved args that map onto the architecture (or refuse)
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
@@ -240,11 +215,19 @@ _ARCH_KEYS = {
 } | {k for k, _ in _UNSUPPORTED}
 
 
+def unsupported_use(field: str, value: Any) -> str | None:
+    """Why ``field=value`` cannot be served (it changes the math in a way this worker lacks), or None."""
+    for name, in_use in _UNSUPPORTED:
+        if name == field and value is not None and in_use(value):
+            return f"{field}={value!r} changes the model's math and is not supported by this worker"
+    return None
+
+
 def _check_supported(a: dict[str, Any], source: str) -> None:
-    for field, in_use in _UNSUPPORTED:
-        v = a.get(field)
-        if v is not None and in_use(v):
-            raise ConfigError(f"{source}: {field}={v!r} changes the model's math and is not supported by this worker.")
+    for field, _ in _UNSUPPORTED:
+        why = unsupported_use(field, a.get(field))
+        if why:
+            raise ConfigError(f"{source}: {why}.")
 
 
 def arch_fields_from_args(kind: str, a: dict[str, Any], source: str) -> dict[str, Any]:
@@ -304,9 +287,8 @@ def arch_fields_from_args(kind: str, a: dict[str, Any], source: str) -> dict[str
         "add_qkv_bias": bool(a.get("add_qkv_bias")),
         "share_embeddings_and_output_weights": not a.get("untie_embeddings_and_output_weights", False),
     }
-    for k in ("num_tokens_to_generate", "inference_max_seq_length"):
-        if a.get(k) is not None:
-            fields[k] = int(a[k])
+    if a.get("inference_max_seq_length") is not None:
+        fields["inference_max_seq_length"] = int(a["inference_max_seq_length"])
     return fields
 
 
@@ -331,7 +313,6 @@ _FLAG_TO_ARCH = {
     "add_bias_linear": "add_bias_linear",
     "add_qkv_bias": "add_qkv_bias",
     "swiglu": "gated_linear_unit",
-    "num_tokens_to_generate": "num_tokens_to_generate",
     "inference_max_seq_length": "inference_max_seq_length",
 }
 

@@ -41,7 +41,7 @@ from songserve.pipeline.gpt import GPTArch
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = 3
+TINY_VERSION = 4  # 4: model_config.json without num_tokens_to_generate (a worker setting)
 SEED = 1283
 TEXT_VOCAB = 1024
 CODEBOOK = 1024
@@ -95,7 +95,7 @@ def _build_into(tmp: Path) -> None:
     )
 
 
-RELEASE_VERSION = 2
+RELEASE_VERSION = 3  # 3: the golden YAML's layout and q_dropout: False
 RELEASE_LAYOUT = {
     "backbone": "checkpoints/backbone",
     "superres": "checkpoints/superresolution",

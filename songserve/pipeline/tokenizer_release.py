@@ -112,7 +112,8 @@ def write_release_tokenizer(folder: Path) -> int:
         "special_tokens": {BOS: {"id": BOS, "ids": [ORDINARY_IDS], "tokens": [BOS]}},
     }
     config = {
-        "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in doc["added_tokens"]},
+        # Keys in the order the release's file has them (alphabetical), so the file is byte-identical.
+        "added_tokens_decoder": {str(a["id"]): {k: a[k] for k in sorted(a) if k != "id"} for a in doc["added_tokens"]},
         "bos_token": BOS,
         "clean_up_tokenization_spaces": True,
         "eos_token": EOD,

@@ -38,7 +38,7 @@ document.querySelectorAll("input[name=prompt_mode]").forEach((r) => r.addEventLi
 }));
 $("instrumental").addEventListener("change", () => { $("lyrics-set").hidden = $("instrumental").checked; });
 
-// The catalogue from /tags (the reference's groups and TitleCase vocabulary), one row of chips per
+// The catalogue from /tags (the reference's own tags.json by default), one row of chips per
 // group; the reference frontend's default selections are filled in when the field is empty.
 const REFERENCE_DEFAULTS = ["Mandopop", "Female Vocals", "Acoustic Guitar", "Piano", "Atmospheric", "Modern Production"];
 const CHIPS_SHOWN = 12;

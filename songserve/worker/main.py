@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import WorkerSettings, load_settings, log_non_default
+from songserve.worker.launcher_flags import apply_launcher_flags
 
 if TYPE_CHECKING:
     from songserve.worker.runtime import WorkerRuntime
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if megatron:
             s = s.model_copy(update={"megatron_args": f"{s.megatron_args} {shlex.join(megatron)}".strip()})
             log.info("Megatron flags from the command line: %s", shlex.join(megatron))
+        s = apply_launcher_flags(s)
         log_non_default(s)
         runtime = build_runtime(s)
     except ConfigError as exc:
