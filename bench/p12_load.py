@@ -26,7 +26,7 @@ from bench.common import ROOT, args, report
 
 
 def _arch(layers: int, hidden: int, heads: int, groups: int, ffn: int, text: int) -> object:
-    from songserve.pipeline.gpt import GPTArch
+    from songserve.pipeline.engine.gpt import GPTArch
 
     vocab = text + 2 * 1024
     return GPTArch(
@@ -57,9 +57,9 @@ def _status(key: str) -> int:
 
 
 def _child(a: object) -> dict:
-    from songserve.pipeline.gpt import build_model
-    from songserve.pipeline.gpt_checkpoint import load_model, release_args, save_release_checkpoint
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.gpt_load import load_model, release_args, save_release_checkpoint
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.gpt import build_model
 
     cpu = torch.device("cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

@@ -13,7 +13,7 @@ from bench.common import args, median, report
 
 
 def per_token_ms(gpt, position: int, steps: int) -> float:
-    from songserve.pipeline.gpt import causal_mask
+    from songserve.pipeline.engine.gpt import causal_mask
 
     dev = gpt.device
     with torch.inference_mode():
@@ -33,8 +33,8 @@ def per_token_ms(gpt, position: int, steps: int) -> float:
 
 
 def main() -> None:
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
 
     a = args(__doc__, steps=60)
     torch.set_num_threads(1)

@@ -14,10 +14,10 @@ from bench.common import args, report
 
 
 def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int, compiled: bool = False) -> float:
-    from songserve.pipeline.backbone import Backbone
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.decode import CompiledStep
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.transformer import CompiledStep
+    from songserve.pipeline.stages.backbone import Backbone
 
     text = vocab - 2048
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, text, vocab, new + 64, 64)
@@ -56,7 +56,7 @@ def hf_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int) 
 
 
 def main() -> None:
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
 
     a = args(__doc__, new_tokens=1000)
     torch.set_num_threads(1)

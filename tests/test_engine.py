@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from songserve.errors import TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import Backbone, LengthPlan, Take
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, DecodeModel
-from songserve.pipeline.gpt import AcousticGPT, causal_mask, load_model
-from songserve.pipeline.sampling import sample
+from songserve.pipeline.engine.gpt import AcousticGPT, causal_mask, load_model
+from songserve.pipeline.engine.sampling import sample
+from songserve.pipeline.engine.transformer import CompiledStep, DecodeModel
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
 PROMPT = list(range(3, 23))
 
@@ -61,7 +61,7 @@ def test_step_equals_megatron_forward_on_a_release_like_config(megatron_cpu, mon
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from songserve.pipeline.attention import SdpaDotProductAttention
+    from songserve.pipeline.engine.attention import SdpaDotProductAttention
 
     # megatron moves RoPE's inv_freq to "the current CUDA device" (megatron-cpu.md, 4.): here, the CPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
@@ -213,11 +213,11 @@ def test_a_take_in_a_batch_draws_what_it_draws_alone(backbone, n):
 
 def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backbone, monkeypatch):
     """The tiny set's weights are below LARGE_WEIGHT: lower it so batches of 2-4 take the w @ x.T path."""
-    from songserve.pipeline import decode
+    from songserve.pipeline.engine import transformer
 
     calls = []
     real_mm, real_addmm = torch.mm, torch.addmm
-    monkeypatch.setattr(decode, "LARGE_WEIGHT", 0)
+    monkeypatch.setattr(transformer, "LARGE_WEIGHT", 0)
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape) or real_mm(a, b))
     monkeypatch.setattr(torch, "addmm", lambda c, a, b: calls.append(b.shape) or real_addmm(c, a, b))
     seeds = [21, 22, 23]
@@ -236,7 +236,7 @@ def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backb
 def test_step_linear_equals_f_linear_for_every_row_count():
     import torch.nn.functional as F
 
-    from songserve.pipeline.decode import step_linear
+    from songserve.pipeline.engine.transformer import step_linear
 
     w, b = torch.randn(768, 512), torch.randn(768)
     for rows in (1, 2, 3, 4, 5, 9):
@@ -257,7 +257,7 @@ def test_step_linear_equals_f_linear_for_every_row_count():
 @pytest.mark.parametrize("top_p", [None, 0.8])
 def test_draw_equals_torch_multinomial(top_p):
     """sample / sample_rows are multinomial's one-sample rule written out: same index, same generator state."""
-    from songserve.pipeline.sampling import _filtered, sample_rows
+    from songserve.pipeline.engine.sampling import _filtered, sample_rows
 
     for trial in range(40):
         k = (1, 7, 50, 300)[trial % 4]
@@ -428,7 +428,7 @@ def test_kv_bytes_per_take(backbone):
 def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
     """What the worker's split-don't-OOM check counts: eager, the request's length; the compiled
     step, the full context; CUDA graphs, nothing where their persistent cache holds the rows."""
-    from songserve.pipeline.decode import CompiledStep, GraphedStep
+    from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep
 
     dm, ctx = backbone.dm, backbone.gpt.arch.context_length
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(100)
@@ -457,13 +457,13 @@ def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
 
 @pytest.fixture(scope="module")
 def superres(tiny_dir, megatron_cpu):
-    from songserve.pipeline.superres import SuperRes
+    from songserve.pipeline.stages.superres import SuperRes
 
     return SuperRes(load_model(tiny_dir / "superres", megatron_cpu, torch.float32))
 
 
 def test_superres_forward_equals_megatron_with_its_all_visible_mask(superres):
-    from songserve.pipeline.gpt import full_mask
+    from songserve.pipeline.engine.gpt import full_mask
 
     gpt, dm = superres.gpt, superres.dm
     grid = torch.randint(0, gpt.arch.vocab_size, (1, 30, 64))
@@ -610,7 +610,7 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
 
 
 def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
@@ -640,7 +640,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
 
 
 def _park_pipe(tmp_path, megatron_cpu, **kw):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.settings import WorkerSettings
 
@@ -741,7 +741,7 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     import dataclasses
 
     from songserve.pipeline import pipeline as pl
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
 

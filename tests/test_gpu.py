@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from songserve.pipeline.backbone import Backbone, LengthPlan, Take
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import DecodeModel, GraphedStep
-from songserve.pipeline.gpt import causal_mask, load_model
+from songserve.pipeline.engine.gpt import causal_mask, load_model
+from songserve.pipeline.engine.transformer import DecodeModel, GraphedStep
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = list(range(3, 23))
@@ -16,14 +16,14 @@ PROMPT = list(range(3, 23))
 
 @pytest.fixture(scope="module")
 def cuda():
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
 
     init_megatron(torch.device("cuda", 0), 0, seed=0)
     return torch.device("cuda", 0)
 
 
 def _backbone(tiny_dir, device, dtype):
-    from songserve.pipeline import tokenizer as tk
+    from songserve.pipeline.stages import tokenizer as tk
 
     eod = tk.load_tokenizer(tiny_dir / "tokenizer").token_id(tk.EOD)
     return Backbone(load_model(tiny_dir / "backbone", device, dtype), eod)
@@ -77,7 +77,7 @@ def test_no_host_sync_inside_the_decode_loop(tiny_dir, cuda):
 
 
 def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_path):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings

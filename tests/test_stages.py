@@ -9,13 +9,19 @@ import pytest
 import torch
 
 from songserve.errors import ConfigError, TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import Backbone
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, fold_weight_norm, load_decoder, weight_norm_state
-from songserve.pipeline.gpt import GPTArch, causal_mask, load_model, parse_megatron_args
-from songserve.pipeline.prompt import PromptRequest, build_prompt
-from songserve.pipeline.superres import SuperRes
+from songserve.pipeline.engine.gpt import GPTArch, causal_mask, load_model, parse_megatron_args
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.backbone import Backbone
+from songserve.pipeline.stages.codec import (
+    AudioDecoder,
+    DecoderConfig,
+    fold_weight_norm,
+    load_decoder,
+    weight_norm_state,
+)
+from songserve.pipeline.stages.prompt import PromptRequest, build_prompt
+from songserve.pipeline.stages.superres import SuperRes
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +150,7 @@ def test_kv_cached_steps_match_a_full_causal_forward(backbone):
 def test_bf16_model_is_bf16_throughout_and_the_step_matches_megatron(tiny_dir, megatron_cpu, kind):
     """As Megatron-LM's Float16Module: norms and the position table too (megatron builds them fp32),
     so megatron's own bf16 forward runs, and the decode step agrees with it to bf16 rounding."""
-    from songserve.pipeline.decode import DecodeModel
+    from songserve.pipeline.engine.transformer import DecodeModel
 
     gpt = load_model(tiny_dir / kind, megatron_cpu, torch.bfloat16)
     assert {p.dtype for p in gpt.model.parameters()} == {torch.bfloat16}
@@ -201,7 +207,7 @@ def test_superres_is_non_causal(superres):
     grid = torch.randint(0, gpt.arch.text_vocab_size, (1, 12, 64))
     grid[:, :, 1:] = -1
     pos = torch.arange(12).view(1, -1)
-    from songserve.pipeline.gpt import full_mask
+    from songserve.pipeline.engine.gpt import full_mask
 
     with torch.inference_mode():
         a = gpt.hidden(grid, pos, full_mask(12, gpt.device))
@@ -369,7 +375,7 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
 def test_fused_core_attention_matches_megatrons(megatron_cpu, groups):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from songserve.pipeline.gpt import AcousticGPT, build_model, full_mask
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model, full_mask
 
     arch = GPTArch("backbone", 2, 64, 4, 256, 1024, 3072, 128, 64, num_query_groups=groups)
     model = build_model(arch, megatron_cpu, torch.float32)

@@ -32,17 +32,17 @@ from typing import Any
 import torch
 
 from songserve.errors import ConfigError, RequestError, TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
-from songserve.pipeline.checkpoints import CheckpointSet
+from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
-from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, load_decoder
-from songserve.pipeline.export import Mp3Options, write_track
-from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
-from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
-from songserve.pipeline.superres import SuperRes
+from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, load_model
+from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep, want_compile
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
+from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig, load_decoder
+from songserve.pipeline.stages.export import Mp3Options, write_track
+from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
+from songserve.pipeline.stages.superres import SuperRes
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)

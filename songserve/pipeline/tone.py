@@ -16,7 +16,7 @@ import numpy as np
 
 from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.export import Mp3Options, write_track
+from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.types import TrackRequest, TrackResult
 
 SAMPLE_RATE = 44100

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from songserve.errors import ConfigError
-from songserve.pipeline.gpt import MODEL_CONFIG, TRACKER, AcousticGPT, GPTArch, build_model
-from songserve.pipeline.megatron_args import (
+from songserve.pipeline.engine.gpt import MODEL_CONFIG, TRACKER, AcousticGPT, GPTArch, build_model
+from songserve.pipeline.checkpoints.megatron_args import (
     arch_fields_from_args,
     check_parallel,
     flags_to_arch_overrides,
@@ -363,7 +363,7 @@ def save_checkpoint(path: Path, arch: GPTArch, model: Any, iteration: int = 1) -
     """The project's own format: torch_dist with stacked layers, plus ``model_config.json``."""
     from megatron.core import dist_checkpointing
 
-    from songserve.pipeline.megatron_env import cpu_checkpoint_io
+    from songserve.pipeline.checkpoints.megatron_env import cpu_checkpoint_io
 
     it_dir = path / f"iter_{iteration:07d}"
     it_dir.mkdir(parents=True, exist_ok=True)
@@ -434,7 +434,7 @@ def save_release_checkpoint(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    from songserve.pipeline.megatron_env import cpu_checkpoint_io
+    from songserve.pipeline.checkpoints.megatron_env import cpu_checkpoint_io
 
     it_dir = path / f"iter_{iteration:07d}"
     it_dir.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ What differs from a text GPT (shared/docs/model.md):
 - the caller projects hidden states onto a slice of the output matrix (one codebook's 1,024 rows),
   never the whole vocabulary, so the model runs with its output layer switched off.
 
-Architecture: ``GPTArch``, from Megatron-LM's saved args (``megatron_args.py``) or from an
-optional ``model_config.json``; checkpoint I/O lives in ``gpt_checkpoint.py``. Models are built on
+Architecture: ``GPTArch``, from Megatron-LM's saved args (``checkpoints/megatron_args.py``) or from an
+optional ``model_config.json``; checkpoint I/O lives in ``checkpoints/gpt_load.py``. Models are built on
 the meta device when they are about to be loaded, so no weight is randomly initialised and then
 overwritten (that cost more than reading the file at real sizes).
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from songserve.errors import ConfigError
-from songserve.pipeline.decode import step_linear
+from songserve.pipeline.engine.transformer import step_linear
 
 if TYPE_CHECKING:
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -134,7 +134,7 @@ _ACTIVATIONS = ("gelu", "silu", "squared_relu")
 
 def parse_megatron_args(text: str) -> dict[str, object]:
     """Megatron-LM flags → the ``GPTArch`` fields they override (for ``model_config.json`` sets)."""
-    from songserve.pipeline.megatron_args import flags_to_arch_overrides, parse_flags
+    from songserve.pipeline.checkpoints.megatron_args import flags_to_arch_overrides, parse_flags
 
     return flags_to_arch_overrides(parse_flags(text)) if text.strip() else {}
 
@@ -213,7 +213,7 @@ def build_model(arch: GPTArch, device: torch.device, dtype: torch.dtype, init: b
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from songserve.pipeline.attention import SdpaDotProductAttention
+    from songserve.pipeline.engine.attention import SdpaDotProductAttention
 
     config = transformer_config(arch, dtype, init)
     spec = get_gpt_layer_local_spec(normalization=arch.normalization, qk_layernorm=arch.qk_layernorm)
@@ -334,18 +334,18 @@ def full_mask(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(1, 1, n, n, dtype=torch.bool, device=device)
 
 
-# ---- checkpoints (gpt_checkpoint.py; kept importable from here) --------------------------------------
+# ---- checkpoints (checkpoints/gpt_load.py; kept importable from here) --------------------------------------
 
 
 def load_model(
     path: Path, device: torch.device, dtype: torch.dtype, megatron_args: str = "", kind: str | None = None
 ) -> AcousticGPT:
-    from songserve.pipeline.gpt_checkpoint import load_model as _load
+    from songserve.pipeline.checkpoints.gpt_load import load_model as _load
 
     return _load(path, device, dtype, megatron_args, kind)
 
 
 def save_checkpoint(path: Path, arch: GPTArch, model: Any, iteration: int = 1) -> None:
-    from songserve.pipeline.gpt_checkpoint import save_checkpoint as _save
+    from songserve.pipeline.checkpoints.gpt_load import save_checkpoint as _save
 
     _save(path, arch, model, iteration)

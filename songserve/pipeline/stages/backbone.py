@@ -33,9 +33,9 @@ import torch
 
 from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, DecodeModel, GraphedStep, KVCache
-from songserve.pipeline.gpt import AcousticGPT
-from songserve.pipeline.sampling import sample_rows
+from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.sampling import sample_rows
+from songserve.pipeline.engine.transformer import CompiledStep, DecodeModel, GraphedStep, KVCache
 from songserve.pipeline.types import BackboneResult
 
 log = logging.getLogger(__name__)

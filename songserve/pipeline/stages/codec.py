@@ -20,8 +20,14 @@ import torch
 from torch import nn
 
 from songserve.errors import ConfigError
-from songserve.pipeline.decoder_config import DecoderConfig, read_decoder_config
-from songserve.pipeline.decoder_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
+from songserve.pipeline.checkpoints.decoder_config import DecoderConfig, read_decoder_config
+from songserve.pipeline.checkpoints.decoder_load import (
+    fill,
+    plan_sources,
+    prepare_destination,
+    read_checkpoint,
+    tensors_of,
+)
 
 __all__ = ["AudioDecoder", "DecoderConfig", "fold_weight_norm", "load_decoder", "weight_norm_state"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from songserve.pipeline.decoder import AudioDecoder
-from songserve.pipeline.decoder_config import DecoderConfig
+from songserve.pipeline.checkpoints.decoder_config import DecoderConfig
+from songserve.pipeline.stages.codec import AudioDecoder
 
 
 @dataclass(frozen=True)
