@@ -116,11 +116,12 @@ def decode_speed(bb, dev: torch.device, tokens: int) -> None:
 
 def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
     from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.numbers import HOP, SAMPLE_RATE
     from songserve.pipeline.stages.backbone import LengthPlan, Take
     from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig
     from songserve.pipeline.stages.superres import SuperRes
 
-    frames = max(1, int(seconds * 44100 / 2048))
+    frames = max(1, int(seconds * SAMPLE_RATE / HOP))
     prompt = list(range(2, 202))
     ctx = TaskContext("track")
     gen = torch.Generator(device=dev).manual_seed(0)

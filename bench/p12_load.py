@@ -27,8 +27,9 @@ from bench.common import ROOT, args, report
 
 def _arch(layers: int, hidden: int, heads: int, groups: int, ffn: int, text: int) -> object:
     from songserve.pipeline.engine.gpt import GPTArch
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
-    vocab = text + 2 * 1024
+    vocab = text + BACKBONE_LEVELS * CODEBOOK
     return GPTArch(
         "backbone",
         layers,

@@ -17,9 +17,10 @@ def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
     from songserve.pipeline.engine.transformer import CompiledStep
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
     from songserve.pipeline.stages.backbone import Backbone
 
-    text = vocab - 2048
+    text = vocab - BACKBONE_LEVELS * CODEBOOK
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, text, vocab, new + 64, 64)
     bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
     if compiled:  # one KV bucket covering the whole song: one compile, a masked tail
@@ -57,6 +58,7 @@ def hf_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int) 
 
 def main() -> None:
     from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
     a = args(__doc__, new_tokens=1000)
     torch.set_num_threads(1)
@@ -66,7 +68,7 @@ def main() -> None:
     for name, (layers, hidden, heads) in {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}.items():
         if a.smoke and name.startswith("mid"):
             continue
-        vocab = 1024 + 2048
+        vocab = 1024 + BACKBONE_LEVELS * CODEBOOK
         ours = ours_tokens_per_s(layers, hidden, heads, vocab, new)
         comp = ours_tokens_per_s(layers, hidden, heads, vocab, new, compiled=True) if not a.smoke else ours
         try:

@@ -36,9 +36,10 @@ def _ratios(run: Callable[[int], float], ns: list[int], repeats: int) -> dict[in
 def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[int], repeats: int) -> dict[int, float]:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
     from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
-    vocab = 1024 + 2048
+    vocab = 1024 + BACKBONE_LEVELS * CODEBOOK
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, 1024, vocab, 2 * frames + 64, 64)
     bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
     prompt = list(range(2, 34))

@@ -11,7 +11,8 @@ import torch
 
 from songserve.errors import RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.stages.backbone import TOKENS_PER_MINUTE, plan_length
+from songserve.pipeline.numbers import TOKENS_PER_MINUTE
+from songserve.pipeline.stages.backbone import plan_length
 from songserve.pipeline.types import TrackRequest
 from tests.support import start_worker
 

@@ -37,8 +37,9 @@ from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, load_model
 from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep, want_compile
+from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.stages import tokenizer as tk
-from songserve.pipeline.stages.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take, plan_length
 from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig, load_decoder
 from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
@@ -206,7 +207,7 @@ class ModelPipeline:
         weights = sum(h.numel() * h.element_size() for st in ("superres", "decoder") for _, h in self._host.get(st, []))
         a = superres.gpt.arch
         elt = int(superres.dm.word.element_size())
-        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * elt + 1024 * 4
+        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * elt + CODEBOOK * 4
         return weights + takes * seq * per_position
 
     def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
@@ -219,9 +220,9 @@ class ModelPipeline:
         assert self.tokenizer is not None
         a, n = gpt.arch, self.tokenizer.vocab_size
         if a.text_vocab_size != n:
-            levels = (a.vocab_size - a.text_vocab_size) // 1024
+            levels = (a.vocab_size - a.text_vocab_size) // CODEBOOK
             raise ConfigError(
-                f"{kind} {name!r}: text vocabulary {a.text_vocab_size} (vocab_size {a.vocab_size} − {levels}×1024) "
+                f"{kind} {name!r}: text vocabulary {a.text_vocab_size} (vocab_size {a.vocab_size} − {levels}×{CODEBOOK}) "
                 f"does not match the tokenizer's {n} ids ({self.ckpt.tokenizer})."
             )
 
@@ -418,7 +419,7 @@ class ModelPipeline:
             parked_during["superres"] = sorted(self.parked)
             t = time.perf_counter()
             for i in live:
-                ctxs[i].report("superres", 0, 62)
+                ctxs[i].report("superres", 0, SUPERRES_LEVELS - BACKBONE_LEVELS)
             coarse = []
             for i in live:
                 got = bbs[i]

@@ -36,11 +36,10 @@ from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.sampling import sample_rows
 from songserve.pipeline.engine.transformer import CompiledStep, DecodeModel, GraphedStep, KVCache
+from songserve.pipeline.numbers import CODEBOOK, TOKENS_PER_MINUTE
 from songserve.pipeline.types import BackboneResult
 
 log = logging.getLogger(__name__)
-CODEBOOK = 1024
-TOKENS_PER_MINUTE = 2584  # the reference's progress estimate: 21.53 frames/s × 2 × 60
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.sampling import sample
 from songserve.pipeline.engine.transformer import DecodeModel
-
-CODEBOOK = 1024
+from songserve.pipeline.numbers import CODEBOOK
 
 
 class SuperRes:

@@ -32,20 +32,20 @@ from pathlib import Path
 import torch
 
 from songserve.pipeline.engine.gpt import GPTArch
+from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, LEVELS, SUPERRES_LEVELS
 from songserve.pipeline.stages.codec import DecoderConfig
 
 log = logging.getLogger(__name__)
 
 TINY_VERSION = 4  # 4: model_config.json without num_tokens_to_generate (a worker setting)
 SEED = 1283
-TEXT_VOCAB = 1024
-CODEBOOK = 1024
+TEXT_VOCAB = 1024  # the tiny tokenizer's pieces
 
 
 def tiny_arch(kind: str, text_vocab: int) -> GPTArch:
     if kind == "backbone":
-        return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 2 * CODEBOOK, 27648, 1024)
-    return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 64 * CODEBOOK, 16384, 1024)
+        return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + BACKBONE_LEVELS * CODEBOOK, 27648, 1024)
+    return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + SUPERRES_LEVELS * CODEBOOK, 16384, 1024)
 
 
 def tiny_decoder_config() -> DecoderConfig:
@@ -102,7 +102,7 @@ RELEASE_LAYOUT = {
 
 def release_arch(kind: str, text_vocab: int) -> GPTArch:
     """The release's architecture family at tiny widths (2 layers, hidden 32, 4 heads in 2 groups)."""
-    vocab = text_vocab + (2 if kind == "backbone" else 64) * CODEBOOK
+    vocab = text_vocab + LEVELS[kind] * CODEBOOK
     padded = -(-(vocab + 1) // 128) * 128  # NullTokenizer's extra id, padded to a multiple of 128
     return GPTArch(
         kind,
