@@ -13,20 +13,20 @@ from bench.common import args, median, report
 
 
 def per_token_ms(gpt, position: int, steps: int) -> float:
-    from songserve.pipeline.engine.gpt import causal_mask
+    from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
     from songserve.pipeline.numbers import CODEBOOK
 
     dev = gpt.device
     with torch.inference_mode():
-        cache = gpt.new_kv_context(position + steps + 1)
+        cache = new_kv_context(gpt, position + steps + 1)
         ids = torch.randint(0, gpt.arch.vocab_size, (1, position, 1))
-        gpt.hidden(ids, torch.arange(position).view(1, -1), causal_mask(position, dev), cache)
+        megatron_forward(gpt, ids, torch.arange(position).view(1, -1), causal_mask(position, dev), cache)
         cache.increment_sequence_len_offset(position)
         times = []
         for i in range(steps):
             step = torch.randint(0, gpt.arch.vocab_size, (1, 1, 1))
             t0 = time.perf_counter()
-            h = gpt.hidden(step, torch.tensor([[position + i]]), None, cache)[-1]
+            h = megatron_forward(gpt, step, torch.tensor([[position + i]]), None, cache)[-1]
             gpt.project(h, gpt.arch.text_vocab_size, gpt.arch.text_vocab_size + CODEBOOK)
             times.append(time.perf_counter() - t0)
             cache.increment_sequence_len_offset(1)
@@ -35,7 +35,8 @@ def per_token_ms(gpt, position: int, steps: int) -> float:
 
 def main() -> None:
     from songserve.pipeline.checkpoints.megatron_env import init_megatron
-    from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
     from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
     a = args(__doc__, steps=60)

@@ -35,7 +35,8 @@ def _ratios(run: Callable[[int], float], ns: list[int], repeats: int) -> dict[in
 
 def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[int], repeats: int) -> dict[int, float]:
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
     from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
     from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 

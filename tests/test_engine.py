@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from songserve.errors import TaskCancelled
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.gpt import AcousticGPT, causal_mask, load_model
+from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
 from songserve.pipeline.engine.sampling import sample
 from songserve.pipeline.engine.transformer import CompiledStep, DecodeModel
 from songserve.pipeline.stages import tokenizer as tk
@@ -113,9 +115,11 @@ def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top
     """The loop as it was before issue 14 (megatron's forward per token, a host sync per token)."""
     gpt, T = backbone.gpt, backbone.text_vocab
     gen = torch.Generator().manual_seed(seed)
-    cache = gpt.new_kv_context(len(prompt) + 2 * frames)
+    cache = new_kv_context(gpt, len(prompt) + 2 * frames)
     ids = torch.tensor(prompt).view(1, -1, 1)
-    h = gpt.hidden(ids, torch.arange(len(prompt)).view(1, -1), causal_mask(len(prompt), gpt.device), cache)[-1]
+    h = megatron_forward(gpt, ids, torch.arange(len(prompt)).view(1, -1), causal_mask(len(prompt), gpt.device), cache)[
+        -1
+    ]
     cache.increment_sequence_len_offset(len(prompt))
     codes = []
     for t in range(2 * frames):
@@ -123,7 +127,9 @@ def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top
         code = int(sample(gpt.project(h, start, start + 1024), top_k, gen)[0])
         codes.append(code)
         if t + 1 < 2 * frames:
-            h = gpt.hidden(torch.tensor([[[start + code]]]), torch.tensor([[len(prompt) + t]]), None, cache)[-1]
+            h = megatron_forward(gpt, torch.tensor([[[start + code]]]), torch.tensor([[len(prompt) + t]]), None, cache)[
+                -1
+            ]
             cache.increment_sequence_len_offset(1)
     return torch.tensor(codes).view(-1, 2).t()
 
@@ -463,14 +469,14 @@ def superres(tiny_dir, megatron_cpu):
 
 
 def test_superres_forward_equals_megatron_with_its_all_visible_mask(superres):
-    from songserve.pipeline.engine.gpt import full_mask
+    from songserve.pipeline.engine.oracle import full_mask
 
     gpt, dm = superres.gpt, superres.dm
     grid = torch.randint(0, gpt.arch.vocab_size, (1, 30, 64))
     grid[:, :12, 1:] = -1
     pos = torch.arange(30).view(1, -1)
     with torch.inference_mode():
-        ref = gpt.hidden(grid, pos, full_mask(30, gpt.device))[:, 0]
+        ref = megatron_forward(gpt, grid, pos, full_mask(30, gpt.device))[:, 0]
         got = dm.forward(dm.embed(grid, pos), causal=False)[0]
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 

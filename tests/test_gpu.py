@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.gpt import causal_mask, load_model
+from songserve.pipeline.engine.oracle import causal_mask, megatron_forward
 from songserve.pipeline.engine.transformer import DecodeModel, GraphedStep
 from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
@@ -41,7 +42,7 @@ def test_bf16_step_matches_megatron_forward(tiny_dir, cuda):
     ids = torch.randint(0, bb.gpt.arch.vocab_size, (1, 24), device=cuda)
     with torch.inference_mode():
         pos = torch.arange(24, device=cuda).view(1, -1)
-        ref = bb.gpt.hidden(ids.unsqueeze(-1), pos, causal_mask(24, cuda))[:, 0].float()
+        ref = megatron_forward(bb.gpt, ids.unsqueeze(-1), pos, causal_mask(24, cuda))[:, 0].float()
         got = dm.forward(dm.embed(ids, pos))[0].float()
     assert (got - ref).abs().max().item() < 0.1  # bf16 rounding
 

@@ -107,7 +107,8 @@ def test_release_checkpoint_loads_its_saved_architecture(release_dir, megatron_c
 
 
 def _release_shaped_model(device, **changes):
-    from songserve.pipeline.engine.gpt import GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import build_model
     from songserve.pipeline.tiny.build import release_arch
 
     base = release_arch("backbone", 1024).__dict__ | changes
@@ -123,6 +124,7 @@ def _release_shaped_model(device, **changes):
 def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monkeypatch, legacy, disk_dtype, direct):
     """torch_dist read in place (same dtype, and bf16 files into fp32), megatron's reader, legacy files."""
     from songserve.pipeline.checkpoints import gpt_load as gc_
+    from songserve.pipeline.tiny.gpt_write import release_args, save_release_checkpoint
 
     arch, model = _release_shaped_model(megatron_cpu)
     if disk_dtype is not None:
@@ -130,7 +132,7 @@ def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monke
     used: list[bool] = []
     real = gc_._direct_read
     monkeypatch.setattr(gc_, "_direct_read", lambda r, d: used.append(direct) or (real(r, d) if direct else False))
-    gc_.save_release_checkpoint(tmp_path / "bb", model, gc_.release_args(arch), legacy=legacy)
+    save_release_checkpoint(tmp_path / "bb", model, release_args(arch), legacy=legacy)
     if legacy:
         keys = torch.load(tmp_path / "bb" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys["model"]
@@ -142,25 +144,26 @@ def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monke
 
 
 def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):
-    from songserve.pipeline.engine.gpt import AcousticGPT, causal_mask
+    from songserve.pipeline.engine.gpt import AcousticGPT
+    from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
 
     arch, model = _release_shaped_model(megatron_cpu)
     gpt = AcousticGPT(arch, model)
     n, p = 24, 9
     ids = torch.randint(1024, 3072, (1, n, 1), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(n).view(1, -1)
-    full = gpt.hidden(ids, pos, causal_mask(n, megatron_cpu))
-    ctx = gpt.new_kv_context(n + 4)
-    steps = [gpt.hidden(ids[:, :p], pos[:, :p], causal_mask(p, megatron_cpu), ctx)]
+    full = megatron_forward(gpt, ids, pos, causal_mask(n, megatron_cpu))
+    ctx = new_kv_context(gpt, n + 4)
+    steps = [megatron_forward(gpt, ids[:, :p], pos[:, :p], causal_mask(p, megatron_cpu), ctx)]
     ctx.increment_sequence_len_offset(p)
     for t in range(p, n):
-        steps.append(gpt.hidden(ids[:, t : t + 1], pos[:, t : t + 1], None, ctx))
+        steps.append(megatron_forward(gpt, ids[:, t : t + 1], pos[:, t : t + 1], None, ctx))
         ctx.increment_sequence_len_offset(1)
     assert (torch.cat(steps) - full).abs().max().item() <= 1e-5
     # RoPE is in play: the same weights with another base compute something else
     arch2, model2 = _release_shaped_model(megatron_cpu, rotary_base=10000)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
-    other = AcousticGPT(arch2, model2).hidden(ids, pos, causal_mask(n, megatron_cpu))
+    other = megatron_forward(AcousticGPT(arch2, model2), ids, pos, causal_mask(n, megatron_cpu))
     assert (other - full).abs().max().item() > 1e-3
 
 
@@ -169,7 +172,8 @@ def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):
 
 def _built_from_args(megatron_cpu, **args):
     from songserve.pipeline.checkpoints.megatron_args import arch_fields_from_args
-    from songserve.pipeline.engine.gpt import GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import build_model
 
     base = {
         "num_layers": 1,

@@ -32,10 +32,12 @@ from typing import Any
 import torch
 
 from songserve.errors import ConfigError, RequestError, TaskCancelled
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.gpt import AcousticGPT, GPTArch, load_model
+from songserve.pipeline.engine.arch import GPTArch
+from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep, want_compile
 from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.stages import tokenizer as tk

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from songserve.pipeline.engine.gpt import GPTArch
+from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, LEVELS, SUPERRES_LEVELS
 from songserve.pipeline.stages.codec import DecoderConfig
 
@@ -56,9 +56,10 @@ def _build_into(tmp: Path) -> None:
     import yaml
 
     from songserve.pipeline.checkpoints.megatron_env import init_megatron
-    from songserve.pipeline.engine.gpt import build_model, save_checkpoint
+    from songserve.pipeline.engine.gpt import build_model
     from songserve.pipeline.stages.codec import AudioDecoder, weight_norm_state
     from songserve.pipeline.stages.tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from songserve.pipeline.tiny.gpt_write import save_checkpoint
 
     cpu = torch.device("cpu")
     init_megatron(cpu, 0, seed=SEED)
@@ -127,10 +128,10 @@ def release_arch(kind: str, text_vocab: int) -> GPTArch:
 
 
 def _build_release_into(tmp: Path) -> None:
-    from songserve.pipeline.checkpoints.gpt_load import release_args, save_release_checkpoint
     from songserve.pipeline.checkpoints.megatron_env import init_megatron
     from songserve.pipeline.engine.gpt import build_model
     from songserve.pipeline.tiny.decoder_release import write_release_decoder
+    from songserve.pipeline.tiny.gpt_write import release_args, save_release_checkpoint
     from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 
     cpu = torch.device("cpu")
