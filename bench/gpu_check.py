@@ -88,7 +88,7 @@ def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
 
 
 def decode_speed(bb, dev: torch.device, tokens: int) -> None:
-    from songserve.pipeline.engine.transformer import GraphedStep
+    from songserve.pipeline.engine.graphed_step import GraphedStep
 
     sizes = (1, 2, 4)
     eager = {b: tokens_per_s(bb, dev, b, tokens) for b in sizes}

@@ -16,8 +16,8 @@ from bench.common import args, report
 def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int, compiled: bool = False) -> float:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.compiled_step import CompiledStep
     from songserve.pipeline.engine.gpt import AcousticGPT, build_model
-    from songserve.pipeline.engine.transformer import CompiledStep
     from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
     from songserve.pipeline.stages.backbone import Backbone
 

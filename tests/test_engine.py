@@ -12,10 +12,11 @@ import torch
 from songserve.errors import TaskCancelled
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.engine.compiled_step import CompiledStep
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
 from songserve.pipeline.engine.sampling import sample
-from songserve.pipeline.engine.transformer import CompiledStep, DecodeModel
+from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.stages import tokenizer as tk
 from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
@@ -434,7 +435,8 @@ def test_kv_bytes_per_take(backbone):
 def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
     """What the worker's split-don't-OOM check counts: eager, the request's length; the compiled
     step, the full context; CUDA graphs, nothing where their persistent cache holds the rows."""
-    from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep
+    from songserve.pipeline.engine.compiled_step import CompiledStep
+    from songserve.pipeline.engine.graphed_step import GraphedStep
 
     dm, ctx = backbone.dm, backbone.gpt.arch.context_length
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(100)

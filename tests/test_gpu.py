@@ -7,8 +7,9 @@ import torch
 
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.oracle import causal_mask, megatron_forward
-from songserve.pipeline.engine.transformer import DecodeModel, GraphedStep
+from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

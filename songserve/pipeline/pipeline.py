@@ -37,8 +37,9 @@ from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.arch import GPTArch
+from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
 from songserve.pipeline.engine.gpt import AcousticGPT
-from songserve.pipeline.engine.transformer import CompiledStep, GraphedStep, want_compile
+from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.stages import tokenizer as tk
 from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take, plan_length
