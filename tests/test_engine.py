@@ -627,24 +627,24 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
         WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
     )
     pipe.load()
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
     seen = {}
-    sr = next(iter(pipe.superres.values()))
-    real_sr, real_dec = sr.generate_batch, pipe.decoder.decode
+    sr = next(iter(pipe.residency.superres.values()))
+    real_sr, real_dec = sr.generate_batch, pipe.residency.decoder.decode
 
     def spy_sr(*a, **k):
-        seen["superres"] = set(pipe.parked)
+        seen["superres"] = set(pipe.residency.parked)
         return real_sr(*a, **k)
 
     def spy_dec(*a, **k):
-        seen["decoder"] = set(pipe.parked)
+        seen["decoder"] = set(pipe.residency.parked)
         return real_dec(*a, **k)
 
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
-    monkeypatch.setattr(pipe.decoder, "decode", spy_dec)
+    monkeypatch.setattr(pipe.residency.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
     assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}  # PARK_BACKBONE=auto: never on the CPU
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
 
 
 def _park_pipe(tmp_path, megatron_cpu, **kw):
@@ -665,15 +665,17 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     pipe = _park_pipe(tmp_path / "park", megatron_cpu, runtime_mode="park", park_backbone="1")
     assert pipe.loaded()["park_backbone"] == "1"
     states = []
-    bb, sr = next(iter(pipe.backbones.values())), next(iter(pipe.superres.values()))
+    bb, sr = next(iter(pipe.residency.backbones.values())), next(iter(pipe.residency.superres.values()))
     for stage, obj, name in (("backbone", bb, "generate_batch"), ("superres", sr, "generate_batch")):
         real = getattr(obj, name)
         monkeypatch.setattr(
-            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.parked))) or _r(*a, **k)
+            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.residency.parked))) or _r(*a, **k)
         )
-    real_dec = pipe.decoder.decode
+    real_dec = pipe.residency.decoder.decode
     monkeypatch.setattr(
-        pipe.decoder, "decode", lambda *a, **k: states.append(("decoder", set(pipe.parked))) or real_dec(*a, **k)
+        pipe.residency.decoder,
+        "decode",
+        lambda *a, **k: states.append(("decoder", set(pipe.residency.parked))) or real_dec(*a, **k),
     )
     reqs = [TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=s, task_id=f"pb{s}") for s in (1, 2)]
     got = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
@@ -683,7 +685,7 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
         ("decoder", {"backbone", "superres"}),
         ("decoder", {"backbone", "superres"}),  # one decode per take
     ]
-    assert pipe.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
+    assert pipe.residency.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
     assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder"]
 
     kept = _park_pipe(tmp_path / "kept", megatron_cpu, runtime_mode="keep_loaded")
@@ -699,7 +701,7 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     monkeypatch.setattr(sr, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         pipe.run(dataclasses.replace(reqs[0], task_id="pbx"), TaskContext("pbx"))
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
 
 
 def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
@@ -710,19 +712,21 @@ def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
     with pytest.raises(ConfigError, match="PARK_BACKBONE=1 .* RUNTIME_MODE is keep_loaded"):
         _park_pipe(tmp_path, megatron_cpu, runtime_mode="keep_loaded", park_backbone="1")
     pipe = _park_pipe(tmp_path, megatron_cpu, runtime_mode="park")
-    sr = next(iter(pipe.superres.values()))
-    assert not pipe._backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
-    need = pipe._stage2_need(sr, 2, 300)
-    weights = sum(p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.decoder.parameters()])
+    sr = next(iter(pipe.residency.superres.values()))
+    assert not pipe.residency.backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
+    need = pipe.residency.stage2_need(sr, 2, 300)
+    weights = sum(
+        p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.residency.decoder.parameters()]
+    )
     assert need > weights
-    assert pipe._stage2_need(sr, 4, 300) > need  # more takes, more activations
+    assert pipe.residency.stage2_need(sr, 4, 300) > need  # more takes, more activations
     # auto on CUDA, with the device's numbers stubbed: park exactly when free memory is short
-    monkeypatch.setattr(pipe, "device", torch.device("cuda"))
+    monkeypatch.setattr(pipe.residency, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
     for free, parks in ((need - 1, True), (need, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, _f=free: (_f, 10 * need))
-        assert pipe._backbone_must_park(sr, 2, 300) is parks
+        assert pipe.residency.backbone_must_park(sr, 2, 300) is parks
 
 
 def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
@@ -762,7 +766,7 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     together = pipe.run_batch(reqs, [TaskContext(r.task_id + "b") for r in reqs])
     assert [r.metadata["batch_size"] for r in together] == [3, 3, 3]
     tokens = together[0].metadata["tokens"]
-    per_take = next(iter(pipe.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
+    per_take = next(iter(pipe.residency.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
     monkeypatch.setattr(pl, "_mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
     out = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
     assert [r.metadata["batch_size"] for r in out] == [2, 2, 1]

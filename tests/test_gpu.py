@@ -87,7 +87,7 @@ def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_pa
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="park", device="cuda")
     pipe = ModelPipeline(s, resolve(s), cuda)
     pipe.load()
-    p = next(next(iter(pipe.superres.values())).gpt.model.parameters())
+    p = next(next(iter(pipe.residency.superres.values())).gpt.model.parameters())
     assert p.device.type == "cpu"
     assert p.is_pinned()
     assert pipe.loaded()["parked"] == ["decoder", "superres"]

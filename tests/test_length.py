@@ -59,7 +59,7 @@ def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
 
 def _eod_logit(pipeline, monkeypatch, value):
     """Replace the end-of-document logit: +1e4 = the model ends the song now, -1e4 = never."""
-    backbone = next(iter(pipeline.backbones.values()))
+    backbone = next(iter(pipeline.residency.backbones.values()))
     gpt, real = backbone.gpt, backbone.gpt.project
 
     def project(hidden, start, stop):

@@ -392,6 +392,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     import weakref
 
     from songserve.pipeline import pipeline as pl
+    from songserve.pipeline import residency
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.types import TrackRequest
@@ -400,7 +401,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="one_shot")
     pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)
     refs: list[weakref.ref] = []
-    load = pipe._gpt
+    load = pipe.residency._gpt
 
     def tracked(path, kind, name):
         gpt = load(path, kind, name)
@@ -414,8 +415,8 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
         gc.collect()
         alive_at_release.append(sum(r() is not None for r in refs))
 
-    monkeypatch.setattr(pipe, "_gpt", tracked)
-    monkeypatch.setattr(pl, "release_memory", release)
+    monkeypatch.setattr(pipe.residency, "_gpt", tracked)
+    monkeypatch.setattr(residency, "release_memory", release)
     pipe.load()
     r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=1 / 60, seed=1, task_id="t"), TaskContext("t"))
     assert len(refs) == 2
