@@ -4,7 +4,8 @@ Both acoustic models are megatron-core ``GPTModel``s; this dataclass is everythi
 one computes (layers, widths, norms, positions, activation, vocabulary and its padding) plus the
 serving limits that go with it (prompt length, KV-cache context). The checkpoint loader fills it
 from Megatron-LM's saved args (``checkpoints/megatron_args.py``, ``checkpoints/gpt_load.py``) or
-from ``model_config.json``; ``gpt.build_model`` builds the network from it.
+from ``model_config.json``; ``gpt.build_model`` builds the network from it. Serving reads it at
+load and for its limits (context, prompt length).
 """
 
 from __future__ import annotations

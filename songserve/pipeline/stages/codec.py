@@ -1,10 +1,11 @@
 """The DAC-style codec decoder: RVQ dequantisation, then the DAC decoder network.
 
 Written in the project because the ``descript-audio-codec`` package cannot be imported beside
-torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``decoder_config``, the checkpoint
-layouts (the release's Lightning file, the tiny set's, DAC's own) and safe, low-memory reading in
-``decoder_load``. Weight norm is folded into plain weights at load. Long codes decode in chunks with
-context on each side, which gives the one-pass output (≥ 12 frames of context) with bounded memory.
+torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``checkpoints/decoder_config.py``,
+the checkpoint layouts (the release's Lightning file, the tiny set's, DAC's own) and safe,
+low-memory reading in ``checkpoints/decoder_load.py``. Weight norm is folded into plain weights at
+load. Long codes decode in chunks with context on each side, which gives the one-pass output
+(≥ 12 frames of context) with bounded memory.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def load_decoder(
     trust_pickle: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> AudioDecoder:
-    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``decoder_load``).
+    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``checkpoints/decoder_load.py``).
 
     Built on the meta device and materialised empty, so no weight is randomly initialised and then
     overwritten; ``trust_pickle`` (the worker's ``TRUST_CHECKPOINT_PICKLE``) allows full unpickling.
