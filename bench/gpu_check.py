@@ -42,8 +42,8 @@ def release_gpt(shape: Shape, kind: str, context: int, device: torch.device):
     ``tiny.release_arch``, its padded vocabulary rows included) at ``shape``, in bf16, with random
     weights drawn on the device: megatron's own initialisation runs on the CPU, which at the
     release's size would spend the scarce device time waiting."""
-    from songserve.pipeline.gpt import AcousticGPT, build_model
-    from songserve.pipeline.tiny import release_arch
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
+    from songserve.pipeline.tiny.build import release_arch
 
     arch = dataclasses.replace(
         release_arch(kind, T_TEXT),
@@ -71,8 +71,8 @@ def sync(dev: torch.device) -> None:
 
 
 def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
-    from songserve.pipeline.backbone import LengthPlan, Take
     from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.stages.backbone import LengthPlan, Take
 
     def takes() -> list[Take]:
         return [Take(torch.Generator(device=dev).manual_seed(i), TaskContext(f"t{i}")) for i in range(batch)]
@@ -88,7 +88,7 @@ def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
 
 
 def decode_speed(bb, dev: torch.device, tokens: int) -> None:
-    from songserve.pipeline.decode import GraphedStep
+    from songserve.pipeline.engine.graphed_step import GraphedStep
 
     sizes = (1, 2, 4)
     eager = {b: tokens_per_s(bb, dev, b, tokens) for b in sizes}
@@ -115,12 +115,13 @@ def decode_speed(bb, dev: torch.device, tokens: int) -> None:
 
 
 def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
-    from songserve.pipeline.backbone import LengthPlan, Take
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.decoder import AudioDecoder, DecoderConfig
-    from songserve.pipeline.superres import SuperRes
+    from songserve.pipeline.numbers import HOP, SAMPLE_RATE
+    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig
+    from songserve.pipeline.stages.superres import SuperRes
 
-    frames = max(1, int(seconds * 44100 / 2048))
+    frames = max(1, int(seconds * SAMPLE_RATE / HOP))
     prompt = list(range(2, 202))
     ctx = TaskContext("track")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -155,8 +156,8 @@ def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
 
 
 def main() -> None:
-    from songserve.pipeline.backbone import Backbone
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.stages.backbone import Backbone
 
     a = args(__doc__, tokens=512, seconds=30.0)
     if a.smoke:

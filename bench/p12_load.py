@@ -26,9 +26,10 @@ from bench.common import ROOT, args, report
 
 
 def _arch(layers: int, hidden: int, heads: int, groups: int, ffn: int, text: int) -> object:
-    from songserve.pipeline.gpt import GPTArch
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
-    vocab = text + 2 * 1024
+    vocab = text + BACKBONE_LEVELS * CODEBOOK
     return GPTArch(
         "backbone",
         layers,
@@ -57,9 +58,10 @@ def _status(key: str) -> int:
 
 
 def _child(a: object) -> dict:
-    from songserve.pipeline.gpt import build_model
-    from songserve.pipeline.gpt_checkpoint import load_model, release_args, save_release_checkpoint
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.gpt_load import load_model
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.gpt import build_model
+    from songserve.pipeline.tiny.gpt_write import release_args, save_release_checkpoint
 
     cpu = torch.device("cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

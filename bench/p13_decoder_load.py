@@ -34,7 +34,7 @@ def _status(field: str) -> float:
 def child_load(yaml_path: Path, ckpt: Path) -> dict:
     import torch
 
-    from songserve.pipeline.decoder import load_decoder
+    from songserve.pipeline.stages.codec import load_decoder
 
     torch.set_num_threads(1)
     before = _status("VmRSS")
@@ -90,7 +90,7 @@ def main() -> None:
         print(json.dumps(res))
         return
     a = args(__doc__, repeats=3)
-    from songserve.pipeline.decoder_release import FULL_SIZES, ReleaseDecoderSizes, write_release_decoder
+    from songserve.pipeline.tiny.decoder_release import FULL_SIZES, ReleaseDecoderSizes, write_release_decoder
 
     sizes = ReleaseDecoderSizes() if a.smoke else FULL_SIZES
     repeats = 1 if a.smoke else a.repeats

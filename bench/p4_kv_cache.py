@@ -13,28 +13,31 @@ from bench.common import args, median, report
 
 
 def per_token_ms(gpt, position: int, steps: int) -> float:
-    from songserve.pipeline.gpt import causal_mask
+    from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
+    from songserve.pipeline.numbers import CODEBOOK
 
     dev = gpt.device
     with torch.inference_mode():
-        cache = gpt.new_kv_context(position + steps + 1)
+        cache = new_kv_context(gpt, position + steps + 1)
         ids = torch.randint(0, gpt.arch.vocab_size, (1, position, 1))
-        gpt.hidden(ids, torch.arange(position).view(1, -1), causal_mask(position, dev), cache)
+        megatron_forward(gpt, ids, torch.arange(position).view(1, -1), causal_mask(position, dev), cache)
         cache.increment_sequence_len_offset(position)
         times = []
         for i in range(steps):
             step = torch.randint(0, gpt.arch.vocab_size, (1, 1, 1))
             t0 = time.perf_counter()
-            h = gpt.hidden(step, torch.tensor([[position + i]]), None, cache)[-1]
-            gpt.project(h, gpt.arch.text_vocab_size, gpt.arch.text_vocab_size + 1024)
+            h = megatron_forward(gpt, step, torch.tensor([[position + i]]), None, cache)[-1]
+            gpt.project(h, gpt.arch.text_vocab_size, gpt.arch.text_vocab_size + CODEBOOK)
             times.append(time.perf_counter() - t0)
             cache.increment_sequence_len_offset(1)
     return median(times) * 1000
 
 
 def main() -> None:
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
     a = args(__doc__, steps=60)
     torch.set_num_threads(1)
@@ -43,7 +46,17 @@ def main() -> None:
     near, far = (50, 400) if a.smoke else (250, 4000)
     parts = []
     for name, (layers, hidden, heads) in configs.items():
-        arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, 1024, 1024 + 2048, far + a.steps + 8, 1024)
+        arch = GPTArch(
+            "backbone",
+            layers,
+            hidden,
+            heads,
+            4 * hidden,
+            1024,
+            1024 + BACKBONE_LEVELS * CODEBOOK,
+            far + a.steps + 8,
+            1024,
+        )
         gpt = AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32))
         steps = 10 if a.smoke else a.steps
         base = per_token_ms(gpt, near, steps)

@@ -14,12 +14,14 @@ from bench.common import args, report
 
 
 def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int, compiled: bool = False) -> float:
-    from songserve.pipeline.backbone import Backbone
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.decode import CompiledStep
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.compiled_step import CompiledStep
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
+    from songserve.pipeline.stages.backbone import Backbone
 
-    text = vocab - 2048
+    text = vocab - BACKBONE_LEVELS * CODEBOOK
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, text, vocab, new + 64, 64)
     bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
     if compiled:  # one KV bucket covering the whole song: one compile, a masked tail
@@ -56,7 +58,8 @@ def hf_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int) 
 
 
 def main() -> None:
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
 
     a = args(__doc__, new_tokens=1000)
     torch.set_num_threads(1)
@@ -66,7 +69,7 @@ def main() -> None:
     for name, (layers, hidden, heads) in {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}.items():
         if a.smoke and name.startswith("mid"):
             continue
-        vocab = 1024 + 2048
+        vocab = 1024 + BACKBONE_LEVELS * CODEBOOK
         ours = ours_tokens_per_s(layers, hidden, heads, vocab, new)
         comp = ours_tokens_per_s(layers, hidden, heads, vocab, new, compiled=True) if not a.smoke else ours
         try:

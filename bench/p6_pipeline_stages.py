@@ -14,9 +14,9 @@ from bench.common import args, report
 
 
 def main() -> None:
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.megatron_env import init_megatron
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings

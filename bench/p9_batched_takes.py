@@ -34,11 +34,13 @@ def _ratios(run: Callable[[int], float], ns: list[int], repeats: int) -> dict[in
 
 
 def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[int], repeats: int) -> dict[int, float]:
-    from songserve.pipeline.backbone import Backbone, LengthPlan, Take
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.gpt import AcousticGPT, GPTArch, build_model
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
+    from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
+    from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
-    vocab = 1024 + 2048
+    vocab = 1024 + BACKBONE_LEVELS * CODEBOOK
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, 1024, vocab, 2 * frames + 64, 64)
     bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
     prompt = list(range(2, 34))
@@ -55,7 +57,7 @@ def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[i
 def track_ratio(seconds: float, ns: list[int], repeats: int) -> dict[int, float]:
     import dataclasses
 
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
@@ -77,7 +79,7 @@ def track_ratio(seconds: float, ns: list[int], repeats: int) -> dict[int, float]
 
 
 def main() -> None:
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
 
     a = args(__doc__, frames=600, seconds=10.0, repeats=3)
     torch.set_num_threads(1)

@@ -37,7 +37,7 @@ def release_dir(tmp_path_factory) -> Path:
 def megatron_cpu():
     import torch
 
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
 
     torch.set_num_threads(1)
     init_megatron(torch.device("cpu"), 0, seed=0)

@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from songserve.errors import TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, DecodeModel
-from songserve.pipeline.gpt import AcousticGPT, causal_mask, load_model
-from songserve.pipeline.sampling import sample
+from songserve.pipeline.engine.compiled_step import CompiledStep
+from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
+from songserve.pipeline.engine.sampling import sample
+from songserve.pipeline.engine.transformer import DecodeModel
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
 PROMPT = list(range(3, 23))
 
@@ -61,7 +64,7 @@ def test_step_equals_megatron_forward_on_a_release_like_config(megatron_cpu, mon
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from songserve.pipeline.attention import SdpaDotProductAttention
+    from songserve.pipeline.engine.attention import SdpaDotProductAttention
 
     # megatron moves RoPE's inv_freq to "the current CUDA device" (megatron-cpu.md, 4.): here, the CPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
@@ -113,9 +116,11 @@ def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top
     """The loop as it was before issue 14 (megatron's forward per token, a host sync per token)."""
     gpt, T = backbone.gpt, backbone.text_vocab
     gen = torch.Generator().manual_seed(seed)
-    cache = gpt.new_kv_context(len(prompt) + 2 * frames)
+    cache = new_kv_context(gpt, len(prompt) + 2 * frames)
     ids = torch.tensor(prompt).view(1, -1, 1)
-    h = gpt.hidden(ids, torch.arange(len(prompt)).view(1, -1), causal_mask(len(prompt), gpt.device), cache)[-1]
+    h = megatron_forward(gpt, ids, torch.arange(len(prompt)).view(1, -1), causal_mask(len(prompt), gpt.device), cache)[
+        -1
+    ]
     cache.increment_sequence_len_offset(len(prompt))
     codes = []
     for t in range(2 * frames):
@@ -123,7 +128,9 @@ def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top
         code = int(sample(gpt.project(h, start, start + 1024), top_k, gen)[0])
         codes.append(code)
         if t + 1 < 2 * frames:
-            h = gpt.hidden(torch.tensor([[[start + code]]]), torch.tensor([[len(prompt) + t]]), None, cache)[-1]
+            h = megatron_forward(gpt, torch.tensor([[[start + code]]]), torch.tensor([[len(prompt) + t]]), None, cache)[
+                -1
+            ]
             cache.increment_sequence_len_offset(1)
     return torch.tensor(codes).view(-1, 2).t()
 
@@ -213,11 +220,11 @@ def test_a_take_in_a_batch_draws_what_it_draws_alone(backbone, n):
 
 def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backbone, monkeypatch):
     """The tiny set's weights are below LARGE_WEIGHT: lower it so batches of 2-4 take the w @ x.T path."""
-    from songserve.pipeline import decode
+    from songserve.pipeline.engine import transformer
 
     calls = []
     real_mm, real_addmm = torch.mm, torch.addmm
-    monkeypatch.setattr(decode, "LARGE_WEIGHT", 0)
+    monkeypatch.setattr(transformer, "LARGE_WEIGHT", 0)
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.shape) or real_mm(a, b))
     monkeypatch.setattr(torch, "addmm", lambda c, a, b: calls.append(b.shape) or real_addmm(c, a, b))
     seeds = [21, 22, 23]
@@ -236,7 +243,7 @@ def test_the_weight_major_matmul_keeps_a_take_in_a_batch_equal_to_it_alone(backb
 def test_step_linear_equals_f_linear_for_every_row_count():
     import torch.nn.functional as F
 
-    from songserve.pipeline.decode import step_linear
+    from songserve.pipeline.engine.transformer import step_linear
 
     w, b = torch.randn(768, 512), torch.randn(768)
     for rows in (1, 2, 3, 4, 5, 9):
@@ -257,7 +264,7 @@ def test_step_linear_equals_f_linear_for_every_row_count():
 @pytest.mark.parametrize("top_p", [None, 0.8])
 def test_draw_equals_torch_multinomial(top_p):
     """sample / sample_rows are multinomial's one-sample rule written out: same index, same generator state."""
-    from songserve.pipeline.sampling import _filtered, sample_rows
+    from songserve.pipeline.engine.sampling import _filtered, sample_rows
 
     for trial in range(40):
         k = (1, 7, 50, 300)[trial % 4]
@@ -428,7 +435,8 @@ def test_kv_bytes_per_take(backbone):
 def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
     """What the worker's split-don't-OOM check counts: eager, the request's length; the compiled
     step, the full context; CUDA graphs, nothing where their persistent cache holds the rows."""
-    from songserve.pipeline.decode import CompiledStep, GraphedStep
+    from songserve.pipeline.engine.compiled_step import CompiledStep
+    from songserve.pipeline.engine.graphed_step import GraphedStep
 
     dm, ctx = backbone.dm, backbone.gpt.arch.context_length
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(100)
@@ -457,20 +465,20 @@ def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
 
 @pytest.fixture(scope="module")
 def superres(tiny_dir, megatron_cpu):
-    from songserve.pipeline.superres import SuperRes
+    from songserve.pipeline.stages.superres import SuperRes
 
     return SuperRes(load_model(tiny_dir / "superres", megatron_cpu, torch.float32))
 
 
 def test_superres_forward_equals_megatron_with_its_all_visible_mask(superres):
-    from songserve.pipeline.gpt import full_mask
+    from songserve.pipeline.engine.oracle import full_mask
 
     gpt, dm = superres.gpt, superres.dm
     grid = torch.randint(0, gpt.arch.vocab_size, (1, 30, 64))
     grid[:, :12, 1:] = -1
     pos = torch.arange(30).view(1, -1)
     with torch.inference_mode():
-        ref = gpt.hidden(grid, pos, full_mask(30, gpt.device))[:, 0]
+        ref = megatron_forward(gpt, grid, pos, full_mask(30, gpt.device))[:, 0]
         got = dm.forward(dm.embed(grid, pos), causal=False)[0]
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 
@@ -610,7 +618,7 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
 
 
 def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, megatron_cpu, tmp_path, monkeypatch):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
@@ -619,28 +627,28 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
         WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
     )
     pipe.load()
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
     seen = {}
-    sr = next(iter(pipe.superres.values()))
-    real_sr, real_dec = sr.generate_batch, pipe.decoder.decode
+    sr = next(iter(pipe.residency.superres.values()))
+    real_sr, real_dec = sr.generate_batch, pipe.residency.decoder.decode
 
     def spy_sr(*a, **k):
-        seen["superres"] = set(pipe.parked)
+        seen["superres"] = set(pipe.residency.parked)
         return real_sr(*a, **k)
 
     def spy_dec(*a, **k):
-        seen["decoder"] = set(pipe.parked)
+        seen["decoder"] = set(pipe.residency.parked)
         return real_dec(*a, **k)
 
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
-    monkeypatch.setattr(pipe.decoder, "decode", spy_dec)
+    monkeypatch.setattr(pipe.residency.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
     assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}  # PARK_BACKBONE=auto: never on the CPU
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
 
 
 def _park_pipe(tmp_path, megatron_cpu, **kw):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.settings import WorkerSettings
 
@@ -657,15 +665,17 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     pipe = _park_pipe(tmp_path / "park", megatron_cpu, runtime_mode="park", park_backbone="1")
     assert pipe.loaded()["park_backbone"] == "1"
     states = []
-    bb, sr = next(iter(pipe.backbones.values())), next(iter(pipe.superres.values()))
+    bb, sr = next(iter(pipe.residency.backbones.values())), next(iter(pipe.residency.superres.values()))
     for stage, obj, name in (("backbone", bb, "generate_batch"), ("superres", sr, "generate_batch")):
         real = getattr(obj, name)
         monkeypatch.setattr(
-            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.parked))) or _r(*a, **k)
+            obj, name, lambda *a, _r=real, _s=stage, **k: states.append((_s, set(pipe.residency.parked))) or _r(*a, **k)
         )
-    real_dec = pipe.decoder.decode
+    real_dec = pipe.residency.decoder.decode
     monkeypatch.setattr(
-        pipe.decoder, "decode", lambda *a, **k: states.append(("decoder", set(pipe.parked))) or real_dec(*a, **k)
+        pipe.residency.decoder,
+        "decode",
+        lambda *a, **k: states.append(("decoder", set(pipe.residency.parked))) or real_dec(*a, **k),
     )
     reqs = [TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=s, task_id=f"pb{s}") for s in (1, 2)]
     got = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
@@ -675,7 +685,7 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
         ("decoder", {"backbone", "superres"}),
         ("decoder", {"backbone", "superres"}),  # one decode per take
     ]
-    assert pipe.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
+    assert pipe.residency.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
     assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder"]
 
     kept = _park_pipe(tmp_path / "kept", megatron_cpu, runtime_mode="keep_loaded")
@@ -691,7 +701,7 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     monkeypatch.setattr(sr, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         pipe.run(dataclasses.replace(reqs[0], task_id="pbx"), TaskContext("pbx"))
-    assert pipe.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder"}
 
 
 def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
@@ -702,19 +712,21 @@ def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
     with pytest.raises(ConfigError, match="PARK_BACKBONE=1 .* RUNTIME_MODE is keep_loaded"):
         _park_pipe(tmp_path, megatron_cpu, runtime_mode="keep_loaded", park_backbone="1")
     pipe = _park_pipe(tmp_path, megatron_cpu, runtime_mode="park")
-    sr = next(iter(pipe.superres.values()))
-    assert not pipe._backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
-    need = pipe._stage2_need(sr, 2, 300)
-    weights = sum(p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.decoder.parameters()])
+    sr = next(iter(pipe.residency.superres.values()))
+    assert not pipe.residency.backbone_must_park(sr, 2, 300)  # auto on the CPU: host memory is the device's
+    need = pipe.residency.stage2_need(sr, 2, 300)
+    weights = sum(
+        p.numel() * p.element_size() for p in [*sr.gpt.model.parameters(), *pipe.residency.decoder.parameters()]
+    )
     assert need > weights
-    assert pipe._stage2_need(sr, 4, 300) > need  # more takes, more activations
+    assert pipe.residency.stage2_need(sr, 4, 300) > need  # more takes, more activations
     # auto on CUDA, with the device's numbers stubbed: park exactly when free memory is short
-    monkeypatch.setattr(pipe, "device", torch.device("cuda"))
+    monkeypatch.setattr(pipe.residency, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
     for free, parks in ((need - 1, True), (need, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d, _f=free: (_f, 10 * need))
-        assert pipe._backbone_must_park(sr, 2, 300) is parks
+        assert pipe.residency.backbone_must_park(sr, 2, 300) is parks
 
 
 def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
@@ -741,7 +753,7 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     import dataclasses
 
     from songserve.pipeline import pipeline as pl
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
 
@@ -754,7 +766,7 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     together = pipe.run_batch(reqs, [TaskContext(r.task_id + "b") for r in reqs])
     assert [r.metadata["batch_size"] for r in together] == [3, 3, 3]
     tokens = together[0].metadata["tokens"]
-    per_take = next(iter(pipe.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
+    per_take = next(iter(pipe.residency.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
     monkeypatch.setattr(pl, "_mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
     out = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
     assert [r.metadata["batch_size"] for r in out] == [2, 2, 1]

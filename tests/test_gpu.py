@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from songserve.pipeline.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import DecodeModel, GraphedStep
-from songserve.pipeline.gpt import causal_mask, load_model
+from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.engine.oracle import causal_mask, megatron_forward
+from songserve.pipeline.engine.transformer import DecodeModel
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = list(range(3, 23))
@@ -16,14 +18,14 @@ PROMPT = list(range(3, 23))
 
 @pytest.fixture(scope="module")
 def cuda():
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
 
     init_megatron(torch.device("cuda", 0), 0, seed=0)
     return torch.device("cuda", 0)
 
 
 def _backbone(tiny_dir, device, dtype):
-    from songserve.pipeline import tokenizer as tk
+    from songserve.pipeline.stages import tokenizer as tk
 
     eod = tk.load_tokenizer(tiny_dir / "tokenizer").token_id(tk.EOD)
     return Backbone(load_model(tiny_dir / "backbone", device, dtype), eod)
@@ -41,7 +43,7 @@ def test_bf16_step_matches_megatron_forward(tiny_dir, cuda):
     ids = torch.randint(0, bb.gpt.arch.vocab_size, (1, 24), device=cuda)
     with torch.inference_mode():
         pos = torch.arange(24, device=cuda).view(1, -1)
-        ref = bb.gpt.hidden(ids.unsqueeze(-1), pos, causal_mask(24, cuda))[:, 0].float()
+        ref = megatron_forward(bb.gpt, ids.unsqueeze(-1), pos, causal_mask(24, cuda))[:, 0].float()
         got = dm.forward(dm.embed(ids, pos))[0].float()
     assert (got - ref).abs().max().item() < 0.1  # bf16 rounding
 
@@ -77,7 +79,7 @@ def test_no_host_sync_inside_the_decode_loop(tiny_dir, cuda):
 
 
 def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_path):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
@@ -85,7 +87,7 @@ def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_pa
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="park", device="cuda")
     pipe = ModelPipeline(s, resolve(s), cuda)
     pipe.load()
-    p = next(next(iter(pipe.superres.values())).gpt.model.parameters())
+    p = next(next(iter(pipe.residency.superres.values())).gpt.model.parameters())
     assert p.device.type == "cpu"
     assert p.is_pinned()
     assert pipe.loaded()["parked"] == ["decoder", "superres"]

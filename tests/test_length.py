@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from songserve.errors import RequestError
-from songserve.pipeline.backbone import TOKENS_PER_MINUTE, plan_length
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.numbers import TOKENS_PER_MINUTE
+from songserve.pipeline.stages.backbone import plan_length
 from songserve.pipeline.types import TrackRequest
 from tests.support import start_worker
 
@@ -44,7 +45,7 @@ def test_a_request_longer_than_the_context_is_refused_naming_the_limit():
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.settings import WorkerSettings
 
@@ -58,7 +59,7 @@ def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
 
 def _eod_logit(pipeline, monkeypatch, value):
     """Replace the end-of-document logit: +1e4 = the model ends the song now, -1e4 = never."""
-    backbone = next(iter(pipeline.backbones.values()))
+    backbone = next(iter(pipeline.residency.backbones.values()))
     gpt, real = backbone.gpt, backbone.gpt.project
 
     def project(hidden, start, stop):
@@ -133,7 +134,7 @@ def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(ti
 def test_the_floor_default_is_exact_length_for_the_tiny_set_and_none_for_a_real_one(tiny_dir, tmp_path):
     import dataclasses
 
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.settings import WorkerSettings
 

@@ -15,10 +15,10 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from songserve.errors import ConfigError
-from songserve.pipeline.decoder import load_decoder
-from songserve.pipeline.decoder_config import read_decoder_config
-from songserve.pipeline.decoder_load import TRUST_SETTING
-from songserve.pipeline.decoder_release import FULL_SIZES, ReleaseDecoderSizes, release_yaml, write_release_decoder
+from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
+from songserve.pipeline.checkpoints.decoder_load import TRUST_SETTING
+from songserve.pipeline.stages.codec import load_decoder
+from songserve.pipeline.tiny.decoder_release import FULL_SIZES, ReleaseDecoderSizes, release_yaml, write_release_decoder
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def test_bad_release_yaml_refuses_naming_file_and_key(tmp_path, edit, message):
 
 
 def test_interpolation_inside_a_string_and_of_a_list(tmp_path):
-    from songserve.pipeline.decoder_config import resolve_interpolations
+    from songserve.pipeline.checkpoints.decoder_config import resolve_interpolations
 
     raw = {"a": {"b": 3, "l": [1, 2]}, "c": "x${a.b}y", "d": "${a.l}", "e": ["${a.b}"]}
     assert resolve_interpolations(raw, "f") == {"a": {"b": 3, "l": [1, 2]}, "c": "x3y", "d": [1, 2], "e": [3]}
@@ -209,7 +209,7 @@ def test_a_differing_embed_i_is_logged_and_decode_uses_codebook_embed(tmp_path, 
     blob = _blob(release[1])
     blob["state_dict"]["generator.quantizer.embed_3"] = torch.zeros(1024, 32)
     torch.save(blob, tmp_path / "diff.ckpt")
-    with caplog.at_level(logging.WARNING, logger="songserve.pipeline.decoder_load"):
+    with caplog.at_level(logging.WARNING, logger="songserve.pipeline.checkpoints.decoder_load"):
         decoder = load_decoder(release[0], tmp_path / "diff.ckpt", CPU)
     assert "quantizer.embed_3 differs" in caplog.text
     emb = blob["state_dict"]["generator.quantizer.vq_layer_3._codebook.embed"]

@@ -25,10 +25,10 @@ import soundfile as sf
 
 from songserve.api import tags as tag_catalogue
 from songserve.errors import ConfigError
-from songserve.pipeline.decoder_config import read_decoder_config
-from songserve.pipeline.decoder_release import FULL_SIZES, release_yaml
-from songserve.pipeline.tokenizer import BOS, EOD, duration_token, load_tokenizer
-from songserve.pipeline.tokenizer_release import write_release_tokenizer
+from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
+from songserve.pipeline.stages.tokenizer import BOS, EOD, duration_token, load_tokenizer
+from songserve.pipeline.tiny.decoder_release import FULL_SIZES, release_yaml
+from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker.launcher_flags import apply_launcher_flags, verdict
 from tests.support import start_worker

@@ -27,7 +27,7 @@ T = 128256  # the Llama-3 text vocabulary of the release
 def test_release_set_has_the_release_layout_and_formats(release_dir):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from songserve.pipeline.megatron_args import read_saved_args
+    from songserve.pipeline.checkpoints.megatron_args import read_saved_args
 
     ck = release_dir / "checkpoints"
     assert (release_dir / "models" / "Tokenizer" / "tokenizer.json").is_file()
@@ -53,7 +53,7 @@ def test_release_set_has_the_release_layout_and_formats(release_dir):
 
 
 def test_checkpoint_discovery_finds_the_release_paths(release_dir, tmp_path):
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.settings import WorkerSettings
 
     for base in (release_dir, release_dir / "checkpoints"):
@@ -86,7 +86,7 @@ def test_checkpoint_discovery_finds_the_release_paths(release_dir, tmp_path):
 
 
 def test_release_checkpoint_loads_its_saved_architecture(release_dir, megatron_cpu):
-    from songserve.pipeline.gpt_checkpoint import load_model
+    from songserve.pipeline.checkpoints.gpt_load import load_model
 
     gpt = load_model(release_dir / "checkpoints" / "backbone", megatron_cpu, torch.float32, kind="backbone")
     a = gpt.arch
@@ -107,8 +107,9 @@ def test_release_checkpoint_loads_its_saved_architecture(release_dir, megatron_c
 
 
 def _release_shaped_model(device, **changes):
-    from songserve.pipeline.gpt import GPTArch, build_model
-    from songserve.pipeline.tiny import release_arch
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import build_model
+    from songserve.pipeline.tiny.build import release_arch
 
     base = release_arch("backbone", 1024).__dict__ | changes
     arch = GPTArch(**base)
@@ -122,7 +123,8 @@ def _release_shaped_model(device, **changes):
 )
 def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monkeypatch, legacy, disk_dtype, direct):
     """torch_dist read in place (same dtype, and bf16 files into fp32), megatron's reader, legacy files."""
-    from songserve.pipeline import gpt_checkpoint as gc_
+    from songserve.pipeline.checkpoints import gpt_load as gc_
+    from songserve.pipeline.tiny.gpt_write import release_args, save_release_checkpoint
 
     arch, model = _release_shaped_model(megatron_cpu)
     if disk_dtype is not None:
@@ -130,7 +132,7 @@ def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monke
     used: list[bool] = []
     real = gc_._direct_read
     monkeypatch.setattr(gc_, "_direct_read", lambda r, d: used.append(direct) or (real(r, d) if direct else False))
-    gc_.save_release_checkpoint(tmp_path / "bb", model, gc_.release_args(arch), legacy=legacy)
+    save_release_checkpoint(tmp_path / "bb", model, release_args(arch), legacy=legacy)
     if legacy:
         keys = torch.load(tmp_path / "bb" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
         assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys["model"]
@@ -142,25 +144,26 @@ def test_saved_weights_round_trip_through_te_names(megatron_cpu, tmp_path, monke
 
 
 def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):
-    from songserve.pipeline.gpt import AcousticGPT, causal_mask
+    from songserve.pipeline.engine.gpt import AcousticGPT
+    from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
 
     arch, model = _release_shaped_model(megatron_cpu)
     gpt = AcousticGPT(arch, model)
     n, p = 24, 9
     ids = torch.randint(1024, 3072, (1, n, 1), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(n).view(1, -1)
-    full = gpt.hidden(ids, pos, causal_mask(n, megatron_cpu))
-    ctx = gpt.new_kv_context(n + 4)
-    steps = [gpt.hidden(ids[:, :p], pos[:, :p], causal_mask(p, megatron_cpu), ctx)]
+    full = megatron_forward(gpt, ids, pos, causal_mask(n, megatron_cpu))
+    ctx = new_kv_context(gpt, n + 4)
+    steps = [megatron_forward(gpt, ids[:, :p], pos[:, :p], causal_mask(p, megatron_cpu), ctx)]
     ctx.increment_sequence_len_offset(p)
     for t in range(p, n):
-        steps.append(gpt.hidden(ids[:, t : t + 1], pos[:, t : t + 1], None, ctx))
+        steps.append(megatron_forward(gpt, ids[:, t : t + 1], pos[:, t : t + 1], None, ctx))
         ctx.increment_sequence_len_offset(1)
     assert (torch.cat(steps) - full).abs().max().item() <= 1e-5
     # RoPE is in play: the same weights with another base compute something else
     arch2, model2 = _release_shaped_model(megatron_cpu, rotary_base=10000)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
-    other = AcousticGPT(arch2, model2).hidden(ids, pos, causal_mask(n, megatron_cpu))
+    other = megatron_forward(AcousticGPT(arch2, model2), ids, pos, causal_mask(n, megatron_cpu))
     assert (other - full).abs().max().item() > 1e-3
 
 
@@ -168,8 +171,9 @@ def test_kv_cached_steps_equal_a_full_forward_with_rope(megatron_cpu):
 
 
 def _built_from_args(megatron_cpu, **args):
-    from songserve.pipeline.gpt import GPTArch, build_model
-    from songserve.pipeline.megatron_args import arch_fields_from_args
+    from songserve.pipeline.checkpoints.megatron_args import arch_fields_from_args
+    from songserve.pipeline.engine.arch import GPTArch
+    from songserve.pipeline.engine.gpt import build_model
 
     base = {
         "num_layers": 1,
@@ -242,7 +246,7 @@ def test_qk_layernorm_reaches_the_model(megatron_cpu):
 
 
 def test_layernorm_1p_reaches_the_model(megatron_cpu):
-    from songserve.pipeline.gpt import ZeroCenteredNorm
+    from songserve.pipeline.engine.gpt import ZeroCenteredNorm
 
     _, m = _built_from_args(megatron_cpu, apply_layernorm_1p=True, norm_epsilon=1e-6)
     norm = m.decoder.layers[0].input_layernorm
@@ -269,7 +273,7 @@ def test_untied_output_reaches_the_model(megatron_cpu):
     [("num_experts", 8), ("multi_latent_attention", True), ("window_size", (128, 0)), ("normalization", "L2Norm")],
 )
 def test_unsupported_math_refuses_naming_field_and_value(field, value):
-    from songserve.pipeline.megatron_args import arch_fields_from_args
+    from songserve.pipeline.checkpoints.megatron_args import arch_fields_from_args
 
     args = {"num_layers": 1, "hidden_size": 8, "ffn_hidden_size": 8, "num_attention_heads": 1, "vocab_size": 4096}
     with pytest.raises(ConfigError, match=f"{field}={value!r}".replace("(", r"\(").replace(")", r"\)")) as exc:
@@ -278,7 +282,7 @@ def test_unsupported_math_refuses_naming_field_and_value(field, value):
 
 
 def test_missing_saved_arg_refuses_naming_it(tmp_path):
-    from songserve.pipeline.gpt_checkpoint import resolve_arch
+    from songserve.pipeline.checkpoints.gpt_load import resolve_arch
 
     it = tmp_path / "bb" / "iter_0000001"
     it.mkdir(parents=True)
@@ -294,7 +298,7 @@ def test_missing_saved_arg_refuses_naming_it(tmp_path):
 
 
 def test_a_tensor_the_model_needs_and_the_file_lacks_refuses_naming_it(release_dir, megatron_cpu):
-    from songserve.pipeline.gpt_checkpoint import load_model
+    from songserve.pipeline.checkpoints.gpt_load import load_model
 
     with pytest.raises(ConfigError, match=r"has no tensor 'decoder\.layers\.2\.") as exc:
         load_model(release_dir / "checkpoints" / "backbone", megatron_cpu, torch.float32, "--num-layers 3", "backbone")
@@ -306,7 +310,7 @@ def test_a_tensor_the_model_needs_and_the_file_lacks_refuses_naming_it(release_d
 
 
 def test_flags_override_saved_args(release_dir):
-    from songserve.pipeline.gpt_checkpoint import resolve_arch
+    from songserve.pipeline.checkpoints.gpt_load import resolve_arch
 
     flags = (
         "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --tokenizer-type NullTokenizer "
@@ -388,7 +392,8 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     import weakref
 
     from songserve.pipeline import pipeline as pl
-    from songserve.pipeline.checkpoints import resolve
+    from songserve.pipeline import residency
+    from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.types import TrackRequest
     from songserve.settings import WorkerSettings
@@ -396,7 +401,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="one_shot")
     pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)
     refs: list[weakref.ref] = []
-    load = pipe._gpt
+    load = pipe.residency._gpt
 
     def tracked(path, kind, name):
         gpt = load(path, kind, name)
@@ -410,8 +415,8 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
         gc.collect()
         alive_at_release.append(sum(r() is not None for r in refs))
 
-    monkeypatch.setattr(pipe, "_gpt", tracked)
-    monkeypatch.setattr(pl, "release_memory", release)
+    monkeypatch.setattr(pipe.residency, "_gpt", tracked)
+    monkeypatch.setattr(residency, "release_memory", release)
     pipe.load()
     r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=1 / 60, seed=1, task_id="t"), TaskContext("t"))
     assert len(refs) == 2

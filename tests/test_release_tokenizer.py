@@ -7,9 +7,9 @@ import json
 import pytest
 
 from songserve.errors import ConfigError
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.prompt import PromptRequest, build_prompt
-from songserve.pipeline.tokenizer_release import write_release_tokenizer
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.prompt import PromptRequest, build_prompt
+from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 
 LLAMA31 = {
     tk.BOS: 128000,

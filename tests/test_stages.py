@@ -9,13 +9,21 @@ import pytest
 import torch
 
 from songserve.errors import ConfigError, TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import Backbone
+from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, fold_weight_norm, load_decoder, weight_norm_state
-from songserve.pipeline.gpt import GPTArch, causal_mask, load_model, parse_megatron_args
-from songserve.pipeline.prompt import PromptRequest, build_prompt
-from songserve.pipeline.superres import SuperRes
+from songserve.pipeline.engine.arch import GPTArch, parse_megatron_args
+from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.backbone import Backbone
+from songserve.pipeline.stages.codec import (
+    AudioDecoder,
+    DecoderConfig,
+    fold_weight_norm,
+    load_decoder,
+    weight_norm_state,
+)
+from songserve.pipeline.stages.prompt import PromptRequest, build_prompt
+from songserve.pipeline.stages.superres import SuperRes
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +138,12 @@ def test_kv_cached_steps_match_a_full_causal_forward(backbone):
     ids = torch.randint(0, gpt.arch.vocab_size, (1, 30, 1))
     pos = torch.arange(30).view(1, -1)
     with torch.inference_mode():
-        full = gpt.hidden(ids, pos, causal_mask(30, gpt.device))[:, 0]
-        cache = gpt.new_kv_context(30)
-        steps = [gpt.hidden(ids[:, :10], pos[:, :10], causal_mask(10, gpt.device), cache)[:, 0]]
+        full = megatron_forward(gpt, ids, pos, causal_mask(30, gpt.device))[:, 0]
+        cache = new_kv_context(gpt, 30)
+        steps = [megatron_forward(gpt, ids[:, :10], pos[:, :10], causal_mask(10, gpt.device), cache)[:, 0]]
         cache.increment_sequence_len_offset(10)
         for i in range(10, 30):
-            steps.append(gpt.hidden(ids[:, i : i + 1], pos[:, i : i + 1], None, cache)[:, 0])
+            steps.append(megatron_forward(gpt, ids[:, i : i + 1], pos[:, i : i + 1], None, cache)[:, 0])
             cache.increment_sequence_len_offset(1)
     assert torch.allclose(torch.cat(steps), full, atol=1e-5)
 
@@ -144,7 +152,7 @@ def test_kv_cached_steps_match_a_full_causal_forward(backbone):
 def test_bf16_model_is_bf16_throughout_and_the_step_matches_megatron(tiny_dir, megatron_cpu, kind):
     """As Megatron-LM's Float16Module: norms and the position table too (megatron builds them fp32),
     so megatron's own bf16 forward runs, and the decode step agrees with it to bf16 rounding."""
-    from songserve.pipeline.decode import DecodeModel
+    from songserve.pipeline.engine.transformer import DecodeModel
 
     gpt = load_model(tiny_dir / kind, megatron_cpu, torch.bfloat16)
     assert {p.dtype for p in gpt.model.parameters()} == {torch.bfloat16}
@@ -152,7 +160,7 @@ def test_bf16_model_is_bf16_throughout_and_the_step_matches_megatron(tiny_dir, m
     ids = torch.randint(0, gpt.arch.vocab_size, (1, 24))
     pos = torch.arange(24).view(1, -1)
     with torch.inference_mode():
-        ref = gpt.hidden(ids.unsqueeze(-1), pos, causal_mask(24, megatron_cpu))[:, 0].float()
+        ref = megatron_forward(gpt, ids.unsqueeze(-1), pos, causal_mask(24, megatron_cpu))[:, 0].float()
         got = dm.forward(dm.embed(ids.unsqueeze(-1), pos))[0].float()
     assert got.dtype == ref.dtype
     assert (got - ref).abs().max().item() < 0.1  # bf16 rounding
@@ -201,13 +209,13 @@ def test_superres_is_non_causal(superres):
     grid = torch.randint(0, gpt.arch.text_vocab_size, (1, 12, 64))
     grid[:, :, 1:] = -1
     pos = torch.arange(12).view(1, -1)
-    from songserve.pipeline.gpt import full_mask
+    from songserve.pipeline.engine.oracle import full_mask
 
     with torch.inference_mode():
-        a = gpt.hidden(grid, pos, full_mask(12, gpt.device))
+        a = megatron_forward(gpt, grid, pos, full_mask(12, gpt.device))
         grid2 = grid.clone()
         grid2[0, -1, 0] = (grid2[0, -1, 0] + 1) % gpt.arch.text_vocab_size
-        b = gpt.hidden(grid2, pos, full_mask(12, gpt.device))
+        b = megatron_forward(gpt, grid2, pos, full_mask(12, gpt.device))
     assert not torch.allclose(a[0], b[0])  # the first row sees the last one
 
 
@@ -369,7 +377,8 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
 def test_fused_core_attention_matches_megatrons(megatron_cpu, groups):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from songserve.pipeline.gpt import AcousticGPT, build_model, full_mask
+    from songserve.pipeline.engine.gpt import AcousticGPT, build_model
+    from songserve.pipeline.engine.oracle import full_mask
 
     arch = GPTArch("backbone", 2, 64, 4, 256, 1024, 3072, 128, 64, num_query_groups=groups)
     model = build_model(arch, megatron_cpu, torch.float32)
@@ -377,9 +386,9 @@ def test_fused_core_attention_matches_megatrons(megatron_cpu, groups):
     ids = torch.randint(0, 3072, (1, 40, 1))
     pos = torch.arange(40).view(1, -1)
     with torch.inference_mode():
-        ours = [gpt.hidden(ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
+        ours = [megatron_forward(gpt, ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
         for layer in model.decoder.layers:
             layer.self_attention.core_attention.__class__ = DotProductAttention  # megatron's own arithmetic
-        theirs = [gpt.hidden(ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
+        theirs = [megatron_forward(gpt, ids, pos, m(40, megatron_cpu)) for m in (causal_mask, full_mask)]
     for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a, b, atol=1e-5)

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from songserve.errors import NotFoundError, RequestError, TaskError
-from songserve.pipeline import export
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.export import ExportError, Mp3Options, write_track
+from songserve.pipeline.stages import export
+from songserve.pipeline.stages.export import ExportError, Mp3Options, write_track
 from songserve.pipeline.tone import TonePipeline
 from songserve.pipeline.types import TrackRequest, TrackResult
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest

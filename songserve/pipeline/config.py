@@ -57,7 +57,7 @@ class ToneConfig(Protocol):
 
 
 class CheckpointPaths(Protocol):
-    """Where the checkpoint set is (``checkpoints.resolve``); unset fields fall back to the layout."""
+    """Where the checkpoint set is (``checkpoints/layout.py``'s ``resolve``); unset fields fall back to the layout."""
 
     @property
     def checkpoints_dir(self) -> Path | None: ...

@@ -1,63 +1,40 @@
 """The model pipeline for one request's takes: prompt → backbone → super-resolution → decoder → files.
 
-Tokenizer and backbone stay resident. In ``one_shot`` mode super-resolution and decoder are loaded
-for each request and released afterwards; in ``keep_loaded`` mode they stay; in ``park`` mode they
-wait in (pinned, on CUDA) host memory and move to the device only for their stage. All model work
-runs on the worker's single model thread, under ``torch.inference_mode``. Several takes of one
-request run as one batch (``run_batch``); ``run`` is a batch of one.
-
-Park mode as a state machine over ``parked`` (the stages whose weights are in host memory now):
-idle and during the backbone ``{superres, decoder}``; during superres ``{decoder}``, during the
-decoder ``{superres}``, each plus ``backbone`` when ``PARK_BACKBONE`` parks it for those two
-stages (``1``; ``auto``: when the device's free memory is short of what they need). However a
-batch ends (done, cancelled, failed mid-stage), the state returns to idle's. Every move swaps
-the ``.data`` of the same parameter objects (models, decode functions and tests keep their
-references) and the host copy is kept, so parking is free and unparking is one host→device
-copy; on the CPU both are no-ops and the outputs are keep_loaded's. The backbone's captured
-CUDA graphs read the old addresses: they are dropped at a park and captured again on first use.
+Orchestration only: which models a request picks, its prompts and length plan, how many takes
+run as one batch, the stages in order, the track's metadata and files. Where the stages' weights
+are (``RUNTIME_MODE``, park mode's state machine) is ``residency.py``'s; each batch walks its
+transitions. All model work runs on the worker's single model thread, under
+``torch.inference_mode``. Several takes of one request run as one batch (``run_batch``); ``run``
+is a batch of one.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from songserve.errors import ConfigError, RequestError, TaskCancelled
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.backbone import TOKENS_PER_MINUTE, Backbone, LengthPlan, Take, plan_length
-from songserve.pipeline.checkpoints import CheckpointSet
+from songserve.errors import RequestError, TaskCancelled
+from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, GraphedStep, want_compile
-from songserve.pipeline.decoder import AudioDecoder, DecoderConfig, load_decoder
-from songserve.pipeline.export import Mp3Options, write_track
-from songserve.pipeline.gpt import AcousticGPT, GPTArch, load_model
-from songserve.pipeline.prompt import PromptRequest, build_prompt, style_of
-from songserve.pipeline.superres import SuperRes
+from songserve.pipeline.engine.arch import GPTArch
+from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
+from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
+from songserve.pipeline.residency import Residency
+from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take, plan_length
+from songserve.pipeline.stages.export import Mp3Options, write_track
+from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
+from songserve.pipeline.stages.superres import SuperRes
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
-
-
-def release_memory(device: torch.device) -> None:
-    """Return freed memory to the system: the CUDA cache, and glibc's heap on the CPU."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    else:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
 
 
 def _arch_summary(a: GPTArch) -> dict[str, Any]:
@@ -79,48 +56,21 @@ class ModelPipeline:
         self.s = settings
         self.ckpt = ckpt
         self.device = device
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.tokenizer: tk.TextTokenizer | None = None
-        self.backbones: dict[str, Backbone] = {}
-        self.superres: dict[str, SuperRes] = {}
-        self.decoder: AudioDecoder | None = None
-        self.decoder_cfg = DecoderConfig()
-        self.load_sec: dict[str, float] = {}
-        self._superres_arch: dict[str, GPTArch] = {}
-        self.parked: set[str] = set()  # park mode: stages whose weights wait in host memory now
-        self._host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # park: tensor → its host copy
+        self.residency = Residency(settings, ckpt, device, phase=self._phase)
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
 
+    def _phase(self, phase: str) -> None:
+        self.phase_hook(phase)  # looked up at each call: the runtime sets phase_hook after construction
+
     # -- lifecycle ------------------------------------------------------------------------------
     def load(self) -> None:
-        """Load what stays resident; validate everything else once, so start-up fails early."""
-        if self.s.park_backbone == "1" and self.s.runtime_mode != "park":
-            raise ConfigError(
-                f"PARK_BACKBONE=1 parks the backbone in park mode only; RUNTIME_MODE is {self.s.runtime_mode}."
-            )
-        self.phase_hook("loading_backbone")
-        self.tokenizer = tk.load_tokenizer(self.ckpt.tokenizer)
-        eod = self.tokenizer.token_id(tk.EOD)
-        t0 = time.perf_counter()
-        for name, path in self.ckpt.backbones.items():
-            self.backbones[name] = Backbone(self._gpt(path, "backbone", name), eod, prefill_chunk=self.s.prefill_chunk)
-        self.load_sec["backbone"] = round(time.perf_counter() - t0, 3)
-        self._load_stage2()
-        assert self.decoder is not None
-        self.decoder_cfg = self.decoder.cfg  # rates and frame size, kept when one_shot unloads the decoder
-        self._superres_arch = {n: sr.gpt.arch for n, sr in self.superres.items()}
-        if self.s.runtime_mode == "one_shot":
-            self._unload_stage2()
-        if self.s.runtime_mode == "park":
-            self._park("superres")
-            self._park("decoder")
-            if self.s.park_backbone != "0":
-                self._host_copy("backbone")  # now, at load: parking it later costs nothing
+        """Load what stays resident (``Residency.load``), then compile the backbones' decode step."""
+        self.residency.load()
         if want_compile(self.s.compile, self.device):
             self.phase_hook("compiling")
-            for bb in self.backbones.values():
+            for bb in self.residency.backbones.values():
                 step: CompiledStep | GraphedStep
                 if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
                     step = GraphedStep(bb.dm, bb.gpt.arch.context_length)
@@ -130,149 +80,24 @@ class ModelPipeline:
                     step.warm(sorted({1, self.s.max_batch}), [bb.bucket], bb.gpt.arch.context_length)
                 bb.compiled = None if step.failed else step
 
-    # -- park mode: stage weights wait in host memory ---------------------------------------------
-    def _modules(self, stage: str) -> list[torch.nn.Module]:
-        if stage == "backbone":
-            return [bb.gpt.model for bb in self.backbones.values()]
-        if stage == "superres":
-            return [sr.gpt.model for sr in self.superres.values()]
-        return [self.decoder] if self.decoder is not None else []
-
-    def _host_copy(self, stage: str) -> None:
-        """The stage's host copy (pinned on CUDA; on the CPU the tensors themselves), made once and kept."""
-        if stage not in self._host:
-            tensors = [t for m in self._modules(stage) for t in (*m.parameters(), *m.buffers())]
-            pin = self.device.type == "cuda"
-            self._host[stage] = [(t, t.data.to("cpu").pin_memory() if pin else t.data.to("cpu")) for t in tensors]
-
-    def _park(self, stage: str) -> None:
-        """Weights back to their host copy: parking costs nothing, unparking is one host→device copy."""
-        if self.s.runtime_mode != "park" or stage in self.parked:
-            return
-        self._host_copy(stage)
-        for t, host in self._host[stage]:
-            t.data = host
-        self._retarget(stage, torch.device("cpu"))
-        self.parked.add(stage)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _unpark(self, stage: str) -> None:
-        if stage not in self.parked:
-            return
-        for t, host in self._host[stage]:
-            t.data = host.to(self.device, non_blocking=True)
-        self._retarget(stage, self.device)
-        self.parked.discard(stage)
-
-    def _retarget(self, stage: str, device: torch.device) -> None:
-        """Cached device fields follow the weights (the parameter objects themselves are kept)."""
-        if stage == "superres":
-            for sr in self.superres.values():
-                sr.gpt.device = sr.dm.device = device
-                sr.dm._rope_cos = sr.dm._rope_sin = None  # rebuilt on the next use, where the weights are
-        if stage == "backbone":
-            for bb in self.backbones.values():
-                bb.gpt.device = bb.dm.device = device
-                # RoPE tables moved, not rebuilt: on the CPU the very same tensors (a compiled step's guards hold)
-                if bb.dm._rope_cos is not None and bb.dm._rope_sin is not None:
-                    bb.dm._rope_cos = bb.dm._rope_cos.to(device)
-                    bb.dm._rope_sin = bb.dm._rope_sin.to(device)
-                if isinstance(bb.compiled, GraphedStep):
-                    bb.compiled.reset()  # its graphs and persistent cache hold the old addresses
-
-    def _backbone_must_park(self, superres: SuperRes, takes: int, seq: int) -> bool:
-        """PARK_BACKBONE for this batch: ``1`` always, ``0`` never, ``auto`` when the device's free
-        memory (free plus what torch's cache holds unused) is short of ``_stage2_need`` (the CPU: never)."""
-        if self.s.runtime_mode != "park" or self.s.park_backbone == "0":
-            return False
-        if self.s.park_backbone == "1":
-            return True
-        if self.device.type != "cuda":
-            return False
-        free = torch.cuda.mem_get_info(self.device)[0]
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        need = self._stage2_need(superres, takes, seq)
-        if free < need:
-            log.info(
-                "parking the backbone: %.0f MiB free, superres and decoder need ~%.0f MiB", free / 2**20, need / 2**20
-            )
-        return free < need
-
-    def _stage2_need(self, superres: SuperRes, takes: int, seq: int) -> int:
-        """Device bytes superres and decoder take once unparked: their weights, plus an estimate of a
-        superres pass's live tensors (one layer's: x, qkv, attention out, projections ≈ 8·hidden, MLP
-        ≈ 3·ffn per position, and fp32 logits over one codebook)."""
-        weights = sum(h.numel() * h.element_size() for st in ("superres", "decoder") for _, h in self._host.get(st, []))
-        a = superres.gpt.arch
-        elt = int(superres.dm.word.element_size())
-        per_position = (8 * a.hidden_size + 3 * a.ffn_hidden_size) * elt + 1024 * 4
-        return weights + takes * seq * per_position
-
-    def _gpt(self, path: Path, kind: str, name: str) -> AcousticGPT:
-        gpt = load_model(path, self.device, self.dtype, self.s.megatron_args, kind)
-        self._check_vocab(gpt, kind, name)
-        return gpt
-
-    def _check_vocab(self, gpt: AcousticGPT, kind: str, name: str) -> None:
-        """The model's text ids must be the tokenizer's: one line naming both numbers."""
-        assert self.tokenizer is not None
-        a, n = gpt.arch, self.tokenizer.vocab_size
-        if a.text_vocab_size != n:
-            levels = (a.vocab_size - a.text_vocab_size) // 1024
-            raise ConfigError(
-                f"{kind} {name!r}: text vocabulary {a.text_vocab_size} (vocab_size {a.vocab_size} − {levels}×1024) "
-                f"does not match the tokenizer's {n} ids ({self.ckpt.tokenizer})."
-            )
-
-    def _load_stage2(self) -> None:
-        if not self.superres:
-            self.phase_hook("loading_superres")
-            t0 = time.perf_counter()
-            self.superres = {n: SuperRes(self._gpt(p, "superres", n)) for n, p in self.ckpt.superres.items()}
-            self.load_sec["superres"] = round(time.perf_counter() - t0, 3)
-        if self.decoder is None:
-            self.phase_hook("loading_decoder")
-            t0 = time.perf_counter()
-            self.decoder = load_decoder(
-                self.ckpt.decoder_config,
-                self.ckpt.decoder_checkpoint,
-                self.device,
-                trust_pickle=self.s.trust_checkpoint_pickle,
-            )
-            self.load_sec["decoder"] = round(time.perf_counter() - t0, 3)
-
-    def _unload_stage2(self) -> None:
-        """Drop every reference this object holds, then return the memory (callers drop theirs first)."""
-        self.superres.clear()
-        self.superres, self.decoder = {}, None
-        release_memory(self.device)
-
     def loaded(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "backbone_loaded": bool(self.backbones),
-            "superres_loaded": bool(self.superres),
-            "decoder_loaded": self.decoder is not None,
-            "load_sec": dict(self.load_sec),  # the latest load of each stage
-        }
-        if self.s.runtime_mode == "park":
-            out["parked"] = sorted(self.parked)
-            out["park_backbone"] = self.s.park_backbone
-        compiled = [bb.compiled.describe() for bb in self.backbones.values() if bb.compiled is not None]
+        out = self.residency.status()
+        compiled = [bb.compiled.describe() for bb in self.residency.backbones.values() if bb.compiled is not None]
         out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
         return out
 
     def describe(self) -> dict[str, Any]:
+        cfg = self.residency.decoder_cfg
         return {
             "backbone_models": list(self.ckpt.backbones),
             "superres_models": list(self.ckpt.superres),
-            "sample_rate": self.decoder_cfg.sample_rate,
-            "frame_rate": round(self.decoder_cfg.frame_rate, 2),
-            "channels": self.decoder_cfg.channels,
+            "sample_rate": cfg.sample_rate,
+            "frame_rate": round(cfg.frame_rate, 2),
+            "channels": cfg.channels,
             "tiny_checkpoints": self.ckpt.tiny,
             "checkpoint_layout": self.ckpt.layout,
             "checkpoints": dict(self.ckpt.found),
-            "architectures": {n: _arch_summary(b.gpt.arch) for n, b in self.backbones.items()},
+            "architectures": {n: _arch_summary(b.gpt.arch) for n, b in self.residency.backbones.items()},
         }
 
     # -- limits, reported in /config ---------------------------------------------------------------
@@ -287,7 +112,7 @@ class ModelPipeline:
         out: dict[str, Any] = {"max_new_tokens": self.s.max_new_tokens, "max_batch": self.s.max_batch}
         out["eoa_min_share"] = self.min_share()
         out["tokens_per_minute"] = TOKENS_PER_MINUTE
-        for name, bb in self.backbones.items():
+        for name, bb in self.residency.backbones.items():
             arch = bb.gpt.arch
             ctx_len = arch.context_length
             out.setdefault("backbones", {})[name] = {
@@ -300,8 +125,8 @@ class ModelPipeline:
         out.update(
             {k: first[k] for k in ("max_sequence_length", "max_prompt_length", "kv_bytes_per_take") if k in first}
         )
-        if self._superres_arch:
-            out["superres_max_prompt_length"] = min(a.max_prompt_length for a in self._superres_arch.values())
+        if self.residency.superres_arch:
+            out["superres_max_prompt_length"] = min(a.max_prompt_length for a in self.residency.superres_arch.values())
         return out
 
     def _fit(self, n: int, kv_bytes_new: Callable[[int], int]) -> int:
@@ -336,7 +161,8 @@ class ModelPipeline:
 
         Returns per take its result or the exception that ended it (``TaskCancelled`` when only
         that take was cancelled). A request error (bad model name, too long) raises for all."""
-        assert self.tokenizer is not None
+        tokenizer = self.residency.tokenizer
+        assert tokenizer is not None
         assert reqs
         assert len(reqs) == len(ctxs)
         shared = [asdict(dataclasses.replace(r, seed=0, task_id="", track_index=0)) for r in reqs]
@@ -345,11 +171,11 @@ class ModelPipeline:
                 "A batch holds takes of one request: they may differ only in seed, task_id, track_index."
             )
         req = reqs[0]
-        bb_name, backbone = self._pick(self.backbones, req.backbone_name, "backbone")
+        bb_name, backbone = self._pick(self.residency.backbones, req.backbone_name, "backbone")
         style = style_of(req.description, req.tags, req.genre)
         vocal_lang = req.language if req.superres_text_mode == "full" else ""
         bb_prompt = build_prompt(
-            self.tokenizer,
+            tokenizer,
             PromptRequest(style, req.lyrics, req.duration, vocal_lang, req.instrumental),
             backbone.gpt.arch.max_prompt_length,
         )
@@ -357,7 +183,7 @@ class ModelPipeline:
         plan = plan_length(
             len(bb_prompt),
             req.duration,
-            self.decoder_cfg.frame_rate,
+            self.residency.decoder_cfg.frame_rate,
             context=arch.context_length,
             max_new_tokens=self.s.max_new_tokens,
             min_share=self.min_share(),
@@ -378,7 +204,8 @@ class ModelPipeline:
         bb_prompt: list[int],
         plan: LengthPlan,
     ) -> list[TrackResult | BaseException]:
-        assert self.tokenizer is not None
+        residency, tokenizer = self.residency, self.residency.tokenizer
+        assert tokenizer is not None
         req, B = reqs[0], len(reqs)
         timings: dict[str, float] = {}
         t_all = time.perf_counter()
@@ -398,27 +225,25 @@ class ModelPipeline:
             return results
 
         superres: SuperRes | None = None
-        parked_during = {"backbone": sorted(self.parked)}  # park mode: the state each stage ran in
+        parked_during = {"backbone": sorted(residency.parked)}  # park mode: the state each stage ran in
         try:
             t = time.perf_counter()
-            self._load_stage2()
-            sr_name, superres = self._pick(self.superres, req.superres_name, "superres")
+            residency.load_stage2()
+            sr_name, superres = self._pick(residency.superres, req.superres_name, "superres")
             sr_style = style_of("" if req.superres_text_mode != "full" else req.description, req.tags, req.genre)
             sr_prompt = build_prompt(
-                self.tokenizer,
+                tokenizer,
                 PromptRequest(sr_style, req.lyrics, req.duration, vocal_lang_of(req), req.instrumental),
                 superres.gpt.arch.max_prompt_length,
             )
             frames = max(got.codes.shape[1] for got in bbs if got is not None)
             seq = min(superres.gpt.arch.context_length, len(sr_prompt) + frames)
-            if self._backbone_must_park(superres, len(live), seq):
-                self._park("backbone")
-            self._unpark("superres")
+            residency.enter_superres(superres, len(live), seq)
             timings["load_sec"] = time.perf_counter() - t
-            parked_during["superres"] = sorted(self.parked)
+            parked_during["superres"] = sorted(residency.parked)
             t = time.perf_counter()
             for i in live:
-                ctxs[i].report("superres", 0, 62)
+                ctxs[i].report("superres", 0, SUPERRES_LEVELS - BACKBONE_LEVELS)
             coarse = []
             for i in live:
                 got = bbs[i]
@@ -428,11 +253,11 @@ class ModelPipeline:
                 sr_prompt, coarse, top_k=req.top_k_sr, generators=[gens[i] for i in live], ctxs=[ctxs[i] for i in live]
             )
             timings["superres_sec"] = time.perf_counter() - t
-            self._park("superres")
+            residency.leave_superres()
             t = time.perf_counter()
-            self._unpark("decoder")
+            residency.enter_decoder()
             timings["load_sec"] += time.perf_counter() - t
-            parked_during["decoder"] = sorted(self.parked)
+            parked_during["decoder"] = sorted(residency.parked)
             for i, codes in zip(live, codes_list, strict=True):
                 bb = bbs[i]
                 assert bb is not None
@@ -454,14 +279,9 @@ class ModelPipeline:
                     )
                 except TaskCancelled as exc:
                     results[i] = exc
-            self._park("decoder")
-        finally:  # park mode, however the batch ended (a cancel or an error mid-stage): back to idle's state
-            self._park("superres")
-            self._park("decoder")
-            self._unpark("backbone")
-            if self.s.runtime_mode == "one_shot":
-                superres = None  # this frame's reference would keep the model alive through the release
-                self._unload_stage2()
+        finally:  # however the batch ended (a cancel or an error mid-stage): back to idle's state
+            superres = None  # this frame's reference would keep the model alive through one_shot's release
+            residency.end_batch()
         log.info("tasks %s: batch of %d done in %.2fs", ids, B, time.perf_counter() - t_all)
         return results
 
@@ -481,8 +301,9 @@ class ModelPipeline:
     ) -> TrackResult:
         """Decoder and files for one take of a batch."""
         t = time.perf_counter()
-        assert self.decoder is not None
-        cfg = self.decoder.cfg
+        decoder = self.residency.decoder
+        assert decoder is not None
+        cfg = decoder.cfg
         ctx.report("decoding", 0, 1)
 
         def on_chunk(done: int, total: int) -> None:
@@ -490,7 +311,7 @@ class ModelPipeline:
             ctx.report("decoding", done, total, f"chunk {done}/{total}")
 
         with torch.inference_mode():
-            wave = self.decoder.decode(
+            wave = decoder.decode(
                 codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
                 self.s.decode_chunk_frames,
                 self.s.decode_context_frames,
@@ -522,7 +343,7 @@ class ModelPipeline:
             "channels": int(audio.shape[1]),
             "device": str(self.device),
             "runtime_mode": self.s.runtime_mode,
-            "load_sec": dict(self.load_sec),
+            "load_sec": dict(self.residency.load_sec),
         }
         if parked is not None:  # park mode: which stages waited in host memory while each stage ran
             metadata["parked"] = parked

@@ -16,10 +16,10 @@ import numpy as np
 
 from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.export import Mp3Options, write_track
+from songserve.pipeline.numbers import FRAMES_PER_SECOND, HOP, SAMPLE_RATE
+from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.types import TrackRequest, TrackResult
 
-SAMPLE_RATE = 44100
 PHASES = ("backbone", "superres", "decoding")
 
 
@@ -39,7 +39,7 @@ class TonePipeline:
             "backbone_models": ["default_backbone"],
             "superres_models": ["default_superres"],
             "sample_rate": SAMPLE_RATE,
-            "frame_rate": round(SAMPLE_RATE / 2048, 2),
+            "frame_rate": round(FRAMES_PER_SECOND, 2),
             "test_pipeline": True,
         }
 
@@ -53,8 +53,8 @@ class TonePipeline:
             ctx.report(PHASES[min(2, 3 * i // steps)], i + 1, steps)
             if self.s.test_delay_s:
                 time.sleep(self.s.test_delay_s / steps)
-        frames = max(1, int(req.duration * 60 * SAMPLE_RATE / 2048))
-        n = frames * 2048
+        frames = max(1, int(req.duration * 60 * SAMPLE_RATE / HOP))
+        n = frames * HOP
         freq = 220.0 + (req.seed % 440)
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
         tone = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)

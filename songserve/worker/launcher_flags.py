@@ -26,7 +26,7 @@ import logging
 from typing import Any
 
 from songserve.errors import ConfigError
-from songserve.pipeline.megatron_args import ARCH_KEYS, PARALLEL, parse_flags, unsupported_use
+from songserve.pipeline.checkpoints.megatron_args import ARCH_KEYS, PARALLEL, parse_flags, unsupported_use
 from songserve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

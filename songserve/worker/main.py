@@ -34,8 +34,8 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
         from songserve.pipeline.tone import TonePipeline
 
         return WorkerRuntime(s, TonePipeline(s), device)
-    from songserve.pipeline.checkpoints import resolve
-    from songserve.pipeline.megatron_env import init_megatron
+    from songserve.pipeline.checkpoints.layout import resolve
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
     from songserve.pipeline.pipeline import ModelPipeline
 
     ckpt = resolve(s)

@@ -1,10 +1,11 @@
 """The DAC-style codec decoder: RVQ dequantisation, then the DAC decoder network.
 
 Written in the project because the ``descript-audio-codec`` package cannot be imported beside
-torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``decoder_config``, the checkpoint
-layouts (the release's Lightning file, the tiny set's, DAC's own) and safe, low-memory reading in
-``decoder_load``. Weight norm is folded into plain weights at load. Long codes decode in chunks with
-context on each side, which gives the one-pass output (≥ 12 frames of context) with bounded memory.
+torch 2.13 (shared/docs/audio-cpu.md). The YAML schemas live in ``checkpoints/decoder_config.py``,
+the checkpoint layouts (the release's Lightning file, the tiny set's, DAC's own) and safe,
+low-memory reading in ``checkpoints/decoder_load.py``. Weight norm is folded into plain weights at
+load. Long codes decode in chunks with context on each side, which gives the one-pass output
+(≥ 12 frames of context) with bounded memory.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ import torch
 from torch import nn
 
 from songserve.errors import ConfigError
-from songserve.pipeline.decoder_config import DecoderConfig, read_decoder_config
-from songserve.pipeline.decoder_load import fill, plan_sources, prepare_destination, read_checkpoint, tensors_of
+from songserve.pipeline.checkpoints.decoder_config import DecoderConfig, read_decoder_config
+from songserve.pipeline.checkpoints.decoder_load import (
+    fill,
+    plan_sources,
+    prepare_destination,
+    read_checkpoint,
+    tensors_of,
+)
 
 __all__ = ["AudioDecoder", "DecoderConfig", "fold_weight_norm", "load_decoder", "weight_norm_state"]
 
@@ -219,7 +226,7 @@ def load_decoder(
     trust_pickle: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> AudioDecoder:
-    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``decoder_load``).
+    """Load a decoder strictly: YAML (either schema) + checkpoint (any layout in ``checkpoints/decoder_load.py``).
 
     Built on the meta device and materialised empty, so no weight is randomly initialised and then
     overwritten; ``trust_pickle`` (the worker's ``TRUST_CHECKPOINT_PICKLE``) allows full unpickling.

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 from songserve.errors import RequestError
-from songserve.pipeline import tokenizer as tk
-from songserve.pipeline.tokenizer import TextTokenizer
+from songserve.pipeline.stages import tokenizer as tk
+from songserve.pipeline.stages.tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)

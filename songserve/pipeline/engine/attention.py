@@ -5,6 +5,9 @@ global buffer and runs a separate masked softmax; on the CPU that costs more tha
 long positions (bench P4, P5). This subclass keeps megatron's module (same constructor, no
 parameters, so checkpoints are unchanged) and swaps the arithmetic for one fused call. Masks keep
 megatron's convention: boolean, True = masked out.
+
+It runs only inside megatron's own forward, which is the tests' oracle (``oracle.py``) and bench
+P4's subject; serving's transformer computes its attention itself (``transformer.py``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class CheckpointSet:
     decoder_checkpoint: Path
     tiny: bool
     layout: str = "own"  # "own" or "release"
-    untrained: bool = False  # seeded random weights (a set built by pipeline/tiny.py): its end-of-audio is noise
+    untrained: bool = False  # seeded random weights (a set built by pipeline/tiny/): its end-of-audio is noise
     found: dict[str, str] = field(default_factory=dict)  # what was found where, for /config and the log
 
     def summary(self) -> str:
@@ -109,7 +109,7 @@ def resolve(s: CheckpointPaths) -> CheckpointSet:
     """Paths of the set; builds the tiny set when nothing is configured."""
     tiny = not _configured(s)
     if tiny:
-        from songserve.pipeline.tiny import ensure_tiny_set
+        from songserve.pipeline.tiny.build import ensure_tiny_set
 
         ensure_tiny_set(DEFAULT_TINY_DIR)
     base = s.checkpoints_dir or DEFAULT_TINY_DIR
@@ -160,7 +160,7 @@ def resolve(s: CheckpointPaths) -> CheckpointSet:
 
 
 def _untrained(base: Path) -> bool:
-    """A set that pipeline/tiny.py built says so in its MANIFEST.json (at the root, or above checkpoints/)."""
+    """A set that pipeline/tiny/ built says so in its MANIFEST.json (at the root, or above checkpoints/)."""
     for folder in (base, base.parent):
         try:
             manifest = json.loads((folder / "MANIFEST.json").read_text())

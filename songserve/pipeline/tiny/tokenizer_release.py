@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from songserve.pipeline.tokenizer import BOS, EOD, corpus_lines
+from songserve.pipeline.stages.tokenizer import BOS, EOD, corpus_lines
 
 ORDINARY_IDS = 128000
 TOTAL_IDS = 128256

@@ -33,14 +33,16 @@ import torch
 
 from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import CompiledStep, DecodeModel, GraphedStep, KVCache
-from songserve.pipeline.gpt import AcousticGPT
-from songserve.pipeline.sampling import sample_rows
+from songserve.pipeline.engine.compiled_step import CompiledStep
+from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.engine.kv_cache import KVCache
+from songserve.pipeline.engine.sampling import sample_rows
+from songserve.pipeline.engine.transformer import DecodeModel
+from songserve.pipeline.numbers import CODEBOOK, TOKENS_PER_MINUTE
 from songserve.pipeline.types import BackboneResult
 
 log = logging.getLogger(__name__)
-CODEBOOK = 1024
-TOKENS_PER_MINUTE = 2584  # the reference's progress estimate: 21.53 frames/s × 2 × 60
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.decode import DecodeModel
-from songserve.pipeline.gpt import AcousticGPT
-from songserve.pipeline.sampling import sample
-
-CODEBOOK = 1024
+from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.sampling import sample
+from songserve.pipeline.engine.transformer import DecodeModel
+from songserve.pipeline.numbers import CODEBOOK
 
 
 class SuperRes:

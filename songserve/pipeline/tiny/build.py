@@ -1,7 +1,4 @@
-"""Build the tiny checkpoint set of the real architecture, deterministically.
-
-    python -m songserve.pipeline.tiny [--out checkpoints/tiny] [--force]
-    python -m songserve.pipeline.tiny --layout release OUT     # the published release's layout
+"""Build the tiny checkpoint set of the real architecture, deterministically (CLI: ``tiny/__main__.py``).
 
 Same layout and on-disk formats a real set has, with small widths and depths (the real frame rate,
 21.53 frames/s, and 44.1 kHz stereo are kept):
@@ -25,32 +22,30 @@ so concurrent workers build it once.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import logging
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from songserve.pipeline.decoder import DecoderConfig
-from songserve.pipeline.gpt import GPTArch
+from songserve.pipeline.engine.arch import GPTArch
+from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, LEVELS, SUPERRES_LEVELS
+from songserve.pipeline.stages.codec import DecoderConfig
 
 log = logging.getLogger(__name__)
 
 TINY_VERSION = 4  # 4: model_config.json without num_tokens_to_generate (a worker setting)
 SEED = 1283
-TEXT_VOCAB = 1024
-CODEBOOK = 1024
+TEXT_VOCAB = 1024  # the tiny tokenizer's pieces
 
 
 def tiny_arch(kind: str, text_vocab: int) -> GPTArch:
     if kind == "backbone":
-        return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 2 * CODEBOOK, 27648, 1024)
-    return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + 64 * CODEBOOK, 16384, 1024)
+        return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + BACKBONE_LEVELS * CODEBOOK, 27648, 1024)
+    return GPTArch(kind, 2, 64, 4, 256, text_vocab, text_vocab + SUPERRES_LEVELS * CODEBOOK, 16384, 1024)
 
 
 def tiny_decoder_config() -> DecoderConfig:
@@ -60,10 +55,11 @@ def tiny_decoder_config() -> DecoderConfig:
 def _build_into(tmp: Path) -> None:
     import yaml
 
-    from songserve.pipeline.decoder import AudioDecoder, weight_norm_state
-    from songserve.pipeline.gpt import build_model, save_checkpoint
-    from songserve.pipeline.megatron_env import init_megatron
-    from songserve.pipeline.tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.gpt import build_model
+    from songserve.pipeline.stages.codec import AudioDecoder, weight_norm_state
+    from songserve.pipeline.stages.tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from songserve.pipeline.tiny.gpt_write import save_checkpoint
 
     cpu = torch.device("cpu")
     init_megatron(cpu, 0, seed=SEED)
@@ -107,7 +103,7 @@ RELEASE_LAYOUT = {
 
 def release_arch(kind: str, text_vocab: int) -> GPTArch:
     """The release's architecture family at tiny widths (2 layers, hidden 32, 4 heads in 2 groups)."""
-    vocab = text_vocab + (2 if kind == "backbone" else 64) * CODEBOOK
+    vocab = text_vocab + LEVELS[kind] * CODEBOOK
     padded = -(-(vocab + 1) // 128) * 128  # NullTokenizer's extra id, padded to a multiple of 128
     return GPTArch(
         kind,
@@ -132,11 +128,11 @@ def release_arch(kind: str, text_vocab: int) -> GPTArch:
 
 
 def _build_release_into(tmp: Path) -> None:
-    from songserve.pipeline.decoder_release import write_release_decoder
-    from songserve.pipeline.gpt import build_model
-    from songserve.pipeline.gpt_checkpoint import release_args, save_release_checkpoint
-    from songserve.pipeline.megatron_env import init_megatron
-    from songserve.pipeline.tokenizer_release import write_release_tokenizer
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.engine.gpt import build_model
+    from songserve.pipeline.tiny.decoder_release import write_release_decoder
+    from songserve.pipeline.tiny.gpt_write import release_args, save_release_checkpoint
+    from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 
     cpu = torch.device("cpu")
     init_megatron(cpu, 0, seed=SEED)
@@ -186,25 +182,3 @@ def ensure_tiny_set(out: Path, force: bool = False, layout: str = "default") -> 
         tmp.rename(out)
         log.info("tiny checkpoint set ready in %.1f s", time.perf_counter() - t0)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from songserve.pipeline.config import DEFAULT_TINY_DIR
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir", type=Path, nargs="?", help="same as --out")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--layout", choices=("default", "release"), default="default")
-    ap.add_argument("--force", action="store_true", help="rebuild even if a current set is there")
-    args = ap.parse_args(argv)
-    out = args.out_dir or args.out
-    if out is None and args.layout == "release":
-        ap.error("--layout release needs an output folder")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    print(ensure_tiny_set(out or DEFAULT_TINY_DIR, args.force, args.layout))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

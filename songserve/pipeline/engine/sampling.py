@@ -1,5 +1,7 @@
 """Token sampling: temperature, top-k and optional top-p with seeded generators, all on the device.
 
+What serving runs for every drawn token, in the backbone and in super-resolution.
+
 ``sample`` draws one batch with one generator; ``sample_rows`` filters a batch of rows together and
 draws each row with its own generator, so row *i* consumes exactly what ``sample`` would consume
 for that row alone. Nothing here converts a tensor to a Python value: no host synchronisation.

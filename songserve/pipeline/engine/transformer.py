@@ -1,4 +1,7 @@
-"""The transformer as plain functions over megatron's ``GPTModel`` weights: a decode step ready for graphs.
+"""The serving transformer: plain functions over megatron's ``GPTModel`` weights. What serving runs.
+
+Prefill chunks, super-resolution passes and the backbone's one-token step all run here
+(``DecodeModel``); megatron's own forward is only the tests' oracle (``oracle.py``).
 
 Why not megatron's forward per token: it reads the KV cache length from Python state, builds masks
 and rotary tables per call and repeats K/V for grouped-query attention, so every token costs host
@@ -8,18 +11,13 @@ device tensor, attention is ``scaled_dot_product_attention(enable_gqa=True)`` wi
 visible keys are exactly the cache prefix, and every architecture choice (norm and its epsilon,
 zero-centred gamma, biases, gated MLP and its activation, GQA, RoPE or learned positions, softmax
 scale) is read from the model's own ``TransformerConfig`` and rotary module, so any GPTModel the
-checkpoint loader builds runs here unchanged.
-
-Layout: the static KV cache is one ``(batch, groups, length, head_dim)`` tensor per layer for K and
-for V, the layout SDPA reads without a transpose; prefill writes a prefix, the step writes one
-column in place. Separate tensors (not one stacked buffer) matter under ``torch.compile``: an
-in-place write into a graph input is kept in place, where a write into a view of one big input
-is functionalised into a copy of the whole cache on every token.
+checkpoint loader builds runs here unchanged. The step runs as it is (eager), compiled
+(``compiled_step.py``) or captured in CUDA graphs (``graphed_step.py``); the cache it writes is
+``kv_cache.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from songserve.pipeline.engine.kv_cache import KVCache
+
 Linear = Callable[..., torch.Tensor]
 
 
@@ -66,36 +65,6 @@ class LayerWeights:
     fc1_b: torch.Tensor | None
     fc2_w: torch.Tensor
     fc2_b: torch.Tensor | None
-
-
-class KVCache:
-    """A static cache: fixed (batch, length) buffers; rows can be copied, dropped or moved."""
-
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self.k, self.v = k, v  # per layer (B, G, L, D)
-
-    @property
-    def batch(self) -> int:
-        return int(self.k[0].shape[0])
-
-    @property
-    def length(self) -> int:
-        return int(self.k[0].shape[2])
-
-    def rows(self, a: int, b: int) -> KVCache:
-        """A view of rows [a, b) (prefill writes row 0 only)."""
-        return KVCache([t[a:b] for t in self.k], [t[a:b] for t in self.v])
-
-    def broadcast_row0(self, upto: int) -> None:
-        """Copy row 0's first ``upto`` positions (a shared prefill) into every other row."""
-        if self.batch > 1:
-            for t in (*self.k, *self.v):
-                t[1:, :, :upto] = t[:1, :, :upto]
-
-    def keep_rows(self, rows: list[int]) -> KVCache:
-        """A smaller cache holding only ``rows`` (finished rows stop costing)."""
-        idx = torch.tensor(rows, device=self.k[0].device)
-        return KVCache([t.index_select(0, idx) for t in self.k], [t.index_select(0, idx) for t in self.v])
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, spec: StepSpec) -> torch.Tensor:
@@ -379,218 +348,3 @@ class DecodeModel:
             )
             x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear)
         return self.final(x)[:, 0]
-
-
-def want_compile(setting: str, device: torch.device) -> bool:
-    """``COMPILE``: ``1`` on, ``0`` off, ``auto`` on for CUDA only (on the CPU it does not pay)."""
-    return setting == "1" or (setting == "auto" and device.type == "cuda")
-
-
-class CompiledStep:
-    """``DecodeModel.step`` under ``torch.compile(fullgraph=True)``; CUDA graphs on CUDA.
-
-    One graph per (batch, KV length bucket): shapes are static inside each. Any failure to
-    compile or capture turns this object into the eager step for good, with one log line.
-    """
-
-    def __init__(self, dm: DecodeModel, *, backend: str | Callable[..., Any] = "inductor") -> None:
-        import torch._dynamo
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        self.dm = dm
-        self.cuda_graphs = dm.device.type == "cuda"
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        self._fn = torch.compile(dm.step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
-        self.graphs: set[tuple[int, int]] = set()  # (batch, kv_len) compiled (and captured on CUDA)
-        self.failed: str | None = None
-
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        k: list[torch.Tensor],
-        v: list[torch.Tensor],
-        kv_len: int,
-        masked: bool,
-    ) -> torch.Tensor:
-        if self.failed is not None:
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
-        key = (int(tokens.shape[0]), kv_len)
-        try:
-            if self.cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            out = self._fn(tokens, pos, k, v, kv_len, masked)
-        except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            log.warning("compiled decode step failed for batch %d, kv %d; eager from now on (%s)", *key, self.failed)
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
-        self.graphs.add(key)
-        return out
-
-    def warm(self, batches: list[int], kv_lens: list[int], cache_len: int | None = None) -> None:
-        """Compile (and capture) the given shapes now, at load, on a scratch cache of ``cache_len``
-        positions: the length the backbone decodes into (its context), and under inference mode as
-        the backbone decodes: either one differing, the graphs are not reused."""
-        with torch.inference_mode():
-            self._warm(batches, kv_lens, max(cache_len or 0, *kv_lens))
-
-    def _warm(self, batches: list[int], kv_lens: list[int], length: int) -> None:
-        for b in batches:
-            cache = self.dm.new_cache(b, length)
-            self.dm.rope_tables(length)
-            tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
-            pos = torch.zeros(1, dtype=torch.long, device=self.dm.device)
-            for n in kv_lens:
-                for _ in range(3 if self.cuda_graphs else 1):  # cudagraph trees record on the 2nd-3rd call
-                    self(tokens, pos, cache.k, cache.v, n, True)
-                if self.failed:
-                    return
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "compiled": self.failed is None,
-            "cuda_graphs": self.cuda_graphs and self.failed is None,
-            "graphs": sorted(f"{b}x{n}" for b, n in self.graphs),
-            "fallback": self.failed,
-        }
-
-
-@dataclass
-class _Graph:
-    graph: Any  # torch.cuda.CUDAGraph
-    tokens: torch.Tensor
-    pos: torch.Tensor
-    out: torch.Tensor
-
-
-class GraphedStep:
-    """CUDA: the step captured as a CUDA graph per (batch, KV length bucket), by hand.
-
-    Why by hand rather than ``mode="reduce-overhead"``: capture takes seconds instead of an
-    inductor compile of every layer, and the graph's inputs are explicit. A graph reads fixed
-    addresses, so every batch decodes into one persistent cache of the full context: a batch of
-    ``b`` takes uses its first ``b`` rows (``cache_for``; a prefix of the batch dimension is a
-    contiguous view), so the cache costs ``rows`` takes' KV whatever mix of batch sizes comes, and
-    that memory is taken once, at load (``warm``). The token and position are copied into static
-    buffers before each replay (device-to-device, no host sync). Capturing a new bucket mid-song
-    is safe: the warm-up runs write exactly what the real step writes (same token, same position,
-    same prefix).
-    Any failure falls back to the eager step for good, with one log line.
-    """
-
-    def __init__(self, dm: DecodeModel, max_len: int) -> None:
-        self.dm = dm
-        self.max_len = max_len
-        self.rows = 0  # takes the persistent cache holds (allocated on first use, at load by warm)
-        self._cache: KVCache | None = None
-        self._views: dict[int, KVCache] = {}  # batch size → the first rows of the persistent cache
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self.failed: str | None = None
-        self.pool: Any = None  # one memory pool shared by every captured graph
-
-    @property
-    def graphs(self) -> set[tuple[int, int]]:
-        return set(self._graphs)
-
-    def reset(self) -> None:
-        """Forget every graph and persistent cache: the weights moved (park mode), and a graph reads
-        the addresses it was captured on. The next call of each shape captures it again."""
-        self._graphs.clear()
-        self._views.clear()
-        self._cache = None
-        self.pool = None
-
-    def _graphed(self, length: int) -> bool:
-        return self.failed is None and length <= self.max_len
-
-    def cache_for(self, batch: int, length: int) -> KVCache:
-        """The first ``batch`` rows of the persistent cache (graphs captured on it read its
-        addresses). A batch wider than the cache regrows it, and every graph is captured again."""
-        if not self._graphed(length):
-            return self.dm.new_cache(batch, length)
-        if batch > self.rows:
-            self.reset()  # the graphs read the old cache's addresses
-            self.rows = batch
-        if self._cache is None:
-            self._cache = self.dm.new_cache(self.rows, self.max_len)
-        if batch not in self._views:
-            c = self._cache
-            self._views[batch] = KVCache([t[:batch] for t in c.k], [t[:batch] for t in c.v])
-        return self._views[batch]
-
-    def kv_bytes_new(self, batch: int, length: int) -> int:
-        """Device memory a batch would newly take for its KV: none where the persistent cache
-        already holds its rows."""
-        if not self._graphed(length):
-            return batch * self.dm.kv_bytes_per_take(length)
-        if batch <= self.rows and self._cache is not None:
-            return 0
-        return max(batch, self.rows) * self.dm.kv_bytes_per_take(self.max_len)
-
-    def _capture(
-        self, tokens: torch.Tensor, pos: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], kv_len: int
-    ) -> _Graph:
-        st, sp = tokens.clone(), pos.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.dm.step(st, sp, k, v, kv_len, True)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.dm.step(st, sp, k, v, kv_len, True)
-        self.pool = graph.pool()
-        return _Graph(graph, st, sp, out)
-
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        pos: torch.Tensor,
-        k: list[torch.Tensor],
-        v: list[torch.Tensor],
-        kv_len: int,
-        masked: bool,
-    ) -> torch.Tensor:
-        batch = int(tokens.shape[0])
-        own = self._views.get(batch)
-        if self.failed is not None or own is None or own.k[0].data_ptr() != k[0].data_ptr():
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
-        key = (batch, kv_len)
-        g = self._graphs.get(key)
-        try:
-            if g is None:
-                g = self._graphs[key] = self._capture(tokens, pos, k, v, kv_len)
-            g.tokens.copy_(tokens)
-            g.pos.copy_(pos)
-            g.graph.replay()
-        except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            log.warning("CUDA graph capture failed for batch %d, kv %d; eager from now on (%s)", *key, self.failed)
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
-        return g.out
-
-    def warm(self, batches: list[int], kv_lens: list[int]) -> None:
-        """Capture the given shapes now, at load: the cache for the widest batch first, so that no
-        later batch size regrows it (which would drop the graphs captured before)."""
-        self.dm.rope_tables(self.max_len)
-        if batches:
-            self.cache_for(max(batches), self.max_len)
-        for b in batches:
-            cache = self.cache_for(b, self.max_len)
-            tokens = torch.zeros(b, dtype=torch.long, device=self.dm.device)
-            pos = torch.zeros(1, dtype=torch.long, device=self.dm.device)
-            for n in kv_lens:
-                self(tokens, pos, cache.k, cache.v, min(n, self.max_len), True)
-                if self.failed:
-                    return
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "compiled": False,
-            "cuda_graphs": self.failed is None,
-            "graphs": sorted(f"{b}x{n}" for b, n in self._graphs),
-            "fallback": self.failed,
-            "kv_rows": self.rows,  # takes the persistent cache holds (the graphs' batch sizes share it)
-            "kv_bytes": self.rows * self.dm.kv_bytes_per_take(self.max_len) if self._cache is not None else 0,
-        }

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from songserve.pipeline.decoder import AudioDecoder
-from songserve.pipeline.decoder_config import DecoderConfig
+from songserve.pipeline.checkpoints.decoder_config import DecoderConfig
+from songserve.pipeline.numbers import CODEBOOK, SUPERRES_LEVELS
+from songserve.pipeline.stages.codec import AudioDecoder
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class ReleaseDecoderSizes:
     decoder_filters: int = 4
     rates: tuple[int, ...] = (8, 8, 8, 4)
     out_channel: int = 2
-    num_quantizers: int = 64
-    codebook_size: int = 1024
+    num_quantizers: int = SUPERRES_LEVELS
+    codebook_size: int = CODEBOOK
 
     def decoder_config(self) -> DecoderConfig:
         return DecoderConfig(

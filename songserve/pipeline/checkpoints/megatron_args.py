@@ -32,11 +32,10 @@ from typing import Any
 import torch
 
 from songserve.errors import ConfigError
+from songserve.pipeline.numbers import CODEBOOK, LEVELS
 
 log = logging.getLogger(__name__)
 
-CODEBOOK = 1024
-LEVELS = {"backbone": 2, "superres": 64}
 DEFAULT_PROMPT = {"backbone": 4096, "superres": 2048}
 
 # Megatron flags that are switches (no value); ``--disable-*``/``--no-*`` ones clear a field.
@@ -249,7 +248,7 @@ def arch_fields_from_args(kind: str, a: dict[str, Any], source: str) -> dict[str
     levels = LEVELS[kind]
     text = vocab - levels * CODEBOOK
     if text <= 0:
-        raise ConfigError(f"{source}: vocab_size {vocab} leaves no text vocabulary for {levels} codebooks of 1024.")
+        raise ConfigError(f"{source}: vocab_size {vocab} leaves no text vocabulary for {levels} codebooks of {CODEBOOK}.")
     max_seq = a.get("max_position_embeddings") or req("seq_length")
     pos = a.get("position_embedding_type")
     if pos is None:

@@ -8,7 +8,7 @@ works round the ones that start-up and checkpoint I/O hit:
      machine without CUDA it stays where it is (prefill, KV-cached steps and non-causal passes);
   6. ``dist_checkpointing.save`` synchronises CUDA and makes CUDA tensors: redirect both.
 The other two (default causal mask, the KV-cache allocation) are handled where the model is
-driven, in ``gpt.py``.
+driven, in ``engine/oracle.py`` (the tests' forward through megatron).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from songserve.errors import ConfigError
+from songserve.pipeline.numbers import CODEBOOK, SAMPLE_RATE, SUPERRES_LEVELS
 
 _REF = re.compile(r"\$\{([^${}]+)\}")
 
@@ -66,13 +67,13 @@ RELEASE_BUILDERS = {
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    sample_rate: int = 44100
+    sample_rate: int = SAMPLE_RATE
     latent_dim: int = 128
     n_filters: int = 192  # decoder's first conv has n_filters · 2^len(rates) channels
     rates: tuple[int, ...] = (8, 8, 8, 4)
     channels: int = 2
-    n_codebooks: int = 64
-    codebook_size: int = 1024
+    n_codebooks: int = SUPERRES_LEVELS
+    codebook_size: int = CODEBOOK
     codebook_dim: int | None = None  # DAC's factorised codebooks (with out_proj); None = latent_dim
     final_tanh: bool = False
 
@@ -113,7 +114,7 @@ class DecoderConfig:
         if "rates" in dec or "num_quantizers" in q:
             return cls._from_release(f)
         return cls(
-            sample_rate=f.integer("sample_rate", 44100),
+            sample_rate=f.integer("sample_rate", SAMPLE_RATE),
             latent_dim=f.integer("quantizer.latent_dim"),
             n_filters=f.integer("decoder.n_filters"),
             rates=f.int_list("decoder.upsampling_ratios"),
@@ -171,6 +172,7 @@ class DecoderConfig:
 
     @classmethod
     def from_dac_kwargs(cls, kw: dict[str, Any]) -> DecoderConfig:
+        """DAC's own files: their metadata's keyword arguments, with DAC's defaults (not this model's numbers)."""
         rates = tuple(kw.get("decoder_rates", (8, 8, 4, 2)))
         return cls(
             sample_rate=int(kw.get("sample_rate", 44100)),

@@ -1,0 +1,1 @@
+"""The stages of a song: prompt, tokenizer, backbone, super-resolution, codec (RVQ + DAC decoder), export."""
