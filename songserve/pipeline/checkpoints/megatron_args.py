@@ -248,7 +248,9 @@ def arch_fields_from_args(kind: str, a: dict[str, Any], source: str) -> dict[str
     levels = LEVELS[kind]
     text = vocab - levels * CODEBOOK
     if text <= 0:
-        raise ConfigError(f"{source}: vocab_size {vocab} leaves no text vocabulary for {levels} codebooks of {CODEBOOK}.")
+        raise ConfigError(
+            f"{source}: vocab_size {vocab} leaves no text vocabulary for {levels} codebooks of {CODEBOOK}."
+        )
     max_seq = a.get("max_position_embeddings") or req("seq_length")
     pos = a.get("position_embedding_type")
     if pos is None:
