@@ -38,8 +38,6 @@ from typing import Any
 import torch
 
 from songserve.errors import ConfigError
-from songserve.pipeline.engine.arch import MODEL_CONFIG, GPTArch
-from songserve.pipeline.engine.gpt import AcousticGPT, build_model
 from songserve.pipeline.checkpoints.megatron_args import (
     arch_fields_from_args,
     check_parallel,
@@ -49,6 +47,8 @@ from songserve.pipeline.checkpoints.megatron_args import (
     safe_load,
     safe_unpickling,
 )
+from songserve.pipeline.engine.arch import MODEL_CONFIG, GPTArch
+from songserve.pipeline.engine.gpt import AcousticGPT, build_model
 
 log = logging.getLogger(__name__)
 
