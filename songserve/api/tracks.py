@@ -30,17 +30,14 @@ from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.estimates import SpeedHistory
 from songserve.api.metrics import DispatcherMetrics
+from songserve.api.outcomes import Outcome, OutcomeKind, WorkerUnreachable
 from songserve.api.pool import WorkerHandle, WorkerPool
 from songserve.api.states import TrackStatus, check_transition, job_status
 from songserve.api.store import STORED_TRACK_FIELDS, Job, JobStore, Key, StaleTrack, Track
-from songserve.api.worker_client import Outcome, OutcomeKind, WorkerUnreachable
+from songserve.api.to_worker import result_files, result_metadata, result_seed
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
-# What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
-# (a reference worker runs each take alone and sends neither).
-METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
-BATCH_KEYS = ("batch_size", "parked")
 IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
 
 
@@ -116,21 +113,15 @@ class TrackBook:
             return
         if outcome.kind is OutcomeKind.done and outcome.result is not None:
             res = outcome.result
-            names = {"wav": res.wav_filename, "mp3": res.mp3_filename}
-            if res.json_filename:
-                names["json"] = res.json_filename
             try:
-                await self.artifacts.fetch(w.client, names, job.job_id, t.index)
+                await self.artifacts.fetch(w.client, result_files(res), job.job_id, t.index)
             except (WorkerUnreachable, OSError) as exc:
                 raise RetryTrack(f"could not copy the files from worker {w.worker_id} ({exc})") from None
             now = time.time()
-            meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": w.worker_id}
-            meta |= {k: res.metadata[k] for k in BATCH_KEYS if k in res.metadata}
+            meta = result_metadata(res, w.worker_id)
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-            # The seed the worker used (a worker reads seed_override 0 as its own seed, as the reference).
-            seed = res.seed if res.seed is not None else t.seed
             await self._set(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec, metadata=meta,
-                            seed=seed, owner=None)  # fmt: skip
+                            seed=result_seed(res, t.seed), owner=None)  # fmt: skip
             self._record_done(job, t, res.metadata, now)
             w.track_succeeded()
             await self._remove_worker_files(w, task_id)
