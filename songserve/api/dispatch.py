@@ -39,12 +39,12 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerUnreachable
+from songserve.api.phases import status_of_phase
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import TrackStatus
 from songserve.api.store import STORED_TRACK_FIELDS, Job, JobStore, Key, StaleTrack, Track, WorkerRow
 from songserve.api.to_worker import worker_request
 from songserve.api.tracks import RetryTrack, TrackBook
-from songserve.api.views import status_of_phase
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)

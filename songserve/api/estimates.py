@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 
+from songserve.api.phases import overall_progress
 from songserve.api.store import Job
-from songserve.api.views import overall_progress
 
 
 class SpeedHistory:
