@@ -6,10 +6,11 @@ The overall percent comes from the one phase table (``phases.py``); here only th
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from songserve.api.phases import overall_progress
 from songserve.api.states import TrackStatus, job_status
-from songserve.api.store import Job, Track
+from songserve.api.store import Job, Key, Track
 from songserve.schemas import JobView, TrackFiles, TrackView
 
 TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference worker's progress_detail
@@ -63,7 +64,7 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
     )
 
 
-def job_view(job: Job, positions: dict[tuple[str, int], int], eta: float | None) -> JobView:
+def job_view(job: Job, positions: Mapping[Key, int], eta: float | None) -> JobView:
     tracks = [track_view(job, t, positions.get((job.job_id, t.index), 0)) for t in job.tracks]
     queued = [tv.queue_position for tv in tracks if tv.queue_position]
     return JobView(
