@@ -1,6 +1,7 @@
 """The dispatcher: which worker runs which tracks, put together from the parts that do the work.
 
-It holds, each given what it needs when it is made (no part reaches into another's attributes):
+It holds these parts, each given what it needs when it is made; no part inherits from another or
+sets another's attributes (they read each other's state and call each other's methods):
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
 - the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
@@ -93,10 +94,7 @@ class Dispatcher:
         for model, ratio in reversed(await self.store.finished_work_ratios()):
             self.speed.seed(model, ratio)
         for job in await self.store.active_jobs():
-            book.jobs[job.job_id] = job
-            for t in job.tracks:
-                if t.status is TrackStatus.queued:
-                    book.enqueue(job, t)
+            book.add(job)
             await book.finish_if_done(job)
         book.reorder()
         await self._membership_step(first=True)
@@ -246,9 +244,7 @@ class Dispatcher:
 
     async def add(self, job: Job) -> None:
         """A new job (already in the store): queue its tracks and dispatch what can start now."""
-        self.book.jobs[job.job_id] = job
-        for t in job.tracks:
-            self.book.enqueue(job, t)
+        self.book.add(job)
         try:
             await self.dispatch_now()
         except Exception:  # the job is stored and queued: the dispatch loop tries again

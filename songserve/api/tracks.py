@@ -76,6 +76,14 @@ class TrackBook:
         self._dirty_event = asyncio.Event()
 
     # ---- the queue ------------------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        """An active job joins the book (a new one, or one restored from the store); its queued tracks
+        join the queue. Callers refresh the order once."""
+        self.jobs[job.job_id] = job
+        for t in job.tracks:
+            if t.status is TrackStatus.queued:
+                self.enqueue(job, t)
+
     def enqueue(self, job: Job, t: Track) -> None:
         """Queue a track; callers refresh the order once (``reorder`` or a dispatch pass)."""
         self.queue[(job.job_id, t.index)] = queue_order.QueueEntry(job.job_id, t.index, job.priority, job.seq)
@@ -219,10 +227,7 @@ class TrackBook:
                 self.changes.touch()
             return []
         if mem is None:
-            self.jobs[job_id] = mem = stored
-            for t in stored.tracks:
-                if t.status is TrackStatus.queued:
-                    self.enqueue(stored, t)
+            self.add(stored)
             self.changes.touch()
             return []
         newly_cancelled = stored.cancelled and not mem.cancelled
