@@ -147,7 +147,7 @@ async def test_concurrent_stops_of_one_attempt_collapse_into_one_retry(tmp_path)
         job_id = (await f.svc.submit(body())).job_id
         await until(lambda: f.workers[0].task_id is not None)
         for reason in ("worker 0 went offline", "worker 0 stalled", "past its deadline"):
-            f.svc.dispatcher.stop_attempt((job_id, 0), reason)
+            f.svc.dispatcher.attempts.stop((job_id, 0), reason)
         await until(finished(f, job_id))
         view = await f.svc.view(job_id)
         assert view.status == "completed"
@@ -239,7 +239,7 @@ async def test_a_failed_write_at_submit_is_refused_and_leaves_no_job_behind(tmp_
         assert err.value.http_status == 507
         assert err.value.headers == {"Retry-After": "30"}
         assert await f.svc.store.counts() == {}
-        assert not f.svc.dispatcher.queue
+        assert not f.svc.dispatcher.book.queue
 
 
 @aio
@@ -382,7 +382,7 @@ async def test_a_track_whose_outcome_could_not_be_stored_runs_again_once_the_sto
         store.save_track = save  # type: ignore[method-assign]
         job_id = (await f.svc.submit(body())).job_id
         await until(lambda: bool(f.workers[0].finished))  # it ran; "done" and the retry could not be written
-        await until(lambda: not f.svc.dispatcher.running)
+        await until(lambda: not f.svc.dispatcher.attempts.running)
         assert (await f.svc.view(job_id)).tracks[0].status == "generating"
         full[0] = False  # space returns: the watchdog's repair re-queues it, and it runs again
         await until(finished(f, job_id))

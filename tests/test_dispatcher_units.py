@@ -196,10 +196,10 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
         ids = [(await svc.submit(GenerateRequest(lyrics="x", num_tracks=1))).job_id for _ in range(4)]
         # Finish three of them by hand: a day old, fresh with a big file, fresh with a small file.
         for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
-            job = svc.dispatcher.jobs[job_id]
+            job = svc.dispatcher.book.jobs[job_id]
             job.finished_at = time.time() - age + n
-            await svc.dispatcher.cancel_queued(job)
-            await svc.dispatcher.finish_if_done(job)
+            await svc.dispatcher.book.cancel_queued(job)
+            await svc.dispatcher.book.finish_if_done(job)
             p = svc.artifacts.path(job_id, 0, "wav")
             p.parent.mkdir(parents=True)
             p.write_bytes(b"\0" * size)

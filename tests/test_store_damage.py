@@ -20,7 +20,8 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.migrations_sqlite import SCHEMA_VERSION, Migration
 from songserve.api.states import TrackStatus
 from songserve.api.store import Job, Track
-from songserve.api.store_sqlite import SqliteStore, diagnose, move_aside, prepare_store
+from songserve.api.store_sqlite import SqliteStore
+from songserve.api.store_sqlite_check import diagnose, move_aside, prepare_store
 from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest
 from tests.support import ROOT, ServerProcess, free_port

@@ -241,7 +241,7 @@ def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url:
         try:
             await store.insert_job(new_job("r1"))
             await asyncio.gather(*(store.load_job("r1") for _ in range(8)))  # fill the pool
-            assert store.pool.get_stats()["pool_size"] >= 2
+            assert store.db.pool.get_stats()["pool_size"] >= 2
             pg_server.pause()
             with pytest.raises(StoreError):  # down: a read answers (503 at the HTTP layer), it does not hang
                 await store.load_job("r1")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from collections.abc import Mapping
 
-from songserve.api.store import Job
-from songserve.api.views import overall_progress
+from songserve.api.phases import overall_progress
+from songserve.api.store import Job, Key
 
 
 class SpeedHistory:
@@ -29,7 +30,7 @@ class SpeedHistory:
         ratios = self._ratios.get(model) or [r for d in self._ratios.values() for r in d]
         return sum(ratios) / len(ratios) if ratios else None
 
-    def job_eta(self, job: Job, positions: dict[tuple[str, int], int], workers: int) -> float | None:
+    def job_eta(self, job: Job, positions: Mapping[Key, int], workers: int) -> float | None:
         """Seconds until the job's last track is done, or None without history."""
         ratio = self.ratio(job.request.backbone or "")
         if ratio is None:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from songserve.api import tags
-from songserve.api.store_sqlite import prepare_store
+from songserve.api.store_sqlite_check import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import DispatcherSettings, load_settings, log_non_default

@@ -2,14 +2,15 @@
 
 Events (a track waited in the queue, finished, was retried) are counted when they happen, through
 ``DispatcherMetrics``; gauges of live state (queue, workers, jobs) are read at scrape time by a
-collector over the dispatcher, so there is one representation of each fact. Every process has its
-own registry (tests run several dispatchers in one process), with the process collector in it.
+collector over a ``LiveState`` (the dispatcher answers it), so there is one representation of each
+fact and this module needs nothing of the dispatcher but those answers. Every process has its own
+registry (tests run several dispatchers in one process), with the process collector in it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,15 +23,37 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from songserve.api.loops import LoopHealth
 from songserve.api.pool import WorkerView
-from songserve.api.states import TrackStatus, job_status
-
-if TYPE_CHECKING:
-    from songserve.api.dispatch import Dispatcher
+from songserve.api.states import JobStatus, TrackStatus
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from a second (queue waits, small stages) to an hour (a long song on a busy fleet).
 BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
+
+
+class LiveState(Protocol):
+    """What the gauges read at scrape time; none of it waits on the store."""
+
+    def queue_length(self) -> int:
+        """Tracks waiting for a worker."""
+
+    def running_tracks(self) -> int:
+        """Tracks this dispatcher runs on workers now."""
+
+    def stored_counts(self) -> Mapping[str, int]:
+        """Tracks in the store by status, as last counted (refreshed by the membership loop)."""
+
+    def active_job_statuses(self) -> Iterable[JobStatus]:
+        """The status of each active job."""
+
+    def worker_views(self) -> Iterable[tuple[int, WorkerView]]:
+        """(worker id, its state as the dispatcher sees it), for every worker in the pool."""
+
+    def loop_health(self) -> LoopHealth: ...
+
+    def seconds_per_audio_second(self) -> float | None:
+        """Mean wall seconds per second of audio, recently (None without history)."""
 
 
 class DispatcherMetrics:
@@ -71,42 +94,41 @@ class DispatcherMetrics:
             "songserve_track_retries", "Attempts that ended in a retry, by worker.", ["worker"], registry=r
         )
 
-    def watch(self, dispatcher: Dispatcher) -> None:
-        self.registry.register(_LiveState(dispatcher))
+    def watch(self, state: LiveState) -> None:
+        self.registry.register(_LiveGauges(state))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _LiveState(Collector):
-    """Gauges read from the dispatcher at scrape time."""
+class _LiveGauges(Collector):
+    """Gauges read from the live state at scrape time."""
 
-    def __init__(self, d: Dispatcher) -> None:
-        self.d = d
+    def __init__(self, state: LiveState) -> None:
+        self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        d = self.d
-        yield GaugeMetricFamily("songserve_queue_length", "Tracks waiting for a worker.", value=len(d.queue))
-        yield GaugeMetricFamily("songserve_running_tracks", "Tracks running on workers.", value=len(d.running))
+        d = self.state
+        yield GaugeMetricFamily("songserve_queue_length", "Tracks waiting for a worker.", value=d.queue_length())
+        yield GaugeMetricFamily("songserve_running_tracks", "Tracks running on workers.", value=d.running_tracks())
         stored = GaugeMetricFamily("songserve_tracks", "Stored tracks by status.", labels=["status"])
-        counts = d.counts  # refreshed by the membership loop (a scrape never waits on the store)
+        counts = d.stored_counts()
         for status in TrackStatus:
             stored.add_metric([status.value], counts.get(status.value, 0))
         yield stored
         jobs = GaugeMetricFamily("songserve_active_jobs", "Active jobs by status.", labels=["status"])
         by_status: dict[str, int] = {}
-        for job in d.jobs.values():
-            s = job_status((t.status for t in job.tracks), job.cancelled).value
-            by_status[s] = by_status.get(s, 0) + 1
+        for job_state in d.active_job_statuses():
+            by_status[job_state.value] = by_status.get(job_state.value, 0) + 1
         for s, n in sorted(by_status.items()):
             jobs.add_metric([s], n)
         yield jobs
         workers = GaugeMetricFamily(
             "songserve_worker_state", "1 for each worker's current state.", labels=["worker", "state"]
         )
-        for w in d.pool.workers:
+        for worker_id, view in d.worker_views():
             for st in WorkerView:
-                workers.add_metric([str(w.worker_id), st.value], float(w.view is st))
+                workers.add_metric([str(worker_id), st.value], float(view is st))
         yield workers
         failing = GaugeMetricFamily(
             "songserve_loop_failing", "1 while a background loop keeps failing.", labels=["loop"]
@@ -114,12 +136,13 @@ class _LiveState(Collector):
         failures = CounterMetricFamily(
             "songserve_loop_failures", "Failed iterations of background loops.", labels=["loop"]
         )
-        for name, state in d.loops.loops.items():
-            failing.add_metric([name], float(name in d.loops.failing()))
+        loops = d.loop_health()
+        for name, state in loops.loops.items():
+            failing.add_metric([name], float(name in loops.failing()))
             failures.add_metric([name], state.total_failures)
         yield failing
         yield failures
-        ratio = d.speed.ratio()
+        ratio = d.seconds_per_audio_second()
         yield GaugeMetricFamily(
             "songserve_track_seconds_per_audio_second",
             "Mean wall seconds per second of audio (recent).",

@@ -31,8 +31,9 @@ from enum import StrEnum
 
 import httpx
 
+from songserve.api.outcomes import WorkerUnreachable
 from songserve.api.store import Key, WorkerRow
-from songserve.api.worker_client import WorkerClient, WorkerUnreachable
+from songserve.api.worker_client import WorkerClient
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)

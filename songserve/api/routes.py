@@ -77,8 +77,7 @@ async def ready(svc: JobService = Service) -> JSONResponse:
     ok, reason = svc.ready()
     if not ok:
         return error_response(503, reason)
-    workers = sum(w.view.value in ("idle", "busy") for w in svc.dispatcher.pool.workers)
-    return JSONResponse({"status": "ready", "workers_ready": workers})
+    return JSONResponse({"status": "ready", "workers_ready": svc.workers_ready()})
 
 
 @router.get("/config")
@@ -88,7 +87,7 @@ async def config(svc: JobService = Service) -> dict[str, object]:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prom(svc: JobService = Service) -> Response:
-    return Response(svc.dispatcher.metrics.render(), media_type=metrics.CONTENT_TYPE)
+    return Response(svc.metrics(), media_type=metrics.CONTENT_TYPE)
 
 
 @router.post("/workers", response_model=WorkerAnnounced)

@@ -1,8 +1,9 @@
 """The job service: what the dispatcher's routes call.
 
 Submit, view, cancel, a track's files, a job's event stream, status, readiness, config, and
-workers announcing themselves. The track state machine behind it lives in ``tracks.py`` and
-``dispatch.py``; retention in ``retention.py``. Active jobs live in memory and in the store;
+workers announcing themselves. The service talks to the dispatcher (``dispatch.py``) through a few
+methods only (``add``, ``cancel``, ``active_job``, ``facts``, ``status``, ``ready``, …), never to a
+worker or the pool; retention is ``retention.py``. Active jobs live in memory and in the store;
 finished ones only in the store and the results folder. With a shared store any dispatcher answers
 for any job: what is not in its memory is read from the store.
 """
@@ -91,7 +92,6 @@ class JobService:
         self.artifacts = artifacts
         self.dispatcher = Dispatcher(s, store, artifacts, http)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
-        self.started_at = time.time()
         self._unknown_fields_logged: set[str] = set()
 
     @property
@@ -122,22 +122,21 @@ class JobService:
             if new:
                 log.info("ignoring unknown request fields: %s", ", ".join(sorted(new)))
                 self._unknown_fields_logged |= new
-        s, pool = self.s, self.dispatcher.pool
+        s, fleet = self.s, self.dispatcher.fleet()
         limits = RequestLimits(
             s.min_duration,
             s.max_duration,
             s.max_tracks,
             s.max_lyrics_chars,
-            tuple(pool.models("backbone")),
-            tuple(pool.models("superres")),
+            tuple(fleet.backbone_models),
+            tuple(fleet.superres_models),
         )
         norm = normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
-        self._check_context(norm.request.duration)
+        self._check_context(norm.request.duration, fleet.context)
         return norm
 
-    def _check_context(self, minutes: float) -> None:
+    def _check_context(self, minutes: float, known: tuple[int, int] | None) -> None:
         """Refuse before any work a song that no worker's context can hold (the workers say their limits)."""
-        known = self.dispatcher.pool.context_minutes()
         if known is None:
             return
         context, per_minute = known
@@ -157,9 +156,10 @@ class JobService:
         req, lyrics = norm.request, norm.cleaned_lyrics
         if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
             return await self._existing(existing, req, norm)
-        if len(d.queue) + req.num_tracks > self.s.max_queue:
-            retry = max(1, int(d.speed.queue_wait(len(d.queue), d.pool.online_count())))
-            raise QueueFull(f"The queue is full ({len(d.queue)} tracks waiting); try again later.", retry)
+        queued = d.queue_length()
+        if queued + req.num_tracks > self.s.max_queue:
+            retry = max(1, int(d.queue_wait()))
+            raise QueueFull(f"The queue is full ({queued} tracks waiting); try again later.", retry)
         job_id = secrets.token_hex(8)
         base_seed = req.seed if req.seed is not None else 1 + secrets.randbelow(2**31 - 65)  # 0: "the worker's own"
         try:
@@ -182,9 +182,9 @@ class JobService:
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
         if norm.adjusted:
             log.info("job %s: read as the reference reads it: %s", job_id, norm.adjusted)
-        idle = len(d.pool.available())
+        idle = d.free_workers()
         await d.add(job)
-        position = self._job_position(job)
+        position = d.queue_position(job)
         accepted = idle >= req.num_tracks or position == 0
         return GenerateAccepted(
             status="accepted" if accepted else "queued",
@@ -210,47 +210,23 @@ class JobService:
 
     # ---- view and cancel ------------------------------------------------------------------------
     async def _load(self, job_id: str) -> Job:
-        job = self.dispatcher.jobs.get(job_id)
+        job = self.dispatcher.active_job(job_id)
         if job is None and JOB_ID.match(job_id):
             job = await self.store.load_job(job_id)
         if job is None:
             raise NotFoundError(f"Job {job_id} not found.")
         return job
 
-    def _job_position(self, job: Job) -> int:
-        pos = [p for t in job.tracks if (p := self.dispatcher.positions.get((job.job_id, t.index)))]
-        return min(pos) if pos else 0
-
     async def view(self, job_id: str) -> JobView:
-        d = self.dispatcher
         job = await self._load(job_id)
-        eta = d.speed.job_eta(job, d.positions, d.pool.online_count()) if job_id in d.jobs else None
-        return job_view(job, d.positions, eta)
+        facts = self.dispatcher.facts(job)
+        return job_view(job, facts.positions, facts.eta)
 
     async def cancel(self, job_id: str) -> JobView:
-        d = self.dispatcher
         job = await self._load(job_id)
         if job.terminal or job_status((t.status for t in job.tracks), job.cancelled) in TERMINAL_JOB:
             return await self.view(job_id)  # finished: a no-op
-        await self.store.mark_cancelled(job_id)  # any dispatcher running its tracks stops them on this
-        job.cancelled = True
-        if job_id not in d.jobs:  # not in this dispatcher's view yet (just submitted elsewhere)
-            d.merge(job_id, job)
-        await d.cancel_queued(job)
-        running = [t for t in job.tracks if t.status.running]
-        log.info("job %s: cancel (%d running tracks)", job_id, len(running))
-        for t in running:
-            w = d.pool.by_id(t.worker_id)
-            known = False
-            if w is not None and t.task_id is not None:
-                try:  # the worker answers the running request with "cancelled" at its next check
-                    known = await w.client.cancel(t.task_id)
-                except SongserveError:
-                    known = False
-            if not known:
-                d.stop_attempt((job_id, t.index), "cancelled by the user")
-        await d.finish_if_done(job)
-        d.changes.touch()
+        await self.dispatcher.cancel(job)
         return await self.view(job_id)
 
     async def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
@@ -289,37 +265,19 @@ class JobService:
 
     # ---- reporting ------------------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
-        d = self.dispatcher
-        workers = [w.public() for w in d.pool.workers]
-        return {
-            "total_gpus": len(workers),
-            "idle_gpus": sum(w["status"] == "idle" for w in workers),
-            "active_jobs": sum(1 for j in d.jobs.values() if any(t.status.running for t in j.tracks)),
-            "queued_jobs": len({jid for jid, _ in d.queue}),
-            "queued_tracks": len(d.queue),
-            "running_tracks": len(d.running),
-            "dispatcher_id": d.me,
-            "dispatchers": sorted(d.alive),
-            "store": self.store.where,
-            "tracks_by_status": await self.store.counts(),
-            "uptime_sec": round(time.time() - self.started_at, 1),
-            "accepting": d.accepting,
-            "loops_failing": d.loops.failing(),
-            "workers": workers,
-        }
+        return await self.dispatcher.status()
 
     def ready(self) -> tuple[bool, str]:
         """Ready to serve: accepting, at least one worker ready, and no background loop failing."""
-        d = self.dispatcher
-        if not d.accepting:
-            return False, "The dispatcher is shutting down."
-        failing = d.loops.failing()
-        if failing:
-            name, error = next(iter(failing.items()))
-            return False, f"The {name} loop keeps failing: {error}."
-        if not any(w.view.value in ("idle", "busy") for w in d.pool.workers):
-            return False, "No worker is ready."
-        return True, ""
+        return self.dispatcher.ready()
+
+    def workers_ready(self) -> int:
+        """Workers idle or busy (able to run a track)."""
+        return self.dispatcher.workers_ready()
+
+    def metrics(self) -> bytes:
+        """``GET /metrics``: the Prometheus text."""
+        return self.dispatcher.metrics.render()
 
     # ---- workers that join and leave ------------------------------------------------------------
     def _check_worker_token(self, authorization: str | None) -> None:
@@ -334,7 +292,7 @@ class JobService:
         """A worker joins (or renews its registration) for ``ttl_sec``; every dispatcher on the store sees it."""
         self._check_worker_token(authorization)
         worker_id = await self.store.register_worker(body.url.rstrip("/"), body.ttl_sec, announced=True)
-        if self.dispatcher.pool.by_id(worker_id) is None:
+        if not self.dispatcher.knows_worker(worker_id):
             log.info("worker %d (%s) announced itself for %.0fs", worker_id, body.url, body.ttl_sec)
             self.dispatcher.membership_soon()
         return WorkerAnnounced(worker_id=worker_id, expires_in_sec=body.ttl_sec)
@@ -349,10 +307,10 @@ class JobService:
         return {"worker_id": worker_id, "left": True}
 
     def config(self) -> dict[str, object]:
-        s, pool = self.s, self.dispatcher.pool
+        s, fleet = self.s, self.dispatcher.fleet()
         return {
-            "backbone_models": pool.models("backbone"),
-            "superres_models": pool.models("superres"),
+            "backbone_models": fleet.backbone_models,
+            "superres_models": fleet.superres_models,
             "limits": {
                 "duration_min": s.min_duration,
                 "duration_max": s.max_duration,
@@ -362,6 +320,6 @@ class JobService:
                 "priority": [0, 9],
             },
             "defaults": {"num_tracks": 2, "duration": 3, "top_k_bb": 80, "temperature": 1.0, "top_k_sr": 10},
-            "workers": len(pool.workers),
+            "workers": fleet.workers,
             "version": __version__,
         }

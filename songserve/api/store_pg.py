@@ -11,10 +11,7 @@ Through psycopg 3 with an async connection pool; every method is one short trans
   transaction (delivered on commit); ``listen`` keeps one connection of its own on ``LISTEN`` and
   reconnects with a back-off, asking for a full resync (``*``) after any gap.
 - ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
-- A database restart kills every pooled connection. The first call that meets a dead one has the
-  pool test and replace all of them (``_recheck``), and a read that met one runs once more on a
-  fresh connection; a write answers 503 (``StoreError``) for its client to retry, since whether a
-  statement whose connection died was applied cannot be known.
+- The pooled connections and what a dead one means (a database restart): ``store_pg_conn.py``.
 """
 
 from __future__ import annotations
@@ -22,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from songserve.api.migrations_pg import migrate
 from songserve.api.migrations_sqlite import NewerSchemaError
@@ -40,13 +37,13 @@ from songserve.api.store import (
     Job,
     Key,
     StaleTrack,
-    StoreError,
     Track,
     WorkerRow,
     job_from_row,
     stored_value,
     work_ratios,
 )
+from songserve.api.store_pg_conn import PgConnections, redact
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,25 +61,6 @@ JOB_WITH_TRACKS = (
     " AS tracks FROM jobs j"
 )
 RUNNING_VALUES = [s.value for s in RUNNING]
-# How long a call waits for a pooled connection before it answers 503: short, so that while the
-# database is down (no connection to be had) clients hear so in seconds, not after psycopg's 30 s.
-CONNECTION_WAIT_SEC = 5.0
-Conn = psycopg.AsyncConnection[dict[str, Any]]
-
-
-class ConnectionLost(StoreError):
-    """The pooled connection was dead (the server restarted or dropped it)."""
-
-
-def redact(url: str) -> str:
-    """The connection string without its password (for logs and /status)."""
-    try:
-        parts = psycopg.conninfo.conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "postgresql://(unreadable URL)"
-    host, port, db = parts.get("host", "localhost"), parts.get("port", "5432"), parts.get("dbname", "")
-    user = f"{parts['user']}@" if parts.get("user") else ""
-    return f"postgresql://{user}{host}:{port}/{db}"
 
 
 class PgStore:
@@ -92,16 +70,7 @@ class PgStore:
         self.url = url
         self.where = redact(url)
         self.origin = origin  # this dispatcher's id: its own NOTIFYs are not news to it
-        self.pool = AsyncConnectionPool(
-            url,
-            min_size=1,
-            max_size=pool_size,
-            open=False,
-            kwargs={"autocommit": True, "row_factory": dict_row},
-            name="songserve-store",
-            timeout=CONNECTION_WAIT_SEC,
-        )
-        self._checking: asyncio.Task[None] | None = None
+        self.db = PgConnections(url, pool_size)
 
     @classmethod
     async def open(cls, url: str, origin: str, pool_size: int = 10, timeout: float = 10.0) -> PgStore:
@@ -113,69 +82,21 @@ class PgStore:
                 url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(timeout))
             ) as conn:
                 await migrate(conn)
-            await store.pool.open(wait=True, timeout=timeout)
+            await store.db.open(timeout)
         except NewerSchemaError as exc:
-            await store.pool.close()
+            await store.db.close()
             raise ConfigError(
                 f"The job store {store.where} has schema version {exc.found}, newer than this build's {exc.known}: "
                 "run the newer songserve on it, or point STORE_URL at another database."
             ) from None
         except (psycopg.Error, PoolTimeout) as exc:
-            await store.pool.close()
+            await store.db.close()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"The job store {store.where} cannot be opened ({first}).") from None
         return store
 
     async def close(self) -> None:
-        await self.pool.close()
-
-    @asynccontextmanager
-    async def _tx(self, transaction: bool = True) -> AsyncIterator[Conn]:
-        """A pooled connection, in one transaction (or autocommit for a single statement, which is one
-        implicit transaction and saves the BEGIN/COMMIT round trips); a database failure becomes ``StoreError``."""
-        used: Conn | None = None
-        try:
-            async with self.pool.connection() as conn:
-                used = conn  # type: ignore[assignment]  # the pool's connections make dict rows
-                if not transaction:
-                    yield conn  # type: ignore[misc]
-                    return
-                async with conn.transaction():
-                    yield conn  # type: ignore[misc]
-        except (DuplicateKey, StaleTrack):
-            raise
-        except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if used is not None and used.broken:
-                self._recheck()
-                raise ConnectionLost(first) from exc
-            raise StoreError(first) from exc
-        except PoolTimeout as exc:
-            raise StoreError(f"no database connection ({exc})") from exc
-
-    def _recheck(self) -> asyncio.Task[None]:
-        """Test every idle pooled connection and replace the dead ones (once at a time)."""
-        if self._checking is None or self._checking.done():
-            log.warning("job store: a pooled connection was dead; testing the others")
-            self._checking = asyncio.get_running_loop().create_task(self.pool.check())
-        return self._checking
-
-    async def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """One statement (a write with its NOTIFY in the same statement): one round trip."""
-        async with self._tx(transaction=False) as conn:
-            cur = await conn.execute(sql, params)
-            return await cur.fetchall()
-
-    async def _read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        """One read; on a dead connection, once more after the pool has replaced its dead ones."""
-        try:
-            return await self._rows(sql, params)
-        except ConnectionLost as lost:
-            try:
-                await asyncio.shield(self._recheck())
-            except (psycopg.Error, PoolClosed) as exc:  # the pool is closing, or cannot test its connections
-                raise StoreError(f"no database connection ({exc})") from lost
-            return await self._rows(sql, params)
+        await self.db.close()
 
     def _announcing(self, write: str) -> str:
         """``write`` (an UPDATE/DELETE … RETURNING job_id) and its NOTIFY as one statement."""
@@ -184,7 +105,7 @@ class PgStore:
     # ---- jobs and tracks -----------------------------------------------------------------------
     async def insert_job(self, job: Job) -> None:
         try:
-            rows = await self._rows(
+            rows = await self.db.rows(
                 "WITH j AS (INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
                 " idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING job_id, seq),"
                 " t AS (INSERT INTO tracks (job_id, idx, status, seed)"
@@ -210,7 +131,7 @@ class PgStore:
         columns = ", ".join(STORED_TRACK_FIELDS)
         arrays = ", ".join(f"%s::{TRACK_COLUMN_TYPES[f]}[]" for f in STORED_TRACK_FIELDS)
         sets = ", ".join(f"{f}=w.{f}" for f in STORED_TRACK_FIELDS)
-        rows = await self._rows(
+        rows = await self.db.rows(
             f"WITH w AS (SELECT * FROM unnest(%s::int[], {arrays}) WITH ORDINALITY AS w(idx, {columns}, ord)),"
             " locked AS (SELECT t.idx FROM tracks t JOIN w ON t.idx = w.idx WHERE t.job_id=%s AND t.status='queued'"
             " ORDER BY w.ord FOR UPDATE OF t SKIP LOCKED),"
@@ -231,7 +152,7 @@ class PgStore:
 
     async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
         sets = ", ".join(f"{f}=%s" for f in STORED_TRACK_FIELDS)
-        rows = await self._rows(
+        rows = await self.db.rows(
             self._announcing(
                 f"UPDATE tracks SET {sets} WHERE job_id=%s AND idx=%s AND status=%s"
                 " AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
@@ -249,7 +170,7 @@ class PgStore:
             raise StaleTrack(t.key)
 
     async def save_progress(self, t: Track) -> None:
-        await self._rows(
+        await self.db.rows(
             self._announcing(
                 "UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s, phase_rate=%s"
                 " WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
@@ -258,7 +179,7 @@ class PgStore:
         )
 
     async def _job_write(self, sql: str, params: tuple[Any, ...]) -> None:
-        await self._rows(self._announcing(sql + " RETURNING job_id"), (*params, self.origin))
+        await self.db.rows(self._announcing(sql + " RETURNING job_id"), (*params, self.origin))
 
     async def mark_started(self, job_id: str, at: float) -> None:
         await self._job_write("UPDATE jobs SET started_at=COALESCE(started_at, %s) WHERE job_id=%s", (at, job_id))
@@ -267,7 +188,7 @@ class PgStore:
         await self._job_write("UPDATE jobs SET cancelled=true WHERE job_id=%s", (job_id,))
 
     async def finish_job(self, job_id: str, at: float) -> bool:
-        rows = await self._rows(
+        rows = await self.db.rows(
             "WITH u AS (UPDATE jobs SET terminal=true, finished_at=COALESCE(finished_at, %s) WHERE job_id=%s"
             " AND NOT terminal AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=%s AND status <> ALL(%s))"
             f" RETURNING job_id), n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || job_id) FROM u)"
@@ -278,48 +199,48 @@ class PgStore:
         return bool(rows and rows[0]["terminal"])
 
     async def is_cancelled(self, job_id: str) -> bool:
-        rows = await self._read("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
+        rows = await self.db.read("SELECT cancelled FROM jobs WHERE job_id=%s", (job_id,))
         return bool(rows and rows[0]["cancelled"])
 
     async def job_by_key(self, key: str) -> str | None:
-        rows = await self._read("SELECT job_id FROM jobs WHERE idempotency_key=%s", (key,))
+        rows = await self.db.read("SELECT job_id FROM jobs WHERE idempotency_key=%s", (key,))
         return rows[0]["job_id"] if rows else None
 
     async def load_job(self, job_id: str) -> Job | None:
-        rows = await self._read(f"{JOB_WITH_TRACKS} WHERE j.job_id=%s", (job_id,))
+        rows = await self.db.read(f"{JOB_WITH_TRACKS} WHERE j.job_id=%s", (job_id,))
         return job_from_row(rows[0], rows[0]["tracks"]) if rows else None
 
     async def active_jobs(self) -> list[Job]:
-        rows = await self._read(f"{JOB_WITH_TRACKS} WHERE NOT j.terminal ORDER BY j.seq")
+        rows = await self.db.read(f"{JOB_WITH_TRACKS} WHERE NOT j.terminal ORDER BY j.seq")
         return [job_from_row(r, r["tracks"]) for r in rows]
 
     async def running_on(self, worker_id: int) -> list[Key]:
-        rows = await self._read(
+        rows = await self.db.read(
             "SELECT job_id, idx FROM tracks WHERE worker_id=%s AND status = ANY(%s)", (worker_id, RUNNING_VALUES)
         )
         return [(r["job_id"], int(r["idx"])) for r in rows]
 
     async def expired_jobs(self, older_than: float) -> list[str]:
-        rows = await self._read(
+        rows = await self.db.read(
             "SELECT job_id FROM jobs WHERE terminal AND finished_at < %s ORDER BY finished_at", (older_than,)
         )
         return [r["job_id"] for r in rows]
 
     async def finished_jobs_oldest_first(self) -> list[str]:
-        return [r["job_id"] for r in await self._read("SELECT job_id FROM jobs WHERE terminal ORDER BY finished_at")]
+        return [r["job_id"] for r in await self.db.read("SELECT job_id FROM jobs WHERE terminal ORDER BY finished_at")]
 
     async def job_ids(self) -> set[str]:
-        return {r["job_id"] for r in await self._read("SELECT job_id FROM jobs")}
+        return {r["job_id"] for r in await self.db.read("SELECT job_id FROM jobs")}
 
     async def delete_job(self, job_id: str) -> None:
         await self._job_write("DELETE FROM jobs WHERE job_id=%s", (job_id,))
 
     async def counts(self) -> dict[str, int]:
-        rows = await self._read("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
+        rows = await self.db.read("SELECT status, COUNT(*) AS n FROM tracks GROUP BY status")
         return {r["status"]: int(r["n"]) for r in rows}
 
     async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]:
-        rows = await self._read(
+        rows = await self.db.read(
             "SELECT metadata, started_at, finished_at, duration_sec FROM tracks WHERE status='done'"
             " AND duration_sec > 0 ORDER BY finished_at DESC LIMIT %s",
             (limit,),
@@ -332,7 +253,7 @@ class PgStore:
             f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
             " WHERE url=%s RETURNING worker_id"
         )
-        async with self._tx() as conn:
+        async with self.db.tx() as conn:
             row = await (await conn.execute(renew, (ttl, announced, url))).fetchone()  # the usual case: a renewal
             if row is None:  # a new URL: ids are handed out one registration at a time
                 await conn.execute("LOCK TABLE workers IN SHARE ROW EXCLUSIVE MODE")
@@ -347,21 +268,21 @@ class PgStore:
         return int(row["worker_id"])  # type: ignore[index]
 
     async def withdraw_worker(self, worker_id: int) -> bool:
-        rows = await self._rows(
+        rows = await self.db.rows(
             "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0 RETURNING worker_id",
             (worker_id,),
         )
         return bool(rows)
 
     async def live_workers(self) -> list[WorkerRow]:
-        rows = await self._read(
+        rows = await self.db.read(
             f"SELECT worker_id, url, announced, CASE WHEN lease_until > {NOW} THEN lease_owner END AS owner"
             f" FROM workers WHERE registered_until > {NOW} ORDER BY worker_id"
         )
         return [WorkerRow(int(r["worker_id"]), r["url"], bool(r["announced"]), r["owner"]) for r in rows]
 
     async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
-        async with self._tx() as conn:
+        async with self.db.tx() as conn:
             await conn.execute(
                 f"INSERT INTO dispatchers VALUES (%s, {NOW} + %s)"
                 " ON CONFLICT (dispatcher_id) DO UPDATE SET alive_until=EXCLUDED.alive_until",
@@ -372,21 +293,21 @@ class PgStore:
             return {r["dispatcher_id"] for r in await cur.fetchall()}
 
     async def leave(self, dispatcher_id: str) -> None:
-        async with self._tx() as conn:
+        async with self.db.tx() as conn:
             await conn.execute("DELETE FROM dispatchers WHERE dispatcher_id=%s", (dispatcher_id,))
             await conn.execute(
                 "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=%s", (dispatcher_id,)
             )
 
     async def renew_leases(self, owner: str, ttl: float) -> set[int]:
-        rows = await self._rows(
+        rows = await self.db.rows(
             f"UPDATE workers SET lease_until={NOW} + %s WHERE lease_owner=%s AND lease_until > {NOW} RETURNING worker_id",
             (ttl, owner),
         )
         return {int(r["worker_id"]) for r in rows}
 
     async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
-        rows = await self._rows(
+        rows = await self.db.rows(
             f"UPDATE workers SET lease_owner=%s, lease_until={NOW} + %s WHERE worker_id=%s AND registered_until > {NOW}"
             f" AND (lease_owner IS NULL OR lease_owner=%s OR lease_until <= {NOW}) RETURNING worker_id",
             (owner, ttl, worker_id, owner),
@@ -394,7 +315,7 @@ class PgStore:
         return bool(rows)
 
     async def release_lease(self, owner: str, worker_id: int) -> None:
-        await self._rows(
+        await self.db.rows(
             "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=%s AND lease_owner=%s RETURNING worker_id",
             (worker_id, owner),
         )
@@ -429,9 +350,9 @@ class PgStore:
     @asynccontextmanager
     async def exclusive(self, name: str) -> AsyncIterator[bool]:
         key = zlib.crc32(name.encode())
-        async with self.pool.connection() as conn:
+        async with self.db.connection() as conn:
             row = await (await conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (key,))).fetchone()
-            got = bool(row and row["got"])  # type: ignore[call-overload]
+            got = bool(row and row["got"])
             try:
                 yield got
             finally:

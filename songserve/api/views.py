@@ -1,43 +1,24 @@
-"""How a job and its tracks look on the wire: progress, phase lines, status words."""
+"""How a job and its tracks look on the wire: progress, phase lines, status words.
+
+The overall percent comes from the one phase table (``phases.py``); here only the words a client reads.
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
+from songserve.api.phases import overall_progress
 from songserve.api.states import TrackStatus, job_status
-from songserve.api.store import Job, Track
+from songserve.api.store import Job, Key, Track
 from songserve.schemas import JobView, TrackFiles, TrackView
 
 TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference worker's progress_detail
 
-# The one phase table: worker phase → (track status, start of its span in the overall %, span).
-PHASES = {
-    "loading_backbone": (TrackStatus.generating, 1, 0),
-    "backbone": (TrackStatus.generating, 1, 69),
-    "loading_superres": (TrackStatus.superres, 70, 0),
-    "superres": (TrackStatus.superres, 70, 20),
-    "loading_decoder": (TrackStatus.decoding, 90, 0),
-    "decoding": (TrackStatus.decoding, 90, 9),
-}
 PHASE_TITLES = {
     TrackStatus.generating: "Backbone generating",
     TrackStatus.superres: "Super-Resolution Generating",
 }
-
-
-def status_of_phase(phase: str) -> TrackStatus:
-    """The track status a worker phase means (unknown phases count as the backbone's)."""
-    return PHASES.get(phase, (TrackStatus.generating, 1, 0))[0]
-
-
-def overall_progress(t: Track) -> int:
-    """0 while queued, 1–99 while running (from the worker's phase and its percent), 100 when done."""
-    if t.status is TrackStatus.done:
-        return 100
-    if not t.status.running:
-        return 0
-    _, start, span = PHASES.get(t.worker_phase, (t.status, 1, 0))
-    return max(1, min(99, start + span * t.phase_progress // 100))
 
 
 def phase_display(t: Track, queue_position: int) -> str:
@@ -83,7 +64,7 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
     )
 
 
-def job_view(job: Job, positions: dict[tuple[str, int], int], eta: float | None) -> JobView:
+def job_view(job: Job, positions: Mapping[Key, int], eta: float | None) -> JobView:
     tracks = [track_view(job, t, positions.get((job.job_id, t.index), 0)) for t in job.tracks]
     queued = [tv.queue_position for tv in tracks if tv.queue_position]
     return JobView(

@@ -1,0 +1,181 @@
+"""Membership: which dispatchers are alive, which workers exist, and which of them this one may use.
+
+One ``step`` every third of ``LEASE_TTL_SEC`` (sooner when a worker announced itself or left: ``soon``):
+- presence: this dispatcher says it is alive and learns which others are (``heartbeat``);
+- the worker registry: it renews the registration of the workers its ``WORKER_URLS`` lists and
+  follows the registry (which also holds announced workers) into the pool; the attempts on a worker
+  that left stop;
+- leases: it renews its worker leases and takes free or expired ones up to its fair share (workers /
+  live dispatchers), and hands extras back: an idle one at once, a busy one once its tasks end (it
+  gets no new ones meanwhile), so a dispatcher joining a fleet under sustained load gets its share
+  too. A lease this dispatcher lost (it stalled past the TTL) ends its attempts there silently: the
+  new holder owns them;
+- take-over: a worker whose lease it just took may be running tracks of a dispatcher that died (or
+  of this one's previous life, at start): they are reattached through the worker's ``/tasks/{id}``.
+  Running tracks on a worker gone from the registry, owned here or by a dead dispatcher, are retried.
+
+A worker's lease: free → held by one dispatcher (renewed each step) → [handing back: over its fair
+share and busy; no new tasks] → given back (stop, or over its fair share once idle) or expired (its
+holder died) → taken by another. Only the holder sends tasks (``WorkerHandle.available`` needs
+``leased`` and not ``handing_back``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+
+from songserve.api.attempts import LEASE_LOST, USER_CANCEL, Attempts
+from songserve.api.pool import WorkerHandle, WorkerPool
+from songserve.api.store import JobStore, StaleTrack, WorkerRow
+from songserve.api.tracks import TrackBook
+from songserve.settings import DispatcherSettings
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """Presence, the worker registry and the leases of one dispatcher, kept in the shared store."""
+
+    def __init__(
+        self,
+        s: DispatcherSettings,
+        me: str,
+        store: JobStore,
+        pool: WorkerPool,
+        book: TrackBook,
+        attempts: Attempts,
+    ) -> None:
+        self.me = me
+        self.store = store
+        self.pool = pool
+        self.book = book
+        self.attempts = attempts
+        self.ttl = s.lease_ttl_sec
+        self.static_urls = s.worker_list()
+        self.alive: set[str] = {me}  # live dispatchers at the last step
+        self._soon = asyncio.Event()
+
+    def soon(self) -> None:
+        """A worker announced itself or left: look at the registry now, not at the next tick."""
+        self._soon.set()
+
+    async def wait(self) -> None:
+        """Until the next step is due: a third of the lease TTL, or sooner when asked (``soon``)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._soon.wait(), self.ttl / 3)
+        self._soon.clear()
+
+    async def step(self, first: bool = False) -> None:
+        """Presence, registry, leases and take-overs, once (``first``: at start-up, before the health poll runs)."""
+        store, ttl = self.store, self.ttl
+        self.alive = await store.heartbeat(self.me, ttl)
+        for url in self.static_urls:  # each dispatcher keeps the workers it is configured with registered
+            await store.register_worker(url, max(3 * ttl, 15.0), announced=False)
+        rows = await store.live_workers()
+        joined, left = self.pool.sync(rows)
+        for w in left:
+            for key in list(w.assigned.values()):
+                self.attempts.stop(key, f"worker {w.worker_id} left the pool")
+        if joined and not first:
+            await asyncio.gather(*(self.pool.poll(w) for w in joined))
+        held = await store.renew_leases(self.me, ttl)
+        for w in self.pool.workers:
+            if w.leased and w.worker_id not in held:
+                # Expired while this dispatcher was slow: still ours unless another took it meanwhile.
+                if await store.acquire_lease(self.me, w.worker_id, ttl):
+                    held.add(w.worker_id)
+                else:
+                    self._lease_lost(w)
+        taken = await self._take_leases(held, rows)
+        for w in self.pool.workers:
+            w.leased = w.worker_id in held
+            if w.leased:
+                w.lease_owner = self.me
+            else:
+                w.handing_back = False
+        if first:
+            await self.pool.poll_once()
+        # At start, every worker leased here may run tracks of this dispatcher's previous life.
+        await self._take_over([w for w in self.pool.workers if w.leased] if first else taken)
+        await self._orphans({r.worker_id for r in rows})
+
+    async def leave(self) -> None:
+        """The leases go now, so another dispatcher takes the workers (and their tracks) at once."""
+        try:
+            await self.store.leave(self.me)
+        except Exception as exc:  # the store is gone: the leases expire on their own
+            log.warning("dispatcher %s: could not release its leases (%s)", self.me, exc)
+
+    async def _take_leases(self, held: set[int], rows: list[WorkerRow]) -> list[WorkerHandle]:
+        """Take free or expired leases up to this dispatcher's fair share; hand extras back (an idle
+        one now, a busy one once its tasks end: it is marked ``handing_back`` and gets no new ones)."""
+        share = math.ceil(len(rows) / max(1, len(self.alive)))
+        taken = []
+        for r in rows:
+            if len(held) >= share:
+                break
+            if r.worker_id in held or r.lease_owner not in (None, self.me):
+                continue
+            if await self.store.acquire_lease(self.me, r.worker_id, self.ttl):
+                held.add(r.worker_id)
+                if (w := self.pool.by_id(r.worker_id)) is not None:
+                    taken.append(w)
+                    log.info("worker %d (%s): leased by %s", w.worker_id, w.url, self.me)
+        extra = len(held) - share if len(self.alive) > 1 else 0
+        mine = [w for w in self.pool.workers if w.worker_id in held]
+        for w in sorted(mine, key=lambda w: (bool(w.assigned), w.worker_id)):  # idle ones go first
+            if extra <= 0:
+                w.handing_back = False
+                continue
+            extra -= 1
+            if w.assigned:
+                if not w.handing_back:
+                    log.info("worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
+                             w.worker_id, share, len(self.alive))  # fmt: skip
+                w.handing_back = True
+                continue
+            await self.store.release_lease(self.me, w.worker_id)
+            held.discard(w.worker_id)
+            w.handing_back = False
+            log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,
+                     len(self.alive))  # fmt: skip
+        return taken
+
+    def _lease_lost(self, w: WorkerHandle) -> None:
+        log.warning("worker %d: lease lost (this dispatcher stalled past LEASE_TTL_SEC?)", w.worker_id)
+        w.leased = False
+        for key in list(w.assigned.values()):
+            self.attempts.stop(key, LEASE_LOST)
+
+    async def _take_over(self, workers: list[WorkerHandle]) -> None:
+        """Reattach the tracks running on workers just leased here (their dispatcher died or restarted)."""
+        for w in workers:
+            for key in await self.store.running_on(w.worker_id):
+                if key in self.attempts.running:
+                    continue
+                stored = await self.store.load_job(key[0])
+                for cancelled in self.book.merge(key[0], stored, self.attempts.running):
+                    self.attempts.stop(cancelled, USER_CANCEL)
+                job = self.book.jobs.get(key[0])
+                t = job.tracks[key[1]] if job is not None else None
+                if job is None or t is None or not t.status.running or t.worker_id != w.worker_id:
+                    continue
+                try:
+                    await self.book.change(t, t.status, owner=self.me)
+                except StaleTrack:
+                    continue
+                log.info("track %s/%d: taking over task %s on worker %d", *key, t.task_id, w.worker_id)
+                self.attempts.reattach(job, t)
+
+    async def _orphans(self, live: set[int]) -> None:
+        """Running tracks on a worker gone from the registry, owned here or by a dead dispatcher: retry."""
+        for job in list(self.book.jobs.values()):
+            for t in job.tracks:
+                if not t.status.running or t.key in self.attempts.running or t.worker_id in live:
+                    continue
+                if t.owner == self.me or t.owner not in self.alive:
+                    with contextlib.suppress(StaleTrack):
+                        await self.book.retry(job, t, "its worker is no longer in the pool", count=False)

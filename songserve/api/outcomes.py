@@ -1,0 +1,42 @@
+"""What a worker's answer means to the dispatcher, and the two ways a call to a worker ends without one.
+
+Kept apart from the translation (``to_worker.py``) and the HTTP calls (``worker_client.py``) because
+everyone on the dispatcher's side reads these words: the pool, the attempts, the artifact copy.
+
+    done       the track finished; ``result`` names its files
+    error      the model failed with a clear sentence (not retried), or the worker's own environment
+               failed it (``environment``: disk, memory, writes; retried elsewhere)
+    cancelled  the worker stopped the task (ours or its own shutdown)
+    busy       the worker was running something else; the track never started
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from songserve.errors import SongserveError
+from songserve.schemas import WorkerGenerateResult
+
+
+class WorkerUnreachable(SongserveError):
+    """No usable answer: connection refused or lost, a timeout, or a body that is not the contract."""
+
+
+class TaskLost(SongserveError):
+    """The worker does not know the task (it restarted): the track must run again."""
+
+
+class OutcomeKind(StrEnum):
+    done = "done"
+    error = "error"
+    cancelled = "cancelled"
+    busy = "busy"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: OutcomeKind
+    result: WorkerGenerateResult | None = None
+    error: str = ""
+    environment: bool = False  # the failure is the worker's (disk, memory, writes), not the track's

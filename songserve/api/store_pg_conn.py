@@ -1,0 +1,124 @@
+"""The PostgreSQL store's connections: psycopg 3's async pool, one call per statement or transaction,
+and what a dead connection means.
+
+Kept apart from the store's SQL (``store_pg.py``), which calls only ``rows`` (one statement),
+``read`` (one read, retried once) and ``tx`` (one transaction):
+- a single statement runs in autocommit, which is one implicit transaction and saves the
+  BEGIN/COMMIT round trips;
+- a database failure becomes ``StoreError`` (503 with Retry-After); a call waits at most
+  ``CONNECTION_WAIT_SEC`` for a pooled connection, so while the database is down clients hear so in
+  seconds;
+- a database restart kills every pooled connection. The first call that meets a dead one has the
+  pool test and replace all of them (``recheck``), and a read that met one runs once more on a
+  fresh connection; a write answers 503 for its client to retry, since whether a statement whose
+  connection died was applied cannot be known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
+
+from songserve.api.store import DuplicateKey, StaleTrack, StoreError
+
+log = logging.getLogger(__name__)
+# How long a call waits for a pooled connection before it answers 503: short, so that while the
+# database is down (no connection to be had) clients hear so in seconds, not after psycopg's 30 s.
+CONNECTION_WAIT_SEC = 5.0
+Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+class ConnectionLost(StoreError):
+    """The pooled connection was dead (the server restarted or dropped it)."""
+
+
+def redact(url: str) -> str:
+    """The connection string without its password (for logs and /status)."""
+    try:
+        parts = psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unreadable URL)"
+    host, port, db = parts.get("host", "localhost"), parts.get("port", "5432"), parts.get("dbname", "")
+    user = f"{parts['user']}@" if parts.get("user") else ""
+    return f"postgresql://{user}{host}:{port}/{db}"
+
+
+class PgConnections:
+    """The pool of one store, opened by ``open`` and closed by ``close``."""
+
+    def __init__(self, url: str, pool_size: int) -> None:
+        self.pool = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            kwargs={"autocommit": True, "row_factory": dict_row},
+            name="songserve-store",
+            timeout=CONNECTION_WAIT_SEC,
+        )
+        self._checking: asyncio.Task[None] | None = None
+
+    async def open(self, timeout: float) -> None:
+        await self.pool.open(wait=True, timeout=timeout)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def connection(self) -> AbstractAsyncContextManager[Conn]:
+        """A pooled connection as it is (a session advisory lock needs the same one throughout)."""
+        return self.pool.connection()  # type: ignore[return-value]  # the pool's connections make dict rows
+
+    @asynccontextmanager
+    async def tx(self, transaction: bool = True) -> AsyncIterator[Conn]:
+        """A pooled connection, in one transaction (or autocommit for a single statement, which is one
+        implicit transaction and saves the BEGIN/COMMIT round trips); a database failure becomes ``StoreError``."""
+        used: Conn | None = None
+        try:
+            async with self.pool.connection() as conn:
+                used = conn  # type: ignore[assignment]  # the pool's connections make dict rows
+                if not transaction:
+                    yield conn  # type: ignore[misc]
+                    return
+                async with conn.transaction():
+                    yield conn  # type: ignore[misc]
+        except (DuplicateKey, StaleTrack):
+            raise
+        except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if used is not None and used.broken:
+                self.recheck()
+                raise ConnectionLost(first) from exc
+            raise StoreError(first) from exc
+        except PoolTimeout as exc:
+            raise StoreError(f"no database connection ({exc})") from exc
+
+    def recheck(self) -> asyncio.Task[None]:
+        """Test every idle pooled connection and replace the dead ones (once at a time)."""
+        if self._checking is None or self._checking.done():
+            log.warning("job store: a pooled connection was dead; testing the others")
+            self._checking = asyncio.get_running_loop().create_task(self.pool.check())
+        return self._checking
+
+    async def rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """One statement (a write with its NOTIFY in the same statement): one round trip."""
+        async with self.tx(transaction=False) as conn:
+            cur = await conn.execute(sql, params)
+            return await cur.fetchall()
+
+    async def read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """One read; on a dead connection, once more after the pool has replaced its dead ones."""
+        try:
+            return await self.rows(sql, params)
+        except ConnectionLost as lost:
+            try:
+                await asyncio.shield(self.recheck())
+            except (psycopg.Error, PoolClosed) as exc:  # the pool is closing, or cannot test its connections
+                raise StoreError(f"no database connection ({exc})") from lost
+            return await self.rows(sql, params)

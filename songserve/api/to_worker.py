@@ -1,0 +1,164 @@
+"""The one translation at the dispatcher↔worker boundary: a job's track into what a worker receives, a
+worker's answer into an ``Outcome``.
+
+Nothing else on the dispatcher's side renames a field for a worker or reads a worker's answer: the
+worker client (``worker_client.py``) sends the bodies built here and hands back what is read here.
+
+Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
+- ours (``songserve``): ``WorkerGenerateRequest`` as shared/docs/api.md has it ("Worker payload"),
+  one take per ``/generate``, or several takes of one request as one ``/generate_batch``;
+- the reference backend's worker: its own ``GenerateRequest`` (``reference_request``). Its errors
+  carry a whole traceback: the last line is kept as the sentence.
+
+A client's request and a worker's payload name things differently; each rename below says which
+reader needs it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from songserve.api.outcomes import Outcome, OutcomeKind, WorkerUnreachable
+from songserve.api.store import Job, Track
+from songserve.schemas import TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult
+
+REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the reference dispatcher sends
+# What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
+# (a reference worker runs each take alone and sends neither).
+METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
+BATCH_KEYS = ("batch_size", "parked")
+
+
+# ---- what a worker receives -----------------------------------------------------------------------
+def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
+    """Our worker's payload for one attempt of one track (shared/docs/api.md, "Worker payload")."""
+    r = job.request
+    natural = r.prompt_mode == "natural"
+    style = r.prompt if natural else r.tags
+    return WorkerGenerateRequest(
+        # The prompt builder (ours and the reference's) reads a tags prompt from ``tags`` and a
+        # natural-language one from ``description``; the client sends either as ``prompt``/``tags``.
+        tags="" if natural else r.tags,
+        description=r.prompt if natural else "",
+        duration=r.duration,
+        lyrics=job.cleaned_lyrics,
+        backbone_name=r.backbone or "",
+        superres_name=r.superres or "",
+        top_k_bb=r.top_k_bb,
+        top_k_sr=r.top_k_sr,
+        temperature=r.temperature,
+        # The client's words as it sent them, under the reference worker's ``raw_*`` names: a
+        # worker keeps them with the track, and ours reads instrumental from ``raw_mode``.
+        raw_user_input=style,
+        raw_mode=r.mode,
+        raw_prompt_mode=r.prompt_mode,
+        # The track's seed (job seed + take index) as the worker reads it: ``seed_override`` (0 or
+        # none: the worker's own seed, as the reference's).
+        seed_override=t.seed,
+        # Our extensions: the worker names the task, its files and its log lines by them.
+        task_id=t.task_id or "",
+        job_id=job.job_id,
+        track_index=t.index,
+    )
+
+
+def reference_request(req: WorkerGenerateRequest) -> dict[str, Any]:
+    """Our payload as the reference worker reads it (its ``GenerateRequest``)."""
+    # It knows instrumental only as ``language: "Instrumental"`` (it ignores ``raw_mode``), and then
+    # expects no lyrics.
+    instrumental = req.raw_mode == "instrumental"
+    return {
+        **req.model_dump(exclude={"task_id", "job_id", "track_index"}),  # it has no task ids
+        "language": "Instrumental" if instrumental else "",
+        "lyrics": "" if instrumental else req.lyrics,
+        "duration": max(1, math.ceil(req.duration - 1e-9)),  # it takes whole minutes only (an int field)
+        "superres_text_mode": REFERENCE_SUPERRES_TEXT_MODE,
+    }
+
+
+def generate_body(req: WorkerGenerateRequest, reference: bool) -> dict[str, Any]:
+    """The body of ``POST /generate`` in the worker's dialect."""
+    return reference_request(req) if reference else req.model_dump()
+
+
+def batch_body(reqs: list[WorkerGenerateRequest]) -> dict[str, Any]:
+    """The body of ``POST /generate_batch`` (ours only: a reference worker runs one take at a time)."""
+    return {"takes": [r.model_dump() for r in reqs]}
+
+
+# ---- what a worker answers ------------------------------------------------------------------------
+def read_answer(code: int, body: dict[str, Any], reference: bool) -> Outcome:
+    """A ``/generate`` answer (HTTP status, JSON object) as an ``Outcome``.
+
+    ``status: "ok"`` is done: the reference's word, which our ``/generate`` keeps for its dispatcher.
+    """
+    status = body.get("status")
+    if status == "ok":
+        try:
+            return Outcome(OutcomeKind.done, result=WorkerGenerateResult.model_validate(body))
+        except ValidationError as exc:
+            raise WorkerUnreachable(f"Worker result is not the contract: {exc.errors()[0]['msg']}.") from None
+    if status == "cancelled":
+        return Outcome(OutcomeKind.cancelled)
+    if status == "busy" or code == 409:
+        return Outcome(OutcomeKind.busy)
+    if code == 503:  # draining: it takes no new task, another worker will
+        return Outcome(OutcomeKind.busy)
+    error = str(body.get("error") or f"Worker answered HTTP {code}.")
+    environment = body.get("error_kind") == "environment"
+    return Outcome(OutcomeKind.error, error=_sentence(error) if reference else error, environment=environment)
+
+
+def read_batch(code: int, answer: dict[str, Any], takes: int, reference: bool) -> list[Outcome]:
+    """A ``/generate_batch`` answer as one ``Outcome`` per take, in the order they were sent."""
+    results = answer.get("results")
+    if code != 200 or answer.get("status") != "ok" or not isinstance(results, list):
+        return [read_answer(code, answer, reference)] * takes  # the batch as a whole: busy, refused
+    if len(results) != takes or not all(isinstance(x, dict) for x in results):
+        raise WorkerUnreachable(f"Worker answered {len(results)} results for {takes} takes.")
+    return [read_answer(200 if x.get("status") == "ok" else 500, x, reference) for x in results]
+
+
+def read_task(view: TaskView) -> Outcome | None:
+    """A ``GET /tasks/{id}`` answer as an ``Outcome``; None while the task runs.
+
+    Here the worker says ``done`` (the track's word), not ``ok``.
+    """
+    if view.status == "running":
+        return None
+    if view.status is TaskState.done and view.result is not None:
+        return Outcome(OutcomeKind.done, result=view.result)
+    if view.status == "cancelled":
+        return Outcome(OutcomeKind.cancelled)
+    environment = view.error_kind == "environment"
+    return Outcome(OutcomeKind.error, error=view.error or "The task failed on the worker.", environment=environment)
+
+
+def result_files(res: WorkerGenerateResult) -> dict[str, str]:
+    """The worker's file names of a finished track, by the kind we store it as (a reference worker has no JSON)."""
+    names = {"wav": res.wav_filename, "mp3": res.mp3_filename}
+    if res.json_filename:
+        names["json"] = res.json_filename
+    return names
+
+
+def result_metadata(res: WorkerGenerateResult, worker_id: int) -> dict[str, Any]:
+    """What a track's view keeps of the worker's metadata, with the worker that made it."""
+    meta = {k: res.metadata.get(k) for k in METADATA_KEYS} | {"worker_id": worker_id}
+    meta |= {k: res.metadata[k] for k in BATCH_KEYS if k in res.metadata}
+    return meta
+
+
+def result_seed(res: WorkerGenerateResult, asked: int) -> int:
+    """The seed the worker used, which the track shows from now on (a worker reads ``seed_override`` 0
+    as its own seed, as the reference does, and answers with the one it used as ``seed``)."""
+    return res.seed if res.seed is not None else asked
+
+
+def _sentence(error: str) -> str:
+    """The reference worker sends a whole traceback as its error: keep its last line."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "The task failed on the worker."
