@@ -25,7 +25,8 @@ from songserve.http_errors import error_response, install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
 from songserve.settings import WorkerSettings
-from songserve.worker.announce import Announcer, dispatcher_urls, local_health_url
+from songserve.urls import dispatcher_urls, local_health_url
+from songserve.worker.announce import Announcer
 from songserve.worker.runtime import WorkerRuntime, error_kind_of
 
 log = logging.getLogger(__name__)
