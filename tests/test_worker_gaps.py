@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.tone import TonePipeline
 from songserve.schemas import WorkerStatus
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker import runtime as runtime_mod
+from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
@@ -97,7 +97,7 @@ def test_a_valid_request_still_runs(worker) -> None:
 
 def _busy_runtime(tmp_path: Path, stall: float) -> tuple[WorkerRuntime, TaskContext]:
     s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path, stall_timeout_sec=stall)
-    rt = WorkerRuntime(s, TonePipeline(s), torch.device("cpu"))
+    rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     ctx = TaskContext("t-stall")
     ctx.report("backbone", 1, 10)
     rt._current, rt.status = ctx, WorkerStatus.busy

@@ -145,7 +145,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "frame_rate": d["frame_rate"],
             "channels": d.get("channels", 2),
             "formats": ["wav", "mp3"],
-            "device": str(runtime.device),
+            "device": runtime.device.name,
             "tiny_checkpoints": d.get("tiny_checkpoints", False),
             "checkpoint_layout": d.get("checkpoint_layout"),  # extension: what was found where
             "checkpoints": d.get("checkpoints", {}),
@@ -155,9 +155,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             "announce": announcer.view() if announcer is not None else [],
             # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
             # (the test tone runs a batch's takes in turn, so packing can be tested against it too)
-            **(
-                runtime.pipeline.limits() if hasattr(runtime.pipeline, "limits") else {"max_batch": runtime.s.max_batch}
-            ),
+            **runtime.pipeline.limits(),
         }
 
     @app.post("/generate")

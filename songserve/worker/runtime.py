@@ -31,11 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from songserve.errors import (
     BusyError,
-    ConfigError,
     NotFoundError,
     RequestError,
     SongserveError,
@@ -55,6 +52,7 @@ from songserve.schemas import (
     WorkerStatus,
 )
 from songserve.settings import WorkerSettings
+from songserve.worker.device import Device
 from songserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -80,14 +78,6 @@ def error_kind_of(exc: BaseException) -> ErrorKind | None:
     if isinstance(exc, TaskError):
         return ErrorKind.model
     return None
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for, but CUDA is not available.")
-        return torch.device("cuda", 0)  # the launcher's CUDA_VISIBLE_DEVICES picks the GPU
-    return torch.device("cpu")
 
 
 def rss_mb() -> float:
@@ -127,7 +117,7 @@ def to_track_request(body: WorkerGenerateRequest, seed: int, task_id: str) -> Tr
 
 
 class WorkerRuntime:
-    def __init__(self, settings: WorkerSettings, pipeline: Pipeline, device: torch.device) -> None:
+    def __init__(self, settings: WorkerSettings, pipeline: Pipeline, device: Device) -> None:
         self.s = settings
         self.pipeline = pipeline
         self.device = device
@@ -154,7 +144,7 @@ class WorkerRuntime:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _load(self) -> None:
-        torch.set_num_threads(self.s.torch_threads)
+        self.device.prepare_thread()
         t0 = time.perf_counter()
         self.pipeline.load()
         # Everything loaded so far lives as long as the process: keep it out of every later
@@ -162,7 +152,7 @@ class WorkerRuntime:
         gc.collect()
         gc.freeze()
         self.phase = WorkerPhase.idle.value
-        log.info("models ready in %.1fs on %s (%s)", time.perf_counter() - t0, self.device, self.s.runtime_mode)
+        log.info("models ready in %.1fs on %s (%s)", time.perf_counter() - t0, self.device.name, self.s.runtime_mode)
 
     async def start(self) -> None:
         """Load on the model thread; raises (and marks the worker ``error``) if loading fails."""
@@ -295,7 +285,7 @@ class WorkerRuntime:
             return got
         if isinstance(got, BaseException):  # out of memory, encoder or disk errors: local to this task
             log.error("task %s: failed", task_id, exc_info=got)
-            kind, message = classify_failure(got, self.s.output_dir)
+            kind, message = classify_failure(got, self.s.output_dir, self.device.is_out_of_memory(got))
             self._remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
             self.metrics.tasks.labels(f"error_{kind.value}").inc()
             return ClassifiedTaskError(message, kind)
@@ -326,18 +316,9 @@ class WorkerRuntime:
                 raise RequestError(f"Unknown {what} model {name!r}; available: {', '.join(known)}.")
 
     def _run(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
-        """On the model thread. Pipelines without ``run_batch`` (the tone) run the takes in turn."""
-        with torch.inference_mode():
-            run_batch = getattr(self.pipeline, "run_batch", None)
-            if run_batch is not None:
-                return run_batch(reqs, ctxs)
-            out: list[TrackResult | BaseException] = []
-            for req, ctx in zip(reqs, ctxs, strict=True):
-                try:
-                    out.append(self.pipeline.run(req, ctx))
-                except Exception as exc:
-                    out.append(exc)
-            return out
+        """On the model thread."""
+        with self.device.inference():
+            return self.pipeline.run_batch(reqs, ctxs)
 
     def _find(self, task_id: str) -> TaskContext | None:
         """The running take with ``task_id`` (one of the batch), else None."""
@@ -421,7 +402,7 @@ class WorkerRuntime:
             "superres_models": self._models["superres_models"],
             "task_id": ctx.task_id if ctx else None,
             "last_progress_at": updated,
-            "device": str(self.device),
+            "device": self.device.name,
             "rss_mb": round(rss_mb(), 1),
             "tasks_done": self.tasks_done,
             "uptime_sec": round(time.monotonic() - self._started_mono, 1),
@@ -430,8 +411,7 @@ class WorkerRuntime:
             "batch_size": len(batch),
             "tasks": [_take_view(c) for c in batch],  # per take of the running batch
         }
-        if self.device.type == "cuda":
-            out["cuda_allocated_mb"] = round(torch.cuda.memory_allocated() / 2**20, 1)
+        out.update(self.device.memory_mb())  # cuda_allocated_mb on CUDA
         return out
 
 
@@ -449,7 +429,7 @@ def _take_view(ctx: TaskContext) -> dict[str, Any]:
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+    if isinstance(exc, MemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
@@ -459,9 +439,12 @@ def _shown(path: Path) -> str:
     return f"…/{path.name}" if path.name else str(path)
 
 
-def classify_failure(exc: BaseException, out_dir: Path) -> tuple[ErrorKind, str]:
-    """(kind, sentence) for an unexpected task failure; never a bare exception class name for the disk."""
-    if _is_out_of_memory(exc):
+def classify_failure(exc: BaseException, out_dir: Path, out_of_memory: bool = False) -> tuple[ErrorKind, str]:
+    """(kind, sentence) for an unexpected task failure; never a bare exception class name for the disk.
+
+    ``out_of_memory``: the device said ``exc`` is its framework's out-of-memory error (torch's).
+    """
+    if out_of_memory or _is_out_of_memory(exc):
         return ErrorKind.environment, "The worker ran out of memory."
     if isinstance(exc, OSError):
         where = Path(exc.filename) if exc.filename else out_dir
