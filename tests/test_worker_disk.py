@@ -26,7 +26,10 @@ from songserve.pipeline.types import TrackRequest, TrackResult
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker.device import ToneDevice
-from songserve.worker.runtime import WorkerRuntime, classify_failure, sweep_outputs
+from songserve.worker.failures import classify_failure
+from songserve.worker.outputs import sweep_outputs
+from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.tasks import TaskRegistry
 from tests.support import mount_tmpfs, start_worker, wait_for
 
 TOKEN = "disk-test-token"
@@ -279,14 +282,14 @@ def test_files_of_a_forgotten_task_are_found_by_their_json(tmp_path: Path) -> No
     rt.status = rt.status.idle
     other = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="other", duration=0.01)))
     done = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="gone", duration=0.01)))
-    rt._tasks.clear()  # what a restart forgets
+    rt.tasks = TaskRegistry()  # what a restart forgets
     removed = rt.remove_task_files("gone")
     assert sorted(removed) == sorted([done.wav_filename, done.mp3_filename, done.json_filename])
     assert sorted(os.listdir(s.output_dir)) == sorted([other.wav_filename, other.mp3_filename, other.json_filename])
     with pytest.raises(NotFoundError):
         rt.remove_task_files("never-ran")
-    rt._current = TaskContext("running")
+    rt.tasks.batch = [TaskContext("running")]
     with pytest.raises(RequestError, match="still running"):
         rt.remove_task_files("running")
-    rt._current = None
+    rt.tasks.batch = []
     rt.shutdown()

@@ -100,7 +100,7 @@ def _busy_runtime(tmp_path: Path, stall: float) -> tuple[WorkerRuntime, TaskCont
     rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     ctx = TaskContext("t-stall")
     ctx.report("backbone", 1, 10)
-    rt._current, rt.status = ctx, WorkerStatus.busy
+    rt.tasks.batch, rt.status = [ctx], WorkerStatus.busy
     return rt, ctx
 
 

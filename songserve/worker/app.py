@@ -27,7 +27,8 @@ from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, Worke
 from songserve.settings import WorkerSettings
 from songserve.urls import dispatcher_urls, local_health_url
 from songserve.worker.announce import Announcer
-from songserve.worker.runtime import WorkerRuntime, error_kind_of
+from songserve.worker.failures import error_kind_of
+from songserve.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))
