@@ -108,14 +108,14 @@ def test_a_wall_clock_step_is_not_a_stall(tmp_path: Path, monkeypatch: pytest.Mo
     rt, _ = _busy_runtime(tmp_path, stall=300)
     real = time.time
     monkeypatch.setattr(runtime_mod.time, "time", lambda: real() + 301)  # the clock jumps forward
-    assert rt.health()["status"] == "busy"
+    assert rt.health().status == "busy"
 
 
 def test_no_progress_on_the_monotonic_clock_is_a_stall(tmp_path: Path) -> None:
     rt, ctx = _busy_runtime(tmp_path, stall=0.05)
-    wait_for(lambda: rt.health()["status"] == "stalled", timeout=10)
+    wait_for(lambda: rt.health().status == "stalled", timeout=10)
     ctx.report("backbone", 2, 10)  # progress again
-    assert rt.health()["status"] == "busy"
+    assert rt.health().status == "busy"
 
 
 # -- header-read timeout ----------------------------------------------------------------------------

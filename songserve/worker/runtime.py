@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from songserve.errors import (
     BusyError,
@@ -38,6 +37,7 @@ from songserve.schemas import (
     TaskView,
     WorkerGenerateRequest,
     WorkerGenerateResult,
+    WorkerHealth,
     WorkerPhase,
     WorkerStatus,
 )
@@ -47,44 +47,18 @@ from songserve.worker.failures import ClassifiedTaskError, classify_failure, err
 from songserve.worker.metrics import WorkerMetrics
 from songserve.worker.outputs import disk_report, names_from_metadata, remove_output, sweep_outputs
 from songserve.worker.tasks import TaskRegistry
+from songserve.worker.to_pipeline import generate_result, track_request
 
 log = logging.getLogger(__name__)
 
 
 def rss_mb() -> float:
+    """This process's resident memory in MiB (0 where ``/proc`` is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return 0.0
-
-
-def to_track_request(body: WorkerGenerateRequest, seed: int, task_id: str) -> TrackRequest:
-    instrumental = body.raw_mode == "instrumental" or body.language.lower() == "instrumental"
-    return TrackRequest(
-        lyrics=body.lyrics,
-        duration=body.duration,
-        genre=body.genre,
-        language=body.language,
-        tags=body.tags,
-        description=body.description,
-        instrumental=instrumental,
-        backbone_name=body.backbone_name,
-        superres_name=body.superres_name,
-        top_k_bb=body.top_k_bb,
-        top_k_sr=body.top_k_sr,
-        temperature=body.temperature,
-        superres_text_mode=body.superres_text_mode,
-        seed=seed,
-        task_id=task_id,
-        job_id=body.job_id,
-        track_index=body.track_index,
-        extra={
-            "raw_user_input": body.raw_user_input,
-            "raw_mode": body.raw_mode,
-            "raw_prompt_mode": body.raw_prompt_mode,
-        },
-    )
 
 
 class WorkerRuntime:
@@ -194,17 +168,15 @@ class WorkerRuntime:
         self, bodies: list[WorkerGenerateRequest]
     ) -> list[tuple[str, WorkerGenerateResult | SongserveError]]:
         ctxs = self._claim(bodies)
-        reqs = []
-        for body, ctx in zip(bodies, ctxs, strict=True):
-            seed = body.seed_override or self.s.seed  # None or 0 = the worker's own seed, as the reference
-            reqs.append(to_track_request(body, seed, ctx.task_id))
+        reqs = [track_request(body, self.s.seed, ctx.task_id) for body, ctx in zip(bodies, ctxs, strict=True)]
+        for body, req in zip(bodies, reqs, strict=True):
             log.info(
                 "task %s: start (job %s track %d, %.2f min, seed %d, batch of %d)",
-                ctx.task_id,
+                req.task_id,
                 body.job_id,
                 body.track_index,
                 body.duration,
-                seed,
+                req.seed,
                 len(bodies),
             )
         t0 = time.perf_counter()
@@ -244,17 +216,7 @@ class WorkerRuntime:
             self.metrics.tasks.labels(f"error_{kind.value}").inc()
             return ClassifiedTaskError(message, kind)
         self.tasks_done += 1
-        out = WorkerGenerateResult(
-            task_id=task_id,
-            mp3_filename=got.mp3_filename,
-            wav_filename=got.wav_filename,
-            json_filename=got.json_filename,
-            duration_sec=got.duration_sec,
-            backbone_tokens=got.backbone_tokens,
-            gpu_id=self.s.gpu_id,
-            seed=got.seed,
-            metadata=got.metadata,
-        )
+        out = generate_result(task_id, got, self.s.gpu_id)
         self.tasks.remember(TaskView(task_id=task_id, status=TaskState.done, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
         self.metrics.task_done(time.perf_counter() - t0, got.duration_sec, got.metadata.get("timings") or {})
@@ -308,7 +270,8 @@ class WorkerRuntime:
         return sweep_outputs(self.s.output_dir, self.s.output_ttl_sec)
 
     # -- reporting ------------------------------------------------------------------------------
-    def health(self) -> dict[str, Any]:
+    def health(self) -> WorkerHealth:
+        """``/health``: this worker's state, the running take's progress, its disk and its models."""
         batch = list(self.tasks.batch)
         running = [c for c in batch if not c.cancelled()]
         ctx = running[0] if running else self.tasks.current
@@ -322,29 +285,28 @@ class WorkerRuntime:
         status = self.status.value
         if ctx is not None and quiet_sec > self.s.stall_timeout_sec:
             status = WorkerStatus.stalled.value  # the model thread made no progress past its deadline
-        out = {
-            "status": status,
-            "accepting": self.accepting,
-            "phase": phase,
-            "gpu_id": self.s.gpu_id,
-            "seed": self.s.seed,
-            "progress": progress,
-            "progress_detail": detail,  # the reference's "N/M tokens" in the backbone
-            "tokens_per_sec": rate,
-            "runtime_mode": self.s.runtime_mode,
+        return WorkerHealth(
+            status=status,
+            accepting=self.accepting,
+            phase=phase,
+            gpu_id=self.s.gpu_id,
+            seed=self.s.seed,
+            progress=progress,
+            progress_detail=detail,  # the reference's "N/M tokens" in the backbone
+            tokens_per_sec=rate,
+            runtime_mode=self.s.runtime_mode,
             **self.pipeline.loaded(),
-            "backbone_models": self._models["backbone_models"],
-            "superres_models": self._models["superres_models"],
-            "task_id": ctx.task_id if ctx else None,
-            "last_progress_at": updated,
-            "device": self.device.name,
-            "rss_mb": round(rss_mb(), 1),
-            "tasks_done": self.tasks_done,
-            "uptime_sec": round(time.monotonic() - self._started_mono, 1),
-            "error": self.error,
+            backbone_models=self._models["backbone_models"],
+            superres_models=self._models["superres_models"],
+            task_id=ctx.task_id if ctx else None,
+            last_progress_at=updated,
+            device=self.device.name,
+            rss_mb=round(rss_mb(), 1),
+            tasks_done=self.tasks_done,
+            uptime_sec=round(time.monotonic() - self._started_mono, 1),
+            error=self.error,
             **disk_report(self.s.output_dir, self.s.min_free_disk_mb),
-            "batch_size": len(batch),
-            "tasks": self.tasks.take_views(),  # per take of the running batch
-        }
-        out.update(self.device.memory_mb())  # cuda_allocated_mb on CUDA
-        return out
+            batch_size=len(batch),
+            tasks=self.tasks.take_health(),  # per take of the running batch
+            **self.device.memory_mb(),  # cuda_allocated_mb on CUDA
+        )

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any
 
 from songserve.errors import NotFoundError, RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.schemas import TaskState, TaskView
+from songserve.schemas import TakeHealth, TaskState, TaskView
 
 log = logging.getLogger(__name__)
 MAX_REMEMBERED_TASKS = 256
@@ -81,20 +80,20 @@ class TaskRegistry:
             view = view.model_copy(update={"progress": p.percent, "phase": p.phase})
         return view
 
-    def take_views(self) -> list[dict[str, Any]]:
+    def take_health(self) -> list[TakeHealth]:
         """``/health``'s ``tasks``: each take of the running batch with its own progress."""
         out = []
         for ctx in list(self.batch):
             p = ctx.snapshot()
             out.append(
-                {
-                    "task_id": ctx.task_id,
-                    "phase": p.phase,
-                    "progress": p.percent,
-                    "progress_detail": p.detail,
-                    "tokens_per_sec": p.rate,
-                    "cancelled": ctx.cancelled(),
-                    "last_progress_at": p.updated_at,
-                }
+                TakeHealth(
+                    task_id=ctx.task_id,
+                    phase=p.phase,
+                    progress=p.percent,
+                    progress_detail=p.detail,
+                    tokens_per_sec=p.rate,
+                    cancelled=ctx.cancelled(),
+                    last_progress_at=p.updated_at,
+                )
             )
         return out
