@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PlainSerializer,
     PrivateAttr,
     field_validator,
     model_validator,
@@ -102,7 +103,12 @@ class WorkerGenerateResult(BaseModel):
     error_kind: ErrorKind | None = None  # always None on success; the field is shared with error bodies
 
 
-Percent = int | float  # ours are whole numbers (an int stays an int on the wire); the reference may send a float
+def _whole_as_int(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
+
+
+# A percent reads as a float (the reference may send one); ours are whole and go out as ints, as they always did.
+Percent = Annotated[float, PlainSerializer(_whole_as_int)]
 
 
 class TakeHealth(BaseModel):
@@ -120,9 +126,7 @@ class TakeHealth(BaseModel):
 
 
 class WorkerHealth(BaseModel):
-    """Worker ``GET /health``: the reference's fields and our extensions (ext), in our wire order.
-
-    All optional on the wire. Ours sends the fields it sets: a tone's lacks ``load_sec`` … ``decode_step``."""
+    """Worker ``GET /health``: the reference's fields and our extensions (ext), all optional, in our wire order."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -180,9 +184,7 @@ class WorkerHealth(BaseModel):
 
 
 class WorkerConfig(BaseModel):
-    """Worker ``GET /config``: the reference's first five fields, then our extensions, in our wire order.
-
-    Ours sends the fields it sets: the limits after ``announce`` are its pipeline's (a tone's: ``max_batch``)."""
+    """Worker ``GET /config``: the reference's first five fields, then our extensions, in our wire order."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
