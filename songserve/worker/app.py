@@ -1,5 +1,9 @@
 """The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
 
+``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/tasks`` and ``/cancel`` answer
+models of ``songserve.schemas``, serialised by FastAPI; a take's result or failure becomes its
+answer in ``worker/to_pipeline.py``. Errors take the one error body (``http_errors``).
+
 Besides the routes, a small background task sweeps output files past ``OUTPUT_TTL_SEC``; the
 dispatcher removes each task's files with ``DELETE /files/{task_id}`` once it has copied them.
 """
@@ -117,8 +121,8 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes)
     out_dir = runtime.s.output_dir
 
-    # /health and /config answer the fields the worker sets: a test tone has no context length,
-    # no parked stages and no CUDA memory, and those fields stay off its answers.
+    # /health and /config answer the fields the worker sets: a test tone has no parked stages or
+    # CUDA memory (/health) and no context length (/config), and those fields stay off its answers.
     @app.get("/health", response_model_exclude_unset=True)
     async def health() -> WorkerHealth:
         return runtime.health()

@@ -21,8 +21,8 @@ from songserve.worker.failures import error_kind_of
 def take_seed(body: WorkerGenerateRequest, worker_seed: int) -> int:
     """The seed a take runs with: ``seed_override``, where 0 or absent means the worker's own ``SEED``.
 
-    The reference worker reads it as ``seed_override or seed``, so a dispatcher that sends 0
-    gets the worker's seed from both; our dispatcher never sends 0 for a seed it chose.
+    The reference worker reads it as ``seed_override or seed``, so 0 means the same on both.
+    Our dispatcher draws its seeds from 1 up: 0 arrives only when a client asked for seed 0.
     """
     return body.seed_override or worker_seed
 
