@@ -7,7 +7,7 @@ rename them. Unknown request fields are ignored.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PlainSerializer,
     PrivateAttr,
     field_validator,
     model_validator,
@@ -102,6 +103,14 @@ class WorkerGenerateResult(BaseModel):
     error_kind: ErrorKind | None = None  # always None on success; the field is shared with error bodies
 
 
+def _whole_as_int(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
+
+
+# A percent reads as a float (the reference may send one); ours are whole and go out as ints, as they always did.
+Percent = Annotated[float, PlainSerializer(_whole_as_int)]
+
+
 class TakeHealth(BaseModel):
     """One take of the batch a worker runs (``/health``'s ``tasks``), with its own progress."""
 
@@ -109,39 +118,49 @@ class TakeHealth(BaseModel):
 
     task_id: str
     phase: str = "idle"
-    progress: float = 0
+    progress: Percent = 0
     progress_detail: str = ""
     tokens_per_sec: float | None = None
     cancelled: bool = False
+    last_progress_at: float | None = None  # wall clock of the take's last report
 
 
 class WorkerHealth(BaseModel):
-    """Worker ``GET /health``: the reference's fields, then our extensions (all optional on the wire)."""
+    """Worker ``GET /health``: the reference's fields and our extensions (ext), all optional, in our wire order."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     status: str = "initializing"  # a WorkerStatus word
+    accepting: bool = True  # ext: False while draining
     phase: str = "idle"  # a WorkerPhase word
     gpu_id: int | None = None
     seed: int | None = None
-    progress: float = 0
+    progress: Percent = 0
     progress_detail: str = ""  # in the backbone the reference's "N/M tokens"
+    tokens_per_sec: float | None = None  # ext: the backbone's rate, apart from progress_detail
     runtime_mode: str | None = None
     backbone_loaded: bool | str | None = False  # the reference worker reports the loaded model's name
     superres_loaded: bool | str | None = False
     decoder_loaded: bool | str | None = False
-    # extensions
-    tokens_per_sec: float | None = None  # the backbone's rate, apart from progress_detail
-    accepting: bool = True
-    task_id: str | None = None
-    backbone_models: list[str] = Field(default_factory=list)
-    superres_models: list[str] = Field(default_factory=list)
-    device: str | None = None
-    tasks_done: int | None = None
-    error: str | None = None
-    disk_free_mb: float | None = None  # the output folder's disk
-    disk_low: bool = False  # below the worker's MIN_FREE_DISK_MB: it should get no new track
-    tasks: list[TakeHealth] = Field(default_factory=list)  # the takes of the running batch
+    load_sec: dict[str, float] | None = None  # ext, model pipeline: seconds of each stage's latest load
+    parked: list[str] | None = None  # ext, park mode: the stages whose weights wait in host memory
+    park_backbone: str | None = None  # ext, park mode: PARK_BACKBONE
+    decode_step: dict[str, Any] | None = None  # ext, model pipeline: the compiled decode step, if any
+    backbone_models: list[str] = Field(default_factory=list)  # ext
+    superres_models: list[str] = Field(default_factory=list)  # ext
+    task_id: str | None = None  # ext: the running task (the first take of a batch)
+    last_progress_at: float | None = None  # ext: wall clock of its last report
+    device: str | None = None  # ext
+    rss_mb: float | None = None  # ext: the worker process's resident memory
+    tasks_done: int | None = None  # ext
+    uptime_sec: float | None = None  # ext
+    error: str | None = None  # ext: why the worker is in error
+    disk_free_mb: float | None = None  # ext: the output folder's disk
+    disk_low: bool = False  # ext: below the worker's MIN_FREE_DISK_MB: it should get no new track
+    output_files: int | None = None  # ext: files in the output folder
+    batch_size: int | None = None  # ext: takes in the running batch
+    tasks: list[TakeHealth] = Field(default_factory=list)  # ext: the takes of the running batch
+    cuda_allocated_mb: float | None = None  # ext, on CUDA: memory torch holds on the device
 
     def take(self, task_id: str) -> TakeHealth | None:
         """The progress of one running take: its own entry, or the whole worker's for a single task."""
@@ -165,7 +184,7 @@ class WorkerHealth(BaseModel):
 
 
 class WorkerConfig(BaseModel):
-    """Worker ``GET /config``: the models it offers (the reference's fields), then our extensions."""
+    """Worker ``GET /config``: the reference's first five fields, then our extensions, in our wire order."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -174,9 +193,50 @@ class WorkerConfig(BaseModel):
     runtime_mode: str | None = None
     genre_options: list[str] = Field(default_factory=list)
     language_options: list[str] = Field(default_factory=list)
+    sample_rate: int | None = None  # Hz of the audio it writes
+    frame_rate: float | None = None  # codec frames per second
+    channels: int | None = None
+    formats: list[str] = Field(default_factory=list)  # the files each track gets besides its JSON
+    device: str | None = None
+    tiny_checkpoints: bool = False
+    checkpoint_layout: str | None = None  # what was found where ("own", "release")
+    checkpoints: dict[str, str] = Field(default_factory=dict)  # each file or folder it loaded, by role
+    architectures: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per backbone: layers, hidden, …
+    version: str | None = None
+    announce: list[dict[str, Any]] = Field(default_factory=list)  # ANNOUNCE: each dispatcher and where it stands
+    # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
+    max_new_tokens: int | None = None  # the backbone's token budget (MAX_NEW_TOKENS)
     max_batch: int = 1  # takes of one request it runs as one batch (POST /generate_batch); 1 = /generate only
-    max_sequence_length: int | None = None  # the backbone's context, in tokens (prompt + audio)
+    eoa_min_share: float | None = None  # share of the requested length before end-of-audio is accepted
     tokens_per_minute: int | None = None  # audio tokens per minute of song (21.53 frames/s × 2 × 60)
+    backbones: dict[str, dict[str, int]] = Field(default_factory=dict)  # per backbone: the four limits below
+    max_sequence_length: int | None = None  # the backbone's context, in tokens (prompt + audio)
+    max_prompt_length: int | None = None  # tokens of prompt the backbone takes
+    kv_bytes_per_take: int | None = None  # KV-cache bytes one take needs at full context
+    superres_max_prompt_length: int | None = None
+
+
+class WorkerTakeFailure(BaseModel):
+    """A take that did not finish (a ``/generate_batch`` result; ``/generate``'s answer when cancelled)."""
+
+    status: Literal["cancelled", "error"]
+    task_id: str
+    error: str
+
+
+class WorkerBatchRequest(BaseModel):
+    """Dispatcher → worker ``POST /generate_batch``: takes of one request that differ only in seed and ids."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    takes: list[WorkerGenerateRequest] = Field(min_length=1, max_length=64)
+
+
+class WorkerBatchResult(BaseModel):
+    """Worker ``POST /generate_batch``: per take, in the order of ``takes``, its result or why it has none."""
+
+    status: Literal["ok"] = "ok"  # the batch ran (a batch refused as a whole is an error body instead)
+    results: list[Annotated[WorkerGenerateResult | WorkerTakeFailure, Field(discriminator="status")]]
 
 
 class TaskState(StrEnum):

@@ -19,6 +19,8 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
+from songserve.schemas import WorkerAnnouncement
+from songserve.urls import default_public_url, dispatcher_urls
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,8 +124,6 @@ class WorkerSettings(BaseSettings):
         """Each an http(s) URL, and a token: a dispatcher refuses an announcement without one (it guards lyrics)."""
         if not value.strip():
             return ""
-        from songserve.worker.announce import dispatcher_urls
-
         try:
             urls = dispatcher_urls(value)
         except ValueError as exc:
@@ -138,9 +138,6 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _public_url(cls, value: str, info: ValidationInfo) -> str:
         """Checked against the announcement contract now, so a bad one refuses start-up instead of a 422 forever."""
-        from songserve.schemas import WorkerAnnouncement
-        from songserve.worker.announce import default_public_url
-
         if not value.strip():
             if not info.data.get("announce") or "host" not in info.data or "worker_port" not in info.data:
                 return ""

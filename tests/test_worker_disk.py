@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from songserve.errors import NotFoundError, RequestError, TaskError
 from songserve.pipeline.context import TaskContext
@@ -26,7 +25,11 @@ from songserve.pipeline.tone import TonePipeline
 from songserve.pipeline.types import TrackRequest, TrackResult
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest
 from songserve.settings import WorkerSettings, load_settings
-from songserve.worker.runtime import WorkerRuntime, classify_failure, sweep_outputs
+from songserve.worker.device import ToneDevice
+from songserve.worker.failures import classify_failure
+from songserve.worker.outputs import sweep_outputs
+from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.tasks import TaskRegistry
 from tests.support import mount_tmpfs, start_worker, wait_for
 
 TOKEN = "disk-test-token"
@@ -167,7 +170,7 @@ class _Failing(TonePipeline):
 
 def _runtime(tmp_path: Path, exc: BaseException) -> WorkerRuntime:
     s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path / "out")
-    rt = WorkerRuntime(s, _Failing(s, exc), torch.device("cpu"))
+    rt = WorkerRuntime(s, _Failing(s, exc), ToneDevice())
     rt.status = rt.status.idle
     return rt
 
@@ -191,6 +194,23 @@ def test_injected_failures_are_classified(tmp_path: Path, exc: BaseException, ki
     assert view.error_kind is kind
     assert words in (view.error or "")
     assert rt.status.value == "idle"
+    rt.shutdown()
+
+
+def test_torch_out_of_memory_on_the_model_device_is_the_environment(tmp_path: Path) -> None:
+    """torch's own error says out of memory by its type; its text need not (the device knows the type)."""
+    import torch
+
+    from songserve.worker.torch_device import TorchDevice
+
+    exc = torch.OutOfMemoryError("Tried to allocate 2.00 GiB")
+    s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path / "out")
+    rt = WorkerRuntime(s, _Failing(s, exc), TorchDevice(torch.device("cpu"), threads=1))
+    rt.status = rt.status.idle
+    with pytest.raises(TaskError) as info:
+        asyncio.run(rt.generate(WorkerGenerateRequest(task_id="t1", duration=0.01)))
+    assert str(info.value) == "The worker ran out of memory."
+    assert info.value.kind is ErrorKind.environment
     rt.shutdown()
 
 
@@ -258,18 +278,18 @@ def test_sweep_removes_only_old_export_files(tmp_path: Path) -> None:
 def test_files_of_a_forgotten_task_are_found_by_their_json(tmp_path: Path) -> None:
     """After a restart the worker no longer remembers the task: its JSON still names the files."""
     s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path / "out")
-    rt = WorkerRuntime(s, TonePipeline(s), torch.device("cpu"))
+    rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     rt.status = rt.status.idle
     other = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="other", duration=0.01)))
     done = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="gone", duration=0.01)))
-    rt._tasks.clear()  # what a restart forgets
+    rt.tasks = TaskRegistry()  # what a restart forgets
     removed = rt.remove_task_files("gone")
     assert sorted(removed) == sorted([done.wav_filename, done.mp3_filename, done.json_filename])
     assert sorted(os.listdir(s.output_dir)) == sorted([other.wav_filename, other.mp3_filename, other.json_filename])
     with pytest.raises(NotFoundError):
         rt.remove_task_files("never-ran")
-    rt._current = TaskContext("running")
+    rt.tasks.batch = [TaskContext("running")]
     with pytest.raises(RequestError, match="still running"):
         rt.remove_task_files("running")
-    rt._current = None
+    rt.tasks.batch = []
     rt.shutdown()

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.tone import TonePipeline
 from songserve.schemas import WorkerStatus
 from songserve.settings import WorkerSettings, load_settings
 from songserve.worker import runtime as runtime_mod
+from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
@@ -97,10 +97,10 @@ def test_a_valid_request_still_runs(worker) -> None:
 
 def _busy_runtime(tmp_path: Path, stall: float) -> tuple[WorkerRuntime, TaskContext]:
     s = load_settings(WorkerSettings, [], pipeline="test", output_dir=tmp_path, stall_timeout_sec=stall)
-    rt = WorkerRuntime(s, TonePipeline(s), torch.device("cpu"))
+    rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     ctx = TaskContext("t-stall")
     ctx.report("backbone", 1, 10)
-    rt._current, rt.status = ctx, WorkerStatus.busy
+    rt.tasks.batch, rt.status = [ctx], WorkerStatus.busy
     return rt, ctx
 
 
@@ -108,14 +108,14 @@ def test_a_wall_clock_step_is_not_a_stall(tmp_path: Path, monkeypatch: pytest.Mo
     rt, _ = _busy_runtime(tmp_path, stall=300)
     real = time.time
     monkeypatch.setattr(runtime_mod.time, "time", lambda: real() + 301)  # the clock jumps forward
-    assert rt.health()["status"] == "busy"
+    assert rt.health().status == "busy"
 
 
 def test_no_progress_on_the_monotonic_clock_is_a_stall(tmp_path: Path) -> None:
     rt, ctx = _busy_runtime(tmp_path, stall=0.05)
-    wait_for(lambda: rt.health()["status"] == "stalled", timeout=10)
+    wait_for(lambda: rt.health().status == "stalled", timeout=10)
     ctx.report("backbone", 2, 10)  # progress again
-    assert rt.health()["status"] == "busy"
+    assert rt.health().status == "busy"
 
 
 # -- header-read timeout ----------------------------------------------------------------------------

@@ -24,8 +24,9 @@ PHASES = ("backbone", "superres", "decoding")
 
 
 class TonePipeline:
-    def __init__(self, settings: ToneConfig) -> None:
+    def __init__(self, settings: ToneConfig, max_batch: int = 1) -> None:
         self.s = settings
+        self.max_batch = max_batch  # reported in /config, so the dispatcher's packing can be tested against a tone
         self.phase_hook: Callable[[str], None] = lambda phase: None
 
     def load(self) -> None:
@@ -42,6 +43,19 @@ class TonePipeline:
             "frame_rate": round(FRAMES_PER_SECOND, 2),
             "test_pipeline": True,
         }
+
+    def limits(self) -> dict[str, Any]:
+        return {"max_batch": self.max_batch}
+
+    def run_batch(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
+        """The takes in turn, each with its own outcome (a cancelled take does not stop the others)."""
+        out: list[TrackResult | BaseException] = []
+        for req, ctx in zip(reqs, ctxs, strict=True):
+            try:
+                out.append(self.run(req, ctx))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
         if self.s.test_hang:  # fault injection: a model thread that stops making progress

@@ -1,14 +1,19 @@
-"""Typed seams between the stages and the request they serve."""
+"""Typed seams between the stages and the request they serve, and the ``Pipeline`` the worker drives.
+
+torch is imported for type checking only: the test tone pipeline and the worker's runtime read
+this module, and a tone worker must start without loading torch (it needs none).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from songserve.pipeline.context import TaskContext
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -55,14 +60,38 @@ class TrackResult:
 
 
 class Pipeline(Protocol):
-    """What the worker's runtime drives: the model pipeline or the test tone pipeline."""
+    """What the worker's runtime drives: the model pipeline or the test tone pipeline.
+
+    Every method and attribute the worker uses is named here, so the worker holds a ``Pipeline``
+    and never asks which one it has. All of them but ``phase_hook`` and the three reports run on
+    the worker's single model thread.
+    """
 
     phase_hook: Callable[[str], None]  # the runtime's: loading phases show in /health
 
-    def load(self) -> None: ...
+    def load(self) -> None:
+        """Load what stays resident; raise ``ConfigError`` (one line) when it cannot work."""
+        ...
 
-    def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult: ...
+    def run(self, req: TrackRequest, ctx: TaskContext) -> TrackResult:
+        """One take; raises what ended it (``TaskCancelled``, ``RequestError``, anything else)."""
+        ...
 
-    def loaded(self) -> dict[str, bool]: ...
+    def run_batch(self, reqs: list[TrackRequest], ctxs: list[TaskContext]) -> list[TrackResult | BaseException]:
+        """Takes of one request: per take its result or the exception that ended it; a request
+        error that concerns them all (an unknown model, takes that differ) raises instead."""
+        ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def loaded(self) -> dict[str, Any]:
+        """``/health``'s pipeline fields: ``backbone_loaded``, ``superres_loaded``, ``decoder_loaded``,
+        and the model pipeline's own (``load_sec``, ``parked``, ``park_backbone``, ``decode_step``)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """``/config``'s pipeline fields: ``backbone_models``, ``superres_models``, ``sample_rate``,
+        ``frame_rate``, and where known ``channels`` and the checkpoint set's fields."""
+        ...
+
+    def limits(self) -> dict[str, Any]:
+        """``/config``'s limits for the dispatcher (``WorkerConfig``): at least ``max_batch``."""
+        ...

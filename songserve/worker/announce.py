@@ -10,17 +10,17 @@ Announcing starts only once this worker answers its own ``/health``: a dispatche
 right after the registration must find it (``initializing`` while the models load is fine). One
 unreachable or refusing dispatcher never blocks the others and never stops the worker: each is
 retried with its own back-off, capped at the interval. Each target's state changes are logged once.
+The URL rules (``ANNOUNCE``'s targets, the default ``PUBLIC_URL``) are ``songserve/urls.py``, which
+the settings share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from pydantic import ValidationError
@@ -32,61 +32,11 @@ log = logging.getLogger(__name__)
 TTL_INTERVALS = 3.0  # a registration outlives two lost renewals
 FIRST_BACKOFF_SEC = 0.5
 LEAVE_TIMEOUT_SEC = 2.0  # shutdown must not hang on a dispatcher that went away
-WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
-
-
-def dispatcher_urls(text: str) -> list[str]:
-    """``ANNOUNCE`` split into dispatcher base URLs; a bad one raises ValueError naming it.
-
-    A dispatcher may sit behind a path prefix (a reverse proxy), so a path is kept; a query,
-    fragment or credentials are refused (the token travels as a header).
-    """
-    urls: list[str] = []
-    for raw in text.split(","):
-        url = raw.strip().rstrip("/")
-        if not raw.strip():
-            continue
-        try:
-            parts = urlsplit(url)
-            parts.port  # noqa: B018  (raises on a port that is not a number)
-        except ValueError:
-            raise ValueError(f"{raw.strip()!r} is not a valid URL") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{raw.strip()!r} is not an http(s) URL with a host")
-        if parts.query or parts.fragment or parts.username is not None or any(c.isspace() for c in url):
-            raise ValueError(f"{raw.strip()!r} must be a plain http(s)://host[:port][/prefix] URL")
-        if url not in urls:
-            urls.append(url)
-    return urls
-
-
-def default_public_url(host: str, port: int) -> str:
-    """Where dispatchers should call a worker bound to ``host:port``.
-
-    A wildcard bind address (0.0.0.0, ::) names no host a dispatcher could reach, so this machine's
-    fully qualified name stands in; an IPv6 literal gets its brackets.
-    """
-    name = socket.getfqdn() if host.strip() in WILDCARD_HOSTS else host.strip()
-    if ":" in name and not name.startswith("["):
-        name = f"[{name}]"
-    return f"http://{name}:{port}"
 
 
 def ttl_for(interval_sec: float) -> float:
     """The TTL sent: three intervals, within the contract's 1..3600 s."""
     return min(max(TTL_INTERVALS * interval_sec, 1.0), 3600.0)
-
-
-def local_health_url(host: str, port: int) -> str:
-    """This worker's own ``/health`` as seen from inside the process (a wildcard bind → loopback)."""
-    h = host.strip()
-    if h in ("0.0.0.0", ""):
-        h = "127.0.0.1"
-    elif h in ("::", "[::]"):
-        h = "[::1]"
-    elif ":" in h and not h.startswith("["):
-        h = f"[{h}]"
-    return f"http://{h}:{port}/health"
 
 
 @dataclass

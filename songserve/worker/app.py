@@ -1,5 +1,9 @@
 """The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
 
+``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/tasks`` and ``/cancel`` answer
+models of ``songserve.schemas``, serialised by FastAPI; a take's result or failure becomes its
+answer in ``worker/to_pipeline.py``. Errors take the one error body (``http_errors``).
+
 Besides the routes, a small background task sweeps output files past ``OUTPUT_TTL_SEC``; the
 dispatcher removes each task's files with ``DELETE /files/{task_id}`` once it has copied them.
 """
@@ -17,30 +21,34 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
 
 from songserve import __version__
-from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError, TaskCancelled
-from songserve.http_errors import error_response, install_error_handlers
+from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError
+from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
-from songserve.schemas import ID_PATTERN, TaskView, WorkerGenerateRequest, WorkerStatus
+from songserve.schemas import (
+    ID_PATTERN,
+    TaskView,
+    WorkerBatchRequest,
+    WorkerBatchResult,
+    WorkerConfig,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+    WorkerHealth,
+    WorkerStatus,
+    WorkerTakeFailure,
+)
 from songserve.settings import WorkerSettings
-from songserve.worker.announce import Announcer, dispatcher_urls, local_health_url
-from songserve.worker.runtime import WorkerRuntime, error_kind_of
+from songserve.urls import dispatcher_urls, local_health_url
+from songserve.worker.announce import Announcer
+from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.to_pipeline import batch_result, generate_failure
 
 log = logging.getLogger(__name__)
 TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
 LANGUAGES = ["en", "zh", "Instrumental"]
-
-
-class WorkerBatchRequest(BaseModel):
-    """``POST /generate_batch``: takes of one request, differing only in seed_override/task_id/track_index."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    takes: list[WorkerGenerateRequest] = Field(min_length=1, max_length=64)
 
 
 def safe_file(folder: Path, name: str) -> Path:
@@ -113,8 +121,10 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes)
     out_dir = runtime.s.output_dir
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    # /health and /config answer the fields the worker sets: a test tone has no parked stages or
+    # CUDA memory (/health) and no context length (/config), and those fields stay off its answers.
+    @app.get("/health", response_model_exclude_unset=True)
+    async def health() -> WorkerHealth:
         return runtime.health()
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -124,59 +134,51 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     @app.get("/ready")
     async def ready() -> JSONResponse:
         h = runtime.health()
-        ok = h["status"] in (WorkerStatus.idle.value, WorkerStatus.busy.value)
-        body = {"ready": ok, "status": h["status"], "device": h["device"]}
+        ok = h.status in (WorkerStatus.idle.value, WorkerStatus.busy.value)
+        body = {"ready": ok, "status": h.status, "device": h.device}
         return JSONResponse(
-            body if ok else {**body, "status": "error", "error": f"Worker is {h['status']}."},
+            body if ok else {**body, "status": "error", "error": f"Worker is {h.status}."},
             status_code=200 if ok else 503,
         )
 
-    @app.get("/config")
-    async def config() -> dict[str, Any]:
+    @app.get("/config", response_model_exclude_unset=True)
+    async def config() -> WorkerConfig:
         d = runtime.pipeline.describe()
-        return {
-            "backbone_models": d["backbone_models"],
-            "superres_models": d["superres_models"],
-            "runtime_mode": runtime.s.runtime_mode,
-            "genre_options": GENRES,
-            "language_options": LANGUAGES,
-            "sample_rate": d["sample_rate"],
-            "frame_rate": d["frame_rate"],
-            "channels": d.get("channels", 2),
-            "formats": ["wav", "mp3"],
-            "device": str(runtime.device),
-            "tiny_checkpoints": d.get("tiny_checkpoints", False),
-            "checkpoint_layout": d.get("checkpoint_layout"),  # extension: what was found where
-            "checkpoints": d.get("checkpoints", {}),
-            "architectures": d.get("architectures", {}),
-            "version": __version__,
+        return WorkerConfig(
+            backbone_models=d["backbone_models"],
+            superres_models=d["superres_models"],
+            runtime_mode=runtime.s.runtime_mode,
+            genre_options=GENRES,
+            language_options=LANGUAGES,
+            sample_rate=d["sample_rate"],
+            frame_rate=d["frame_rate"],
+            channels=d.get("channels", 2),
+            formats=["wav", "mp3"],
+            device=runtime.device.name,
+            tiny_checkpoints=d.get("tiny_checkpoints", False),
+            checkpoint_layout=d.get("checkpoint_layout"),  # extension: what was found where
+            checkpoints=d.get("checkpoints", {}),
+            architectures=d.get("architectures", {}),
+            version=__version__,
             # ANNOUNCE: each dispatcher this worker registers with, and where it stands (joined, failing, …)
-            "announce": announcer.view() if announcer is not None else [],
+            announce=announcer.view() if announcer is not None else [],
             # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
             # (the test tone runs a batch's takes in turn, so packing can be tested against it too)
-            **(
-                runtime.pipeline.limits() if hasattr(runtime.pipeline, "limits") else {"max_batch": runtime.s.max_batch}
-            ),
-        }
+            **runtime.pipeline.limits(),
+        )
 
-    @app.post("/generate")
-    async def generate(body: WorkerGenerateRequest) -> JSONResponse:
+    # A finished take (status "ok") or a cancelled one (HTTP 200); a failure is an error body with its kind.
+    @app.post("/generate", response_model=WorkerGenerateResult | WorkerTakeFailure)
+    async def generate(body: WorkerGenerateRequest) -> WorkerGenerateResult | WorkerTakeFailure | JSONResponse:
         try:
-            result = await runtime.generate(body)
-        except TaskCancelled as exc:
-            return JSONResponse({"status": "cancelled", "task_id": body.task_id, "error": str(exc)})
+            return await runtime.generate(body)
         except BusyError:
-            raise
-        except SongserveError as exc:  # the error body carries the kind: environment, model or request
-            kind = error_kind_of(exc)
-            extra: dict[str, object] = {"error_kind": kind.value} if kind else {}
-            if exc.detail:
-                extra["detail"] = exc.detail
-            return error_response(exc.http_status, str(exc), headers=exc.headers, task_id=body.task_id, **extra)
-        return JSONResponse(result.model_dump())
+            raise  # the one busy answer (http_errors)
+        except SongserveError as exc:
+            return generate_failure(body.task_id, exc)
 
     @app.post("/generate_batch")
-    async def generate_batch(body: WorkerBatchRequest) -> JSONResponse:
+    async def generate_batch(body: WorkerBatchRequest) -> WorkerBatchResult:
         """Several takes of one request as one batch (issue 14).
 
         Body ``{"takes": [<a /generate body>, …]}``: the takes differ only in ``seed_override``,
@@ -193,15 +195,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         first = results[0][1]
         if isinstance(first, RequestError) and all(r is first for _, r in results):
             raise first
-        out = []
-        for task_id, r in results:
-            if isinstance(r, TaskCancelled):
-                out.append({"status": "cancelled", "task_id": task_id, "error": str(r)})
-            elif isinstance(r, Exception):
-                out.append({"status": "error", "task_id": task_id, "error": str(r)})
-            else:
-                out.append(r.model_dump())
-        return JSONResponse({"status": "ok", "results": out})
+        return batch_result(results)
 
     @app.post("/cancel/{task_id}")
     async def cancel(task_id: str) -> TaskView:

@@ -18,6 +18,9 @@ A flag outside these lists is said to be ignored, at warning level. ``--num-toke
 and ``--max-batch-size`` / ``--inference-max-requests`` set ``MAX_NEW_TOKENS`` / ``MAX_BATCH``
 unless those are set explicitly (environment or the worker's own flag), which then win; the
 start-up line says which value is in force and where it came from.
+
+``pipeline.megatron_args`` (which imports torch) is imported only where there are flags to judge:
+a test-tone worker started without Megatron flags never loads torch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import logging
 from typing import Any
 
 from songserve.errors import ConfigError
-from songserve.pipeline.checkpoints.megatron_args import ARCH_KEYS, PARALLEL, parse_flags, unsupported_use
 from songserve.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,8 @@ def flag_name(dest: str) -> str:
 
 def verdict(dest: str, value: Any, explicit: set[str]) -> tuple[str, str]:
     """(applied | not needed | refused | ignored, why) for one flag."""
+    from songserve.pipeline.checkpoints.megatron_args import ARCH_KEYS, PARALLEL, unsupported_use
+
     if dest in PARALLEL:
         if value in (1, None):
             return NOT_NEEDED, "one GPU per worker: 1 is the only size"
@@ -121,7 +125,11 @@ def _as_int(dest: str, value: Any, lo: int, hi: int) -> int:
 def apply_launcher_flags(s: WorkerSettings) -> WorkerSettings:
     """Log one line per flag of ``s.megatron_args``, refuse the impossible ones, and return the
     settings with the flags that feed a setting applied (an explicit setting wins)."""
-    flags = parse_flags(s.megatron_args) if s.megatron_args.strip() else {}
+    flags: dict[str, Any] = {}
+    if s.megatron_args.strip():
+        from songserve.pipeline.checkpoints.megatron_args import parse_flags
+
+        flags = parse_flags(s.megatron_args)
     explicit = set(s.model_fields_set)
     updates: dict[str, Any] = {}
     origin: dict[str, str] = {}

@@ -21,26 +21,33 @@ log = logging.getLogger("songserve.worker")
 
 
 def build_runtime(s: WorkerSettings) -> WorkerRuntime:
-    """Resolve the device and the checkpoint set (fails fast with one line), make the runtime."""
+    """Resolve the device and the checkpoint set (fails fast with one line), make the runtime.
+
+    The test tone is numpy on the CPU: its path imports neither torch nor megatron (they take
+    longer to import than the tone worker takes to start), so it picks no torch device.
+    """
+    from songserve.worker.runtime import WorkerRuntime
+
+    if s.pipeline == "test":
+        from songserve.pipeline.tone import TonePipeline
+        from songserve.worker.device import ToneDevice
+
+        log.info("test pipeline: a tone, computed on the CPU")
+        return WorkerRuntime(s, TonePipeline(s, max_batch=s.max_batch), ToneDevice())
     import torch
 
-    from songserve.worker.runtime import WorkerRuntime, pick_device
+    from songserve.pipeline.checkpoints.layout import resolve
+    from songserve.pipeline.checkpoints.megatron_env import init_megatron
+    from songserve.pipeline.pipeline import ModelPipeline
+    from songserve.worker.torch_device import TorchDevice, pick_device
 
     torch.set_num_threads(s.torch_threads)
     device = pick_device(s.device)
     if device.type == "cpu":
         log.info("CUDA is not available or not asked for: running on the CPU")
-    if s.pipeline == "test":
-        from songserve.pipeline.tone import TonePipeline
-
-        return WorkerRuntime(s, TonePipeline(s), device)
-    from songserve.pipeline.checkpoints.layout import resolve
-    from songserve.pipeline.checkpoints.megatron_env import init_megatron
-    from songserve.pipeline.pipeline import ModelPipeline
-
     ckpt = resolve(s)
     init_megatron(device, s.master_port, s.seed)
-    return WorkerRuntime(s, ModelPipeline(s, ckpt, device), device)
+    return WorkerRuntime(s, ModelPipeline(s, ckpt, device), TorchDevice(device, s.torch_threads))
 
 
 def split_megatron_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:

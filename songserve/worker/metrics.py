@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from songserve.schemas import WorkerHealth
+
 BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 
 
@@ -42,7 +44,7 @@ class WorkerMetrics:
             if isinstance(sec, int | float) and stage.endswith("_sec"):
                 self.stage_seconds.labels(stage.removesuffix("_sec")).observe(sec)
 
-    def watch(self, health: Callable[[], dict[str, Any]]) -> None:
+    def watch(self, health: Callable[[], WorkerHealth]) -> None:
         self.registry.register(_Live(health))
 
     def render(self) -> bytes:
@@ -50,17 +52,16 @@ class WorkerMetrics:
 
 
 class _Live(Collector):
-    def __init__(self, health: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, health: Callable[[], WorkerHealth]) -> None:
         self.health = health
 
     def collect(self) -> Iterator[Metric]:
         h = self.health()
         yield GaugeMetricFamily(
-            "songserve_worker_busy", "1 while the model thread runs a task.", value=float(h["status"] == "busy")
+            "songserve_worker_busy", "1 while the model thread runs a task.", value=float(h.status == "busy")
         )
-        yield GaugeMetricFamily(
-            "songserve_worker_batch_size", "Takes in the running batch.", value=h.get("batch_size", 0)
-        )
-        free = h.get("disk_free_mb")
-        if isinstance(free, int | float):
-            yield GaugeMetricFamily("songserve_worker_disk_free_mb", "Free MB on the output folder's disk.", value=free)
+        yield GaugeMetricFamily("songserve_worker_batch_size", "Takes in the running batch.", value=h.batch_size or 0)
+        if h.disk_free_mb is not None:
+            yield GaugeMetricFamily(
+                "songserve_worker_disk_free_mb", "Free MB on the output folder's disk.", value=h.disk_free_mb
+            )
