@@ -1,3 +1,5 @@
+"""``python -m songserve``: the command-line client (``songserve/client.py``)."""
+
 import sys
 
 from songserve.client import main

@@ -1,0 +1,106 @@
+"""The package's shape: no import cycles between its modules, no module over 400 lines, a docstring each.
+
+Imports are read from the source (every ``import``/``from … import`` of a ``songserve`` module,
+at module level, inside functions and under ``TYPE_CHECKING`` alike): a cycle hidden behind a lazy
+import is still a cycle for a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "songserve"
+MAX_LINES = 400
+
+pytestmark = pytest.mark.quick
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an import names (a submodule if it exists, else its package)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            if name == "songserve" or name.startswith("songserve."):
+                target = _resolve(name)
+                if target and target != module and not module.startswith(target + "."):
+                    out.add(target)  # a module importing its own package's __init__ is not an edge
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour = dict.fromkeys(graph, WHITE)
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = GREY
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt, BLACK) == GREY:
+                return [*stack[stack.index(nxt) :], nxt]
+            if colour.get(nxt) == WHITE:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        colour[node] = BLACK
+        return None
+
+    for node in sorted(graph):
+        if colour[node] == WHITE:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_cycles():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_no_module_is_over_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_module_and_package_has_a_docstring():
+    missing = [m for m, p in MODULES.items() if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
+    assert missing == []
