@@ -1,4 +1,4 @@
-"""Lyrics cleaning (shared/docs/api.md, "Lyrics cleaning"), applied before anything else sees them.
+"""Lyrics cleaning (docs/api.md, "Lyrics cleaning"), applied before anything else sees them.
 
 Why it is exactly the reference's: the model was served lyrics cleaned by the reference backend
 (``backend/backend_api.py`` of the public Khala repository), so the same text must reach it here.

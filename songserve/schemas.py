@@ -1,4 +1,4 @@
-"""Wire models shared by the dispatcher and the worker: the contract in shared/docs/api.md.
+"""Wire models shared by the dispatcher and the worker: the contract in docs/api.md.
 
 Field names and status words here are the compatibility surface with existing frontends; do not
 rename them. Unknown request fields are ignored.

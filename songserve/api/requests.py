@@ -1,7 +1,7 @@
 """Read a ``POST /generate`` body as the reference backend reads it, and say what was changed.
 
 Why: scripts written for the reference backend (``backend/backend_api.py`` of the public Khala
-repository) must get a song here wherever they got one there (shared/docs/api.md, ``POST /generate``).
+repository) must get a song here wherever they got one there (docs/api.md, ``POST /generate``).
 The reference parses the body leniently (pydantic's lax mode: ``"3"`` and ``3.0`` are 3), then
 clamps ``duration`` into 1–10 minutes, ``top_k_bb`` into 1–200 and ``temperature`` into 0.6–1.4,
 treats any ``mode`` but ``instrumental`` as vocal and any ``prompt_mode`` but ``tags`` as natural,

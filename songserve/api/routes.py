@@ -1,4 +1,4 @@
-"""The dispatcher's routes (shared/docs/api.md): each validates, calls one service method, shapes the answer."""
+"""The dispatcher's routes (docs/api.md): each validates, calls one service method, shapes the answer."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Track:   queued → generating → superres → decoding → done
            ↑  │        └──────────┴──────────┴──→ error | cancelled
            └──┘ (retry: a running track goes back to the queue)
-A job's status is derived from its tracks (shared/docs/api.md), never stored on its own. Which
+A job's status is derived from its tracks (docs/api.md), never stored on its own. Which
 running status a worker's phase means, and its weight in the overall percent: ``phases.py``, beside this.
 """
 

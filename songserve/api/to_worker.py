@@ -5,7 +5,7 @@ Nothing else on the dispatcher's side renames a field for a worker or reads a wo
 worker client (``worker_client.py``) sends the bodies built here and hands back what is read here.
 
 Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
-- ours (``songserve``): ``WorkerGenerateRequest`` as shared/docs/api.md has it ("Worker payload"),
+- ours (``songserve``): ``WorkerGenerateRequest`` as docs/api.md has it ("Worker payload"),
   one take per ``/generate``, or several takes of one request as one ``/generate_batch``;
 - the reference backend's worker: its own ``GenerateRequest`` (``reference_request``). Its errors
   carry a whole traceback: the last line is kept as the sentence.
@@ -34,7 +34,7 @@ BATCH_KEYS = ("batch_size", "parked")
 
 # ---- what a worker receives -----------------------------------------------------------------------
 def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
-    """Our worker's payload for one attempt of one track (shared/docs/api.md, "Worker payload")."""
+    """Our worker's payload for one attempt of one track (docs/api.md, "Worker payload")."""
     r = job.request
     natural = r.prompt_mode == "natural"
     style = r.prompt if natural else r.tags

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TrackRequest:
-    """One track, as the worker receives it (shared/docs/api.md, worker payload)."""
+    """One track, as the worker receives it (docs/api.md, worker payload)."""
 
     lyrics: str = ""
     duration: float = 0.5  # minutes

@@ -1,4 +1,4 @@
-"""The worker's HTTP surface (shared/docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
+"""The worker's HTTP surface (docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
 
 ``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/tasks`` and ``/cancel`` answer
 models of ``songserve.schemas``, serialised by FastAPI; a take's result or failure becomes its

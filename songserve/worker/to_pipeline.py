@@ -1,6 +1,6 @@
 """The one translation between the worker's wire models and the pipeline's types, both ways.
 
-In: a ``WorkerGenerateRequest`` (the dispatcher's payload, shared/docs/api.md "Worker") becomes
+In: a ``WorkerGenerateRequest`` (the dispatcher's payload, docs/api.md "Worker") becomes
 the pipeline's ``TrackRequest``. Out: a ``TrackResult`` becomes ``WorkerGenerateResult``, and a
 take that did not finish becomes its wire answer. Nothing else in the worker renames a field; each
 rename below says who needs it. The words differ on purpose: a finished take answers ``"ok"`` (the

@@ -1,6 +1,6 @@
 """A megatron-core ``GPTModel`` as both acoustic models use it: built from a ``GPTArch``, wrapped.
 
-What differs from a text GPT (shared/docs/model.md):
+What differs from a text GPT (docs/model.md):
 - the input at a position is a row of codebook columns, ``[B, S, C]`` with ``-1`` as padding, and
   its embedding is the sum of the columns' embeddings (``C = 1`` for the backbone);
 - the caller projects hidden states onto a slice of the output matrix (one codebook's 1,024 rows),

@@ -1,4 +1,4 @@
-"""The reference prompt format (shared/docs/model.md, "Prompt"), vocal and instrumental.
+"""The reference prompt format (docs/model.md, "Prompt"), vocal and instrumental.
 
     BOS style EOM language EOM BOL EOL lyrics(\\n → EOL) EOM DUR(minutes) EOT BOA
 
