@@ -117,6 +117,9 @@ class WorkerSettings(BaseSettings):
     pipeline: Literal["model", "test"] = Field("model", description="test = a deterministic tone, for scheduling tests")
     test_delay_s: float = Field(0.0, ge=0.0, description="test pipeline: seconds per track")
     test_hang: bool = Field(False, description="test pipeline: the model thread hangs (fault-injection tests)")
+    test_max_audio_sec: float = Field(
+        0.0, ge=0.0, description="test pipeline: the longest tone written, in seconds; 0 = the requested length"
+    )
 
     @field_validator("announce")
     @classmethod

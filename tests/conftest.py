@@ -7,6 +7,22 @@ import pytest
 
 from tests.support import ROOT
 
+SPREAD = {"test_bench_smoke.py"}  # slow tests and no module fixtures: each test is a unit of its own
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Work units for ``pytest -n N --dist loadgroup`` (scripts/test): every ``process`` test in one
+    group, run in order on one worker; every other file a group of its own (its module fixtures are
+    built once), but for the files in ``SPREAD``. Without xdist the marks do nothing."""
+    for item in items:
+        if item.get_closest_marker("process"):
+            group = "process"
+        elif item.path.name in SPREAD:
+            group = item.nodeid
+        else:
+            group = item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:

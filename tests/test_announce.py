@@ -129,6 +129,7 @@ def announce_view(worker) -> list[dict[str, Any]]:
 # ---- real processes -------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_announces_renews_and_leaves_on_sigterm(tmp_path, stand_in):
     w = announcing_worker(tmp_path, stand_in.url + "/")
     try:
@@ -158,6 +159,7 @@ def test_announces_renews_and_leaves_on_sigterm(tmp_path, stand_in):
         w.stop()
 
 
+@pytest.mark.process
 def test_failing_dispatchers_back_off_and_never_stop_the_worker(tmp_path, flaky_stand_in):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     w = announcing_worker(tmp_path, f"{flaky_stand_in.url},{dead}")
@@ -188,6 +190,7 @@ def _joined(w, url: str) -> list[dict[str, Any]] | None:
     return view if any(v["url"] == url and v["state"] == "joined" for v in view) else None
 
 
+@pytest.mark.process
 def test_wrong_token_is_reported_not_fatal(tmp_path, stand_in):
     w = start_worker(
         tmp_path,
@@ -214,6 +217,7 @@ def test_wrong_token_is_reported_not_fatal(tmp_path, stand_in):
         w.stop()
 
 
+@pytest.mark.process
 def test_launcher_passes_announce_to_its_workers(tmp_path, stand_in):
     env = launcher_env(tmp_path, PIPELINE="test", WORKER_TOKEN=TOKEN, ANNOUNCE_INTERVAL_SEC="0.4")
     start = ["bash", "run_backend.sh", "--workers-only", "--no-follow", "--announce", stand_in.url]
@@ -228,6 +232,7 @@ def test_launcher_passes_announce_to_its_workers(tmp_path, stand_in):
     assert [d["worker_id"] for d in stand_in.deletes()] == [3]  # it left on the launcher's stop
 
 
+@pytest.mark.process
 def test_launcher_refuses_announce_without_a_token(tmp_path):
     env = launcher_env(tmp_path, WORKER_TOKEN="off")
     out = subprocess.run(

@@ -171,6 +171,7 @@ def test_cancel_queued_and_running(one):
     assert httpx.delete(f"{one.url}/job/{c['job_id']}").json()["status"] == "completed"  # no-op when finished
 
 
+@pytest.mark.process
 def test_restart_loses_nothing(tmp_path):
     with Cluster(tmp_path, workers=1, delay=2.0) as c:
         done = c.submit(num_tracks=1)

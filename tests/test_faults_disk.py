@@ -11,6 +11,9 @@ import pytest
 
 from tests.support import Cluster, cluster_of, fill_disk, mount_tmpfs, start_worker, wait_for
 
+# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -14,6 +14,9 @@ import soundfile as sf
 
 from tests.support import ROOT, free_port, wait_for
 
+# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
+pytestmark = pytest.mark.process
+
 
 def launcher_env(tmp: Path, **extra: str) -> dict:
     env = {

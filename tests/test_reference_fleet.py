@@ -92,6 +92,7 @@ def test_cancelling_a_track_on_a_reference_worker_discards_its_result(tmp_path):
         c.stop()
 
 
+@pytest.mark.process
 def test_after_a_dispatcher_restart_a_reference_workers_track_is_queued_again(tmp_path):
     c = cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=3.0)])
     try:

@@ -293,6 +293,7 @@ def test_tags_file_replaces_the_catalogue_and_a_bad_one_refuses_start(tmp_path):
         p.stop()
 
 
+@pytest.mark.process
 def test_launcher_starts_workers_without_a_token_for_a_foreign_dispatcher(tmp_path):
     base = free_port()
     env = {

@@ -20,6 +20,9 @@ import pytest
 from songserve.serving import CLIENT_KEEPALIVE_SEC
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
+# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
+pytestmark = pytest.mark.process
+
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 TOKEN = "scale-out-token"
 
@@ -44,9 +47,11 @@ def start_dispatcher(tmp: Path, name: str, store_url: str, workers: list[ServerP
     return api
 
 
-def tone_workers(tmp: Path, n: int, delay: float) -> list[ServerProcess]:
+def tone_workers(tmp: Path, n: int, delay: float, *extra: str) -> list[ServerProcess]:
     ws = [
-        start_worker(tmp, "--pipeline", "test", "--test-delay-s", str(delay), name=f"w{i}", env={"WORKER_TOKEN": TOKEN})
+        start_worker(
+            tmp, "--pipeline", "test", "--test-delay-s", str(delay), *extra, name=f"w{i}", env={"WORKER_TOKEN": TOKEN}
+        )
         for i in range(n)
     ]
     for w in ws:
@@ -105,7 +110,7 @@ def test_a_job_submitted_at_one_dispatcher_is_polled_and_streamed_at_another(tmp
 
 
 def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tmp_path, pg_url):
-    workers = tone_workers(tmp_path, 3, delay=0.0)
+    workers = tone_workers(tmp_path, 3, 0.0, "--test-max-audio-sec", "0.1")  # the schedule is the point
     apis = [start_dispatcher(tmp_path, n, pg_url, workers, "--max-queue", "40") for n in ("A", "B")]
     try:
         rng = random.Random(0)

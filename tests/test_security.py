@@ -224,7 +224,7 @@ def test_schema_fuzzing_dispatcher(open_cluster):
 
 
 def test_schema_fuzzing_worker(tmp_path):
-    w = start_worker(tmp_path, "--pipeline", "test")
+    w = start_worker(tmp_path, "--pipeline", "test", "--test-max-audio-sec", "0.5")  # fuzzed lengths up to 15 min
     try:
         w.wait_healthy()
         assert _fuzz(w.url, 30) == []

@@ -118,6 +118,7 @@ def test_old_output_files_are_swept(tmp_path: Path) -> None:
         w.stop()
 
 
+@pytest.mark.process
 def test_full_output_disk_is_named_and_leaves_no_files(tmp_path: Path) -> None:
     mnt = tmp_path / "small"
     reason = mount_tmpfs(mnt, "2m")

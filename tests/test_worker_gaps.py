@@ -190,6 +190,7 @@ def test_keep_alive_connection_gets_the_same_deadline(worker) -> None:
         s.close()
 
 
+@pytest.mark.process
 def test_dispatcher_closes_slowloris_connections(tmp_path: Path) -> None:
     port = free_port()
     args = ["backend_api.py", "--port", str(port), "--num-workers", "0", "--state-dir", str(tmp_path)]
