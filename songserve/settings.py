@@ -187,6 +187,9 @@ class DispatcherSettings(BaseSettings):
     host: str = Field(
         "127.0.0.1", validation_alias="API_HOST", description="bind address; 0.0.0.0 to serve other hosts"
     )
+    acestep_port: int | None = Field(
+        None, ge=1, le=65535, description="also serve ACE-Step 1.5's API (release_task, …) on this port; unset = not"
+    )
     num_workers: int = Field(1, ge=0, description="workers at worker_host:worker_base_port+i")
     worker_host: str = "127.0.0.1"
     worker_base_port: int = Field(8001, ge=1, le=65535)
@@ -251,10 +254,17 @@ class DispatcherSettings(BaseSettings):
     )
     log_level: str = "INFO"
 
-    @field_validator("tags_file", "results_dir", mode="before")
+    @field_validator("tags_file", "results_dir", "acestep_port", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("acestep_port")
+    @classmethod
+    def _own_port(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value == info.data.get("port"):
+            raise ValueError("must differ from API_PORT (each dialect has its own port)")
+        return value
 
     @field_validator("store_url")
     @classmethod

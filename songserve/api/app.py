@@ -25,6 +25,12 @@ from songserve.settings import DispatcherSettings
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
 PAGE = {"/", "/index.html", "/app.js", "/style.css", "/tags"}
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
+
+
+def cors_origins(s: DispatcherSettings) -> list[str]:
+    """``CORS_ORIGINS``: origins allowed besides the local ones (both dialects' ports)."""
+    return [o.strip() for o in s.cors_origins.split(",") if o.strip()]
 
 
 async def open_store(s: DispatcherSettings) -> JobStore:
@@ -62,8 +68,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=[o.strip() for o in s.cors_origins.split(",") if o.strip()],
-        allow_origin_regex=r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?",
+        allow_origins=cors_origins(s),
+        allow_origin_regex=LOCAL_ORIGINS,
         allow_methods=["GET", "POST", "DELETE"],
         allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Range"],
     )

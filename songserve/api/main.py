@@ -47,17 +47,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
 
+    from songserve.api.acestep.app import serving_plan
     from songserve.api.app import create_app
     from songserve.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(s)
+    try:  # ACESTEP_PORT: ACE-Step's dialect on a second port of this process (unset: our port alone)
+        served, sockets = serving_plan(s, app)
+    except ConfigError as exc:
+        print(f"dispatcher: {exc}", file=sys.stderr)
+        return 2
+    if sockets:
+        log.info("ACE-Step's API on port %d", s.acestep_port)
     config = uvicorn.Config(
-        app,
+        served,
         host=s.host,
         port=s.port,
         log_level="warning",
         timeout_graceful_shutdown=5,
         http=header_timeout_protocol(s.header_timeout_sec),
     )
-    GracefulServer(config, drain=lambda: app.state.service.drain(s.drain_timeout_sec)).run()
+    GracefulServer(config, drain=lambda: app.state.service.drain(s.drain_timeout_sec)).run(sockets=sockets)
     return 0

@@ -1,0 +1,90 @@
+"""The dialect's app and its port: a second listening socket of the same dispatcher process.
+
+``serving_plan`` is what ``backend_api.py`` calls: without ``ACESTEP_PORT`` it hands back our app
+and no sockets, so nothing changes; with it, both ports are bound here (a port in use refuses
+start-up in one line naming the setting) and one uvicorn server serves both through ``ByPort``,
+which sends each connection to the app of the port it came in on. One server means one event loop,
+one lifespan (our app's: the ``JobService`` the dialect's routes use), one drain on SIGTERM and the
+same header timeout on both ports.
+
+CORS is our port's (``CORS_ORIGINS`` and any localhost origin), so ACE-Step's Studio page served
+from a local origin can call it; ACE-Step itself sends none at f30aee4c, which leaves its own page
+unable to talk to it. Auth is the dialect's (``auth.py``), with our ``API_KEY``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from songserve import __version__
+from songserve.api.acestep.failures import install_error_handlers
+from songserve.api.acestep.routes import router
+from songserve.api.acestep.stats import JobTally
+from songserve.api.app import LOCAL_ORIGINS, cors_origins
+from songserve.errors import ConfigError
+from songserve.settings import DispatcherSettings
+
+
+def create_acestep_app(s: DispatcherSettings, host: FastAPI) -> FastAPI:
+    """ACE-Step's routes over ``host``'s service (``host.state.service``, set by its lifespan)."""
+    app = FastAPI(
+        title="songserve: ACE-Step 1.5's API",
+        version=__version__,
+        description="ACE-Step's REST dialect over the songserve dispatcher: a task is a job.",
+    )
+    app.state.host = host
+    app.state.settings = s
+    app.state.tally = JobTally()
+    install_error_handlers(app)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors_origins(s),
+        allow_origin_regex=LOCAL_ORIGINS,
+        allow_methods=["GET", "POST", "HEAD"],
+        allow_headers=["Authorization", "Content-Type", "Range"],
+    )
+    app.include_router(router)
+    return app
+
+
+class ByPort:
+    """Each HTTP connection to the app of its local port; lifespan and the rest to the main app."""
+
+    def __init__(self, main: ASGIApp, by_port: dict[int, ASGIApp]) -> None:
+        self.main = main
+        self.by_port = by_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server") if scope["type"] in ("http", "websocket") else None
+        app = self.by_port.get(server[1], self.main) if server else self.main
+        await app(scope, receive, send)
+
+
+def listen(host: str, port: int, setting: str) -> socket.socket:
+    """A bound TCP socket (uvicorn listens on it), or a ConfigError naming the setting."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"Setting {setting}: cannot listen on {host}:{port} ({exc.strerror or exc}).") from None
+    return sock
+
+
+def serving_plan(s: DispatcherSettings, app: FastAPI) -> tuple[ASGIApp, list[socket.socket] | None]:
+    """The app to serve and the sockets to serve it on (None: uvicorn binds ``API_PORT`` itself)."""
+    if s.acestep_port is None:
+        return app, None
+    sockets = [listen(s.host, s.port, "API_PORT")]
+    try:
+        sockets.append(listen(s.host, s.acestep_port, "ACESTEP_PORT"))
+    except ConfigError:
+        sockets[0].close()
+        raise
+    return ByPort(app, {s.acestep_port: create_acestep_app(s, app)}), sockets
