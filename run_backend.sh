@@ -5,13 +5,15 @@
 #   bash run_backend.sh --workers-only [--gpus …]          workers for a dispatcher elsewhere
 #   bash run_backend.sh --api-only --worker-urls URL,URL   a dispatcher for workers elsewhere
 #   bash run_backend.sh --workers-only --announce URL,URL  workers that register with those dispatchers
+#   bash run_backend.sh --acestep-port 8011                also serve ACE-Step 1.5's API on that port
 #   bash run_backend.sh stop                               stop everything this launcher started
 #
-# Environment: API_PORT (8889), WORKER_BASE_PORT (8001), BASE_MASTER_PORT (8791), BASE_SEED (1283),
-# MEGATRON_ARGS, WORKER_HOST (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s),
-# STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset; "off" or empty = no token, for a dispatcher
-# that sends none, such as the reference one, on a trusted network), and the checkpoint settings the
-# worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH, BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
+# Environment: API_PORT (8889), ACESTEP_PORT (unset: not served), WORKER_BASE_PORT (8001),
+# BASE_MASTER_PORT (8791), BASE_SEED (1283), MEGATRON_ARGS, WORKER_HOST (127.0.0.1), LOG_DIR (logs),
+# STATE_DIR (state), HEALTH_TIMEOUT (600 s), STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset;
+# "off" or empty = no token, for a dispatcher that sends none, such as the reference one, on a
+# trusted network), and the checkpoint settings the worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH,
+# BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 # Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
 # dispatcher), RESULTS_DIR (shared storage the dispatchers all mount), DISPATCHER_ID (<hostname>:<port>).
@@ -19,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 API_PORT=${API_PORT:-8889}
+ACESTEP_PORT=${ACESTEP_PORT:-}
 WORKER_BASE_PORT=${WORKER_BASE_PORT:-8001}
 BASE_MASTER_PORT=${BASE_MASTER_PORT:-8791}
 BASE_SEED=${BASE_SEED:-1283}
@@ -91,8 +94,10 @@ while [ $# -gt 0 ]; do
     --worker-urls=*) WORKER_URLS=${1#*=}; shift ;;
     --announce) ANNOUNCE=${2:-}; shift 2 ;;
     --announce=*) ANNOUNCE=${1#*=}; shift ;;
+    --acestep-port) ACESTEP_PORT=${2:-}; shift 2 ;;
+    --acestep-port=*) ACESTEP_PORT=${1#*=}; shift ;;
     --no-follow) FOLLOW=0; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -102,6 +107,8 @@ done
 [ $WORKERS = 1 ] || [ -n "$WORKER_URLS" ] || die "--api-only needs --worker-urls URL,URL,…"
 [ $WORKERS = 1 ] || [ $API = 1 ] || die "--workers-only and --api-only together start nothing"
 [ -z "$ANNOUNCE" ] || [ $WORKERS = 1 ] || die "--announce is a worker setting; --api-only starts no worker"
+[ -z "$ACESTEP_PORT" ] || [[ "$ACESTEP_PORT" =~ ^[0-9]+$ ]] || die "--acestep-port must be a port number; got '$ACESTEP_PORT'"
+[ -z "$ACESTEP_PORT" ] || [ $API = 1 ] || die "--acestep-port is a dispatcher setting; --workers-only starts none"
 [ -z "$ANNOUNCE" ] || { [ -n "${WORKER_TOKEN:-}" ] && [ "$WORKER_TOKEN" != off ]; } \
   || die "--announce needs WORKER_TOKEN set to the dispatchers' worker token"
 IFS=, read -r -a GPU_IDS <<<"$GPUS"
@@ -185,6 +192,7 @@ if [ $API = 1 ]; then
   [ -z "${STORE_URL:-}" ] || args+=(--store-url "$STORE_URL")
   [ -z "${RESULTS_DIR:-}" ] || args+=(--results-dir "$RESULTS_DIR")
   [ -z "${DISPATCHER_ID:-}" ] || args+=(--dispatcher-id "$DISPATCHER_ID")
+  [ -z "$ACESTEP_PORT" ] || args+=(--acestep-port "$ACESTEP_PORT")
   if [ -n "$WORKER_URLS" ]; then args+=(--worker-urls "$WORKER_URLS")
   else args+=(--num-workers "${#GPU_IDS[@]}" --worker-base-port "$WORKER_BASE_PORT" --worker-host 127.0.0.1); fi
   say "starting the dispatcher on port $API_PORT"
@@ -192,6 +200,7 @@ if [ $API = 1 ]; then
   echo $! >"$LOG_DIR/api.pid"; STARTED+=("$LOG_DIR/api.log")
   wait_health "dispatcher" "http://127.0.0.1:$API_PORT" "$(cat "$LOG_DIR/api.pid")" "$LOG_DIR/api.log"
   say "ready: http://127.0.0.1:$API_PORT/ (page), /docs (API); stop with: bash run_backend.sh stop"
+  [ -z "$ACESTEP_PORT" ] || say "ACE-Step's API: http://127.0.0.1:$ACESTEP_PORT (its clients' base URL)"
 fi
 [ $FOLLOW = 1 ] || exit 0
 

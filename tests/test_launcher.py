@@ -137,6 +137,8 @@ def test_wrong_checkpoint_path_fails_fast_with_the_path(tmp_path):
         (["--runtime-mode", "turbo"], "--runtime-mode must be"),
         (["--api-only"], "needs --worker-urls"),
         (["--frobnicate"], "unknown option"),
+        (["--acestep-port", "x"], "--acestep-port must be a port number"),
+        (["--workers-only", "--acestep-port", "8011"], "--acestep-port is a dispatcher setting"),
     ],
 )
 def test_bad_arguments_are_refused_with_one_line(tmp_path, args, message):
