@@ -52,7 +52,7 @@ class AudioRef:
 
 
 def parse_id(text: str) -> AudioRef | None:
-    m = AUDIO_ID.match(text)
+    m = AUDIO_ID.fullmatch(text)
     return AudioRef(m.group(1), int(m.group(2)), m.group(3)) if m else None
 
 
