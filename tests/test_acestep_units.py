@@ -255,7 +255,12 @@ def test_audio_ids_are_opaque_and_sources_are_read_back_in_every_form_a_client_h
     assert (ref.id, ref.url) == ("0123456789abcdef-1.flac", "/v1/audio?path=0123456789abcdef-1.flac")
     for given in (ref.id, ref.url, "http://host:8011" + ref.url, "/v1/audio?path=0123456789abcdef-1%2Eflac"):
         assert parse_source(given) == ref
-    for bad in ("/tmp/x.flac", "../0123456789abcdef-1.flac", "0123456789abcdef-1.flac\n", "/other?path=" + ref.id):
+    for bad in (
+        "/tmp/x.flac",
+        "../0123456789abcdef-1.flac",
+        "/v1/audio?path=0123456789abcdef-1.flac%0A",
+        "/other?path=" + ref.id,
+    ):
         assert parse_source(bad) is None
     assert parse_id("0123456789ABCDEF-1.mp3") is None
 
