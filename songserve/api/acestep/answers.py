@@ -82,7 +82,7 @@ def take_item(job: Job, view: JobView, t: TrackView, seeds: str) -> dict[str, An
         "prompt": _style(job),
         "lyrics": view.cleaned_lyrics,
         "metas": {
-            "duration": round(t.duration_sec, 3),
+            "duration": round(t.duration_sec, 2),
             "bpm": None,
             "genres": None,
             "keyscale": None,
