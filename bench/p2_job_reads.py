@@ -105,7 +105,7 @@ async def load(url: str, ids: list[str], seconds: float, conns: int = 16) -> flo
 
 
 def main() -> None:
-    a = args(__doc__, jobs=1000, seconds=8.0)
+    a = args(__doc__, jobs=1000, seconds=8.0, acestep=0)  # --acestep 1: ACESTEP_PORT set on the dispatcher
     n, secs = (50, 1.0) if a.smoke else (a.jobs, a.seconds)
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
@@ -122,6 +122,7 @@ def main() -> None:
                 "0",
                 "--log-level",
                 "WARNING",
+                *(("--acestep-port", str(free_port())) if a.acestep else ()),
             ],
             port,
             Path(tmp) / "api.log",
@@ -156,7 +157,7 @@ def main() -> None:
     o, b = max(rates["ours"]), max(rates["bare"])
     report(
         "P2",
-        f"GET /job/{{id}}: {o / b:.2f}x of a bare endpoint ({o:.0f} vs {b:.0f} req/s, {n} jobs stored, load by {tool})",
+        f"GET /job/{{id}}: {o / b:.2f}x of a bare endpoint ({o:.0f} vs {b:.0f} req/s, {n} jobs stored, load by {tool}{', ACESTEP_PORT set' if a.acestep else ''})",
     )
 
 

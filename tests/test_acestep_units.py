@@ -5,13 +5,16 @@ In-process and pure: the same pieces run through a real dispatcher in tests/test
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import httpx
 import pytest
 
 from songserve.api.acestep import auth, bodies, samples
 from songserve.api.acestep.answers import query_item, unknown_item
+from songserve.api.acestep.app import listen
 from songserve.api.acestep.failures import AceError
 from songserve.api.acestep.files import AudioRef, parse_id, parse_source
 from songserve.api.acestep.params import Params
@@ -354,3 +357,27 @@ def test_format_input_answers_with_our_cleaning_and_our_reading_of_the_prompt():
     assert (out["caption"], out["lyrics"], out["bpm"], out["vocal_language"]) == ("Pop, Piano", "你好.", 90, "zh")
     assert (out["prompt_mode"], out["instrumental"]) == ("tags", False)
     assert samples.format_input({"lyrics": "[inst]"}, TAGS, "reference")["instrumental"] is True
+
+
+# ---- the second socket ------------------------------------------------------------------------------
+def test_the_second_socket_is_tcp_so_its_answers_are_not_held_for_a_delayed_ack():
+    """asyncio sets TCP_NODELAY only on sockets whose proto says TCP (a socket made with proto 0 made
+    every answer on our port wait ~40 ms once ACESTEP_PORT was set: bench P1/P2)."""
+
+    async def accepted_nodelay() -> list[int]:
+        sock = listen("127.0.0.1", 0, "ACESTEP_PORT")
+        seen: list[int] = []
+
+        async def on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return seen
+
+    assert asyncio.run(accepted_nodelay()) == [1]

@@ -67,7 +67,9 @@ class ByPort:
 def listen(host: str, port: int, setting: str) -> socket.socket:
     """A bound TCP socket (uvicorn listens on it), or a ConfigError naming the setting."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it every small answer waits ~40 ms for a delayed ACK (measured: 1.5 → 47 ms a request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
