@@ -233,6 +233,10 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
     upload = {"ref_audio": ("ref.wav", b"RIFF", "audio/wav")}
     r = httpx.post(site.ace + "/release_task", data={"prompt": "x"}, files=upload)
     assert (r.status_code, r.json()["error"]) == (400, "Field 'ref_audio': this model takes no reference audio.")
+    upload = {"src_audio": ("take.mp3", b"\xff\xfb", "audio/mpeg")}
+    r = httpx.post(site.ace + "/release_task", data={"task_type": "repaint"}, files=upload)
+    assert r.status_code == 400
+    assert "repaint of an uploaded src_audio needs continue_from, not available in this build" in r.json()["error"]
     # A repaint to the end from our own take is read in full, then answered by the one function
     # that will continue it once continue_from exists.
     r = httpx.post(
@@ -249,6 +253,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
         ({"Content-Type": "application/json"}, b"{nope", 400, "Invalid JSON body"),
         ({"Content-Type": "application/json"}, b"[1, 2]", 400, "JSON payload must be an object"),
         ({"Content-Type": "text/plain"}, b"hello", 415, "Unsupported Content-Type: text/plain"),
+        ({"Content-Type": "application/json"}, b" " * 1_000_001, 413, "larger than 1000000 bytes"),
     ],
 )
 def test_unreadable_bodies_carry_detail_and_the_wrappers_code_and_error(site, headers, raw, status, says):

@@ -217,6 +217,8 @@ def test_audio_format_picks_the_file_and_an_unknown_one_is_flac_as_acestep_saves
 def test_what_means_nothing_here_is_listed_as_ignored():
     t = task({"prompt": "x", "thinking": True, "inference_steps": 8, "lm_temperature": 0.8, "metas": {"bpm": 120}})
     assert t.ignored == ["thinking", "inference_steps", "lm_temperature", "metas.bpm"]
+    t = task({"srcAudioPath": OURS, "repainting_start": 3})  # text2music: a source is checked, then unused
+    assert (t.source, t.ignored) == (AudioRef("0123456789abcdef", 0, "mp3"), ["repainting_start", "srcAudioPath"])
     assert t.extra() == {"ignored": t.ignored, "adjusted": {}, "prompt_mode": "natural"}
 
 

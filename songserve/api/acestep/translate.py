@@ -230,4 +230,6 @@ def read_task(p: Params, uploads: Mapping[str, Upload], ctx: Context) -> Task | 
         task.source = source
         out = task
     task.ignored = p.unread() + [n for n in uploads if not (task_type == "repaint" and uploads[n] is upload)]
+    if task_type != "repaint" and src and source:
+        task.ignored.append(src[0])  # read to be checked; text2music has no use for it
     return out
