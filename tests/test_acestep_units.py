@@ -194,6 +194,8 @@ def test_seeds_follow_use_random_seed():
     assert task({"use_random_seed": False, "seed": -1}).request.seed is None
     assert "takes use seed, seed+1" in refused({"use_random_seed": False, "seed": "7,9"})
     assert "'seed'" in refused({"use_random_seed": False, "seed": 2**32})
+    for bad in ("abc", "inf", True):
+        assert "'seed': must be a whole number" in refused({"use_random_seed": False, "seed": bad})
 
 
 def test_model_names_a_backbone_and_another_name_falls_back_saying_so():

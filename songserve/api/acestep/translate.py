@@ -122,7 +122,7 @@ def _seed(p: Params, takes: int) -> tuple[str, int | None] | None:
     items = value if isinstance(value, list) else str(value).split(",")
     try:
         seeds = [int(float(str(s).strip())) for s in items if str(s).strip()]
-    except ValueError:
+    except (ValueError, OverflowError):  # "abc", "nan"; "inf"
         raise field_error(key, f"must be a whole number or a comma-separated list of them, not {value!r}") from None
     if not seeds or seeds[0] < 0:
         return key, None  # ACE-Step's -1: draw
