@@ -385,3 +385,16 @@ def test_the_second_socket_is_tcp_so_its_answers_are_not_held_for_a_delayed_ack(
         return seen
 
     assert asyncio.run(accepted_nodelay()) == [1]
+
+
+def test_the_setting_needs_its_own_port_and_empty_is_unset(monkeypatch):
+    from songserve.errors import ConfigError
+    from songserve.settings import DispatcherSettings, load_settings
+
+    with pytest.raises(ConfigError, match="acestep_port: .*must differ from API_PORT"):
+        load_settings(DispatcherSettings, ["--port", "9000", "--acestep-port", "9000"])
+    assert load_settings(DispatcherSettings, ["--acestep-port", "8011"]).acestep_port == 8011
+    monkeypatch.setenv("ACESTEP_PORT", "")
+    assert load_settings(DispatcherSettings, []).acestep_port is None
+    monkeypatch.setenv("ACESTEP_PORT", "8012")
+    assert load_settings(DispatcherSettings, []).acestep_port == 8012
