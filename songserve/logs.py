@@ -74,9 +74,8 @@ class LineFormatter(logging.Formatter):
 
 
 def level_from_env(default: str = "INFO") -> str:
-    """``LOG_LEVEL`` as one of ``LEVELS`` (upper case); anything else is ``default``."""
-    level = os.environ.get("LOG_LEVEL", default).strip().upper()
-    return level if level in LEVELS else default
+    """``LOG_LEVEL`` as given (``setup_logging`` says so when it is not a level)."""
+    return os.environ.get("LOG_LEVEL", "").strip() or default
 
 
 def quiet_third_party(level: str) -> None:
@@ -92,8 +91,13 @@ def quiet_third_party(level: str) -> None:
 
 def setup_logging(name: str, level: str = "INFO") -> None:
     """One handler on the root logger with ``LineFormatter``; calling it again replaces it."""
-    level = level.upper()
+    wanted = level.strip().upper()
+    level = wanted if wanted in LEVELS else "INFO"
     handler = logging.StreamHandler()
     handler.setFormatter(LineFormatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     quiet_third_party(level)
+    if wanted != level:
+        logging.getLogger(__name__).warning(
+            "LOG_LEVEL %s is not one of %s: using INFO", safe(wanted), ", ".join(LEVELS)
+        )
