@@ -20,30 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.procs import MARK, marked
 from tests.support import ROOT, free_port, wait_for
 
 pytestmark = pytest.mark.process
-
-MARK = "SONGSERVE_TEST_MARK"
-
-
-def marked(mark: str) -> dict[int, str]:
-    """Every live process whose environment carries ``MARK=mark``: pid → command line."""
-    needle = f"{MARK}={mark}".encode()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if state != "Z":  # a zombie has exited; only its parent's wait is left
-            found[int(entry.name)] = cmd
-    return found
 
 
 def code_copy(tmp: Path) -> Path:
