@@ -17,8 +17,16 @@
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 # Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
 # dispatcher), RESULTS_DIR (shared storage the dispatchers all mount), DISPATCHER_ID (<hostname>:<port>).
+# A relative path you give (CHECKPOINTS_DIR, LOG_DIR, STATE_DIR, RESULTS_DIR, OUTPUT_DIR, TAGS_FILE) is
+# taken from the directory you run this in; the defaults live in the repository. LOG_LEVEL=debug also
+# shows the libraries' start-up warnings.
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")"
+for name in CHECKPOINTS_DIR LOG_DIR STATE_DIR RESULTS_DIR OUTPUT_DIR TAGS_FILE; do
+  value=${!name:-}
+  if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then printf -v "$name" '%s' "$CALLER_DIR/$value"; fi
+done
 
 API_PORT=${API_PORT:-8889}
 ACESTEP_PORT=${ACESTEP_PORT:-}
@@ -35,6 +43,8 @@ PY=.venv/bin/python
 
 say() { echo "run_backend: $*"; }
 die() { echo "run_backend: $*" >&2; exit 1; }
+full() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+TOKEN_FILE="$LOG_DIR/worker_token"
 
 # ---- stop -------------------------------------------------------------------------------------
 ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused by something else is not)?
@@ -75,6 +85,7 @@ stop_all() {
     fi
     rm -f "$f"
   done
+  rm -f "$TOKEN_FILE"
   say "stopped $stopped processes"
 }
 
@@ -124,14 +135,23 @@ if [ "${WORKER_TOKEN+set}" = set ] && { [ -z "$WORKER_TOKEN" ] || [ "$WORKER_TOK
   say "WORKER_TOKEN is off: anyone who can reach the workers can use them; use this on a trusted network only"
 elif [ -z "${WORKER_TOKEN:-}" ]; then
   WORKER_TOKEN=$($PY -c 'import secrets; print(secrets.token_hex(16))')
-  [ $API = 1 ] || say "generated WORKER_TOKEN=$WORKER_TOKEN: start the dispatcher with the same value"
-  [ $WORKERS = 1 ] || say "note: WORKER_TOKEN is unset; set it to the workers' token if they were started with one"
+  (umask 077; printf '%s\n' "$WORKER_TOKEN" >"$TOKEN_FILE")  # readable by this user only
+  if [ $API = 0 ]; then say "generated WORKER_TOKEN=$WORKER_TOKEN: start the dispatcher with the same value"
+  elif [ $WORKERS = 1 ]; then
+    say "worker token generated into $(full "$TOKEN_FILE"); a worker's /config needs it:" \
+      "curl -H \"Authorization: Bearer \$(cat $(full "$TOKEN_FILE"))\" http://127.0.0.1:$WORKER_BASE_PORT/config"
+  else say "note: WORKER_TOKEN is unset; set it to the workers' token if they were started with one"; fi
+else
+  say "WORKER_TOKEN is taken from the environment (the workers and the dispatcher share it)"
 fi
 export WORKER_TOKEN
 if [ $WORKERS = 1 ]; then
   CUDA_COUNT=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-  if [ "$CUDA_COUNT" = 0 ]; then
-    say "no CUDA device found: workers run on the CPU"
+  if [ "$CUDA_COUNT" = 0 ] && [ ${#GPU_IDS[@]} -gt 1 ]; then
+    say "no CUDA device found: --gpus $GPUS starts ${#GPU_IDS[@]} workers on the CPU instead, one process each" \
+      "sharing this machine's $(nproc) CPU cores (--gpus 0 starts one)"
+  elif [ "$CUDA_COUNT" = 0 ]; then
+    say "no CUDA device found: the worker runs on the CPU"
   else
     for g in "${GPU_IDS[@]}"; do [ "$g" -lt "$CUDA_COUNT" ] || die "--gpus $g: this machine has $CUDA_COUNT GPUs (ids 0..$((CUDA_COUNT - 1)))"; done
   fi
@@ -174,7 +194,8 @@ PYEOF
 if [ $WORKERS = 1 ]; then
   for i in "${!GPU_IDS[@]}"; do
     port=$((WORKER_BASE_PORT + i)); log="$LOG_DIR/worker_$i.log"
-    say "starting worker $i on GPU ${GPU_IDS[$i]} (port $port, $MODE)"
+    if [ "$CUDA_COUNT" = 0 ]; then where="the CPU"; else where="GPU ${GPU_IDS[$i]}"; fi
+    say "starting worker $i on $where (port $port, $MODE)"
     CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i nohup $PY backend_worker.py \
       --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
       --master-port $(( BASE_MASTER_PORT == 0 ? 0 : BASE_MASTER_PORT + i )) --seed $((BASE_SEED + i * 1000)) \

@@ -2,6 +2,10 @@
 
 Every error answer is ``{"status": "error", "error": "<sentence>"}`` (validation errors add
 ``detail``). Exceptions map to HTTP status here and nowhere else; tracebacks go to the log.
+
+Two answers say more than the framework's: a body that is not JSON names the line and column
+where it broke (``json_invalid`` carries only the character offset), and a 405 lists in ``Allow``
+every method the path takes, across all its routes (the router names only the first route's).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from songserve.errors import BusyError, SongserveError
 
@@ -37,23 +42,61 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
     return f"Field '{_field(tuple(first.get('loc', ())))}': {msg}{more}."
 
 
+def json_position(doc: str, pos: int) -> tuple[int, int]:
+    """Line and column (both from 1) of character ``pos`` in ``doc``, as ``json.JSONDecodeError`` counts them."""
+    line = doc.count("\n", 0, pos) + 1
+    return line, pos - doc.rfind("\n", 0, pos)
+
+
+def _json_invalid(error: Mapping[str, Any], doc: object) -> tuple[str, dict[str, object]] | None:
+    """The sentence and detail entry for a body that is not JSON, or None for any other error."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") != "json_invalid" or not isinstance(doc, str) or len(loc) < 2 or not isinstance(loc[1], int):
+        return None
+    line, column = json_position(doc, loc[1])
+    reason = str((error.get("ctx") or {}).get("error", "invalid JSON"))
+    where = f"line {line}, column {column} (character {loc[1]})"
+    entry: dict[str, object] = {"loc": list(loc), "msg": f"{reason} at {where}", "type": "json_invalid"}
+    entry.update(line=line, column=column)
+    return f"The body is not valid JSON: {reason} at {where}.", entry
+
+
+PROBED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Every method some route of ``app`` serves at ``path`` (asked of the routes, not written down twice)."""
+    allowed = []
+    for method in PROBED_METHODS:
+        probe = {"type": "http", "method": method, "path": path, "root_path": "", "headers": [], "query_string": b""}
+        if any(route.matches(probe)[0] is Match.FULL for route in app.router.routes):
+            allowed.append(method)
+    return allowed
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        raw = exc.errors()
+        if raw and (bad_json := _json_invalid(raw[0], exc.body)):
+            message, entry = bad_json
+            return error_response(422, message, detail=[entry])
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in exc.errors()
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))} for e in raw
         ]
         return error_response(422, validation_message(errors), detail=errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        headers = getattr(exc, "headers", None)
         if exc.status_code == 404 and message == "Not Found":
             message = "No such route."
         elif exc.status_code == 405:
-            message = "Method not allowed on this route."
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+            allowed = allowed_methods(request.app, request.url.path) or (headers or {}).get("Allow", "").split(", ")
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+            message = f"{request.method} is not allowed on {request.url.path}; it takes {' or '.join(allowed)}."
+        return error_response(exc.status_code, message, headers=headers)
 
     @app.exception_handler(BusyError)
     async def _busy(_: Request, exc: BusyError) -> JSONResponse:

@@ -1,7 +1,7 @@
 """Wire models shared by the dispatcher and the worker: the contract in docs/api.md.
 
 Field names and status words here are the compatibility surface with existing frontends; do not
-rename them. Unknown request fields are ignored.
+rename them. Unknown request fields are ignored (``GenerateRequest``'s are reported).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from songserve.body_fields import BodyFields, read_body
 
 # ---- worker -------------------------------------------------------------------------------------
 
@@ -311,16 +313,15 @@ class WorkerAnnounced(BaseModel):
 class GenerateRequest(BaseModel):
     """``POST /generate``, parsed the way the reference backend parses it.
 
-    The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric
-    strings and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or
-    ``prompt_mode``, any length of ``tags`` and ``prompt``. Their ranges are applied afterwards by
-    ``songserve.api.requests.normalize`` (clamped as the reference does, or 422 in strict mode),
-    which also reports every change; for that it needs the values as sent, kept in ``sent``.
-    ``duration`` is a float: fractions of a minute are our extension. Our extensions keep their own
-    ranges here (422 naming the field).
+    The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric strings
+    and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or ``prompt_mode``, any
+    length of ``tags`` and ``prompt``. Their ranges are applied afterwards by ``songserve.api.requests.normalize``
+    (clamped as the reference does, or 422 in strict mode), which also reports every change and unknown name;
+    for that it needs the values as sent and the unknown names, kept in ``body``. ``duration`` is a float:
+    fractions of a minute are our extension. Our extensions keep their own ranges here (422 naming the field).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")  # unknown names are kept only in ``body``, bounded
 
     mode: str = Field("vocal", description="instrumental, or anything else = vocal")
     prompt_mode: str = Field("tags", description="tags, or anything else = natural")
@@ -337,20 +338,19 @@ class GenerateRequest(BaseModel):
     superres: str | None = None
     priority: int = Field(0, ge=0, le=9)
 
-    _sent: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _body: BodyFields = PrivateAttr(default_factory=BodyFields)
 
     @model_validator(mode="wrap")
     @classmethod
     def _keep_sent_values(cls, data: Any, handler: ModelWrapValidatorHandler[GenerateRequest]) -> GenerateRequest:
         model = handler(data)
-        if isinstance(data, dict):
-            model._sent = {k: data[k] for k in cls.model_fields if k in data}
+        model._body = read_body(data, cls.model_fields)
         return model
 
     @property
-    def sent(self) -> dict[str, Any]:
-        """The declared fields present in the body, as sent (before coercion)."""
-        return self._sent
+    def body(self) -> BodyFields:
+        """The declared fields present in the body as sent (before coercion), and its unknown names, bounded."""
+        return self._body
 
 
 class GenerateAccepted(BaseModel):
@@ -362,6 +362,8 @@ class GenerateAccepted(BaseModel):
         default_factory=dict,
         description='(extension) values read differently from how they were sent: {"field": {"from", "to"}}',
     )
+    ignored: list[str] = Field(default_factory=list, description="(extension) unknown field names, not used (≤ 32)")
+    notes: list[str] = Field(default_factory=list, description="(extension) what else to know: typos, defaults")
 
 
 class TrackFiles(BaseModel):

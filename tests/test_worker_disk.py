@@ -227,15 +227,12 @@ def test_enospc_sentence_names_the_output_folder(tmp_path: Path) -> None:
 
 def test_export_failure_on_full_disk_removes_written_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """libsndfile fails the MP3 with no errno; the disk is measured and the WAV already written removed."""
-    real_write = export.sf.write
 
-    def write(path, data, sr, format, **kw):
-        if format == "MP3":
-            Path(path).write_bytes(b"partial")
-            raise RuntimeError("Error opening file: System error.")  # what LibsndfileError looks like
-        return real_write(path, data, sr, format=format, **kw)
+    def write_mp3(path, *args, **kw):  # the MP3 is written in blocks (export._write_mp3); it fails after the WAV
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("Error opening file: System error.")  # what LibsndfileError looks like
 
-    monkeypatch.setattr(export.sf, "write", write)
+    monkeypatch.setattr(export, "_write_mp3", write_mp3)
     monkeypatch.setattr(export.shutil, "disk_usage", lambda p: _Usage(free=1000))
     audio = np.zeros((44100, 2), np.float32)
     with pytest.raises(ExportError) as info:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.staticfiles import StaticFiles
 
 from songserve import __version__
 from songserve.api.artifacts import ArtifactStore
+from songserve.api.page import FILES, page_router
 from songserve.api.routes import router
 from songserve.api.service import JobService
 from songserve.api.store import JobStore
@@ -23,8 +22,7 @@ from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
 from songserve.settings import DispatcherSettings
 
-STATIC = Path(__file__).resolve().parent.parent / "web"
-PAGE = {"/", "/index.html", "/app.js", "/style.css", "/tags"}
+PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
 
 
@@ -82,6 +80,5 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         )
     app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
     app.include_router(router)
-    if STATIC.is_dir():
-        app.mount("/", StaticFiles(directory=STATIC, html=True), name="web")
+    app.include_router(page_router())
     return app

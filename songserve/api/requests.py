@@ -21,6 +21,11 @@ lenient reading would change beyond a type coercion: out-of-range numbers, unkno
 Our extensions (``num_tracks``, ``seed``, ``top_k_sr``, ``backbone``, ``superres``, ``priority``)
 are validated the same way in both modes.
 
+Unknown field names are answered too (``ignored``: at most 32, each cut to 64 characters, from
+``songserve/body_fields.py``), with the field each probably misspells in ``notes``; so are a body
+that sets no known field and a vocal song left without lyrics, which the reference starts without
+a word. The request that comes out holds none of it: what is stored with the job is the values.
+
 The function is pure (no settings, no I/O); the caller logs the adjustments with the job id.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from songserve.body_fields import unknown_notes
 from songserve.errors import FieldError
 from songserve.lyrics import CLEANING_MODES, CleaningMode, clean_lyrics
 from songserve.schemas import GenerateRequest
@@ -56,11 +62,14 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class NormalizedRequest:
-    """The request with the values that will be used, its cleaned lyrics, and what changed."""
+    """The request with the values that will be used, its cleaned lyrics, what changed, and what was ignored."""
 
     request: GenerateRequest
     cleaned_lyrics: str
     adjusted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # unknown names, bounded (body_fields.py)
+    unknown_count: int = 0  # all of them, listed or not
+    notes: list[str] = field(default_factory=list)  # sentences for the answer
 
 
 def _differs(sent: Any, used: Any) -> bool:
@@ -144,10 +153,20 @@ def normalize(
     if strict and mode == "vocal" and not lyrics:
         raise FieldError("lyrics", "is empty after cleaning; a vocal song needs lyrics")
 
-    final = req.model_copy(update=used)
+    # A fresh model: the body's values as sent and its unknown names stay with ``req``, not with the job.
+    final = GenerateRequest.model_construct(req.model_fields_set, **{**dict(req), **used})
+    body = req.body
     adjusted: dict[str, dict[str, Any]] = {}
-    for name, sent in req.sent.items():
+    for name, sent in body.sent.items():
         now = getattr(final, name)
         if _differs(sent, now):
             adjusted[name] = {"from": sent, "to": now}
-    return NormalizedRequest(request=final, cleaned_lyrics=lyrics, adjusted=adjusted)
+    notes = unknown_notes(body.unknown, GenerateRequest.model_fields)
+    if not body.sent:
+        notes.append("The body sets none of the known fields, so every value is its default (docs/api.md).")
+    if mode == "vocal" and not lyrics:
+        notes.append(
+            "No lyrics (or none left after cleaning): the song is generated as vocal without words, as the "
+            "reference does; send mode 'instrumental' for an instrumental."
+        )
+    return NormalizedRequest(final, lyrics, adjusted, list(body.unknown.names), body.unknown.count, notes)

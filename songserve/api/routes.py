@@ -23,11 +23,21 @@ async def service(request: Request) -> JobService:
 Service = Depends(service)
 
 
+# A fixed ASCII text: the names themselves are in the body's ``ignored`` (a header cannot carry them safely).
+IGNORED_WARNING = '299 songserve "unknown fields were ignored; the answer lists them in ignored"'
+
+
 @router.post("/generate", response_model=GenerateAccepted)
 async def generate(
-    req: GenerateRequest, idempotency_key: str | None = Header(None, max_length=200), svc: JobService = Service
+    req: GenerateRequest,
+    response: Response,
+    idempotency_key: str | None = Header(None, max_length=200),
+    svc: JobService = Service,
 ) -> GenerateAccepted:
-    return await svc.submit(req, idempotency_key)
+    accepted = await svc.submit(req, idempotency_key)
+    if accepted.ignored:
+        response.headers["Warning"] = IGNORED_WARNING
+    return accepted
 
 
 @router.get("/job/{job_id}", response_model=JobView)
@@ -40,7 +50,9 @@ async def cancel(job_id: str, svc: JobService = Service) -> JobView:
     return await svc.cancel(job_id)
 
 
-@router.api_route("/job/{job_id}/track/{idx}/{kind}", methods=["GET", "HEAD"])
+# GET and HEAD as two routes: one route with both methods gives both one OpenAPI operation id (a warning).
+@router.get("/job/{job_id}/track/{idx}/{kind}")
+@router.head("/job/{job_id}/track/{idx}/{kind}")
 async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
     f = await svc.track_file(job_id, idx, kind)
     return FileResponse(f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition)

@@ -29,7 +29,9 @@ from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
 from songserve.api.views import job_view
+from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, SongserveError, UnavailableError
+from songserve.logs import safe
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
 from songserve.settings import DispatcherSettings
 
@@ -92,7 +94,6 @@ class JobService:
         self.artifacts = artifacts
         self.dispatcher = Dispatcher(s, store, artifacts, http)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
-        self._unknown_fields_logged: set[str] = set()
 
     @property
     def accepting(self) -> bool:
@@ -116,12 +117,7 @@ class JobService:
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
-        """The request as it will be served (``requests.normalize``), unknown fields logged once."""
-        if req.model_extra:
-            new = set(req.model_extra) - self._unknown_fields_logged
-            if new:
-                log.info("ignoring unknown request fields: %s", ", ".join(sorted(new)))
-                self._unknown_fields_logged |= new
+        """The request as it will be served (``requests.normalize``)."""
         s, fleet = self.s, self.dispatcher.fleet()
         limits = RequestLimits(
             s.min_duration,
@@ -180,8 +176,12 @@ class JobService:
             log.error("submit: the store cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
-        if norm.adjusted:
-            log.info("job %s: read as the reference reads it: %s", job_id, norm.adjusted)
+        if norm.adjusted:  # the values as sent are the client's text: escaped and capped
+            log.info("job %s: read as the reference reads it: %s", job_id, safe(norm.adjusted, 500))
+        if norm.unknown_count:
+            names = ", ".join(safe(n, MAX_NAME_CHARS) for n in norm.ignored[:8])
+            more = f" and {norm.unknown_count - 8} more" if norm.unknown_count > 8 else ""
+            log.info("job %s: ignored %d unknown fields: %s%s", job_id, norm.unknown_count, names, more)
         idle = d.free_workers()
         await d.add(job)
         position = d.queue_position(job)
@@ -192,6 +192,8 @@ class JobService:
             num_tracks=req.num_tracks,
             queue_position=position,
             adjusted=norm.adjusted,
+            ignored=norm.ignored,
+            notes=norm.notes,
         )
 
     async def _existing(self, job_id: str, req: GenerateRequest, norm: NormalizedRequest) -> GenerateAccepted:
@@ -206,6 +208,8 @@ class JobService:
             num_tracks=len(view.tracks),
             queue_position=view.queue_position,
             adjusted=norm.adjusted,
+            ignored=norm.ignored,
+            notes=norm.notes,
         )
 
     # ---- view and cancel ------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from songserve.pipeline.stages.superres import SuperRes
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
+DECODE_STEPS = 1000  # the decoding phase's progress unit: the decoder's chunks, then the files (``_finish_take``)
 
 
 def _arch_summary(a: GPTArch) -> dict[str, Any]:
@@ -304,11 +305,17 @@ class ModelPipeline:
         decoder = self.residency.decoder
         assert decoder is not None
         cfg = decoder.cfg
-        ctx.report("decoding", 0, 1)
+        # The decoding phase's percent covers the decoder and then the files, half each: on the CPU the
+        # MP3 encoder takes about as long as the decoder (export.py), and a phase stuck at 100 % while
+        # the files are written read as 99 % overall for the whole export.
+        ctx.report("decoding", 0, DECODE_STEPS)
 
         def on_chunk(done: int, total: int) -> None:
             ctx.check()
-            ctx.report("decoding", done, total, f"chunk {done}/{total}")
+            ctx.report("decoding", DECODE_STEPS * done // (2 * total), DECODE_STEPS, f"chunk {done}/{total}")
+
+        def on_export(share: float, what: str) -> None:
+            ctx.report("decoding", int(DECODE_STEPS * (1 + share) / 2), DECODE_STEPS, what)
 
         with torch.inference_mode():
             wave = decoder.decode(
@@ -347,10 +354,9 @@ class ModelPipeline:
         }
         if parked is not None:  # park mode: which stages waited in host memory while each stage ran
             metadata["parked"] = parked
-        ctx.report("decoding", 1, 1, "writing files")
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
         timings["model_sec"] = time.perf_counter() - t_all
-        wav, mp3_name, meta, metadata = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3)
+        wav, mp3_name, meta, metadata = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3, on_export)
         log.info(
             "task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all
         )

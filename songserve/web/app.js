@@ -94,13 +94,20 @@ async function loadTags() {
 }
 $("tags").addEventListener("input", markChips);
 
+// The header: the fleet as GET /status last said, and when it said it (asked every STATUS_EVERY_MS;
+// a browser may ask less often in a background tab, and the time shows it). Jobs follow their own events.
+const STATUS_EVERY_MS = 5000;
+
 async function refreshStatus() {
+  const el = $("server-status");
+  const at = new Date().toTimeString().slice(0, 8);
   try {
     const s = await api("status");
-    $("server-status").textContent = `${s.idle_gpus}/${s.total_gpus} workers idle · ${s.queued_jobs} jobs queued`;
+    el.textContent = `${s.idle_gpus}/${s.total_gpus} workers idle · ${s.queued_jobs} jobs queued · as of ${at}`;
   } catch (e) {
-    $("server-status").textContent = `server unreachable: ${e.message}`;
+    el.textContent = `server unreachable at ${at}: ${e.message}`;
   }
+  el.title = `From GET /status, asked every ${STATUS_EVERY_MS / 1000} s while this page is open.`;
 }
 
 $("gen-form").addEventListener("submit", async (event) => {
@@ -122,7 +129,7 @@ $("gen-form").addEventListener("submit", async (event) => {
     const accepted = await api("generate", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
-    followJob(accepted.job_id, body, accepted.adjusted);
+    followJob(accepted.job_id, body, accepted.adjusted, accepted.notes);
   } catch (e) {
     showError($("form-error"), e.message);
   } finally {
@@ -137,11 +144,12 @@ function adjustedNote(adjusted) {
   return parts.length ? `Adjusted: ${parts.join(", ")}` : "";
 }
 
-function followJob(jobId, request, adjusted) {
+function followJob(jobId, request, adjusted, notes) {
   const card = $("job-tpl").content.firstElementChild.cloneNode(true);
   card.dataset.jobId = jobId;
   const note = card.querySelector(".job-note");
-  note.textContent = adjustedNote(adjusted); note.hidden = !note.textContent;
+  note.textContent = [adjustedNote(adjusted), ...(notes || [])].filter(Boolean).join(" ");  // the server's notes
+  note.hidden = !note.textContent;
   card.querySelector(".job-title").textContent = (request.tags || request.prompt || "Untitled") + ` · ${jobId.slice(0, 8)}`;
   card.querySelector(".cancel").addEventListener("click", async () => {
     try { render(card, await api(`job/${jobId}`, { method: "DELETE" })); }
@@ -206,4 +214,4 @@ function render(card, job) {
 
 loadTags();
 refreshStatus();
-setInterval(refreshStatus, 5000);
+setInterval(refreshStatus, STATUS_EVERY_MS);

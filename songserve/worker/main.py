@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from songserve.errors import ConfigError
-from songserve.logs import setup_logging
+from songserve.logs import level_from_env, setup_logging
 from songserve.settings import WorkerSettings, load_settings, log_non_default
 from songserve.worker.launcher_flags import apply_launcher_flags
 
@@ -76,7 +76,7 @@ def split_megatron_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
-    setup_logging(f"worker[{os.environ.get('WORKER_INDEX', '-')}]")
+    setup_logging(f"worker[{os.environ.get('WORKER_INDEX', '-')}]", level_from_env())
     try:
         own, megatron = split_megatron_flags(sys.argv[1:] if argv is None else argv)
         s = load_settings(WorkerSettings, own)

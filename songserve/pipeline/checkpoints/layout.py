@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,13 +109,16 @@ def parse_model_map(text: str, setting: str) -> dict[str, str]:
 def resolve(s: CheckpointPaths) -> CheckpointSet:
     """Paths of the set; builds the tiny set when nothing is configured."""
     tiny = not _configured(s)
-    if tiny:
-        from songserve.pipeline.tiny.build import ensure_tiny_set
+    if tiny:  # in a child process: the checkpoint writer's helpers must not outlive it (tiny/child.py)
+        from songserve.pipeline.tiny.child import build_in_child
 
-        ensure_tiny_set(DEFAULT_TINY_DIR)
-    base = s.checkpoints_dir or DEFAULT_TINY_DIR
+        build_in_child(DEFAULT_TINY_DIR)
+    # In full: a relative CHECKPOINTS_DIR is the caller's (the launcher resolves it against the directory it
+    # was run in); every path in an error below is then one a person can paste.
+    base = Path(os.path.abspath(s.checkpoints_dir)) if s.checkpoints_dir else DEFAULT_TINY_DIR
     if not base.is_dir() and s.checkpoints_dir is not None:
-        raise ConfigError(f"CHECKPOINTS_DIR {base} does not exist.")
+        what = "is not a folder" if base.exists() else "does not exist"
+        raise ConfigError(f"CHECKPOINTS_DIR {base} {what} (given as {str(s.checkpoints_dir)!r}).")
 
     def under(p: Path | str) -> Path:
         p = Path(p)
@@ -153,8 +157,8 @@ def resolve(s: CheckpointPaths) -> CheckpointSet:
     for setting, path in checks:
         if not path.exists():
             raise ConfigError(f"{setting} {path} does not exist.")
-    if tiny or _untrained(base):
-        ckpt = dataclasses.replace(ckpt, untrained=True)
+    if tiny or _untrained(base):  # any set pipeline/tiny/ built, either layout, is a tiny set
+        ckpt = dataclasses.replace(ckpt, untrained=True, tiny=True)
     log.info("%s%s", ckpt.summary(), " (untrained: seeded random weights)" if ckpt.untrained else "")
     return ckpt
 

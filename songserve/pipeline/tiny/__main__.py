@@ -4,19 +4,22 @@
     python -m songserve.pipeline.tiny --layout release OUT     # the published release's layout
 
 Prints the set's folder on its last line (tests and scripts read it). What the sets hold: ``build.py``.
+A worker runs this with ``--die-with-parent`` (``child.py``). ``LOG_LEVEL=debug`` shows the
+libraries' start-up warnings.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 import torch
 
+from songserve.logs import level_from_env, setup_logging
 from songserve.pipeline.config import DEFAULT_TINY_DIR
 from songserve.pipeline.tiny.build import ensure_tiny_set
+from songserve.pipeline.tiny.child import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--layout", choices=("default", "release"), default="default")
     ap.add_argument("--force", action="store_true", help="rebuild even if a current set is there")
+    ap.add_argument("--die-with-parent", type=int, metavar="PID", help="stop (with helpers) when PID dies")
     args = ap.parse_args(argv)
+    if args.die_with_parent:
+        die_with_parent(args.die_with_parent)
     out = args.out_dir or args.out
     if out is None and args.layout == "release":
         ap.error("--layout release needs an output folder")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("tiny", level_from_env())
     torch.set_num_threads(1)
     print(ensure_tiny_set(out or DEFAULT_TINY_DIR, args.force, args.layout))
     return 0
