@@ -212,7 +212,8 @@ def test_audio_format_picks_the_file_and_an_unknown_one_is_flac_as_acestep_saves
     assert task({"audio_format": "WAV"}).audio_format == "wav"
     t = task({"audio_format": "ogg"})
     assert (t.audio_format, t.adjusted) == ("flac", {"audio_format": {"from": "ogg", "to": "flac"}})
-    assert t.request.model_extra == {"acestep": {"audio_format": "flac", "caption": ""}}
+    assert t.request.acestep is not None
+    assert t.request.acestep.model_dump() == {"audio_format": "flac", "caption": ""}
     assert "format" in task({"format": "wav"}).ignored  # an alias of use_format, not of audio_format
 
 

@@ -24,7 +24,6 @@ import json
 from typing import Any
 
 from songserve.api.acestep.files import AudioRef
-from songserve.api.acestep.translate import EXTRA
 from songserve.api.store import Job
 from songserve.schemas import JobView, TrackView
 
@@ -35,15 +34,13 @@ ENV = "songserve"
 
 def audio_format(job: Job) -> str:
     """The format the task asked for (a job made on our own port: MP3)."""
-    extra = (job.request.model_extra or {}).get(EXTRA)
-    fmt = extra.get("audio_format") if isinstance(extra, dict) else None
-    return fmt if isinstance(fmt, str) else "mp3"
+    extra = job.request.acestep
+    return extra.audio_format if extra is not None else "mp3"
 
 
 def _caption(job: Job) -> str:
-    extra = (job.request.model_extra or {}).get(EXTRA)
-    caption = extra.get("caption") if isinstance(extra, dict) else None
-    return caption if isinstance(caption, str) else _style(job)
+    extra = job.request.acestep
+    return extra.caption if extra is not None else _style(job)
 
 
 def _style(job: Job) -> str:

@@ -46,7 +46,7 @@ INSTRUMENTAL = ("", "[inst]", "[instrumental]")
 DEFAULT_TAKES = 2  # ACE-Step's batch size when none is sent
 REFERENCE_UPLOADS = ("ref_audio", "reference_audio")
 SOURCE_UPLOADS = ("ctx_audio", "src_audio")
-EXTRA = "acestep"  # kept with the job's request: what the dialect's answers need later
+EXTRA = "acestep"  # GenerateRequest.acestep: what the dialect's answers need later of the job
 MODEL_PREFIX = "acestep/"  # OpenRouter-style ids
 # Our request fields under the name ACE-Step's clients know them by (when they sent no alias).
 ACE_NAMES = {

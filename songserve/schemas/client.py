@@ -1,0 +1,116 @@
+"""Wire models of the dispatcher's client routes: ``POST /generate``, its answer, and the job view.
+
+Field names and status words here are the compatibility surface with existing frontends (the
+reference backend's); do not rename them. Unknown request fields are ignored (``GenerateRequest``'s are
+reported, bounded: ``songserve/body_fields.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
+
+from songserve.body_fields import BodyFields, read_body
+
+
+class AceStepExtras(BaseModel):
+    """What ACE-Step's dialect (``songserve/api/acestep``) needs later of a job it submitted."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    audio_format: Literal["mp3", "wav", "flac"] = "mp3"
+    caption: str = Field("", max_length=50_000)
+
+
+class GenerateRequest(BaseModel):
+    """``POST /generate``, parsed the way the reference backend parses it.
+
+    The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric strings
+    and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or ``prompt_mode``, any
+    length of ``tags`` and ``prompt``. Their ranges are applied afterwards by ``songserve.api.requests.normalize``
+    (clamped as the reference does, or 422 in strict mode), which also reports every change and unknown name;
+    for that it needs the values as sent and the unknown names, kept in ``body``. ``duration`` is a float:
+    fractions of a minute are our extension. Our extensions keep their own ranges here (422 naming the field).
+    """
+
+    model_config = ConfigDict(extra="ignore")  # unknown names are kept only in ``body``, bounded
+
+    mode: str = Field("vocal", description="instrumental, or anything else = vocal")
+    prompt_mode: str = Field("tags", description="tags, or anything else = natural")
+    prompt: str = Field("", description="natural-language style prompt (any length; the prompt builder shortens)")
+    tags: str = Field("", description="comma-separated tags (any length; the prompt builder shortens)")
+    lyrics: str = Field("", max_length=50_000, description="≤ 10,000 characters after cleaning")
+    duration: float = Field(3.0, allow_inf_nan=False, description="minutes; out of range is clamped")
+    top_k_bb: int = Field(80, description="backbone top-k; clamped into 1–200")
+    temperature: float = Field(1.0, allow_inf_nan=False, description="backbone temperature; clamped into 0.6–1.4")
+    num_tracks: int = Field(2, ge=1)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    top_k_sr: int = Field(10, ge=1, le=1024)
+    backbone: str | None = None
+    superres: str | None = None
+    priority: int = Field(0, ge=0, le=9)
+    acestep: AceStepExtras | None = Field(
+        None, description="(internal) what the ACE-Step dialect keeps with a job it made; our clients leave it out"
+    )
+
+    _body: BodyFields = PrivateAttr(default_factory=BodyFields)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_sent_values(cls, data: Any, handler: ModelWrapValidatorHandler[GenerateRequest]) -> GenerateRequest:
+        model = handler(data)
+        model._body = read_body(data, cls.model_fields)
+        return model
+
+    @property
+    def body(self) -> BodyFields:
+        """The declared fields present in the body as sent (before coercion), and its unknown names, bounded."""
+        return self._body
+
+
+class GenerateAccepted(BaseModel):
+    status: Literal["accepted", "queued"]
+    job_id: str
+    num_tracks: int
+    queue_position: int
+    adjusted: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='(extension) values read differently from how they were sent: {"field": {"from", "to"}}',
+    )
+    ignored: list[str] = Field(default_factory=list, description="(extension) unknown field names, not used (≤ 32)")
+    notes: list[str] = Field(default_factory=list, description="(extension) what else to know: typos, defaults")
+
+
+class TrackFiles(BaseModel):
+    mp3: str
+    wav: str
+
+
+class TrackView(BaseModel):
+    index: int
+    status: str
+    progress: int = 0
+    phase_display: str = "Queued"
+    worker_id: int = -1
+    worker_phase: str = "idle"
+    duration_sec: float = 0.0
+    error: str | None = None
+    seed: int | None = None
+    attempts: int = 0
+    queue_position: int = 0
+    files: TrackFiles | None = None
+    metadata: dict[str, Any] = {}
+
+
+class JobView(BaseModel):
+    job_id: str
+    status: str
+    queue_position: int = 0
+    cleaned_lyrics: str = ""
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    eta_sec: float | None = None
+    priority: int = 0
+    tracks: list[TrackView]
