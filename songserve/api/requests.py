@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from songserve.body_fields import unknown_notes
 from songserve.errors import FieldError
 from songserve.lyrics import CLEANING_MODES, CleaningMode, clean_lyrics
@@ -159,6 +161,8 @@ def normalize(
     adjusted: dict[str, dict[str, Any]] = {}
     for name, sent in body.sent.items():
         now = getattr(final, name)
+        if isinstance(now, BaseModel):  # a nested model (the ACE-Step dialect's extras) compares as sent
+            now = now.model_dump()
         if _differs(sent, now):
             adjusted[name] = {"from": sent, "to": now}
     notes = unknown_notes(body.unknown, GenerateRequest.model_fields)
