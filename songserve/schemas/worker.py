@@ -1,27 +1,18 @@
-"""Wire models shared by the dispatcher and the worker: the contract in docs/api.md.
+"""Wire models between a dispatcher and a worker: ``/generate``, ``/health``, ``/config``, tasks, batches.
 
-Field names and status words here are the compatibility surface with existing frontends; do not
-rename them. Unknown request fields are ignored.
+Our worker speaks the reference worker's API (its field names and status words) and adds fields
+of its own, each optional, so the reference's dispatcher reads our answers and ours reads the
+reference's (docs/api.md, "Worker").
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ModelWrapValidatorHandler,
-    PlainSerializer,
-    PrivateAttr,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field
 
-# ---- worker -------------------------------------------------------------------------------------
+from songserve.schemas.common import ID_PATTERN, MAX_SEED, NO_CONTROL, SHA256_PATTERN, WORD_PATTERN, Percent
 
 
 class WorkerPhase(StrEnum):
@@ -40,15 +31,6 @@ class WorkerStatus(StrEnum):
     busy = "busy"
     error = "error"  # the model thread died or loading failed
     stalled = "stalled"  # a task made no progress past its deadline
-
-
-# Every worker field is bounded; names and ids also have a pattern (no newline to forge a log line,
-# no control characters in a name). pydantic refuses lone surrogates in any string ("\ud800" is
-# valid JSON but not valid Unicode). Bad input is a 422 naming the field, never a 500.
-NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
-ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
-WORD_PATTERN = r"^[A-Za-z_]*$"
-MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
 
 
 class ErrorKind(StrEnum):
@@ -85,8 +67,21 @@ class WorkerGenerateRequest(BaseModel):
     track_index: int = Field(0, ge=0, le=1000)
 
 
+class ResultFile(BaseModel):
+    """What a worker wrote into one result file, so the dispatcher can check the copy it makes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256_PATTERN)  # lower-case hex
+
+
 class WorkerGenerateResult(BaseModel):
-    """Worker → dispatcher: a finished track. ``task_id`` and ``json_filename`` are our extensions."""
+    """Worker → dispatcher: a finished track. ``task_id``, ``json_filename`` and ``files`` are our extensions.
+
+    ``files``: each file's size and checksum by its file name (the reference's worker sends none:
+    the dispatcher then checks what a WAV's header and ``duration_sec`` allow).
+    """
 
     model_config = ConfigDict(extra="ignore")
 
@@ -100,15 +95,8 @@ class WorkerGenerateResult(BaseModel):
     gpu_id: int
     seed: int
     metadata: dict[str, Any] = {}
+    files: dict[str, ResultFile] = Field(default_factory=dict, max_length=8)
     error_kind: ErrorKind | None = None  # always None on success; the field is shared with error bodies
-
-
-def _whole_as_int(value: float) -> int | float:
-    return int(value) if value.is_integer() else value
-
-
-# A percent reads as a float (the reference may send one); ours are whole and go out as ints, as they always did.
-Percent = Annotated[float, PlainSerializer(_whole_as_int)]
 
 
 class TakeHealth(BaseModel):
@@ -256,143 +244,3 @@ class TaskView(BaseModel):
     result: WorkerGenerateResult | None = None
     progress: int = 0
     phase: str = "idle"
-
-
-class WorkerAnnouncement(BaseModel):
-    """Worker → dispatcher ``POST /workers``: "call me at ``url``"; repeating it renews the registration.
-
-    The URL is where the dispatcher sends ``/health``, ``/generate`` and the rest, so it is a plain
-    origin (scheme, host, port): a path or query would be dropped or mangled when routes are appended.
-    """
-
-    model_config = ConfigDict(extra="ignore")
-
-    url: str = Field(
-        max_length=200, description="the worker's base URL as the dispatcher should call it: http(s)://host[:port]"
-    )
-    ttl_sec: float = Field(
-        15.0,
-        ge=1.0,
-        le=3600.0,
-        allow_inf_nan=False,
-        description="seconds the registration lasts unless renewed (workers send 3 × their announce interval)",
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _plain_origin(cls, value: str) -> str:
-        """http(s)://host[:port] with nothing after it (a trailing ``/`` is dropped); else a one-line reason."""
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018  (raises on a port that is not a number in 0..65535)
-        except ValueError as exc:
-            raise ValueError(f"{value!r} is not a valid URL ({exc})") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL with a host")
-        if parts.username is not None or parts.password is not None:
-            raise ValueError(f"{value!r} carries credentials; the worker token is sent as a header instead")
-        if parts.path not in ("", "/") or parts.query or parts.fragment or value.endswith(("?", "#")):
-            raise ValueError(f"{value!r} has a path, query or fragment; give only http(s)://host[:port]")
-        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in value):
-            raise ValueError(f"{value!r} contains whitespace or control characters")
-        return value.rstrip("/")
-
-
-class WorkerAnnounced(BaseModel):
-    """Dispatcher → worker answer to ``POST /workers``: the registration and how long it lasts."""
-
-    worker_id: int = Field(ge=0, description="the dispatcher's id for this worker; the same on every renewal")
-    expires_in_sec: float = Field(ge=0, description="seconds until the registration lapses unless renewed")
-
-
-# ---- dispatcher ---------------------------------------------------------------------------------
-
-
-class GenerateRequest(BaseModel):
-    """``POST /generate``, parsed the way the reference backend parses it.
-
-    The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric
-    strings and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or
-    ``prompt_mode``, any length of ``tags`` and ``prompt``. Their ranges are applied afterwards by
-    ``songserve.api.requests.normalize`` (clamped as the reference does, or 422 in strict mode),
-    which also reports every change; for that it needs the values as sent, kept in ``sent``.
-    ``duration`` is a float: fractions of a minute are our extension. Our extensions keep their own
-    ranges here (422 naming the field).
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    mode: str = Field("vocal", description="instrumental, or anything else = vocal")
-    prompt_mode: str = Field("tags", description="tags, or anything else = natural")
-    prompt: str = Field("", description="natural-language style prompt (any length; the prompt builder shortens)")
-    tags: str = Field("", description="comma-separated tags (any length; the prompt builder shortens)")
-    lyrics: str = Field("", max_length=50_000, description="≤ 10,000 characters after cleaning")
-    duration: float = Field(3.0, allow_inf_nan=False, description="minutes; out of range is clamped")
-    top_k_bb: int = Field(80, description="backbone top-k; clamped into 1–200")
-    temperature: float = Field(1.0, allow_inf_nan=False, description="backbone temperature; clamped into 0.6–1.4")
-    num_tracks: int = Field(2, ge=1)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    top_k_sr: int = Field(10, ge=1, le=1024)
-    backbone: str | None = None
-    superres: str | None = None
-    priority: int = Field(0, ge=0, le=9)
-
-    _sent: dict[str, Any] = PrivateAttr(default_factory=dict)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _keep_sent_values(cls, data: Any, handler: ModelWrapValidatorHandler[GenerateRequest]) -> GenerateRequest:
-        model = handler(data)
-        if isinstance(data, dict):
-            model._sent = {k: data[k] for k in cls.model_fields if k in data}
-        return model
-
-    @property
-    def sent(self) -> dict[str, Any]:
-        """The declared fields present in the body, as sent (before coercion)."""
-        return self._sent
-
-
-class GenerateAccepted(BaseModel):
-    status: Literal["accepted", "queued"]
-    job_id: str
-    num_tracks: int
-    queue_position: int
-    adjusted: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
-        description='(extension) values read differently from how they were sent: {"field": {"from", "to"}}',
-    )
-
-
-class TrackFiles(BaseModel):
-    mp3: str
-    wav: str
-
-
-class TrackView(BaseModel):
-    index: int
-    status: str
-    progress: int = 0
-    phase_display: str = "Queued"
-    worker_id: int = -1
-    worker_phase: str = "idle"
-    duration_sec: float = 0.0
-    error: str | None = None
-    seed: int | None = None
-    attempts: int = 0
-    queue_position: int = 0
-    files: TrackFiles | None = None
-    metadata: dict[str, Any] = {}
-
-
-class JobView(BaseModel):
-    job_id: str
-    status: str
-    queue_position: int = 0
-    cleaned_lyrics: str = ""
-    created_at: float
-    started_at: float | None = None
-    finished_at: float | None = None
-    eta_sec: float | None = None
-    priority: int = 0
-    tracks: list[TrackView]

@@ -1,0 +1,62 @@
+"""Wire models shared by the dispatcher and the worker: the contract in docs/api.md.
+
+Field names and status words are the compatibility surface with existing frontends and with the
+reference's workers; do not rename them. By concern:
+- ``worker``: dispatcher ↔ worker (``/generate``, ``/generate_batch``, ``/health``, ``/config``, tasks);
+- ``announce``: workers that join a dispatcher (``POST /workers``);
+- ``client``: the dispatcher's client routes (``POST /generate``, the job view);
+- ``common``: the patterns that bound names and ids, and a percent.
+Everything is re-exported here: importers name ``songserve.schemas`` only.
+"""
+
+from __future__ import annotations
+
+from songserve.schemas.announce import WorkerAnnounced, WorkerAnnouncement
+from songserve.schemas.client import GenerateAccepted, GenerateRequest, JobView, TrackFiles, TrackView
+from songserve.schemas.common import ID_PATTERN, MAX_SEED, NO_CONTROL, SHA256_PATTERN, WORD_PATTERN, Percent
+from songserve.schemas.worker import (
+    ErrorKind,
+    ResultFile,
+    TakeHealth,
+    TaskState,
+    TaskView,
+    WorkerBatchRequest,
+    WorkerBatchResult,
+    WorkerConfig,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+    WorkerHealth,
+    WorkerPhase,
+    WorkerStatus,
+    WorkerTakeFailure,
+)
+
+__all__ = [
+    "ID_PATTERN",
+    "MAX_SEED",
+    "NO_CONTROL",
+    "SHA256_PATTERN",
+    "WORD_PATTERN",
+    "ErrorKind",
+    "GenerateAccepted",
+    "GenerateRequest",
+    "JobView",
+    "Percent",
+    "ResultFile",
+    "TakeHealth",
+    "TaskState",
+    "TaskView",
+    "TrackFiles",
+    "TrackView",
+    "WorkerAnnounced",
+    "WorkerAnnouncement",
+    "WorkerBatchRequest",
+    "WorkerBatchResult",
+    "WorkerConfig",
+    "WorkerGenerateRequest",
+    "WorkerGenerateResult",
+    "WorkerHealth",
+    "WorkerPhase",
+    "WorkerStatus",
+    "WorkerTakeFailure",
+]

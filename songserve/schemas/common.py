@@ -1,0 +1,26 @@
+"""What the wire models of both services share: the patterns that bound names and ids, and a percent.
+
+Every worker field is bounded; names and ids also have a pattern (no newline to forge a log line,
+no control characters in a name). pydantic refuses lone surrogates in any string ("\\ud800" is
+valid JSON but not valid Unicode). Bad input is a 422 naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import PlainSerializer
+
+NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
+WORD_PATTERN = r"^[A-Za-z_]*$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
+
+
+def _whole_as_int(value: float) -> int | float:
+    return int(value) if value.is_integer() else value
+
+
+# A percent reads as a float (the reference may send one); ours are whole and go out as ints, as they always did.
+Percent = Annotated[float, PlainSerializer(_whole_as_int)]
