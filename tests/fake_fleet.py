@@ -4,14 +4,17 @@ Each ``FakeWorker`` answers the worker's HTTP surface (shared/docs/api.md, "Work
 test decides how each ``POST /generate`` ends by putting a ``Plan`` in the worker's queue; the request
 then waits until the plan's ``release`` event is set (or answers at once), so a test can look at the
 dispatcher while a track runs. Faults are plain flags: ``down`` refuses connections, ``forget``
-makes ``/tasks`` answer 404, ``progress`` is what ``/health`` reports.
+makes ``/tasks`` answer 404, ``progress`` is what ``/health`` reports. A WAV it serves is a real one
+(mono, 8-bit, 100 Hz) as long as its result says, so the dispatcher's checks of the copy pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
+import wave
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,6 +27,17 @@ from songserve.api.service import JobService
 from songserve.api.store_sqlite import SqliteStore
 from songserve.schemas import JobView
 from songserve.settings import DispatcherSettings
+
+
+def tiny_wav(seconds: float, rate: int = 100) -> bytes:
+    """A real WAV of ``seconds`` (mono, 8-bit, ``rate`` Hz): a few hundred bytes."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(1)
+        w.setframerate(rate)
+        w.writeframes(b"\x80" * round(seconds * rate))
+    return out.getvalue()
 
 
 @dataclass
@@ -183,7 +197,7 @@ class FakeWorker:
             self.removed.append(path.rsplit("/", 1)[1])
             return httpx.Response(200, json={"removed": []})
         if path.startswith("/download/"):
-            return httpx.Response(200, content=b"RIFF" + path.encode())
+            return httpx.Response(200, content=tiny_wav(3.0) if path.endswith(".wav") else b"ID3" + path.encode())
         return httpx.Response(404, json={"status": "error", "error": "No such route."})
 
 
