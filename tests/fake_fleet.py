@@ -42,7 +42,8 @@ def tiny_wav(seconds: float, rate: int = 100) -> bytes:
 
 @dataclass
 class Plan:
-    """How one generate call ends: "ok", "error", "cancelled", "busy" or "drop" (connection lost)."""
+    """How one generate call ends: "ok", "error", "cancelled", "busy", "drop" (connection lost) or
+    "garbage" (a 200 without a result's fields, at once)."""
 
     outcome: str = "ok"
     release: asyncio.Event | None = None  # None: answer at once
@@ -99,6 +100,9 @@ class FakeWorker:
         plan = self.plans.popleft() if self.plans else Plan()
         if plan.outcome == "busy" or self.task_id is not None:
             return httpx.Response(409, json={"status": "busy", "error": "busy"})
+        if plan.outcome == "garbage":
+            self.generated.append(str(body["task_id"]))
+            return httpx.Response(200, json={"status": "ok"})
         work = asyncio.ensure_future(self._work(str(body["task_id"]), plan, body.get("seed_override")))
         status, answer = await asyncio.shield(work)
         if plan.outcome == "drop":

@@ -90,7 +90,7 @@ class ArtifactStore:
             try:
                 self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise unwritable(self.root / job_id, exc, need) from None
+                raise unwritable(f"the folder {job_id}", exc, need) from None
             copies = await self._copy_all(worker, names, finals, tmps, max_bytes, deadline, need)
             for kind, name in names.items():
                 check_copy(name, kind, copies[kind], said[kind], res.duration_sec)
@@ -98,7 +98,7 @@ class ArtifactStore:
                 try:
                     os.replace(tmps[kind], finals[kind])
                 except OSError as exc:
-                    raise unwritable(finals[kind], exc, need) from None
+                    raise unwritable(finals[kind].name, exc, need) from None
         except ResultsUnwritable as exc:
             self.folder.failed(exc)
             raise
@@ -147,7 +147,7 @@ class ArtifactStore:
                         size += len(chunk)
                         f.write(chunk)
         except OSError as exc:  # the network's errors arrive as WorkerFault: an OSError here is our disk's
-            raise unwritable(final, exc, max(need, size)) from None
+            raise unwritable(final.name, exc, max(need, size)) from None
         return Copied(tmp, size, digest.hexdigest())
 
     def remove_job(self, job_id: str) -> None:

@@ -133,6 +133,8 @@ class WorkerHandle:
         if not its_own:
             self.faults = 0
             return False
+        if time.monotonic() < self.benched_until:  # work given before the bench: already out, not again
+            return False
         self.faults += 1
         if self.faults < bench_after:
             return False

@@ -39,9 +39,9 @@ class ResultsUnwritable(SongserveError):
         self.need_bytes = need_bytes  # free space the failed copy needed (0: unknown)
 
 
-def unwritable(path: Path, exc: OSError, need_bytes: int = 0) -> ResultsUnwritable:
-    """The one wording of a failed write: what was written, and the system's reason."""
-    return ResultsUnwritable(f"writing {path.name} failed: {exc.strerror or exc}", need_bytes)
+def unwritable(what: str, exc: OSError, need_bytes: int = 0) -> ResultsUnwritable:
+    """The one wording of a failed write: what was being written, and the system's reason."""
+    return ResultsUnwritable(f"writing {what} failed: {exc.strerror or exc}", need_bytes)
 
 
 class ResultsFolder:
