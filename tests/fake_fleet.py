@@ -4,7 +4,8 @@ Each ``FakeWorker`` answers the worker's HTTP surface (shared/docs/api.md, "Work
 test decides how each ``POST /generate`` ends by putting a ``Plan`` in the worker's queue; the request
 then waits until the plan's ``release`` event is set (or answers at once), so a test can look at the
 dispatcher while a track runs. Faults are plain flags: ``down`` refuses connections, ``forget``
-makes ``/tasks`` answer 404, ``progress`` is what ``/health`` reports. A WAV it serves is a real one
+makes ``/tasks`` answer 404, ``drip`` makes every download send a byte now and then, for ever,
+``progress`` is what ``/health`` reports. A WAV it serves is a real one
 (mono, 8-bit, 100 Hz) as long as its result says, so the dispatcher's checks of the copy pass.
 """
 
@@ -16,7 +17,7 @@ import json
 import time
 import wave
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,12 @@ def tiny_wav(seconds: float, rate: int = 100) -> bytes:
     return out.getvalue()
 
 
+async def _drip() -> AsyncIterator[bytes]:
+    while True:
+        yield b"R"
+        await asyncio.sleep(0.05)
+
+
 @dataclass
 class Plan:
     """How one generate call ends: "ok", "error", "cancelled", "busy", "drop" (connection lost) or
@@ -56,6 +63,7 @@ class FakeWorker:
     url: str
     down: bool = False
     forget: bool = False
+    drip: bool = False
     max_batch: int = 1
     batches: list[list[str]] = field(default_factory=list)  # task ids of each /generate_batch call
     disk_low: bool = False
@@ -200,6 +208,8 @@ class FakeWorker:
         if path.startswith("/files/") and request.method == "DELETE":
             self.removed.append(path.rsplit("/", 1)[1])
             return httpx.Response(200, json={"removed": []})
+        if path.startswith("/download/") and self.drip:
+            return httpx.Response(200, content=_drip())
         if path.startswith("/download/"):
             return httpx.Response(200, content=tiny_wav(3.0) if path.endswith(".wav") else b"ID3" + path.encode())
         return httpx.Response(404, json={"status": "error", "error": "No such route."})

@@ -175,6 +175,31 @@ async def test_a_garbage_answer_costs_the_track_no_attempt_and_charges_its_worke
 
 
 @aio
+async def test_a_dripping_download_is_abandoned_at_its_deadline_and_charged(tmp_path):
+    async with FakeFleet(tmp_path, n=2, download_timeout_sec=0.3) as f:
+        f.workers[0].drip = True
+        view = await run_job(f)
+        assert view.status == "completed"
+        assert view.tracks[0].metadata["worker_id"] == 1
+        assert view.tracks[0].attempts == 1
+        assert f.svc.dispatcher.pool.workers[0].faults == 1
+        assert not list(f.svc.artifacts.root.rglob("*.tmp"))
+
+
+@aio
+async def test_a_cancel_stops_a_download_in_progress(tmp_path):
+    async with FakeFleet(tmp_path, n=1) as f:
+        f.workers[0].drip = True  # the copy would take until DOWNLOAD_TIMEOUT_SEC (45 s)
+        job_id = (await f.svc.submit(body())).job_id
+        await until(lambda: bool(f.svc.dispatcher.attempts._collecting))
+        await f.svc.cancel(job_id)
+        await until(lambda: f.holds(job_id, lambda v: v.tracks[0].status == "cancelled"))
+        assert not f.svc.dispatcher.attempts.running
+        assert not list(f.svc.artifacts.root.rglob("*.*"))  # nothing of the copy stayed
+        assert f.svc.dispatcher.pool.workers[0].faults == 0  # a cancel is nobody's fault
+
+
+@aio
 async def test_a_results_folder_that_cannot_be_written_holds_the_track_and_resumes_by_itself(tmp_path):
     async with FakeFleet(tmp_path, n=1) as f:
         results = f.svc.artifacts.root
