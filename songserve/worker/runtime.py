@@ -181,8 +181,12 @@ class WorkerRuntime:
                 len(bodies),
             )
         t0 = time.perf_counter()
+        facts: list[dict[str, ResultFile]] = [{} for _ in ctxs]
         try:
             raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, reqs, ctxs)
+            # Read back off the event loop while the tasks still show running: /tasks and /cancel
+            # must not find them gone before they are remembered as done.
+            facts = await asyncio.to_thread(self._file_facts, raw)
         except Exception as exc:  # the whole batch failed (a request error, or the model)
             raw = [exc] * len(ctxs)
         finally:
@@ -191,8 +195,6 @@ class WorkerRuntime:
                 self.phase = WorkerPhase.idle.value
                 if self.status is WorkerStatus.busy:
                     self.status = WorkerStatus.idle
-        # Read back off the event loop and off the model thread (the next batch may start meanwhile).
-        facts = await asyncio.to_thread(self._file_facts, raw)
         return [
             (ctx.task_id, self._settle(ctx.task_id, got, t0, files))
             for ctx, got, files in zip(ctxs, raw, facts, strict=True)
