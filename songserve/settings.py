@@ -231,6 +231,12 @@ class DispatcherSettings(BaseSettings):
         3, ge=1, description="a worker whose tracks fail this many times in a row for environment reasons is benched"
     )
     bench_sec: float = Field(60.0, gt=0, description="how long a benched worker gets no new track")
+    # The longest song the model makes fills its 25,600-position context: ~595 s, a 105 MB WAV
+    # (44.1 kHz, 16-bit stereo) and a 24 MB MP3 at 320 kbit/s.
+    download_timeout_sec: float = Field(
+        45.0, gt=0, description="copying one track's files from its worker: the whole copy, not one read"
+    )
+    max_result_mb: float = Field(128.0, gt=0, description="largest result file copied from a worker")
     pack_tracks: Literal["auto", "always", "never"] = Field(
         "auto",
         description="run a job's tracks as one batch on a worker: auto = when more are queued than workers are free",

@@ -4,16 +4,20 @@ Each ``FakeWorker`` answers the worker's HTTP surface (shared/docs/api.md, "Work
 test decides how each ``POST /generate`` ends by putting a ``Plan`` in the worker's queue; the request
 then waits until the plan's ``release`` event is set (or answers at once), so a test can look at the
 dispatcher while a track runs. Faults are plain flags: ``down`` refuses connections, ``forget``
-makes ``/tasks`` answer 404, ``progress`` is what ``/health`` reports.
+makes ``/tasks`` answer 404, ``drip`` makes every download send a byte now and then, for ever,
+``progress`` is what ``/health`` reports. A WAV it serves is a real one
+(mono, 8-bit, 100 Hz) as long as its result says, so the dispatcher's checks of the copy pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
+import wave
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,9 +30,27 @@ from songserve.schemas import JobView
 from songserve.settings import DispatcherSettings
 
 
+def tiny_wav(seconds: float, rate: int = 100) -> bytes:
+    """A real WAV of ``seconds`` (mono, 8-bit, ``rate`` Hz): a few hundred bytes."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(1)
+        w.setframerate(rate)
+        w.writeframes(b"\x80" * round(seconds * rate))
+    return out.getvalue()
+
+
+async def _drip() -> AsyncIterator[bytes]:
+    while True:
+        yield b"R"
+        await asyncio.sleep(0.05)
+
+
 @dataclass
 class Plan:
-    """How one generate call ends: "ok", "error", "cancelled", "busy" or "drop" (connection lost)."""
+    """How one generate call ends: "ok", "error", "cancelled", "busy", "drop" (connection lost) or
+    "garbage" (a 200 without a result's fields, at once)."""
 
     outcome: str = "ok"
     release: asyncio.Event | None = None  # None: answer at once
@@ -41,6 +63,7 @@ class FakeWorker:
     url: str
     down: bool = False
     forget: bool = False
+    drip: bool = False
     max_batch: int = 1
     batches: list[list[str]] = field(default_factory=list)  # task ids of each /generate_batch call
     disk_low: bool = False
@@ -85,6 +108,9 @@ class FakeWorker:
         plan = self.plans.popleft() if self.plans else Plan()
         if plan.outcome == "busy" or self.task_id is not None:
             return httpx.Response(409, json={"status": "busy", "error": "busy"})
+        if plan.outcome == "garbage":
+            self.generated.append(str(body["task_id"]))
+            return httpx.Response(200, json={"status": "ok"})
         work = asyncio.ensure_future(self._work(str(body["task_id"]), plan, body.get("seed_override")))
         status, answer = await asyncio.shield(work)
         if plan.outcome == "drop":
@@ -182,8 +208,10 @@ class FakeWorker:
         if path.startswith("/files/") and request.method == "DELETE":
             self.removed.append(path.rsplit("/", 1)[1])
             return httpx.Response(200, json={"removed": []})
+        if path.startswith("/download/") and self.drip:
+            return httpx.Response(200, content=_drip())
         if path.startswith("/download/"):
-            return httpx.Response(200, content=b"RIFF" + path.encode())
+            return httpx.Response(200, content=tiny_wav(3.0) if path.endswith(".wav") else b"ID3" + path.encode())
         return httpx.Response(404, json={"status": "error", "error": "No such route."})
 
 

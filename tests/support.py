@@ -206,6 +206,19 @@ def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.
     return ServerProcess(args, port, tmp / f"{name}.log")
 
 
+def start_bad_worker(tmp: Path, mode: str, name: str = "bad", *extra: str) -> ServerProcess:
+    """Our worker with a fault on command (tests/bad_worker.py: garbage answers, drips, oversize or cut files)."""
+    port = free_port()
+    args = ["tests/bad_worker.py", "--mode", mode, "--worker-port", str(port), "--master-port", "0",
+            "--output-dir", str(tmp / f"{name}_audio"), *extra]  # fmt: skip
+    return ServerProcess(args, port, tmp / f"{name}.log")
+
+
+def bad_worker_state(w: ServerProcess) -> dict:
+    """What the stand-in saw: its mode, ``task_calls`` and how long each drip or oversize download lasted."""
+    return httpx.get(w.url + "/misbehave", timeout=10).json()
+
+
 def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Cluster:
     """A dispatcher over workers that are already started (any kind)."""
     for w in workers:

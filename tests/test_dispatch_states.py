@@ -307,7 +307,7 @@ async def test_a_worker_failing_tracks_for_environment_reasons_is_benched_and_sh
         second = (await f.svc.submit(body())).job_id
         await until(lambda: f.svc.dispatcher.pool.workers[0].view.value == "degraded")
         assert len(f.workers[0].generated) == 2
-        assert "environment failures in a row" in (await f.svc.status())["workers"][0]["degraded_reason"]
+        assert "failures of its own in a row" in (await f.svc.status())["workers"][0]["degraded_reason"]
         hold.set()  # worker 1 frees up and takes both tracks; worker 0 stays benched
         for job_id in (first, second):
             assert (await until_done(f, job_id)).status == "completed"

@@ -1,25 +1,41 @@
-"""Artifacts on disk: each finished track's WAV, MP3 and JSON, copied from its worker.
+"""Artifacts on disk: each finished track's WAV, MP3 and JSON, copied from its worker and checked.
 
-Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>`` under a
-temporary name, then renamed, so results survive a worker's restart and its cleanup. Retention
-removes finished jobs past their TTL and, oldest first, while the folder is over its size cap, and
-asks ``orphans`` for folders no job row owns (a store moved aside or restored from an older backup).
+Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>``: every file of
+a track first under a temporary name, within one deadline for the whole copy and a size cap per
+file, then checked against what the worker said it wrote (``result_check.py``), and only then all
+renamed into place, so a track is never completed with a short or damaged file, and results survive
+a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault`` is the worker's
+(a file it cannot serve, short, damaged, oversize or late), ``ResultsUnwritable`` ours (the folder
+cannot be written; ``results_folder.py`` holds whether it can now). Retention removes finished jobs
+past their TTL and, oldest first, while the folder is over its size cap, and asks ``orphans`` for
+folders no job row owns (a store moved aside or restored from an older backup).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import logging
 import os
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from songserve.api.outcomes import WorkerFault
+from songserve.api.result_check import Copied, check_copy
+from songserve.api.results_folder import ResultsFolder, ResultsUnwritable, unwritable
+from songserve.api.to_worker import result_files
+
 if TYPE_CHECKING:
     from songserve.api.worker_client import WorkerClient
+    from songserve.schemas import WorkerGenerateResult
 
+log = logging.getLogger(__name__)
 KINDS = ("wav", "mp3", "json")
 JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
 
@@ -28,6 +44,7 @@ class ArtifactStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        self.folder = ResultsFolder(root)
 
     def path(self, job_id: str, index: int, kind: str) -> Path:
         """The only way a file path is formed: from a checked job id, an index and a known kind."""
@@ -39,13 +56,99 @@ class ArtifactStore:
         p = self.path(job_id, index, kind)
         return p.is_file() and not p.is_symlink()
 
-    async def fetch(self, worker: WorkerClient, names: dict[str, str], job_id: str, index: int) -> int:
-        """Stream the worker's files for one track into place (concurrently); returns bytes written."""
-        self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
-        sizes = await asyncio.gather(
-            *(worker.download(name, self.path(job_id, index, kind)) for kind, name in names.items())
-        )
-        return sum(sizes)
+    async def collect(
+        self, worker: WorkerClient, res: WorkerGenerateResult, job_id: str, index: int, max_bytes: int, deadline: float
+    ) -> int:
+        """``fetch``, waiting while the results folder cannot be written: the track is held (its worker
+        keeps the files) and the copy starts again once the folder's probe passes. Raises only
+        ``WorkerFault``."""
+        while True:
+            if not self.folder.writable:
+                log.warning("track %s/%d: held until the results folder can be written (%s)", job_id, index,
+                            self.folder.problem)  # fmt: skip
+            await self.folder.wait_writable()
+            try:
+                return await self.fetch(worker, res, job_id, index, max_bytes, deadline)
+            except ResultsUnwritable as exc:
+                log.warning("track %s/%d: its files could not be stored (%s)", job_id, index, exc)
+
+    async def fetch(
+        self, worker: WorkerClient, res: WorkerGenerateResult, job_id: str, index: int, max_bytes: int, deadline: float
+    ) -> int:
+        """Copy, check and put in place the files of one finished track; returns the bytes copied.
+
+        ``deadline``: seconds for the whole copy (every file, concurrently); ``max_bytes``: per file.
+        Raises ``WorkerFault`` or ``ResultsUnwritable`` (after marking the folder unwritable); on
+        either, nothing of the copy stays behind.
+        """
+        names = result_files(res)
+        said = {kind: res.files.get(name) for kind, name in names.items()}
+        need = sum(f.bytes for f in said.values() if f is not None)
+        finals = {kind: self.path(job_id, index, kind) for kind in names}
+        tmps = {kind: p.with_name(f".{p.name}.{secrets.token_hex(3)}.tmp") for kind, p in finals.items()}
+        try:
+            try:
+                self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise unwritable(f"the folder {job_id}", exc, need) from None
+            copies = await self._copy_all(worker, names, finals, tmps, max_bytes, deadline, need)
+            for kind, name in names.items():
+                check_copy(name, kind, copies[kind], said[kind], res.duration_sec)
+            for kind in names:
+                try:
+                    os.replace(tmps[kind], finals[kind])
+                except OSError as exc:
+                    raise unwritable(finals[kind].name, exc, need) from None
+        except ResultsUnwritable as exc:
+            self.folder.failed(exc)
+            raise
+        finally:
+            for tmp in tmps.values():
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+        return sum(c.size for c in copies.values())
+
+    async def _copy_all(
+        self,
+        worker: WorkerClient,
+        names: dict[str, str],
+        finals: dict[str, Path],
+        tmps: dict[str, Path],
+        max_bytes: int,
+        deadline: float,
+        need: int,
+    ) -> dict[str, Copied]:
+        """Every file of the track into its temporary name, concurrently, within ``deadline`` seconds."""
+        try:
+            async with asyncio.timeout(deadline), asyncio.TaskGroup() as group:
+                tasks = {
+                    kind: group.create_task(self._copy(worker, name, finals[kind], tmps[kind], max_bytes, need))
+                    for kind, name in names.items()
+                }
+        except TimeoutError:
+            raise WorkerFault(
+                f"Worker {worker.url} did not deliver the track's files within {deadline:.0f}s."
+            ) from None
+        except BaseExceptionGroup as group:
+            # Ours first: a folder that cannot be written says nothing of the worker.
+            first = group.subgroup(ResultsUnwritable) or group.subgroup(WorkerFault) or group
+            raise first.exceptions[0] from None
+        return {kind: task.result() for kind, task in tasks.items()}
+
+    @staticmethod
+    async def _copy(worker: WorkerClient, name: str, final: Path, tmp: Path, max_bytes: int, need: int) -> Copied:
+        """One file into ``tmp`` (``final`` names it in errors), hashed as it arrives."""
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(tmp, "wb") as f:
+                async with contextlib.aclosing(worker.file_chunks(name, max_bytes)) as chunks:
+                    async for chunk in chunks:
+                        digest.update(chunk)
+                        size += len(chunk)
+                        f.write(chunk)
+        except OSError as exc:  # the network's errors arrive as WorkerFault: an OSError here is our disk's
+            raise unwritable(final.name, exc, max(need, size)) from None
+        return Copied(tmp, size, digest.hexdigest())
 
     def remove_job(self, job_id: str) -> None:
         if JOB_ID.match(job_id):

@@ -6,8 +6,9 @@ An attempt, in the order it happens, and in this order below:
    a track already running on a worker, after a restart or a lease take-over);
 2. ``_run``: the worker's answer, one ``Outcome`` per take (``WorkerClient.generate_batch``, or
    ``/tasks/{id}`` polled for a reattached track); the worker is released at once;
-3. ``_apply``: done → its files copied and the track done; a clear model error → the track failed;
-   cancelled by the worker, busy, an environment failure → a retry;
+3. ``_apply``: done → its files copied and checked (``ArtifactStore.collect``) and the track done;
+   a clear model error → the track failed; cancelled by the worker, busy, an environment failure →
+   a retry;
 4. ``_retry_after``: every failure on the way is a retry of the tracks it touched (``RetryTrack``)
    while attempts remain (``TrackBook.retry``), never a stuck track.
 
@@ -17,6 +18,10 @@ stop per attempt: later stops of the same attempt are no-ops (``stop``); the wor
 that follows is shielded from further cancels; a lost lease ends the attempt silently (the new
 holder reattaches the task). Only the current task id's outcome is applied, so a retried track
 finishes once.
+
+Whose fault: an answer that is not the contract or files that are not what the worker said
+(``WorkerFault``) are the worker's: charged to it (``_charge``, its breaker) and the track runs
+elsewhere without losing an attempt. A results folder we cannot write is ours: the track waits.
 """
 
 from __future__ import annotations
@@ -34,12 +39,12 @@ from typing import Any
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.estimates import SpeedHistory
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerUnreachable
+from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.api.phases import status_of_phase
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import TrackStatus
 from songserve.api.store import Job, JobStore, Key, StaleTrack, Track
-from songserve.api.to_worker import result_files, result_metadata, result_seed, worker_request
+from songserve.api.to_worker import result_metadata, result_seed, worker_request
 from songserve.api.tracks import TrackBook
 from songserve.errors import SongserveError
 from songserve.settings import DispatcherSettings
@@ -88,6 +93,7 @@ class Attempts:
         self._stopping: dict[Key, str] = {}  # attempts asked to stop, with the reason
         self._deadlines: dict[Key, float] = {}  # monotonic
         self._progress_saved: dict[Key, float] = {}  # monotonic time of a running track's last progress write
+        self._collecting: set[Key] = set()  # tracks whose files are being copied (or wait for the results folder)
 
     # ---- one attempt, in order ------------------------------------------------------------------
     async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle) -> bool:
@@ -136,8 +142,8 @@ class Attempts:
             while True:
                 try:
                     done = await w.client.task(task_id)
-                except WorkerUnreachable:
-                    if not w.online:
+                except WorkerUnreachable as exc:
+                    if not w.online or isinstance(exc, WorkerFault):  # a bad answer is not waited out
                         raise
                     done = None
                 if done is not None:
@@ -167,22 +173,28 @@ class Attempts:
                 for task_id in task_ids:
                     await self._cancel_on_worker(w, task_id)
                 raise RetryTrack(reason) from None
+            except WorkerFault as exc:
+                raise self._charge(w, str(exc)) from None
             except WorkerUnreachable as exc:
                 w.mark_unreachable()
                 raise RetryTrack(f"worker {w.worker_id} connection lost ({exc})") from None
             except TaskLost as exc:
                 raise RetryTrack(str(exc)) from None
             # The worker answered: its model thread is free. Give it the next track while the
-            # files are copied (a failed copy retries the track like a lost worker).
+            # files are copied (as long as its copies keep up: ``WorkerHandle.available``).
             busy = any(o.kind is OutcomeKind.busy for o in outcomes)
             for task_id in task_ids:
                 w.release(task_id, answered=not busy)
+            w.collecting += 1
             self.kick()
-            for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
-                try:
-                    await self._apply(job, t, w, task_id, outcome)
-                except RetryTrack as exc:
-                    await self._retry_after(job, t, w, exc)
+            try:
+                for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
+                    try:
+                        await self._apply(job, t, w, task_id, outcome)
+                    except RetryTrack as exc:
+                        await self._retry_after(job, t, w, exc)
+            finally:
+                w.collecting -= 1
         except RetryTrack as exc:
             for t in tracks:
                 await self._retry_after(job, t, w, exc)
@@ -205,27 +217,35 @@ class Attempts:
         if t.task_id != task_id or t.status.terminal:
             log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
             return
-        if outcome.kind is OutcomeKind.done and outcome.result is not None:
-            res = outcome.result
+        if outcome.kind is OutcomeKind.done and outcome.result is not None and job.cancelled:
+            await self.book.change(t, TrackStatus.cancelled, finished_at=time.time(), owner=None)
+            await self._remove_worker_files(w, task_id)  # cancelled as it finished: its files are not wanted
+        elif outcome.kind is OutcomeKind.done and outcome.result is not None:
+            res, s = outcome.result, self.s
+            self._collecting.add(t.key)  # held while the results folder cannot be written: nobody is charged
             try:
-                await self.artifacts.fetch(w.client, result_files(res), job.job_id, t.index)
-            except (WorkerUnreachable, OSError) as exc:
-                raise RetryTrack(f"could not copy the files from worker {w.worker_id} ({exc})") from None
+                await self.artifacts.collect(w.client, res, job.job_id, t.index, int(s.max_result_mb * 2**20),
+                                             s.download_timeout_sec)  # fmt: skip
+            except WorkerFault as exc:
+                raise self._charge(w, f"the files of task {task_id}: {exc}") from None
+            except asyncio.CancelledError:  # stopped while copying or held: the user cancelled
+                if (reason := self._stopping.get(t.key)) is None:  # shutdown: reconciled at the next start
+                    raise
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                raise RetryTrack(reason) from None
+            finally:
+                self._collecting.discard(t.key)
             now = time.time()
             meta = result_metadata(res, w.worker_id)
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
             await self.book.change(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec,
                                    metadata=meta, seed=result_seed(res, t.seed), owner=None)  # fmt: skip
-            self._record_done(job, t, res.metadata, now)
+            models, wall = res.metadata.get("models"), now - (t.started_at or now)
+            self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
+            self.metrics.track_done(res.metadata, now - job.created_at, wall, t.duration_sec)
             w.track_succeeded()
             await self._remove_worker_files(w, task_id)
-            log.info(
-                "track %s/%d: done (%.1fs audio, %.1fs)",
-                job.job_id,
-                t.index,
-                t.duration_sec,
-                now - (t.started_at or now),
-            )
+            log.info("track %s/%d: done (%.1fs audio, %.1fs)", job.job_id, t.index, t.duration_sec, wall)
         elif outcome.kind is OutcomeKind.cancelled:
             # The job may have been cancelled at another dispatcher a moment ago: the store knows.
             job.cancelled = job.cancelled or await self.store.is_cancelled(job.job_id)
@@ -244,22 +264,21 @@ class Attempts:
             log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
         await self.book.finish_if_done(job)
 
+    def _charge(self, w: WorkerHandle, reason: str) -> RetryTrack:
+        """A failure of the worker's own: counted by its breaker; its tracks run elsewhere, no attempt lost."""
+        self.metrics.worker_faults.labels(str(w.worker_id)).inc()
+        log.warning("worker %d: charged: %s", w.worker_id, reason)
+        if w.track_failed(True, self.s.bench_after_failures, self.s.bench_sec, reason):
+            self.kick()
+        return RetryTrack(f"worker {w.worker_id}: {reason}", environment=True)
+
     async def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: RetryTrack) -> None:
+        count = exc.count
         if exc.environment:
             t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
-        await self.book.retry(job, t, str(exc), exc.count)
-
-    def _record_done(self, job: Job, t: Track, meta: dict[str, object], now: float) -> None:
-        m, wall = self.metrics, now - (t.started_at or now)
-        models = meta.get("models")
-        self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
-        timings = meta.get("timings")
-        for stage, sec in timings.items() if isinstance(timings, dict) else ():
-            if isinstance(sec, int | float):
-                m.stage.labels(stage.removesuffix("_sec")).observe(sec)
-        m.end_to_end.observe(now - job.created_at)
-        m.track_wall.observe(wall)
-        m.track_audio.inc(t.duration_sec)
+            # Past every worker's share of tries they count again: a fleet that all misbehaves ends the track.
+            count = t.env_failures >= self.s.max_attempts * max(1, len(self.pool.workers))
+        await self.book.retry(job, t, str(exc), count)
 
     async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
         """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
@@ -295,8 +314,12 @@ class Attempts:
 
     async def cancel_running(self, tracks: list[Track]) -> None:
         """The user cancelled: each worker answers its running request with "cancelled" at its next
-        check; a track whose worker does not know the task (or cannot stop one) stops here."""
+        check; a track whose worker does not know the task (or cannot stop one), or whose files are
+        being copied (or wait for the results folder), stops here."""
         for t in tracks:
+            if t.key in self._collecting:
+                self.stop(t.key, USER_CANCEL)
+                continue
             w = self.pool.by_id(t.worker_id)
             known = False
             if w is not None and t.task_id is not None:

@@ -66,6 +66,7 @@ class Dispatcher:
     ) -> None:
         self.s = s
         self.store = store
+        self.results = artifacts.folder  # whether the results folder can be written now
         self.me = s.my_id()  # this dispatcher's id: the owner written on the tracks it runs
         self.started_at = time.time()
         self.accepting = True
@@ -106,6 +107,7 @@ class Dispatcher:
             ("watchdog", self._watchdog_step, 1.0),
             ("membership", self._membership_loop_step, 0.0),
             ("store-sync", self._sync_step, 0.0),
+            ("results-folder", self._results_step, 1.0),
             *loop_tasks,
         ]
         await self._exit.enter_async_context(self.store.listen(book.resync))
@@ -175,6 +177,13 @@ class Dispatcher:
         self.counts = await store.counts()
         self._kick.set()
 
+    async def _results_step(self) -> None:
+        """Probe the results folder; when it can be written again, queued tracks may start."""
+        before = self.results.writable
+        await self.results.step()
+        if self.results.writable and not before:
+            self._kick.set()
+
     async def _sync_step(self) -> None:
         """Follow the shared store; this dispatcher's attempts of a job cancelled elsewhere stop."""
         for key in await self.book.sync(self.attempts.running):
@@ -199,7 +208,8 @@ class Dispatcher:
         book = self.book
         if any(w.handing_back and not w.assigned for w in self.pool.workers):
             self.membership.soon()  # its last task ended: give its lease back now, not at the next tick
-        free = self.pool.available()
+        # No new track while the results folder cannot be written: its files would only wait too.
+        free = self.pool.available() if self.results.writable else []
         if not free:  # nothing can start: only the positions change (one ordering, not two)
             book.reorder()
             return
@@ -325,6 +335,12 @@ class Dispatcher:
         if failing:
             name, error = next(iter(failing.items()))
             return False, f"The {name} loop keeps failing: {error}."
+        if not self.results.writable:
+            return (
+                False,
+                f"The results folder {self.results.root} cannot be written ({self.results.problem}); "
+                "finished tracks wait and no new track starts until it can.",
+            )
         if not self.workers_ready():
             return False, "No worker is ready."
         return True, ""

@@ -10,7 +10,7 @@ registry (tests run several dispatchers in one process), with the process collec
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -93,6 +93,22 @@ class DispatcherMetrics:
         self.retries = Counter(
             "songserve_track_retries", "Attempts that ended in a retry, by worker.", ["worker"], registry=r
         )
+        self.worker_faults = Counter(
+            "songserve_worker_faults",
+            "Failures charged to a worker: answers that are not the contract, bad, oversize or late files.",
+            ["worker"],
+            registry=r,
+        )
+
+    def track_done(self, meta: dict[str, Any], end_to_end: float, wall: float, audio: float) -> None:
+        """A finished track: its worker's stage timings (``meta``), and seconds end to end, on the worker, of audio."""
+        timings = meta.get("timings")
+        for stage, sec in timings.items() if isinstance(timings, dict) else ():
+            if isinstance(sec, int | float):
+                self.stage.labels(stage.removesuffix("_sec")).observe(sec)
+        self.end_to_end.observe(end_to_end)
+        self.track_wall.observe(wall)
+        self.track_audio.inc(audio)
 
     def watch(self, state: LiveState) -> None:
         self.registry.register(_LiveGauges(state))

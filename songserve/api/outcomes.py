@@ -1,4 +1,4 @@
-"""What a worker's answer means to the dispatcher, and the two ways a call to a worker ends without one.
+"""What a worker's answer means to the dispatcher, and the ways a call to a worker ends without one.
 
 Kept apart from the translation (``to_worker.py``) and the HTTP calls (``worker_client.py``) because
 everyone on the dispatcher's side reads these words: the pool, the attempts, the artifact copy.
@@ -21,6 +21,14 @@ from songserve.schemas import WorkerGenerateResult
 
 class WorkerUnreachable(SongserveError):
     """No usable answer: connection refused or lost, a timeout, or a body that is not the contract."""
+
+
+class WorkerFault(WorkerUnreachable):
+    """The worker answered, but not as the contract says, so the fault is the worker's, not the track's:
+    a body that is not JSON, wrong types, a 200 without a result's fields, or result files that are
+    missing, short, damaged, over the size cap or not delivered by the download deadline. Charged to
+    that worker (the breaker that benches it); the track runs elsewhere without losing an attempt.
+    """
 
 
 class TaskLost(SongserveError):

@@ -16,8 +16,15 @@ The view a client sees (``/status``) is derived from both:
     busy      a track is assigned, or it reports busy
     error     it reports its model thread died or loading failed
     stalled   it reports a stalled model thread, or our watchdog saw no progress
-    degraded  online but out of rotation: benched after failing tracks for environment reasons
-              (disk, memory, writes) several times in a row, or its output disk is nearly full
+    degraded  online but out of rotation: benched after failing tracks for reasons of its own
+              several times in a row, or its output disk is nearly full
+
+The breaker that benches a worker (``track_failed``) counts what the worker did, not what it said:
+environment errors (its disk, memory, writes), answers that are not the contract, and result files
+that are missing, short, damaged, oversize or late. ``BENCH_AFTER_FAILURES`` in a row bench it for
+``BENCH_SEC``; after the bench one more failure benches it again (half-open), each bench twice as
+long as the last (up to ``MAX_BENCH_FACTOR`` times); a finished track closes the breaker. Among
+the workers that may take a track, those with failures in their current run come last.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from songserve.api.worker_client import WorkerClient
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)
+MAX_BENCH_FACTOR = 8  # a worker that keeps failing after its bench is benched up to 8 × BENCH_SEC
+COPIES_IN_FLIGHT = 1  # a worker gets a new track while at most this many of its results are being copied
 
 
 class WorkerView(StrEnum):
@@ -63,9 +72,11 @@ class WorkerHandle:
     health_sent_at: float = 0.0  # monotonic time the latest health answer was asked for
     trust_after: float = 0.0  # health asked for before this (monotonic) is stale: we stopped a task since
     last_progress_at: float = 0.0  # monotonic
-    env_failures: int = 0  # tracks failed in a row for environment reasons
+    faults: int = 0  # tracks failed in a row for reasons of its own (environment, protocol, files)
+    benches: int = 0  # benches since its last finished track: each one twice as long
     benched_until: float = 0.0  # monotonic
     bench_reason: str = ""
+    collecting: int = 0  # attempts whose results are being copied from it now
     announced: bool = False  # it joined by announcing itself (else a dispatcher's WORKER_URLS lists it)
     leased: bool = False  # this dispatcher holds its lease: the only one that sends it tasks now
     lease_owner: str | None = None  # who held its lease at the last membership check
@@ -99,7 +110,9 @@ class WorkerHandle:
         fresh = self.health_sent_at >= self.trust_after
         ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
         healthy = ready and self.health.accepting and not self.degraded_reason
-        return self.leased and not self.handing_back and self.online and not self.assigned and healthy
+        # A worker whose copies lag gets no more work: a result it cannot deliver is not multiplied.
+        copying = self.collecting > COPIES_IN_FLIGHT
+        return self.leased and not self.handing_back and self.online and not self.assigned and healthy and not copying
 
     @property
     def max_batch(self) -> int:
@@ -114,22 +127,27 @@ class WorkerHandle:
             return f"its output disk is nearly full ({self.health.disk_free_mb} MB free)"
         return ""
 
-    def track_failed(self, environment: bool, bench_after: int, bench_sec: float, reason: str) -> bool:
-        """Count a failed track; returns True when this failure benches the worker."""
-        if not environment:
-            self.env_failures = 0
+    def track_failed(self, its_own: bool, bench_after: int, bench_sec: float, reason: str) -> bool:
+        """Count a failed track (``its_own``: the worker's fault, else the track's, which ends a run of
+        faults); returns True when this failure benches the worker."""
+        if not its_own:
+            self.faults = 0
             return False
-        self.env_failures += 1
-        if self.env_failures < bench_after:
+        if time.monotonic() < self.benched_until:  # work given before the bench: already out, not again
             return False
-        self.env_failures = 0
-        self.benched_until = time.monotonic() + bench_sec
-        self.bench_reason = f"benched for {bench_sec:.0f}s after {bench_after} environment failures in a row: {reason}"
+        self.faults += 1
+        if self.faults < bench_after:
+            return False
+        self.faults = bench_after - 1  # half-open: once the bench is over, one more failure benches it again
+        self.benches += 1
+        sec = bench_sec * min(MAX_BENCH_FACTOR, 2 ** (self.benches - 1))
+        self.benched_until = time.monotonic() + sec
+        self.bench_reason = f"benched for {sec:.0f}s after {bench_after} failures of its own in a row: {reason}"
         log.warning("worker %d: %s", self.worker_id, self.bench_reason)
         return True
 
     def track_succeeded(self) -> None:
-        self.env_failures = 0
+        self.faults = self.benches = 0
 
     def progress_of(self, task_id: str | None) -> TakeHealth | None:
         """The worker's health for ``task_id`` while it runs it, else None.
@@ -252,7 +270,8 @@ class WorkerPool:
         return joined, left
 
     def available(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.available]
+        """Workers that may take a track now: those without failures in their current run first."""
+        return sorted((w for w in self.workers if w.available), key=lambda w: w.faults)
 
     def online_count(self) -> int:
         return sum(w.online for w in self.workers)

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from songserve.api.outcomes import Outcome, OutcomeKind, WorkerUnreachable
+from songserve.api.outcomes import Outcome, OutcomeKind, WorkerFault
 from songserve.api.store import Job, Track
 from songserve.schemas import TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult
 
@@ -91,23 +91,31 @@ def batch_body(reqs: list[WorkerGenerateRequest]) -> dict[str, Any]:
 
 # ---- what a worker answers ------------------------------------------------------------------------
 def read_answer(code: int, body: dict[str, Any], reference: bool) -> Outcome:
-    """A ``/generate`` answer (HTTP status, JSON object) as an ``Outcome``.
+    """A ``/generate`` answer (HTTP status, JSON object) as an ``Outcome``; ``WorkerFault`` when it is none.
 
     ``status: "ok"`` is done: the reference's word, which our ``/generate`` keeps for its dispatcher.
+    An error needs an error status (``status: "error"``, which the reference sends with HTTP 200,
+    or HTTP 4xx; a 5xx only with an ``error`` sentence): a 2xx that is neither a result, busy,
+    cancelled nor an error, or a 5xx with nothing to say, is the worker's fault, not the track's.
     """
     status = body.get("status")
     if status == "ok":
         try:
             return Outcome(OutcomeKind.done, result=WorkerGenerateResult.model_validate(body))
         except ValidationError as exc:
-            raise WorkerUnreachable(f"Worker result is not the contract: {exc.errors()[0]['msg']}.") from None
+            raise WorkerFault(f"Worker result is not the contract: {_first_error(exc)}.") from None
     if status == "cancelled":
         return Outcome(OutcomeKind.cancelled)
     if status == "busy" or code == 409:
         return Outcome(OutcomeKind.busy)
     if code == 503:  # draining: it takes no new task, another worker will
         return Outcome(OutcomeKind.busy)
-    error = str(body.get("error") or f"Worker answered HTTP {code}.")
+    sentence = body.get("error")
+    said = isinstance(sentence, str) and bool(sentence.strip())
+    if (code < 400 and status != "error") or (code >= 500 and not said):
+        shown = str(status)[:40] if status is not None else "none"
+        raise WorkerFault(f"Worker answered HTTP {code} with status {shown}, which is no result, error or busy.")
+    error = str(sentence) if said else f"Worker answered HTTP {code}."
     environment = body.get("error_kind") == "environment"
     return Outcome(OutcomeKind.error, error=_sentence(error) if reference else error, environment=environment)
 
@@ -118,7 +126,7 @@ def read_batch(code: int, answer: dict[str, Any], takes: int, reference: bool) -
     if code != 200 or answer.get("status") != "ok" or not isinstance(results, list):
         return [read_answer(code, answer, reference)] * takes  # the batch as a whole: busy, refused
     if len(results) != takes or not all(isinstance(x, dict) for x in results):
-        raise WorkerUnreachable(f"Worker answered {len(results)} results for {takes} takes.")
+        raise WorkerFault(f"Worker answered {len(results)} results for {takes} takes.")
     return [read_answer(200 if x.get("status") == "ok" else 500, x, reference) for x in results]
 
 
@@ -156,6 +164,13 @@ def result_seed(res: WorkerGenerateResult, asked: int) -> int:
     """The seed the worker used, which the track shows from now on (a worker reads ``seed_override`` 0
     as its own seed, as the reference does, and answers with the one it used as ``seed``)."""
     return res.seed if res.seed is not None else asked
+
+
+def _first_error(exc: ValidationError) -> str:
+    """The first thing wrong in an answer, with where (``wav_filename: Input should be a valid string``)."""
+    first = exc.errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    return f"{where}: {first['msg']}" if where else str(first["msg"])
 
 
 def _sentence(error: str) -> str:

@@ -2,8 +2,11 @@
 
 Every worker URL is formed here, and every call goes over the dispatcher's one HTTP client. The
 bodies sent and the answers read are translated in ``to_worker.py`` (the one place that renames a
-field for a worker); here, transport failures and answers that are not JSON objects raise
-``WorkerUnreachable``, a worker that answered is summarised as an ``Outcome`` (``outcomes.py``).
+field for a worker); here, transport failures raise ``WorkerUnreachable``, answers that are not the
+contract (not a JSON object, wrong fields, a file it cannot serve or that outgrows the cap) raise
+``WorkerFault``, and a worker that answered is summarised as an ``Outcome`` (``outcomes.py``).
+A result file comes as a stream of chunks (``file_chunks``); the copy on disk, its checks and the
+download deadline are the artifact store's (``artifacts.py``).
 
 Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 - ``songserve``: our worker, with task ids, ``/cancel``, ``/tasks``, ``/generate_batch`` and a JSON
@@ -15,19 +18,18 @@ Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 
 from __future__ import annotations
 
-import os
-import secrets
-from pathlib import Path
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
 from songserve.api import to_worker
-from songserve.api.outcomes import Outcome, TaskLost, WorkerUnreachable
+from songserve.api.outcomes import Outcome, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.schemas import TaskView, WorkerConfig, WorkerGenerateRequest, WorkerHealth
 
-FILE_TIMEOUT = 60.0
+FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has its own deadline)
+CHUNK = 1 << 16
 CONTROL_TIMEOUT = 5.0
 SONGSERVE, REFERENCE = "songserve", "reference"
 
@@ -53,9 +55,9 @@ class WorkerClient:
         try:
             body = r.json()
         except ValueError:
-            raise WorkerUnreachable(f"Worker answered HTTP {r.status_code} with a body that is not JSON.") from None
+            raise WorkerFault(f"Worker answered HTTP {r.status_code} with a body that is not JSON.") from None
         if not isinstance(body, dict):
-            raise WorkerUnreachable(f"Worker answered HTTP {r.status_code} with a body that is not an object.")
+            raise WorkerFault(f"Worker answered HTTP {r.status_code} with a body that is not an object.")
         return body
 
     async def health(self, timeout: float) -> WorkerHealth:
@@ -65,7 +67,7 @@ class WorkerClient:
         try:
             health = WorkerHealth.model_validate(self._json(r))
         except ValidationError as exc:
-            raise WorkerUnreachable(f"Worker health is not the contract: {exc.errors()[0]['msg']}.") from None
+            raise WorkerFault(f"Worker health is not the contract: {exc.errors()[0]['msg']}.") from None
         self.kind = health.kind
         return health
 
@@ -76,7 +78,7 @@ class WorkerClient:
         try:
             return WorkerConfig.model_validate(self._json(r))
         except ValidationError as exc:
-            raise WorkerUnreachable(f"Worker config is not the contract: {exc.errors()[0]['msg']}.") from None
+            raise WorkerFault(f"Worker config is not the contract: {exc.errors()[0]['msg']}.") from None
 
     async def generate(self, req: WorkerGenerateRequest) -> Outcome:
         """Run one track; returns when the worker answers (no read timeout: the caller bounds it)."""
@@ -112,7 +114,7 @@ class WorkerClient:
         try:
             view = TaskView.model_validate(self._json(r))
         except ValidationError as exc:
-            raise WorkerUnreachable(f"Worker task view is not the contract: {exc.errors()[0]['msg']}.") from None
+            raise WorkerFault(f"Worker task view is not the contract: {exc.errors()[0]['msg']}.") from None
         return to_worker.read_task(view)
 
     async def remove_files(self, task_id: str) -> None:
@@ -123,25 +125,27 @@ class WorkerClient:
         if r.status_code not in (200, 404):
             raise WorkerUnreachable(f"Worker could not remove the files of {task_id} (HTTP {r.status_code}).")
 
-    async def download(self, filename: str, dest: Path) -> int:
-        """Stream one result file into ``dest`` atomically (temporary name, then rename); returns bytes."""
-        tmp = dest.with_name(f".{dest.name}.{secrets.token_hex(3)}.tmp")
-        size = 0
+    async def file_chunks(self, filename: str, max_bytes: int) -> AsyncGenerator[bytes, None]:
+        """The bytes of one result file as they arrive (close it with ``contextlib.aclosing``).
+
+        ``WorkerFault`` when the worker cannot serve it, when it announces or sends more than
+        ``max_bytes``, or when the transfer breaks (the copy is short).
+        """
+        url = f"{self.url}/download/{filename}"
         try:
-            async with self.http.stream("GET", f"{self.url}/download/{filename}", timeout=FILE_TIMEOUT) as r:
+            async with self.http.stream("GET", url, timeout=FILE_TIMEOUT) as r:
                 # The reference worker answers a missing file with 200 and a JSON error body.
-                json_error = r.headers.get("content-type", "").startswith("application/json") and dest.suffix != ".json"
-                if r.status_code != 200 or json_error:
-                    raise WorkerUnreachable(f"Worker could not serve {filename} (HTTP {r.status_code}).")
-                with open(tmp, "wb") as f:
-                    async for chunk in r.aiter_bytes(1 << 16):
-                        f.write(chunk)
-                        size += len(chunk)
-            os.replace(tmp, dest)
+                json_error = r.headers.get("content-type", "").startswith("application/json")
+                if r.status_code != 200 or (json_error and not filename.endswith(".json")):
+                    raise WorkerFault(f"Worker could not serve {filename} (HTTP {r.status_code}).")
+                announced = r.headers.get("content-length", "")
+                if announced.isdigit() and int(announced) > max_bytes:
+                    raise WorkerFault(f"{filename} is {int(announced)} bytes, over the cap of {max_bytes} bytes.")
+                size = 0
+                async for chunk in r.aiter_bytes(CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise WorkerFault(f"{filename} grew past the cap of {max_bytes} bytes.")
+                    yield chunk
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(
-                f"Copying {filename} from worker {self.url} failed ({type(exc).__name__})."
-            ) from exc
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
+            raise WorkerFault(f"Copying {filename} from worker {self.url} broke ({type(exc).__name__}).") from exc

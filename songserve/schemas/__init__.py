@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from songserve.schemas.announce import WorkerAnnounced, WorkerAnnouncement
 from songserve.schemas.client import AceStepExtras, GenerateAccepted, GenerateRequest, JobView, TrackFiles, TrackView
-from songserve.schemas.common import ID_PATTERN, MAX_SEED, NO_CONTROL, SHA256_PATTERN, WORD_PATTERN, Percent
+from songserve.schemas.common import (
+    FILE_NAME_PATTERN,
+    ID_PATTERN,
+    MAX_SEED,
+    NO_CONTROL,
+    SHA256_PATTERN,
+    WORD_PATTERN,
+    Percent,
+)
 from songserve.schemas.worker import (
     ErrorKind,
     ResultFile,
@@ -32,6 +40,7 @@ from songserve.schemas.worker import (
 )
 
 __all__ = [
+    "FILE_NAME_PATTERN",
     "ID_PATTERN",
     "MAX_SEED",
     "NO_CONTROL",

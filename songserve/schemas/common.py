@@ -15,6 +15,7 @@ NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
 ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
 WORD_PATTERN = r"^[A-Za-z_]*$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+FILE_NAME_PATTERN = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,200})?$"  # a plain file name, as /download serves (or none)
 MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
 
 

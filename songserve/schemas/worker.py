@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from songserve.schemas.common import ID_PATTERN, MAX_SEED, NO_CONTROL, SHA256_PATTERN, WORD_PATTERN, Percent
+from songserve.schemas.common import (
+    FILE_NAME_PATTERN,
+    ID_PATTERN,
+    MAX_SEED,
+    NO_CONTROL,
+    SHA256_PATTERN,
+    WORD_PATTERN,
+    Percent,
+)
 
 
 class WorkerPhase(StrEnum):
@@ -87,9 +95,9 @@ class WorkerGenerateResult(BaseModel):
 
     status: Literal["ok"] = "ok"
     task_id: str = ""
-    mp3_filename: str
-    wav_filename: str
-    json_filename: str = ""
+    mp3_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
+    wav_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
+    json_filename: str = Field("", pattern=FILE_NAME_PATTERN)
     duration_sec: float
     backbone_tokens: int
     gpu_id: int

@@ -1,4 +1,8 @@
-"""The worker's output folder: its disk as ``/health`` reports it, and the removal of its own files.
+"""The worker's output folder: its disk as ``/health`` reports it, what each result file holds, and
+the removal of its own files.
+
+A finished take's answer carries each file's size and SHA-256 (``file_facts``), read back from the
+disk ``/download`` serves it from, so the dispatcher can tell a short or damaged copy from the file.
 
 The worker removes what export wrote there and nothing else: per task once the dispatcher has
 copied it (``DELETE /files/{task_id}``; the names come from the task's result or its JSON), and by
@@ -8,6 +12,7 @@ suffixes are removed, never a link or a path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -16,6 +21,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+from songserve.schemas import ResultFile
 
 log = logging.getLogger(__name__)
 OUTPUT_SUFFIXES = (".wav", ".mp3", ".json", ".tmp")  # what export writes; nothing else is ever removed
@@ -41,6 +48,26 @@ def disk_report(out_dir: Path, min_free_mb: float) -> dict[str, Any]:
     except OSError:
         pass
     return {"disk_free_mb": free_mb, "disk_low": free_mb is None or free_mb < min_free_mb, "output_files": files}
+
+
+def file_facts(out_dir: Path, names: list[str]) -> dict[str, ResultFile]:
+    """Size and SHA-256 of each named output file (blocking: read in 1 MiB blocks, off the event loop).
+
+    A file that cannot be read is left out with a warning: its download will say what is wrong.
+    """
+    facts: dict[str, ResultFile] = {}
+    for name in names:
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(out_dir / name, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    size += len(block)
+        except OSError as exc:
+            log.warning("output %s: cannot be read back for its checksum: %s", name, exc.strerror or exc)
+            continue
+        facts[name] = ResultFile(bytes=size, sha256=digest.hexdigest())
+    return facts
 
 
 def remove_output(out_dir: Path, name: str) -> bool:

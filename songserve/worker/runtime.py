@@ -33,6 +33,7 @@ from songserve.errors import (
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.types import Pipeline, TrackRequest, TrackResult
 from songserve.schemas import (
+    ResultFile,
     TaskState,
     TaskView,
     WorkerGenerateRequest,
@@ -45,7 +46,7 @@ from songserve.settings import WorkerSettings
 from songserve.worker.device import Device
 from songserve.worker.failures import ClassifiedTaskError, classify_failure, error_kind_of
 from songserve.worker.metrics import WorkerMetrics
-from songserve.worker.outputs import disk_report, names_from_metadata, remove_output, sweep_outputs
+from songserve.worker.outputs import disk_report, file_facts, names_from_metadata, remove_output, sweep_outputs
 from songserve.worker.tasks import TaskRegistry
 from songserve.worker.to_pipeline import generate_result, track_request
 
@@ -180,8 +181,12 @@ class WorkerRuntime:
                 len(bodies),
             )
         t0 = time.perf_counter()
+        facts: list[dict[str, ResultFile]] = [{} for _ in ctxs]
         try:
             raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, reqs, ctxs)
+            # Read back off the event loop while the tasks still show running: /tasks and /cancel
+            # must not find them gone before they are remembered as done.
+            facts = await asyncio.to_thread(self._file_facts, raw)
         except Exception as exc:  # the whole batch failed (a request error, or the model)
             raw = [exc] * len(ctxs)
         finally:
@@ -190,10 +195,23 @@ class WorkerRuntime:
                 self.phase = WorkerPhase.idle.value
                 if self.status is WorkerStatus.busy:
                     self.status = WorkerStatus.idle
-        return [(ctx.task_id, self._settle(ctx.task_id, got, t0)) for ctx, got in zip(ctxs, raw, strict=True)]
+        return [
+            (ctx.task_id, self._settle(ctx.task_id, got, t0, files))
+            for ctx, got, files in zip(ctxs, raw, facts, strict=True)
+        ]
+
+    def _file_facts(self, raw: list[TrackResult | BaseException]) -> list[dict[str, ResultFile]]:
+        """Each finished take's files, sized and checksummed as written (``{}`` for a take that failed)."""
+        out_dir = self.s.output_dir
+        return [
+            file_facts(out_dir, [n for n in (r.wav_filename, r.mp3_filename, r.json_filename) if n])
+            if isinstance(r, TrackResult)
+            else {}
+            for r in raw
+        ]
 
     def _settle(
-        self, task_id: str, got: TrackResult | BaseException, t0: float
+        self, task_id: str, got: TrackResult | BaseException, t0: float, files: dict[str, ResultFile]
     ) -> WorkerGenerateResult | SongserveError:
         """Record one take's outcome; return its result or its error (never raises)."""
         if isinstance(got, TaskCancelled):
@@ -216,7 +234,7 @@ class WorkerRuntime:
             self.metrics.tasks.labels(f"error_{kind.value}").inc()
             return ClassifiedTaskError(message, kind)
         self.tasks_done += 1
-        out = generate_result(task_id, got, self.s.gpu_id)
+        out = generate_result(task_id, got, self.s.gpu_id, files)
         self.tasks.remember(TaskView(task_id=task_id, status=TaskState.done, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
         self.metrics.task_done(time.perf_counter() - t0, got.duration_sec, got.metadata.get("timings") or {})

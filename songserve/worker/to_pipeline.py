@@ -14,7 +14,13 @@ from fastapi.responses import JSONResponse
 from songserve.errors import SongserveError, TaskCancelled
 from songserve.http_errors import error_response
 from songserve.pipeline.types import TrackRequest, TrackResult
-from songserve.schemas import WorkerBatchResult, WorkerGenerateRequest, WorkerGenerateResult, WorkerTakeFailure
+from songserve.schemas import (
+    ResultFile,
+    WorkerBatchResult,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+    WorkerTakeFailure,
+)
 from songserve.worker.failures import error_kind_of
 
 
@@ -58,8 +64,11 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
     )
 
 
-def generate_result(task_id: str, got: TrackResult, gpu_id: int) -> WorkerGenerateResult:
-    """A finished take as the wire has it: its files, its seed, the GPU the dispatcher knows it by."""
+def generate_result(
+    task_id: str, got: TrackResult, gpu_id: int, files: dict[str, ResultFile] | None = None
+) -> WorkerGenerateResult:
+    """A finished take as the wire has it: its files (with their sizes and checksums), its seed, the GPU
+    the dispatcher knows it by."""
     return WorkerGenerateResult(
         task_id=task_id,
         mp3_filename=got.mp3_filename,
@@ -70,6 +79,7 @@ def generate_result(task_id: str, got: TrackResult, gpu_id: int) -> WorkerGenera
         gpu_id=gpu_id,
         seed=got.seed,
         metadata=got.metadata,
+        files=files or {},
     )
 
 
