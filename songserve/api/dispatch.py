@@ -7,9 +7,11 @@ sets another's attributes (they read each other's state and call each other's me
 - the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
 - the membership (``membership.py``): presence, the worker registry, leases and take-overs.
 
-Here: the loops that drive them (dispatch, watchdog, membership, store sync; each supervised, see
-``loops.py``), the dispatch pass (queue order, packing a job's takes into one batch), the watchdog's
-repair of what a failed store write left behind, and the few methods ``JobService`` calls: ``add``,
+Here: the loops that drive them (dispatch, watchdog, membership, store sync, the store probe; each
+supervised, see ``loops.py``, and all on the store's background lane: their own connections), the
+dispatch pass (queue order, packing a job's takes into one batch), the watchdog's repair of what a
+failed store write left behind (by asking the worker, never by guessing), and the few methods
+``JobService`` calls: ``add``,
 ``cancel``, ``active_job``, ``facts``, ``queue_position``, ``fleet``, admission (``queue_length``,
 ``queue_wait``, ``free_workers``), ``status``, ``ready``. The gauges of ``metrics.py`` read the
 ``LiveState`` methods at the end.
@@ -27,14 +29,16 @@ from dataclasses import dataclass
 import httpx
 
 from songserve.api.artifacts import ArtifactStore
-from songserve.api.attempts import USER_CANCEL, Attempts
+from songserve.api.attempt_stops import USER_CANCEL
+from songserve.api.attempts import Attempts
 from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.membership import Membership
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import JobStatus, TrackStatus, job_status
-from songserve.api.store import Job, JobStore, Key, StaleTrack, Track
+from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Track
+from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.settings import DispatcherSettings
 
@@ -80,6 +84,7 @@ class Dispatcher:
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )
         self.membership = Membership(s, self.me, store, self.pool, self.book, self.attempts)
+        self.probe = StoreProbe(store)
         self.metrics.watch(self)
         self._membership_ticks = 0
         self._dispatching = asyncio.Lock()
@@ -100,17 +105,25 @@ class Dispatcher:
         await self._membership_step(first=True)
         log.info("dispatcher %s: %d active jobs (%d tracks queued), %d workers (%d leased here)", self.me,
                  len(book.jobs), len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
-        self.pool.start()
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
             ("membership", self._membership_loop_step, 0.0),
             ("store-sync", self._sync_step, 0.0),
+            ("store-probe", self.probe.step, PROBE_INTERVAL_SEC),
             *loop_tasks,
         ]
-        await self._exit.enter_async_context(self.store.listen(book.resync))
-        for name, step, interval in loops:
-            self._tasks.append(asyncio.create_task(supervised(name, step, interval, self.loops), name=name))
+        lane = BACKGROUND.set(True)  # what starts here uses the loops' own store connections
+        try:
+            self.pool.start()
+            await self._exit.enter_async_context(self.store.listen(book.resync))
+            for name, step, interval in loops:
+                # A failing membership step retries within a third of a lease, or the leases lapse.
+                cap = self.s.lease_ttl_sec / 3 if name == "membership" else None
+                task = asyncio.create_task(supervised(name, step, interval, self.loops, max_backoff=cap), name=name)
+                self._tasks.append(task)
+        finally:
+            BACKGROUND.reset(lane)
         self._kick.set()
 
     async def drain(self, timeout: float) -> None:
@@ -150,17 +163,23 @@ class Dispatcher:
         self.attempts.watch()
 
     async def _repair(self) -> None:
-        """Tracks this dispatcher owns that show running with no attempt behind it go back to the queue
-        (unless their worker is leased elsewhere now: its new holder takes them over)."""
+        """A track that shows running here with no attempt behind it (its outcome could not be stored,
+        its attempt ended on an error) is reconciled with its worker (``/tasks/{id}``): collected if it
+        finished, awaited if it runs, re-queued only if the worker lost it. Only under a lease held here:
+        a worker leased elsewhere is its holder's to reconcile (it took the tracks over), one whose
+        lease lapsed waits for the membership; a worker gone from the pool is the membership's orphan.
+        Then a job whose tracks all ended is finished."""
         for job in list(self.book.jobs.values()):
             for t in job.tracks:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
                     w = self.pool.by_id(t.worker_id)
-                    if w is not None and not w.leased and w.lease_owner not in (None, self.me):
-                        continue
-                    with contextlib.suppress(StaleTrack):
-                        await self.book.retry(job, t, "its last state change could not be stored", count=False)
-            await self.book.finish_if_done(job)
+                    if w is not None and w.leased and w.lease_epoch and self.attempts.reconcile(job, t):
+                        log.info("track %s/%d: no attempt behind it; asking worker %d about task %s", *t.key,
+                                 w.worker_id, t.task_id)  # fmt: skip
+            try:
+                await self.book.finish_if_done(job)
+            except StoreError as exc:  # the next tick tries again
+                log.warning("job %s: could not be finished in the store (%s)", job.job_id, exc)
 
     async def _membership_loop_step(self) -> None:
         await self.membership.wait()
@@ -172,8 +191,11 @@ class Dispatcher:
         self._membership_ticks += 1
         if store.shared and self._membership_ticks % 5 == 0:
             self.book.resync("*")  # a safety net under the events
-        self.counts = await store.counts()
         self._kick.set()
+        try:
+            self.counts = await store.counts()
+        except StoreError as exc:  # a gauge: the leases above matter, the next step counts again
+            log.warning("track counts not read (%s)", exc)
 
     async def _sync_step(self) -> None:
         """Follow the shared store; this dispatcher's attempts of a job cancelled elsewhere stop."""
@@ -199,6 +221,9 @@ class Dispatcher:
         book = self.book
         if any(w.handing_back and not w.assigned for w in self.pool.workers):
             self.membership.soon()  # its last task ended: give its lease back now, not at the next tick
+        now = time.monotonic()
+        if any(w.leased and now >= w.lease_valid_until for w in self.pool.workers):
+            self.membership.soon()  # a lease not renewed in time (a pause?): nothing goes there until it is
         free = self.pool.available()
         if not free:  # nothing can start: only the positions change (one ordering, not two)
             book.reorder()
@@ -207,12 +232,16 @@ class Dispatcher:
         taken: set[Key] = set()
         try:
             for entry in ordered:
+                free = [w for w in free if w.available]  # the claims below await: re-read what may have moved
                 if not free:
                     break
-                if (entry.job_id, entry.index) in taken:
-                    continue
-                job = book.jobs[entry.job_id]
+                key = (entry.job_id, entry.index)
+                job = book.jobs.get(entry.job_id)
+                if key in taken or key not in book.queue or job is None:
+                    continue  # another dispatcher's track now, or its job ended meanwhile
                 t = job.tracks[entry.index]
+                if t.status is not TrackStatus.queued:
+                    continue
                 # A track that just failed on a worker for an environment reason goes elsewhere if it can.
                 w = next((w for w in free if w.worker_id != t.avoid_worker), free[0])
                 tracks = [
@@ -318,9 +347,12 @@ class Dispatcher:
         }
 
     def ready(self) -> tuple[bool, str]:
-        """Ready to serve: accepting, at least one worker ready, and no background loop failing."""
+        """Ready to serve: accepting, the store answering in time, at least one worker ready, and no
+        background loop failing."""
         if not self.accepting:
             return False, "The dispatcher is shutting down."
+        if self.probe.reason:
+            return False, f"The job store {self.store.where} is not answering in time: {self.probe.reason}."
         failing = self.loops.failing()
         if failing:
             name, error = next(iter(failing.items()))

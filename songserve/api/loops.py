@@ -47,9 +47,16 @@ class LoopHealth:
 
 
 async def supervised(
-    name: str, step: Callable[[], Awaitable[None]], interval: float, health: LoopHealth, *, wait_first: bool = False
+    name: str,
+    step: Callable[[], Awaitable[None]],
+    interval: float,
+    health: LoopHealth,
+    *,
+    wait_first: bool = False,
+    max_backoff: float | None = None,
 ) -> None:
-    """Run ``step`` forever, ``interval`` seconds apart; failures back off exponentially up to 30 s."""
+    """Run ``step`` forever, ``interval`` seconds apart; failures back off exponentially up to 30 s
+    (or ``max_backoff``: the membership's leases lapse if it waits longer than a third of one)."""
     if wait_first:
         await asyncio.sleep(interval)
     while True:
@@ -57,7 +64,7 @@ async def supervised(
             await step()
         except Exception as exc:
             n = health.failed(name, exc)
-            delay = min(MAX_BACKOFF_SEC, max(interval, 0.05) * 2**n)
+            delay = min(max_backoff or MAX_BACKOFF_SEC, max(interval, 0.05) * 2 ** min(n, 16))
             log.exception("%s loop: iteration failed (%d in a row); retrying in %.1fs", name, n, delay)
             await asyncio.sleep(delay)
             continue
