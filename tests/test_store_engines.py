@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from songserve.api.states import TrackStatus
-from songserve.api.store import DuplicateKey, Fence, Job, JobStore, LeaseLost, StaleTrack, StoreError, Track
+from songserve.api.store import DuplicateKey, Fence, Job, JobStore, StaleTrack, StoreError, Track
 from songserve.api.store_sqlite import SqliteStore
 from songserve.schemas import GenerateRequest
 
