@@ -108,6 +108,11 @@ class Attempts(AttemptStops):
         """The lease this dispatcher holds on ``w`` now (None: none)."""
         return Fence(self.me, w.worker_id, w.lease_epoch) if w.leased and w.lease_epoch else None
 
+    def fenced_on(self, worker_id: int) -> bool:
+        """Whether an attempt of this dispatcher still writes under its lease on ``worker_id`` (the
+        worker may be free while its answer is applied): that lease is not given back yet."""
+        return any(f.worker_id == worker_id for f in self._fences.values())
+
     def refence(self, w: WorkerHandle, old: int, new: int) -> None:
         """This dispatcher re-took ``w``'s lease and nobody held it between (epoch ``old`` + 1 = ``new``):
         the attempts there go on under the new epoch."""
@@ -281,7 +286,9 @@ class Attempts(AttemptStops):
             log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
             return
         fence = self._fences.get(t.key)
-        if fence is not None and fence.epoch != w.lease_epoch:  # known lost here: not even the files
+        if fence is not None and (fence.epoch != w.lease_epoch or time.monotonic() >= w.lease_valid_until):
+            # Lost, or not renewed in time (a pause?): not even the files. The repair asks the worker
+            # again once the membership has read the lease (still ours: collected then).
             raise LeaseLost(t.key, fence)
         if outcome.kind is OutcomeKind.done and outcome.result is not None:
             res = outcome.result

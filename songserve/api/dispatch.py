@@ -103,12 +103,14 @@ class Dispatcher:
             await book.finish_if_done(job)
         book.reorder()
         await self._membership_step(first=True)
+        await self._reconcile_step()
         log.info("dispatcher %s: %d active jobs (%d tracks queued), %d workers (%d leased here)", self.me,
                  len(book.jobs), len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
             ("membership", self._membership_loop_step, 0.0),
+            ("reconcile", self._reconcile_step, 0.0),
             ("store-sync", self._sync_step, 0.0),
             ("store-probe", self.probe.step, PROBE_INTERVAL_SEC),
             *loop_tasks,
@@ -118,8 +120,8 @@ class Dispatcher:
             self.pool.start()
             await self._exit.enter_async_context(self.store.listen(book.resync))
             for name, step, interval in loops:
-                # A failing membership step retries within a third of a lease, or the leases lapse.
-                cap = self.s.lease_ttl_sec / 3 if name == "membership" else None
+                # The membership retries within a third of a lease: else the leases lapse.
+                cap = self.s.lease_ttl_sec / 3 if name in ("membership", "reconcile") else None
                 task = asyncio.create_task(supervised(name, step, interval, self.loops, max_backoff=cap), name=name)
                 self._tasks.append(task)
         finally:
@@ -163,12 +165,10 @@ class Dispatcher:
         self.attempts.watch()
 
     async def _repair(self) -> None:
-        """A track that shows running here with no attempt behind it (its outcome could not be stored,
-        its attempt ended on an error) is reconciled with its worker (``/tasks/{id}``): collected if it
-        finished, awaited if it runs, re-queued only if the worker lost it. Only under a lease held here:
-        a worker leased elsewhere is its holder's to reconcile (it took the tracks over), one whose
-        lease lapsed waits for the membership; a worker gone from the pool is the membership's orphan.
-        Then a job whose tracks all ended is finished."""
+        """A track running here with no attempt behind it (its outcome could not be stored) is asked
+        about at its worker (``/tasks/{id}``): collected if finished, awaited if running, re-queued only
+        if lost. Only under a lease held here (elsewhere: the holder took it over; a worker gone from the
+        pool: the membership's orphan). Then a job whose tracks all ended is finished."""
         for job in list(self.book.jobs.values()):
             for t in job.tracks:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
@@ -186,16 +186,17 @@ class Dispatcher:
         await self._membership_step()
 
     async def _membership_step(self, first: bool = False) -> None:
-        store = self.store
         await self.membership.step(first)
         self._membership_ticks += 1
-        if store.shared and self._membership_ticks % 5 == 0:
+        if self.store.shared and self._membership_ticks % 5 == 0:
             self.book.resync("*")  # a safety net under the events
         self._kick.set()
-        try:
-            self.counts = await store.counts()
-        except StoreError as exc:  # a gauge: the leases above matter, the next step counts again
-            log.warning("track counts not read (%s)", exc)
+
+    async def _reconcile_step(self) -> None:
+        """After each membership step: its work on the job tables, then the gauges' track counts."""
+        await self.membership.reconcile()
+        self._kick.set()
+        self.counts = await self.store.counts()
 
     async def _sync_step(self) -> None:
         """Follow the shared store; this dispatcher's attempts of a job cancelled elsewhere stop."""
@@ -219,7 +220,9 @@ class Dispatcher:
         if not self.accepting:
             return
         book = self.book
-        if any(w.handing_back and not w.assigned for w in self.pool.workers):
+        if any(
+            w.handing_back and not w.assigned and not self.attempts.fenced_on(w.worker_id) for w in self.pool.workers
+        ):
             self.membership.soon()  # its last task ended: give its lease back now, not at the next tick
         now = time.monotonic()
         if any(w.leased and now >= w.lease_valid_until for w in self.pool.workers):
@@ -339,7 +342,9 @@ class Dispatcher:
             "dispatcher_id": self.me,
             "dispatchers": sorted(self.membership.alive),
             "store": self.store.where,
-            "tracks_by_status": await self.store.counts(),
+            "store_stalled": self.probe.reason or None,
+            # while the store stalls: the last counts read (store_stalled says why), not a 503
+            "tracks_by_status": dict(self.counts) if self.probe.reason else await self.store.counts(),
             "uptime_sec": round(time.time() - self.started_at, 1),
             "accepting": self.accepting,
             "loops_failing": self.loops.failing(),

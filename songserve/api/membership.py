@@ -1,6 +1,7 @@
 """Membership: which dispatchers are alive, which workers exist, and which of them this one may use.
 
-One ``step`` every third of ``LEASE_TTL_SEC`` (sooner when a worker announced itself or left: ``soon``):
+One ``step`` every third of ``LEASE_TTL_SEC`` (sooner when a worker announced itself or left: ``soon``),
+on the dispatchers' and workers' rows only, then ``reconcile`` (its own loop) on the job tables:
 - presence: this dispatcher says it is alive and learns which others are (``heartbeat``);
 - the worker registry: it renews the registration of the workers its ``WORKER_URLS`` lists and
   follows the registry (which also holds announced workers) into the pool; the attempts on a worker
@@ -69,6 +70,8 @@ class Membership:
         self._renewed_at: float | None = None  # monotonic: when the last successful renewal was sent
         self._reload = False  # a pause or a lost lease: read the tracks again before dispatching
         self._take_over_due: set[int] = set()  # workers leased here whose running tracks are not reattached yet
+        self._live: set[int] = set()  # the registry's workers at the last step
+        self._reconcile_due = asyncio.Event()
 
     def soon(self) -> None:
         """A worker announced itself or left: look at the registry now, not at the next tick."""
@@ -81,7 +84,10 @@ class Membership:
         self._soon.clear()
 
     async def step(self, first: bool = False) -> None:
-        """Presence, leases, registry and take-overs, once (``first``: at start-up, before the health poll runs)."""
+        """Presence, leases and the registry, once (``first``: at start-up, before the health poll runs).
+
+        Touches only the dispatchers' and workers' rows, never the job tables, so a stalled job table
+        cannot delay a renewal; what needs the tracks (a reload, take-overs, orphans) is ``reconcile``'s."""
         store, ttl = self.store, self.ttl
         sent = time.monotonic()
         if self._renewed_at is not None and sent - self._renewed_at > ttl:
@@ -108,27 +114,45 @@ class Membership:
                     self._lease_lost(w)
                     continue
                 held[w.worker_id] = epoch
-            if w.leased and held.get(w.worker_id, w.lease_epoch) != w.lease_epoch:
+            if w.leased and held[w.worker_id] != w.lease_epoch:
                 self._new_epoch(w, held[w.worker_id])
         taken = await self._take_leases(held, rows)
-        if self._reload:
-            for key in await self.book.reload(self.attempts.running):
-                self.attempts.stop(key, USER_CANCEL)
-            self._reload = False
         for w in self.pool.workers:
             w.leased = w.worker_id in held
             w.lease_epoch = held.get(w.worker_id, 0)
-            w.lease_valid_until = sent + ttl if w.leased else 0.0
             if w.leased:
                 w.lease_owner = self.me
             else:
                 w.handing_back = False
-        if first:
-            await self.pool.poll_once()
+        self._live = {r.worker_id for r in rows}
         # At start, every worker leased here may run tracks of this dispatcher's previous life.
         self._take_over_due |= {w.worker_id for w in (self.pool.workers if first else taken) if w.leased}
+        self._grant()
+        if first:
+            await self.pool.poll_once()
+        self._reconcile_due.set()
+
+    def _grant(self) -> None:
+        """Offer the workers leased here to the dispatch pass until the last renewal's bound; none
+        while the tracks are to be read again (after a pause or a lost lease)."""
+        until = (self._renewed_at or 0.0) + self.ttl
+        for w in self.pool.workers:
+            w.lease_valid_until = until if w.leased and not self._reload else 0.0
+
+    async def reconcile(self) -> None:
+        """The membership's work on the job tables, after a step: read every track again after a pause
+        or a lost lease (then the workers are offered again), take over the running tracks of workers
+        just leased here, retry those of workers gone from the pool. A store that does not answer
+        leaves each of them due for the next time."""
+        await self._reconcile_due.wait()
+        self._reconcile_due.clear()
+        if self._reload:
+            for key in await self.book.reload(self.attempts.running):
+                self.attempts.stop(key, USER_CANCEL)
+            self._reload = False
+            self._grant()
         await self._take_over()
-        await self._orphans({r.worker_id for r in rows})
+        await self._orphans(self._live)
 
     def _new_epoch(self, w: WorkerHandle, epoch: int) -> None:
         """``w``'s lease came back to this dispatcher with a new epoch (re-taken after it expired)."""
@@ -140,7 +164,7 @@ class Membership:
         log.warning("worker %d: lease re-taken at epoch %d, held elsewhere since epoch %d: its tracks are read "
                     "again from the store and the worker", w.worker_id, epoch, w.lease_epoch)  # fmt: skip
         self._lease_lost(w)
-        w.leased = True  # ours again, under the new epoch (set with the others below)
+        w.leased, w.lease_epoch = True, epoch  # ours again, under the new epoch
         self._take_over_due.add(w.worker_id)
 
     async def leave(self) -> None:
@@ -172,7 +196,7 @@ class Membership:
                 w.handing_back = False
                 continue
             extra -= 1
-            if w.assigned:
+            if w.assigned or self.attempts.fenced_on(w.worker_id):  # its last answers are still being applied
                 if not w.handing_back:
                     log.info("worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
                              w.worker_id, share, len(self.alive))  # fmt: skip

@@ -332,7 +332,7 @@ class PgStore(PgMembership):
         """The lock every write takes on the job tables (``ROW EXCLUSIVE``: it waits only for a lock
         that would stall writes), asked for under ``timeout`` and let go at once, on the loops' pool."""
         ms = max(1, round(timeout * 1000))
-        async with self.loops_db.tx(wait=timeout) as conn:
+        async with self.loops_db.tx(wait=timeout, limits=StoreLimits(2 * timeout, timeout)) as conn:
             await conn.execute(
                 f"SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {2 * ms};"
                 " LOCK TABLE jobs, tracks IN ROW EXCLUSIVE MODE"

@@ -60,7 +60,7 @@ class StoreLimits:
     def reason(self, exc: psycopg.Error) -> str | None:
         """What a cut-short statement means, in a sentence naming the setting (None: not one of those)."""
         if isinstance(exc, psycopg.errors.LockNotAvailable):
-            return f"a table it needs stayed locked for {self.lock_timeout_sec:g}s (STORE_LOCK_TIMEOUT_SEC)"
+            return f"a table it needs stayed locked past {self.lock_timeout_sec:g}s (STORE_LOCK_TIMEOUT_SEC)"
         if isinstance(exc, psycopg.errors.QueryCanceled):
             return f"a statement ran past {self.statement_timeout_sec:g}s (STORE_STATEMENT_TIMEOUT_SEC)"
         return None
@@ -108,10 +108,13 @@ class PgConnections:
         return self.pool.connection()  # type: ignore[return-value]  # the pool's connections make dict rows
 
     @asynccontextmanager
-    async def tx(self, transaction: bool = True, wait: float | None = None) -> AsyncIterator[Conn]:
+    async def tx(
+        self, transaction: bool = True, wait: float | None = None, limits: StoreLimits | None = None
+    ) -> AsyncIterator[Conn]:
         """A pooled connection (waiting at most ``wait`` seconds for one), in one transaction (or
         autocommit for a single statement, which is one implicit transaction and saves the BEGIN/COMMIT
-        round trips); a database failure becomes ``StoreError``."""
+        round trips); a database failure becomes ``StoreError`` (``limits``: those the caller set for
+        this transaction, for the message)."""
         used: Conn | None = None
         try:
             async with self.pool.connection(timeout=wait) as conn:
@@ -124,7 +127,7 @@ class PgConnections:
         except (DuplicateKey, StaleTrack):
             raise
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
-            if (why := self.limits.reason(exc)) is not None:
+            if (why := (limits or self.limits).reason(exc)) is not None:
                 raise StoreError(why) from exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if used is not None and used.broken:
