@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.support import ServerProcess, wait_for
-from tests.test_scaleout import TERMINAL, job, start_dispatcher, status, stop_all, tone_workers
+from tests.test_scaleout import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
 
 pytestmark = pytest.mark.process
 
@@ -182,3 +182,27 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         assert max(gens.values()) == 1, gens.most_common(3)
     finally:
         stop_all(a, *workers)
+
+
+def test_a_worker_refuses_a_task_sent_under_a_lease_older_than_one_it_has_seen(tmp_path: Path) -> None:
+    """The window the store cannot close: a dispatcher claims a track, stalls before its POST, the lease
+    passes on and the new holder asks the worker about the task (unknown: re-queued). The stale POST
+    that arrives afterwards must not run. The new holder's question raised the worker's epoch."""
+    (w,) = tone_workers(tmp_path, 1, 0.05, "--test-max-audio-sec", "0.1")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        body = {"lyrics": "x", "duration": 0.05, "task_id": "stale-1"}
+        asked = httpx.get(f"{w.url}/tasks/stale-1", headers={**auth, "Songserve-Lease": "store1 5"})  # the new holder
+        assert asked.status_code == 404
+        stale = httpx.post(w.url + "/generate", json=body, headers={**auth, "Songserve-Lease": "store1 4"}, timeout=30)
+        assert stale.status_code == 409
+        assert "epoch 4" in stale.json()["error"]
+        assert "Nothing was run" in stale.json()["error"]
+        assert httpx.get(f"{w.url}/tasks/stale-1", headers=auth).status_code == 404  # it never started
+        for headers in ({"Songserve-Lease": "store1 5"}, {"Songserve-Lease": "store2 1"}, {}):
+            ok = httpx.post(w.url + "/generate", json={**body, "task_id": f"t{len(headers)}{id(headers)}"},
+                            headers={**auth, **headers}, timeout=30)  # fmt: skip
+            assert ok.status_code == 200, ok.text  # the holder, another store's epochs, an unfenced caller
+        assert "refused, sent under lease epoch 4" in w.log_tail()
+    finally:
+        w.stop()

@@ -108,6 +108,10 @@ class Attempts(AttemptStops):
         """The lease this dispatcher holds on ``w`` now (None: none)."""
         return Fence(self.me, w.worker_id, w.lease_epoch) if w.leased and w.lease_epoch else None
 
+    def lease_header(self, fence: Fence | None) -> str | None:
+        """What the worker is told of the lease a call is made under (``worker/fence.py``)."""
+        return f"{self.store.ident} {fence.epoch}" if fence is not None and self.store.ident else None
+
     def fenced_on(self, worker_id: int) -> bool:
         """Whether an attempt of this dispatcher still writes under its lease on ``worker_id`` (the
         worker may be free while its answer is applied): that lease is not given back yet."""
@@ -153,8 +157,8 @@ class Attempts(AttemptStops):
             self._deadlines[t.key] = time.monotonic() + self.deadline(job)
             log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
                      t.task_id, len(started))  # fmt: skip
-        reqs = [worker_request(job, t) for t in started]
-        self._spawn([t.key for t in started], self._run(job, started, w, lambda: w.client.generate_batch(reqs)))
+        reqs, lease = [worker_request(job, t) for t in started], self.lease_header(fence)
+        self._spawn([t.key for t in started], self._run(job, started, w, lambda: w.client.generate_batch(reqs, lease)))
         if job.started_at is None:
             job.started_at = now
             try:
@@ -190,7 +194,7 @@ class Attempts(AttemptStops):
         async def outcome() -> list[Outcome]:
             while True:
                 try:
-                    done = await w.client.task(task_id)
+                    done = await w.client.task(task_id, self.lease_header(self._fences.get(key)))
                 except WorkerUnreachable:
                     if not w.online:
                         raise

@@ -58,11 +58,12 @@ class StoreLimits:
         return f"{own} -c statement_timeout={ms[0]} -c lock_timeout={ms[1]}".strip()
 
     def reason(self, exc: psycopg.Error) -> str | None:
-        """What a cut-short statement means, in a sentence naming the setting (None: not one of those)."""
+        """What a cut-short statement means, naming the server setting (STORE_LOCK_TIMEOUT_SEC and
+        STORE_STATEMENT_TIMEOUT_SEC set them); None for any other error."""
         if isinstance(exc, psycopg.errors.LockNotAvailable):
-            return f"a table it needs stayed locked past {self.lock_timeout_sec:g}s (STORE_LOCK_TIMEOUT_SEC)"
+            return f"a table it needs stayed locked past {self.lock_timeout_sec:g}s (lock_timeout)"
         if isinstance(exc, psycopg.errors.QueryCanceled):
-            return f"a statement ran past {self.statement_timeout_sec:g}s (STORE_STATEMENT_TIMEOUT_SEC)"
+            return f"a statement ran past {self.statement_timeout_sec:g}s (statement_timeout)"
         return None
 
 
