@@ -10,7 +10,7 @@ Two faults an operator meets with several dispatchers on one PostgreSQL:
 
 "Generated" is counted in the workers' own logs: one ``task <id>: done in`` line per finished
 generation, and a task id starts with ``<job_id>-<track index>-`` (``attempts.py``). The numbers each
-test measured are printed (``-s`` shows them) and kept in ``bench/README.md``'s issue-22 section.
+test measured are printed (``-s`` shows them).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.answers: list[tuple[str, int, float]] = []  # (what, HTTP status or 0 for no answer, seconds)
         self.accepted: list[str] = []  # job ids of POSTs answered 2xx
+        self.unexplained: list[str] = []  # 503s of the service's routes without Retry-After
 
     def send(self, what: str, method: str, url: str, **kw: object) -> httpx.Response | None:
         t0 = time.monotonic()
@@ -118,6 +119,8 @@ class Recorder:
             self.answers.append((what, r.status_code if r is not None else 0, took))
             if r is not None and what == "POST /generate" and 200 <= r.status_code < 300:
                 self.accepted.append(r.json()["job_id"])
+            if r is not None and r.status_code == 503 and what != "GET /ready" and "retry-after" not in r.headers:
+                self.unexplained.append(f"{what}: {r.text}")
         return r
 
 
@@ -176,6 +179,7 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         assert slowest <= 10, sorted(rec.answers, key=lambda x: -x[2])[:5]
         assert all(code != 0 for _, code, _ in rec.answers)
         assert all(code in (200, 503) for _, code, _ in rec.answers), by_kind
+        assert not rec.unexplained, rec.unexplained[:3]
         assert stored == len(rec.accepted)
         assert settled <= 60
         assert all(job(a, j)["status"] == "completed" for j in rec.accepted)
