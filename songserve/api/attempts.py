@@ -186,8 +186,10 @@ class Attempts(AttemptStops):
             await self._conclude(job, t, self.book.retry(job, t, "its worker is no longer configured", count=False))
             return
         key, task_id = (job.job_id, t.index), t.task_id
-        if (fence := self.fence_of(w)) is not None:
-            self._fences[key] = fence
+        if (fence := self.fence_of(w)) is None:  # not leased here (any more): the holder reconciles it
+            log.info("track %s/%d: not followed, worker %d is not leased here", *key, w.worker_id)
+            return
+        self._fences[key] = fence
         w.assign(key, task_id)
         self._deadlines[key] = time.monotonic() + self.deadline(job)
 
