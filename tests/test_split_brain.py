@@ -140,7 +140,7 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         locker = psycopg.connect(pg_url, autocommit=False)
         locker.execute("LOCK TABLE jobs, tracks IN ACCESS EXCLUSIVE MODE")
         locked_at = time.monotonic()
-        not_ready = wait_for(lambda: httpx.get(a.url + "/ready", timeout=30).status_code != 200, timeout=30)
+        wait_for(lambda: httpx.get(a.url + "/ready", timeout=30).status_code != 200, timeout=30)
         ready_after = time.monotonic() - locked_at
         ready_body = httpx.get(a.url + "/ready", timeout=30).json()
 
@@ -170,7 +170,7 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         slowest = max(took for _, _, took in rec.answers)
         by_kind = collections.Counter((what, code) for what, code, _ in rec.answers)
         gens = generations(workers)
-        print(f"\nstore stall: /ready {not_ready} after {ready_after:.1f}s ({ready_body.get('error')!r}), back "
+        print(f"\nstore stall: /ready 503 after {ready_after:.1f}s ({ready_body.get('error')!r}), back "
               f"{ready_again:.1f}s after release; {len(rec.answers)} requests during the lock, slowest "
               f"{slowest:.1f}s: {dict(by_kind)}; jobs stored {stored} = accepted {len(rec.accepted)}; "
               f"all done {settled:.1f}s after release; most generations per track {max(gens.values())}")  # fmt: skip
