@@ -213,7 +213,15 @@ class DispatcherSettings(BaseSettings):
         "",
         description="empty = SQLite in STATE_DIR (one dispatcher); postgresql://… = a store several dispatchers share",
     )
-    store_pool_size: int = Field(10, ge=1, le=200, description="PostgreSQL: connections per dispatcher")
+    store_pool_size: int = Field(
+        10, ge=1, le=200, description="PostgreSQL: connections per pool (one for routes, one for the loops)"
+    )
+    store_statement_timeout_sec: float = Field(
+        5.0, gt=0, le=3600, description="PostgreSQL: a statement running longer is cut short (503, nothing written)"
+    )
+    store_lock_timeout_sec: float = Field(
+        2.0, gt=0, le=3600, description="PostgreSQL: a statement waiting longer for a table or row lock gives up"
+    )
     results_dir: Path | None = Field(
         None, description="finished files; unset = STATE_DIR/results (may be shared storage)"
     )

@@ -212,11 +212,11 @@ async def test_a_store_write_failure_keeps_the_track_queued_until_the_store_reco
         store = f.svc.store
         real_claim, failures = store.claim, []
 
-        async def failing_claim(tracks):  # type: ignore[no-untyped-def]
+        async def failing_claim(tracks, fence):  # type: ignore[no-untyped-def]
             if len(failures) < 4:
                 failures.append(tracks[0].status)
                 raise StoreError("database or disk is full")
-            return await real_claim(tracks)
+            return await real_claim(tracks, fence)
 
         store.claim = failing_claim  # type: ignore[method-assign]
         job_id = (await f.svc.submit(body())).job_id
@@ -369,24 +369,26 @@ async def test_retention_removes_results_folders_that_no_job_owns(tmp_path):
 
 
 @aio
-async def test_a_track_whose_outcome_could_not_be_stored_runs_again_once_the_store_recovers(tmp_path):
+async def test_a_track_whose_outcome_could_not_be_stored_is_collected_not_run_again(tmp_path):
     async with FakeFleet(tmp_path) as f:
         store = f.svc.store
         real_save, full = store.save_track, [True]
 
-        async def save(t, seen):  # type: ignore[no-untyped-def]
+        async def save(t, seen, fence=None):  # type: ignore[no-untyped-def]
             if full[0] and t.status.value in ("done", "queued"):
                 raise StoreError("database or disk is full")
-            await real_save(t, seen)
+            await real_save(t, seen, fence)
 
         store.save_track = save  # type: ignore[method-assign]
         job_id = (await f.svc.submit(body())).job_id
-        await until(lambda: bool(f.workers[0].finished))  # it ran; "done" and the retry could not be written
+        await until(lambda: bool(f.workers[0].finished))  # it ran; "done" could not be written
         await until(lambda: not f.svc.dispatcher.attempts.running)
         assert (await f.svc.view(job_id)).tracks[0].status == "generating"
-        full[0] = False  # space returns: the watchdog's repair re-queues it, and it runs again
+        full[0] = False  # space returns: the repair asks the worker (/tasks), which has the result
         await until(finished(f, job_id))
         assert (await f.svc.view(job_id)).status == "completed"
+        assert len(f.workers[0].generated) == 1  # collected, not generated again
+        assert (await f.svc.view(job_id)).tracks[0].attempts == 1
 
 
 @aio

@@ -153,6 +153,7 @@ def test_a_worker_with_recent_faults_is_offered_after_the_healthy_ones():
         for i in range(3):
             w = pool._by_id[i] = handle(i)
             w.online, w.leased, w.health = True, True, WorkerHealth(status="idle", task_id=None)
+            w.lease_epoch, w.lease_valid_until = 1, time.monotonic() + 60  # a lease renewed just now
         pool._by_id[0].track_failed(True, 3, 60, "garbage")
         assert [w.worker_id for w in pool.available()] == [1, 2, 0]
         pool._by_id[0].collecting = 2  # its copies lag: no new track

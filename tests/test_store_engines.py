@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from songserve.api.states import TrackStatus
-from songserve.api.store import DuplicateKey, Job, JobStore, StaleTrack, StoreError, Track
+from songserve.api.store import DuplicateKey, Fence, Job, JobStore, StaleTrack, StoreError, Track
 from songserve.api.store_sqlite import SqliteStore
 from songserve.schemas import GenerateRequest
 
@@ -77,16 +77,26 @@ def running(t: Track, owner: str, worker: int = 0) -> Track:
     )
 
 
+async def lease(store: JobStore, owner: str, worker: int = 0, ttl: float = 60) -> Fence:
+    """``owner`` leases worker ``worker`` (registering workers 0…``worker`` first): the fence of its writes."""
+    for i in range(worker + 1):
+        await store.register_worker(f"http://w{i}:1", ttl=60, announced=False)
+    epoch = await store.acquire_lease(owner, worker, ttl)
+    assert epoch is not None
+    return Fence(owner, worker, epoch)
+
+
 def test_a_queued_track_is_claimed_by_exactly_one_dispatcher(engine: str) -> None:
     async def go() -> None:
         async with two_stores(engine) as s:
             job = new_job("aaaa000000000001", tracks=4)
             await s.a.insert_job(job)
             assert job.seq >= 1
+            fa, fb = await lease(s.a, "A", 0), await lease(s.b, "B", 1)
             # Both claim all four at once, in opposite orders: every track is won once.
             wins = await asyncio.gather(
-                s.a.claim([running(t, "A") for t in job.tracks]),
-                s.b.claim([running(t, "B") for t in reversed(job.tracks)]),
+                s.a.claim([running(t, "A", 0) for t in job.tracks], fa),
+                s.b.claim([running(t, "B", 1) for t in reversed(job.tracks)], fb),
             )
             assert wins[0] | wins[1] == {0, 1, 2, 3}
             assert not wins[0] & wins[1]
@@ -95,7 +105,7 @@ def test_a_queued_track_is_claimed_by_exactly_one_dispatcher(engine: str) -> Non
             for t in loaded.tracks:
                 assert t.owner == ("A" if t.index in wins[0] else "B")
             # A claim of tracks no longer queued wins nothing.
-            assert await s.a.claim([running(t, "A") for t in job.tracks]) == set()
+            assert await s.a.claim([running(t, "A") for t in job.tracks], fa) == set()
 
     run(go)
 
@@ -106,7 +116,7 @@ def test_a_write_from_a_stale_view_is_refused(engine: str) -> None:
             job = new_job("aaaa000000000002", tracks=1)
             await s.a.insert_job(job)
             t = job.tracks[0]
-            assert await s.a.claim([running(t, "A")]) == {0}
+            assert await s.a.claim([running(t, "A")], await lease(s.a, "A")) == {0}
             # B still believes the track queued: its cancel is refused, A's progress stays.
             with pytest.raises(StaleTrack):
                 await s.b.save_track(dataclasses.replace(t, status=TrackStatus.cancelled), (TrackStatus.queued, None))
@@ -125,13 +135,14 @@ def test_a_job_is_finished_only_when_every_track_ended(engine: str) -> None:
             job = new_job("aaaa000000000003", tracks=2)
             await s.a.insert_job(job)
             t0, t1 = job.tracks
-            await s.a.claim([running(t0, "A")])
-            await s.b.claim([running(t1, "B")])
+            fa, fb = await lease(s.a, "A", 0), await lease(s.b, "B", 1)
+            await s.a.claim([running(t0, "A")], fa)
+            await s.b.claim([running(t1, "B", 1)], fb)
             done0 = dataclasses.replace(running(t0, "A"), status=TrackStatus.done, owner=None)
-            await s.a.save_track(done0, (TrackStatus.generating, "A"))
+            await s.a.save_track(done0, (TrackStatus.generating, "A"), fa)
             assert not await s.a.finish_job(job.job_id, time.time())
-            done1 = dataclasses.replace(running(t1, "B"), status=TrackStatus.error, owner=None, error="boom")
-            await s.b.save_track(done1, (TrackStatus.generating, "B"))
+            done1 = dataclasses.replace(running(t1, "B", 1), status=TrackStatus.error, owner=None, error="boom")
+            await s.b.save_track(done1, (TrackStatus.generating, "B"), fb)
             assert await s.b.finish_job(job.job_id, 123.0)
             assert await s.a.active_jobs() == []
             assert await s.a.expired_jobs(124.0) == [job.job_id]
@@ -162,19 +173,19 @@ def test_worker_leases_are_exclusive_renewed_and_expire(engine: str) -> None:
             w1 = await s.b.register_worker("http://w1:1", ttl=60, announced=True)
             assert await s.b.register_worker("http://w0:1", ttl=60, announced=False) == w0  # one id per URL
             assert (w0, w1) == (0, 1)
-            assert await s.a.acquire_lease("A", w0, ttl=0.6)
-            assert not await s.b.acquire_lease("B", w0, ttl=0.6)
-            assert await s.a.acquire_lease("A", w0, ttl=0.6)  # its own: renewed
-            assert await s.a.renew_leases("A", ttl=0.6) == {w0}
+            assert await s.a.acquire_lease("A", w0, ttl=0.6) == 1  # the first holder: epoch 1
+            assert await s.b.acquire_lease("B", w0, ttl=0.6) is None
+            assert await s.a.acquire_lease("A", w0, ttl=0.6) == 1  # its own: renewed, same epoch
+            assert await s.a.renew_leases("A", ttl=0.6) == {w0: 1}
             rows = {r.worker_id: r for r in await s.b.live_workers()}
             assert rows[w0].lease_owner == "A"
             assert rows[w1].announced
             await asyncio.sleep(0.8)  # A stops renewing: its lease expires
-            assert await s.a.renew_leases("A", ttl=0.6) == set()
-            assert await s.b.acquire_lease("B", w0, ttl=5)
-            assert not await s.a.acquire_lease("A", w0, ttl=5)
+            assert await s.a.renew_leases("A", ttl=0.6) == {}
+            assert await s.b.acquire_lease("B", w0, ttl=5) == 2  # changed hands: a new epoch
+            assert await s.a.acquire_lease("A", w0, ttl=5) is None
             await s.b.leave("B")  # a dispatcher that stops gives its leases back at once
-            assert await s.a.acquire_lease("A", w0, ttl=5)
+            assert await s.a.acquire_lease("A", w0, ttl=5) == 3
             assert await s.a.withdraw_worker(w1)
             assert not await s.a.withdraw_worker(w1)
             assert [r.worker_id for r in await s.a.live_workers()] == [w0]
@@ -199,8 +210,9 @@ def test_running_tracks_are_found_by_their_worker(engine: str) -> None:
         async with two_stores(engine) as s:
             job = new_job("aaaa000000000005", tracks=3)
             await s.a.insert_job(job)
-            await s.a.claim([running(job.tracks[0], "A", worker=7), running(job.tracks[2], "A", worker=7)])
-            await s.a.claim([running(job.tracks[1], "A", worker=8)])
+            f7, f8 = await lease(s.a, "A", 7), await lease(s.a, "A", 8)
+            await s.a.claim([running(job.tracks[0], "A", worker=7), running(job.tracks[2], "A", worker=7)], f7)
+            await s.a.claim([running(job.tracks[1], "A", worker=8)], f8)
             assert sorted(await s.b.running_on(7)) == [(job.job_id, 0), (job.job_id, 2)]
 
     run(go)
@@ -218,7 +230,7 @@ def test_changes_at_one_dispatcher_are_heard_by_the_others(pg_url: str) -> None:
                     await asyncio.sleep(0.01)
                 job = new_job("aaaa000000000006", tracks=1)
                 await s.a.insert_job(job)
-                await s.a.claim([running(job.tracks[0], "A")])
+                await s.a.claim([running(job.tracks[0], "A")], await lease(s.a, "A"))
                 while heard_b.count(job.job_id) < 2:
                     await asyncio.sleep(0.01)
                 assert job.job_id not in heard_a

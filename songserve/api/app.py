@@ -35,8 +35,10 @@ async def open_store(s: DispatcherSettings) -> JobStore:
     """The store the settings name: PostgreSQL when ``STORE_URL`` is set, else SQLite in the state folder."""
     if s.store_url:
         from songserve.api.store_pg import PgStore  # psycopg is needed only here
+        from songserve.api.store_pg_conn import StoreLimits
 
-        return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size)
+        limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
+        return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size, limits=limits)
     return SqliteStore(s.state_dir / "jobs.sqlite3")
 
 

@@ -22,6 +22,13 @@ finishes once.
 Whose fault: an answer that is not the contract or files that are not what the worker said
 (``WorkerFault``) are the worker's: charged to it (``_charge``, its breaker) and the track runs
 elsewhere without losing an attempt. A results folder we cannot write is ours: the track waits.
+
+Fencing (``attempt_fences.py``): every write an attempt makes carries the lease it was claimed
+under; a write refused for a lost lease (``LeaseLost``) ends the attempt without touching the track.
+One asyncio task per track at a time (``_spawn`` refuses a second), so nothing else acts on a track
+while an attempt holds it. No error escapes the handling of a worker's answer (``_conclude``): a
+track whose outcome could not be stored stays running here and the watchdog's repair asks the worker
+again (``reconcile``), which collects a finished result instead of generating it again.
 """
 
 from __future__ import annotations
@@ -30,29 +37,35 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from songserve.api.artifacts import ArtifactStore
+from songserve.api.attempt_fences import AttemptFences
+from songserve.api.attempt_stops import SILENT, AttemptStops
 from songserve.api.estimates import SpeedHistory
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
-from songserve.api.phases import status_of_phase
-from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.pool import WorkerHandle, WorkerPool
 from songserve.api.states import TrackStatus
-from songserve.api.store import Job, JobStore, Key, StaleTrack, Track
+from songserve.api.store import (
+    Fence,
+    Job,
+    JobStore,
+    Key,
+    LeaseLost,
+    StaleTrack,
+    StoreError,
+    Track,
+    background_context,
+)
 from songserve.api.to_worker import result_metadata, result_seed, worker_request
 from songserve.api.tracks import TrackBook
-from songserve.errors import SongserveError
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
-LEASE_LOST = "its worker's lease passed to another dispatcher"
-USER_CANCEL = "cancelled by the user"
-PROGRESS_WRITE_SEC = 1.0  # a running track's progress reaches the store at most this often
 
 
 class RetryTrack(Exception):
@@ -65,7 +78,7 @@ class RetryTrack(Exception):
         self.environment = environment
 
 
-class Attempts:
+class Attempts(AttemptStops, AttemptFences):
     """This dispatcher's attempts: which run (``running``), how each goes, and why one stops."""
 
     def __init__(
@@ -94,6 +107,7 @@ class Attempts:
         self._deadlines: dict[Key, float] = {}  # monotonic
         self._progress_saved: dict[Key, float] = {}  # monotonic time of a running track's last progress write
         self._collecting: set[Key] = set()  # tracks whose files are being copied (or wait for the results folder)
+        self._fences: dict[Key, Fence] = {}  # the lease each running attempt's writes are made under
 
     # ---- one attempt, in order ------------------------------------------------------------------
     async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle) -> bool:
@@ -109,39 +123,65 @@ class Attempts:
                 t, status=TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id,
                 owner=self.me, error=None, started_at=now, worker_phase="backbone", phase_progress=0,
                 phase_detail="", phase_rate=None))  # fmt: skip
-        started = await self.book.claim(job, tracks, wanted)
+        fence = self.fence_of(w)
+        if fence is None:
+            return False
+        try:
+            started = await self.book.claim(job, tracks, wanted, fence)
+        except LeaseLost:
+            log.warning("worker %d: %s is not held here any more; no track sent (job %s)", w.worker_id, fence,
+                        job.job_id)  # fmt: skip
+            w.lease_valid_until = 0.0  # not used again before the membership reads its leases
+            return False
         if not started:
             return False
         for t in started:
             self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
+            self._fences[t.key] = fence
             w.assign(t.key, t.task_id or "")
             self._deadlines[t.key] = time.monotonic() + self.deadline(job)
             log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
                      t.task_id, len(started))  # fmt: skip
-        reqs = [worker_request(job, t) for t in started]
-        self._spawn([t.key for t in started], self._run(job, started, w, lambda: w.client.generate_batch(reqs)))
+        reqs, lease = [worker_request(job, t) for t in started], self.lease_header(fence)
+        self._spawn([t.key for t in started], self._run(job, started, w, lambda: w.client.generate_batch(reqs, lease)))
         if job.started_at is None:
             job.started_at = now
-            await self.store.mark_started(job.job_id, now)
+            try:
+                await self.store.mark_started(job.job_id, now)
+            except StoreError as exc:  # a timestamp: the job's view falls back to its tracks' start
+                log.warning("job %s: its start could not be stored (%s)", job.job_id, exc)
         return True
 
-    def reattach(self, job: Job, t: Track) -> None:
-        """After a restart or a lease take-over: follow a track already running on its worker."""
-        self._spawn([t.key], self._follow(job, t))
+    def reattach(self, job: Job, t: Track) -> bool:
+        """After a restart, a lease take-over or a failed store write: follow a track already running on
+        its worker through ``/tasks/{id}``: collected if finished, awaited if running, re-queued if the
+        worker lost it. False when an attempt already holds the track."""
+        return self._spawn([t.key], self._follow(job, t))
+
+    reconcile = reattach  # the watchdog's repair: a track shown running here with no attempt behind it
+
+    def abandon(self, job: Job, t: Track, reason: str) -> bool:
+        """A running track whose worker is gone from the registry goes back to the queue (as an attempt
+        of its own, so nothing else acts on it meanwhile). False when an attempt already holds it."""
+        return self._spawn([t.key], self._conclude(job, t, self.book.retry(job, t, reason, count=False)))
 
     async def _follow(self, job: Job, t: Track) -> None:
         w = self.pool.by_id(t.worker_id)
         if w is None or t.task_id is None:
-            await self.book.retry(job, t, "its worker is no longer configured", count=False)
+            await self._conclude(job, t, self.book.retry(job, t, "its worker is no longer configured", count=False))
             return
         key, task_id = (job.job_id, t.index), t.task_id
+        if (fence := self.fence_of(w)) is None:  # not leased here (any more): the holder reconciles it
+            log.info("track %s/%d: not followed, worker %d is not leased here", *key, w.worker_id)
+            return
+        self._fences[key] = fence
         w.assign(key, task_id)
         self._deadlines[key] = time.monotonic() + self.deadline(job)
 
         async def outcome() -> list[Outcome]:
             while True:
                 try:
-                    done = await w.client.task(task_id)
+                    done = await w.client.task(task_id, self.lease_header(self._fences.get(key)))
                 except WorkerUnreachable as exc:
                     if not w.online or isinstance(exc, WorkerFault):  # a bad answer is not waited out
                         raise
@@ -168,7 +208,8 @@ class Attempts:
                 if reason is None:  # shutdown: the tracks stay running in the store and are reconciled
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                if reason == LEASE_LOST:  # the worker's new holder reattaches these tasks: leave them be
+                if reason in SILENT:  # the worker's lease holder reconciles these tasks: leave them be
+                    self.book.resync(job.job_id)  # and learn the state it leaves them in
                     return
                 for task_id in task_ids:
                     await self._cancel_on_worker(w, task_id)
@@ -189,36 +230,65 @@ class Attempts:
             self.kick()
             try:
                 for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
-                    try:
-                        await self._apply(job, t, w, task_id, outcome)
-                    except RetryTrack as exc:
-                        await self._retry_after(job, t, w, exc)
+                    await self._conclude(job, t, self._apply_or_retry(job, t, w, task_id, outcome))
             finally:
                 w.collecting -= 1
         except RetryTrack as exc:
             for t in tracks:
-                await self._retry_after(job, t, w, exc)
-        except StaleTrack as exc:
-            log.warning("track %s/%d: another dispatcher took it over", *exc.key)
+                await self._conclude(job, t, self._retry_after(job, t, w, exc))
         except Exception as exc:
             log.exception("track %s/%d: internal error", *keys[0])
             for t in tracks:
-                await self.book.retry(job, t, f"internal error ({type(exc).__name__})")
+                await self._conclude(job, t, self.book.retry(job, t, f"internal error ({type(exc).__name__})",
+                                                             fence=self._fences.get(t.key)))  # fmt: skip
         finally:
             for key, task_id in zip(keys, task_ids, strict=True):
                 self._stopping.pop(key, None)
                 self._deadlines.pop(key, None)
                 self._progress_saved.pop(key, None)
+                self._fences.pop(key, None)
                 w.release(task_id, answered=False)
             self.kick()
+
+    async def _apply_or_retry(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
+        try:
+            await self._apply(job, t, w, task_id, outcome)
+        except RetryTrack as exc:
+            await self._retry_after(job, t, w, exc)
+
+    async def _conclude(self, job: Job, t: Track, step: Awaitable[None]) -> None:
+        """Run one step that writes a track's outcome; no error escapes it. A lost lease or a track
+        changed elsewhere ends this dispatcher's part; a store failure leaves the track running here,
+        for the repair to ask its worker again; anything else is a retry of the track."""
+        try:
+            await step
+        except LeaseLost as exc:
+            log.warning("track %s/%d: %s is gone; this dispatcher stops acting for it (task %s)", *t.key, exc.fence,
+                        t.task_id)  # fmt: skip
+        except StaleTrack:
+            log.warning("track %s/%d: another dispatcher changed it first; leaving it to them", *t.key)
+        except StoreError as exc:
+            log.warning("track %s/%d: its outcome could not be stored (%s); the repair asks worker %d again",
+                        *t.key, exc, t.worker_id)  # fmt: skip
+        except Exception as exc:
+            log.exception("track %s/%d: internal error", *t.key)
+            try:
+                await self.book.retry(job, t, f"internal error ({type(exc).__name__})", fence=self._fences.get(t.key))
+            except Exception as again:  # the store: the repair comes back to it
+                log.warning("track %s/%d: its retry could not be stored (%s)", *t.key, again)
 
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         """What the worker's answer means for the track (raises ``RetryTrack`` for another attempt)."""
         if t.task_id != task_id or t.status.terminal:
             log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
             return
+        fence = self._fences.get(t.key)
+        if fence is not None and (fence.epoch != w.lease_epoch or time.monotonic() >= w.lease_valid_until):
+            # Lost, or not renewed in time (a pause?): not even the files. The repair asks the worker
+            # again once the membership has read the lease (still ours: collected then).
+            raise LeaseLost(t.key, fence)
         if outcome.kind is OutcomeKind.done and outcome.result is not None and job.cancelled:
-            await self.book.change(t, TrackStatus.cancelled, finished_at=time.time(), owner=None)
+            await self.book.change(t, TrackStatus.cancelled, fence=fence, finished_at=time.time(), owner=None)
             await self._remove_worker_files(w, task_id)  # cancelled as it finished: its files are not wanted
         elif outcome.kind is OutcomeKind.done and outcome.result is not None:
             res, s = outcome.result, self.s
@@ -238,7 +308,7 @@ class Attempts:
             now = time.time()
             meta = result_metadata(res, w.worker_id)
             meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-            await self.book.change(t, TrackStatus.done, finished_at=now, duration_sec=res.duration_sec,
+            await self.book.change(t, TrackStatus.done, fence=fence, finished_at=now, duration_sec=res.duration_sec,
                                    metadata=meta, seed=result_seed(res, t.seed), owner=None)  # fmt: skip
             models, wall = res.metadata.get("models"), now - (t.started_at or now)
             self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
@@ -251,7 +321,7 @@ class Attempts:
             job.cancelled = job.cancelled or await self.store.is_cancelled(job.job_id)
             if not job.cancelled:
                 raise RetryTrack(f"worker {w.worker_id} stopped the task")
-            await self.book.change(t, TrackStatus.cancelled, finished_at=time.time(), owner=None)
+            await self.book.change(t, TrackStatus.cancelled, fence=fence, finished_at=time.time(), owner=None)
         elif outcome.kind is OutcomeKind.busy:
             raise RetryTrack(f"worker {w.worker_id} was busy", count=False)
         else:
@@ -260,7 +330,8 @@ class Attempts:
                 self.kick()
             if outcome.environment and t.env_failures + 1 < s.max_attempts * max(1, len(self.pool.workers)):
                 raise RetryTrack(f"worker {w.worker_id}: {outcome.error}", environment=True)
-            await self.book.change(t, TrackStatus.error, error=outcome.error, finished_at=time.time(), owner=None)
+            await self.book.change(t, TrackStatus.error, fence=fence, error=outcome.error, finished_at=time.time(),
+                                   owner=None)  # fmt: skip
             log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
         await self.book.finish_if_done(job)
 
@@ -278,7 +349,7 @@ class Attempts:
             t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
             # Past every worker's share of tries they count again: a fleet that all misbehaves ends the track.
             count = t.env_failures >= self.s.max_attempts * max(1, len(self.pool.workers))
-        await self.book.retry(job, t, str(exc), count)
+        await self.book.retry(job, t, str(exc), count, fence=self._fences.get(t.key))
 
     async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
         """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
@@ -289,100 +360,21 @@ class Attempts:
         except WorkerUnreachable as exc:
             log.info("worker %d: files of %s not removed (%s)", w.worker_id, task_id, exc)
 
-    def deadline(self, job: Job) -> float:
-        """Seconds an attempt of ``job``'s tracks may take."""
-        return self.s.deadline_base_sec + self.s.deadline_factor * job.request.duration * 60
-
-    # ---- stopping an attempt --------------------------------------------------------------------
-    def stop(self, key: Key, reason: str) -> None:
-        """Ask a running attempt to stop and retry; later requests for the same attempt are no-ops."""
-        task = self.running.get(key)
-        if task is None or task.done() or key in self._stopping:
-            return
-        self._stopping[key] = reason
-        log.warning("track %s/%d: %s", *key, reason)
-        task.cancel(reason)
-
-    async def _cancel_on_worker(self, w: WorkerHandle, task_id: str | None) -> None:
-        """Tell the worker to stop; shielded, so a shutdown arriving meanwhile does not cut it short."""
-        if task_id is None:
-            return
-        try:
-            await asyncio.shield(w.client.cancel(task_id, timeout=2))
-        except WorkerUnreachable:
-            pass
-
-    async def cancel_running(self, tracks: list[Track]) -> None:
-        """The user cancelled: each worker answers its running request with "cancelled" at its next
-        check; a track whose worker does not know the task (or cannot stop one), or whose files are
-        being copied (or wait for the results folder), stops here."""
-        for t in tracks:
-            if t.key in self._collecting:
-                self.stop(t.key, USER_CANCEL)
-                continue
-            w = self.pool.by_id(t.worker_id)
-            known = False
-            if w is not None and t.task_id is not None:
-                try:
-                    known = await w.client.cancel(t.task_id)
-                except SongserveError:
-                    known = False
-            if not known:
-                self.stop(t.key, USER_CANCEL)
-
-    def watch(self) -> None:
-        """The watchdog's part: no progress for stall_timeout, or past the deadline: the attempt stops
-        (and its track goes to another worker)."""
-        now = time.monotonic()
-        for w in self.pool.workers:
-            stalled = bool(w.assigned) and now - w.last_progress_at > self.s.stall_timeout_sec
-            for key in list(w.assigned.values()):
-                if stalled:
-                    w.stalled = True
-                    self.stop(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
-                elif now > self._deadlines.get(key, math.inf):
-                    self.stop(key, f"past its deadline of {self.deadline(self.book.jobs[key[0]]):.0f}s")
-
-    # ---- what a health poll means for the attempts on a worker ----------------------------------
-    async def on_health(self, w: WorkerHandle, before: WorkerView) -> None:
-        """Refresh the running tracks' progress from ``w``'s health; stop them if the worker is lost."""
-        for task_id, key in list(w.assigned.items()):
-            job = self.book.jobs.get(key[0])
-            if job is None:
-                continue
-            t = job.tracks[key[1]]
-            take = w.progress_of(task_id) if w.online and t.status.running and t.task_id == task_id else None
-            if take is not None:
-                fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
-                          "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec}  # fmt: skip
-                status = status_of_phase(take.phase)
-                if status is not t.status:
-                    if t.task_id == task_id and t.status.running:  # still this attempt's, after any await
-                        await self.book.change(t, status, **fields)
-                        self._progress_saved[key] = time.monotonic()
-                elif self.book.show_progress(t, fields):
-                    await self._save_progress(t)
-            if not w.online and before is not WorkerView.offline:
-                self.stop(key, f"worker {w.worker_id} went offline")
-            elif w.health.status == "stalled" and before is not WorkerView.stalled:
-                self.stop(key, f"worker {w.worker_id} reported its model thread stalled")
-
-    async def _save_progress(self, t: Track) -> None:
-        """Other dispatchers show a track's progress from the store: write it, at most once a second."""
-        if not self.store.shared:
-            return
-        now = time.monotonic()
-        if now - self._progress_saved.get(t.key, 0.0) >= PROGRESS_WRITE_SEC:
-            self._progress_saved[t.key] = now
-            await self.store.save_progress(t)
-
     # ---- the asyncio tasks that run attempts ----------------------------------------------------
-    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> None:
-        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch)."""
-        task = asyncio.create_task(coro, name=f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}")
+    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> bool:
+        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch), on the store's
+        background lane (a route that started it does not lend it its connections). Refused (False)
+        while an attempt already holds one of them."""
+        if any(k in self.running and not self.running[k].done() for k in keys):
+            coro.close()
+            log.info("track %s/%d: an attempt already holds it", *next(k for k in keys if k in self.running))
+            return False
+        name = f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}"
+        task = asyncio.create_task(coro, name=name, context=background_context())
         for key in keys:
             self.running[key] = task
             task.add_done_callback(functools.partial(self._task_done, key))
+        return True
 
     def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
         if self.running.get(key) is task:

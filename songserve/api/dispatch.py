@@ -7,12 +7,15 @@ sets another's attributes (they read each other's state and call each other's me
 - the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
 - the membership (``membership.py``): presence, the worker registry, leases and take-overs.
 
-Here: the loops that drive them (dispatch, watchdog, membership, store sync; each supervised, see
-``loops.py``), the dispatch pass (queue order, packing a job's takes into one batch), the watchdog's
-repair of what a failed store write left behind, and the few methods ``JobService`` calls: ``add``,
-``cancel``, ``active_job``, ``facts``, ``queue_position``, ``fleet``, admission (``queue_length``,
-``queue_wait``, ``free_workers``), ``status``, ``ready``. The gauges of ``metrics.py`` read the
-``LiveState`` methods at the end.
+Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
+probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
+background lane: their own connections), the
+dispatch pass (queue order, packing a job's takes into one batch), the watchdog's repair of what a
+failed store write left behind (by asking the worker, never by guessing), and the few methods
+``JobService`` calls: ``add``, ``cancel``, ``active_job``, ``facts``, ``queue_position``, ``fleet``,
+admission (``queue_length``, ``queue_wait``, ``free_workers``), ``status`` and ``ready`` (answered
+by ``readiness.py`` from these parts' states). The gauges of ``metrics.py`` read the ``LiveState``
+methods at the end.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ from dataclasses import dataclass
 
 import httpx
 
+from songserve.api import readiness
 from songserve.api.artifacts import ArtifactStore
-from songserve.api.attempts import USER_CANCEL, Attempts
+from songserve.api.attempt_stops import USER_CANCEL
+from songserve.api.attempts import Attempts
 from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.membership import Membership
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import JobStatus, TrackStatus, job_status
-from songserve.api.store import Job, JobStore, Key, StaleTrack, Track
+from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Track
+from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.settings import DispatcherSettings
 
@@ -81,6 +87,7 @@ class Dispatcher:
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )
         self.membership = Membership(s, self.me, store, self.pool, self.book, self.attempts)
+        self.probe = StoreProbe(store)
         self.metrics.watch(self)
         self._membership_ticks = 0
         self._dispatching = asyncio.Lock()
@@ -99,20 +106,30 @@ class Dispatcher:
             await book.finish_if_done(job)
         book.reorder()
         await self._membership_step(first=True)
+        await self._reconcile_step()
         log.info("dispatcher %s: %d active jobs (%d tracks queued), %d workers (%d leased here)", self.me,
                  len(book.jobs), len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
-        self.pool.start()
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
             ("membership", self._membership_loop_step, 0.0),
+            ("reconcile", self._reconcile_step, 0.0),
             ("store-sync", self._sync_step, 0.0),
             ("results-folder", self._results_step, 1.0),
+            ("store-probe", self.probe.step, PROBE_INTERVAL_SEC),
             *loop_tasks,
         ]
-        await self._exit.enter_async_context(self.store.listen(book.resync))
-        for name, step, interval in loops:
-            self._tasks.append(asyncio.create_task(supervised(name, step, interval, self.loops), name=name))
+        lane = BACKGROUND.set(True)  # what starts here uses the loops' own store connections
+        try:
+            self.pool.start()
+            await self._exit.enter_async_context(self.store.listen(book.resync))
+            for name, step, interval in loops:
+                # The membership retries within a third of a lease: else the leases lapse.
+                cap = self.s.lease_ttl_sec / 3 if name in ("membership", "reconcile") else None
+                task = asyncio.create_task(supervised(name, step, interval, self.loops, max_backoff=cap), name=name)
+                self._tasks.append(task)
+        finally:
+            BACKGROUND.reset(lane)
         self._kick.set()
 
     async def drain(self, timeout: float) -> None:
@@ -152,29 +169,31 @@ class Dispatcher:
         self.attempts.watch()
 
     async def _repair(self) -> None:
-        """Tracks this dispatcher owns that show running with no attempt behind it go back to the queue
-        (unless their worker is leased elsewhere now: its new holder takes them over)."""
+        """A track running here with no attempt behind it (its outcome could not be stored) is asked
+        about at its worker (``/tasks/{id}``): collected if finished, awaited if running, re-queued only
+        if lost. Only under a lease held here (elsewhere: the holder took it over; a worker gone from the
+        pool: the membership's orphan). Then a job whose tracks all ended is finished."""
         for job in list(self.book.jobs.values()):
             for t in job.tracks:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
                     w = self.pool.by_id(t.worker_id)
-                    if w is not None and not w.leased and w.lease_owner not in (None, self.me):
-                        continue
-                    with contextlib.suppress(StaleTrack):
-                        await self.book.retry(job, t, "its last state change could not be stored", count=False)
-            await self.book.finish_if_done(job)
+                    if w is not None and w.leased and w.lease_epoch and self.attempts.reconcile(job, t):
+                        log.info("track %s/%d: no attempt behind it; asking worker %d about task %s", *t.key,
+                                 w.worker_id, t.task_id)  # fmt: skip
+            try:
+                await self.book.finish_if_done(job)
+            except StoreError as exc:  # the next tick tries again
+                log.warning("job %s: could not be finished in the store (%s)", job.job_id, exc)
 
     async def _membership_loop_step(self) -> None:
         await self.membership.wait()
         await self._membership_step()
 
     async def _membership_step(self, first: bool = False) -> None:
-        store = self.store
         await self.membership.step(first)
         self._membership_ticks += 1
-        if store.shared and self._membership_ticks % 5 == 0:
+        if self.store.shared and self._membership_ticks % 5 == 0:
             self.book.resync("*")  # a safety net under the events
-        self.counts = await store.counts()
         self._kick.set()
 
     async def _results_step(self) -> None:
@@ -183,6 +202,12 @@ class Dispatcher:
         await self.results.step()
         if self.results.writable and not before:
             self._kick.set()
+
+    async def _reconcile_step(self) -> None:
+        """After each membership step: its work on the job tables, then the gauges' track counts."""
+        await self.membership.reconcile()
+        self._kick.set()
+        self.counts = await self.store.counts()
 
     async def _sync_step(self) -> None:
         """Follow the shared store; this dispatcher's attempts of a job cancelled elsewhere stop."""
@@ -206,8 +231,13 @@ class Dispatcher:
         if not self.accepting:
             return
         book = self.book
-        if any(w.handing_back and not w.assigned for w in self.pool.workers):
+        if any(
+            w.handing_back and not w.assigned and not self.attempts.fenced_on(w.worker_id) for w in self.pool.workers
+        ):
             self.membership.soon()  # its last task ended: give its lease back now, not at the next tick
+        now = time.monotonic()
+        if any(w.leased and now >= w.lease_valid_until for w in self.pool.workers):
+            self.membership.soon()  # a lease not renewed in time (a pause?): nothing goes there until it is
         # No new track while the results folder cannot be written: its files would only wait too.
         free = self.pool.available() if self.results.writable else []
         if not free:  # nothing can start: only the positions change (one ordering, not two)
@@ -217,12 +247,16 @@ class Dispatcher:
         taken: set[Key] = set()
         try:
             for entry in ordered:
+                free = [w for w in free if w.available]  # the claims below await: re-read what may have moved
                 if not free:
                     break
-                if (entry.job_id, entry.index) in taken:
-                    continue
-                job = book.jobs[entry.job_id]
+                key = (entry.job_id, entry.index)
+                job = book.jobs.get(entry.job_id)
+                if key in taken or key not in book.queue or job is None:
+                    continue  # another dispatcher's track now, or its job ended meanwhile
                 t = job.tracks[entry.index]
+                if t.status is not TrackStatus.queued:
+                    continue
                 # A track that just failed on a worker for an environment reason goes elsewhere if it can.
                 w = next((w for w in free if w.worker_id != t.avoid_worker), free[0])
                 tracks = [
@@ -309,44 +343,15 @@ class Dispatcher:
         self.membership.soon()
 
     async def status(self) -> dict[str, object]:
-        book, workers = self.book, [w.public() for w in self.pool.workers]
-        return {
-            "total_gpus": len(workers),
-            "idle_gpus": sum(w["status"] == "idle" for w in workers),
-            "active_jobs": sum(1 for j in book.jobs.values() if any(t.status.running for t in j.tracks)),
-            "queued_jobs": len({jid for jid, _ in book.queue}),
-            "queued_tracks": len(book.queue),
-            "running_tracks": len(self.attempts.running),
-            "dispatcher_id": self.me,
-            "dispatchers": sorted(self.membership.alive),
-            "store": self.store.where,
-            "tracks_by_status": await self.store.counts(),
-            "uptime_sec": round(time.time() - self.started_at, 1),
-            "accepting": self.accepting,
-            "loops_failing": self.loops.failing(),
-            "workers": workers,
-        }
+        return await readiness.status(self)
 
     def ready(self) -> tuple[bool, str]:
-        """Ready to serve: accepting, at least one worker ready, and no background loop failing."""
-        if not self.accepting:
-            return False, "The dispatcher is shutting down."
-        failing = self.loops.failing()
-        if failing:
-            name, error = next(iter(failing.items()))
-            return False, f"The {name} loop keeps failing: {error}."
-        if not self.results.writable:
-            return (
-                False,
-                f"The results folder {self.results.root} cannot be written ({self.results.problem}); "
-                "finished tracks wait and no new track starts until it can.",
-            )
-        if not self.workers_ready():
-            return False, "No worker is ready."
-        return True, ""
+        """Ready to serve, or not and why (``readiness.py``: the store, the loops, the results folder,
+        the workers)."""
+        return readiness.ready(self)
 
     def workers_ready(self) -> int:
-        return sum(w.view.value in ("idle", "busy") for w in self.pool.workers)
+        return readiness.workers_ready(self.pool)
 
     # ---- live state, for the gauges (metrics.LiveState) -----------------------------------------
     def queue_length(self) -> int:

@@ -1,7 +1,9 @@
 """Supervised background loops: one failed iteration is logged and retried, never the end of the loop.
 
 Each loop records how it is doing in ``LoopHealth``; a loop that keeps failing turns ``/ready`` red
-with its reason (and shows in ``/metrics``), so a stuck dispatcher is visible instead of silent.
+with its reason (and shows in ``/metrics``), so a stuck dispatcher is visible instead of silent. A
+failure of the store's (``StoreError``: a locked table, a restart) is an outage rather than a bug: one
+line without a traceback, and a short back-off, so the loops are at work again soon after it ends.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from songserve.api.store import StoreError
+
 log = logging.getLogger(__name__)
 
 FAILING_AFTER = 3  # consecutive failed iterations before the loop counts as failing
 MAX_BACKOFF_SEC = 30.0
+STORE_BACKOFF_SEC = 2.0  # the store failed it: back at work within this of the store's return
 
 
 @dataclass
@@ -47,9 +52,16 @@ class LoopHealth:
 
 
 async def supervised(
-    name: str, step: Callable[[], Awaitable[None]], interval: float, health: LoopHealth, *, wait_first: bool = False
+    name: str,
+    step: Callable[[], Awaitable[None]],
+    interval: float,
+    health: LoopHealth,
+    *,
+    wait_first: bool = False,
+    max_backoff: float | None = None,
 ) -> None:
-    """Run ``step`` forever, ``interval`` seconds apart; failures back off exponentially up to 30 s."""
+    """Run ``step`` forever, ``interval`` seconds apart; failures back off exponentially up to 30 s
+    (or ``max_backoff``: the membership's leases lapse if it waits longer than a third of one)."""
     if wait_first:
         await asyncio.sleep(interval)
     while True:
@@ -57,8 +69,13 @@ async def supervised(
             await step()
         except Exception as exc:
             n = health.failed(name, exc)
-            delay = min(MAX_BACKOFF_SEC, max(interval, 0.05) * 2**n)
-            log.exception("%s loop: iteration failed (%d in a row); retrying in %.1fs", name, n, delay)
+            stalled = isinstance(exc, StoreError)  # an outage, not a bug: /ready names it (store_probe.py)
+            cap = max_backoff or (STORE_BACKOFF_SEC if stalled else MAX_BACKOFF_SEC)
+            delay = min(cap, max(interval, 0.05) * 2 ** min(n, 16))
+            if stalled:
+                log.warning("%s loop: iteration failed (%d in a row): %s; retrying in %.1fs", name, n, exc, delay)
+            else:
+                log.exception("%s loop: iteration failed (%d in a row); retrying in %.1fs", name, n, delay)
             await asyncio.sleep(delay)
             continue
         health.ok(name)

@@ -19,8 +19,10 @@ log = logging.getLogger("songserve.api")
 async def _check_pg(s: DispatcherSettings) -> None:
     """Connect and migrate the PostgreSQL store once (under its lock), so a bad STORE_URL fails in one line."""
     from songserve.api.store_pg import PgStore
+    from songserve.api.store_pg_conn import StoreLimits
 
-    store = await PgStore.open(s.store_url, s.my_id(), pool_size=1)
+    limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
+    store = await PgStore.open(s.store_url, s.my_id(), pool_size=1, limits=limits)
     log.info("job store: %s (shared; this dispatcher is %s)", store.where, s.my_id())
     await store.close()
 

@@ -76,6 +76,15 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE TABLE dispatchers (dispatcher_id TEXT PRIMARY KEY, alive_until DOUBLE PRECISION NOT NULL)",
         ),
     ),
+    (
+        3,
+        "fencing: a lease epoch per worker, and the store's own id (the epochs' namespace on a worker)",
+        (
+            "ALTER TABLE workers ADD COLUMN lease_epoch BIGINT NOT NULL DEFAULT 0",
+            "CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            "INSERT INTO store_meta VALUES ('store_id', md5(random()::text || clock_timestamp()::text))",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

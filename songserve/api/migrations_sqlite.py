@@ -94,6 +94,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE TABLE dispatchers (dispatcher_id TEXT PRIMARY KEY, alive_until REAL NOT NULL)",
         ),
     ),
+    Migration(
+        3,
+        "fencing: a lease epoch per worker, and the store's own id (the epochs' namespace on a worker)",
+        (
+            "ALTER TABLE workers ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0",
+            "CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            "INSERT INTO store_meta VALUES ('store_id', lower(hex(randomblob(16))))",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

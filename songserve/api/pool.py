@@ -79,6 +79,8 @@ class WorkerHandle:
     collecting: int = 0  # attempts whose results are being copied from it now
     announced: bool = False  # it joined by announcing itself (else a dispatcher's WORKER_URLS lists it)
     leased: bool = False  # this dispatcher holds its lease: the only one that sends it tasks now
+    lease_epoch: int = 0  # the epoch of the lease held here (0: none): every write for its tracks carries it
+    lease_valid_until: float = 0.0  # monotonic: the lease's last renewal was sent + LEASE_TTL_SEC (our own bound)
     lease_owner: str | None = None  # who held its lease at the last membership check
     handing_back: bool = False  # over this dispatcher's fair share: no new tasks, its lease goes back once idle
     _progress_mark: tuple[object, ...] = ()
@@ -110,9 +112,10 @@ class WorkerHandle:
         fresh = self.health_sent_at >= self.trust_after
         ready = (reported == "idle" and fresh) or (reported == "busy" and self.answered)
         healthy = ready and self.health.accepting and not self.degraded_reason
+        lease = self.leased and not self.handing_back and time.monotonic() < self.lease_valid_until
         # A worker whose copies lag gets no more work: a result it cannot deliver is not multiplied.
         copying = self.collecting > COPIES_IN_FLIGHT
-        return self.leased and not self.handing_back and self.online and not self.assigned and healthy and not copying
+        return lease and self.online and not self.assigned and healthy and not copying
 
     @property
     def max_batch(self) -> int:

@@ -11,6 +11,11 @@ Two engines behind one ``JobStore`` protocol (every method async):
 The rules both engines keep, so the dispatcher's code is the same over either:
 - a track row changes only by compare-and-set on its (status, owner) as the writer last saw them
   (``save_track`` raises ``StaleTrack`` when another dispatcher changed it first);
+- fencing: a claim, and every later write for a track on a worker, carries the ``Fence`` its writer
+  holds (the worker's lease epoch), and the engine checks it against the lease row, and the lease's
+  expiry on the store's clock, in the same statement (``LeaseLost`` otherwise). The epoch grows
+  whenever a lease changes hands or is re-taken after it expired, so a dispatcher that was paused past
+  its lease cannot write for a track under a lease it no longer holds, whatever its memory says;
 - a queued track leaves the queue only through ``claim`` (or ``save_track`` to cancelled/error);
 - a job is finished in the store when its last track is terminal (``finish_job``), whoever ran it;
 - times are seconds since the epoch; lease expiry is measured on the store's clock.
@@ -18,6 +23,7 @@ The rules both engines keep, so the dispatcher's code is the same over either:
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
@@ -115,6 +121,27 @@ class StaleTrack(Exception):
         self.key = key
 
 
+@dataclass(frozen=True)
+class Fence:
+    """The lease a write is made under: ``owner`` holds ``worker_id``'s lease at ``epoch``."""
+
+    owner: str
+    worker_id: int
+    epoch: int
+
+    def __str__(self) -> str:
+        return f"worker {self.worker_id} lease epoch {self.epoch}"
+
+
+class LeaseLost(StaleTrack):
+    """A write's fence failed in the store: the lease it was made under expired or passed to another
+    dispatcher. The writer stops acting for the track at once; the lease's holder owns it now."""
+
+    def __init__(self, key: Key, fence: Fence) -> None:
+        Exception.__init__(self, f"track {key[0]}/{key[1]}: {fence} is no longer held by {fence.owner}")
+        self.key, self.fence = key, fence
+
+
 class DuplicateKey(Exception):
     """The Idempotency-Key belongs to a job already stored (perhaps submitted at another dispatcher)."""
 
@@ -139,6 +166,7 @@ class StoreError(SongserveError):
 class JobStore(Protocol):
     shared: bool  # several dispatchers may use it at once (events cross processes)
     where: str  # for logs: the file, or the server without its password
+    ident: str  # the store's own id (random, kept in it): the namespace of its lease epochs on a worker
 
     async def close(self) -> None: ...
 
@@ -146,16 +174,19 @@ class JobStore(Protocol):
     async def insert_job(self, job: Job) -> None:
         """Store a new job and its tracks in one transaction; sets ``job.seq``. Raises ``DuplicateKey``."""
 
-    async def claim(self, tracks: list[Track]) -> set[int]:
-        """Claim queued tracks of one job, in the given order, skipping any another dispatcher holds.
+    async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
+        """Claim queued tracks of one job for the worker ``fence`` names, in the given order, skipping
+        any another dispatcher holds; raises ``LeaseLost`` (nothing claimed) when the fence fails.
 
         ``tracks`` carry the state to write (running, owned by the claimer); returns the indices won."""
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
-        """Write ``t`` if its row still has the (status, owner) ``seen``; else raise ``StaleTrack``."""
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
+        """Write ``t`` if its row still has the (status, owner) ``seen`` and, with a ``fence``, the
+        lease is still held as it says; else raise ``StaleTrack`` (``LeaseLost`` for the fence)."""
 
-    async def save_progress(self, t: Track) -> None:
-        """Write the worker's progress of a running track (the owner's throttled updates)."""
+    async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
+        """Write the worker's progress of a running track (the owner's throttled updates); a write
+        whose fence fails changes nothing (the next state change says why)."""
 
     async def mark_started(self, job_id: str, at: float) -> None: ...
     async def mark_cancelled(self, job_id: str) -> None: ...
@@ -188,11 +219,12 @@ class JobStore(Protocol):
     async def leave(self, dispatcher_id: str) -> None:
         """This dispatcher stops: its presence and its leases end now."""
 
-    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
-        """Extend the leases ``owner`` still holds; returns their worker ids."""
+    async def renew_leases(self, owner: str, ttl: float) -> dict[int, int]:
+        """Extend the leases ``owner`` still holds (unexpired); returns worker id → lease epoch."""
 
-    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
-        """Take the worker's lease if it is free, expired or already ours."""
+    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> int | None:
+        """Take the worker's lease if it is free, expired or already ours; returns its epoch (≥ 1),
+        one higher than before unless ``owner`` held it unexpired, or None when another holds it."""
 
     async def release_lease(self, owner: str, worker_id: int) -> None: ...
 
@@ -202,6 +234,22 @@ class JobStore(Protocol):
 
     def exclusive(self, name: str) -> AbstractAsyncContextManager[bool]:
         """Yields True to the one dispatcher that holds ``name`` now (retention sweeps), False to the others."""
+
+    async def probe(self, timeout: float) -> None:
+        """Could a write to the job tables start within ``timeout`` seconds? Raises ``StoreError`` saying
+        why not (a table locked, no connection); changes nothing. ``/ready`` asks it every second."""
+
+
+# Which of the store's connections a call uses (PostgreSQL): the background loops and the attempts
+# keep a pool of their own, so routes stalled on the store cannot take every connection from them.
+BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("songserve_store_background", default=False)
+
+
+def background_context() -> contextvars.Context:
+    """A context for ``asyncio.create_task(..., context=…)``: the task's store calls use the loops' pool."""
+    ctx = contextvars.copy_context()
+    ctx.run(BACKGROUND.set, True)
+    return ctx
 
 
 def work_ratios(rows: Iterable[tuple[str, float, float, float]]) -> list[tuple[str, float]]:

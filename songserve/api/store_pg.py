@@ -5,13 +5,19 @@ Through psycopg 3 with an async connection pool; every method is one short trans
   dispatcher asks (its queue order), so two dispatchers never claim one track and neither waits on
   the other; rows another dispatcher holds or already took are skipped.
 - Compare-and-set writes: a track row is written only while its (status, owner) are what the writer
-  last saw (``StaleTrack`` otherwise).
+  last saw (``StaleTrack`` otherwise), and, fenced, while the lease it was made under still holds,
+  checked in the same statement against the lease row (``LeaseLost`` otherwise; the lease rows and
+  their epochs: ``store_pg_leases.py``, mixed in).
+- Two pools: one for the routes and one for the background loops and attempts (``BACKGROUND``
+  picks), so routes stalled on a locked table cannot take every connection the loops need.
 - Leases and presence are timed on the database's clock, so hosts' clocks need not agree.
 - Events: every write to a job sends ``NOTIFY songserve_jobs, '<origin>|<job_id>'`` in its
   transaction (delivered on commit); ``listen`` keeps one connection of its own on ``LISTEN`` and
   reconnects with a back-off, asking for a full resync (``*``) after any gap.
 - ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
-- The pooled connections and what a dead one means (a database restart): ``store_pg_conn.py``.
+- ``probe`` asks for the lock every write takes on the job tables, under a short lock timeout, and
+  lets it go: a table locked by anyone turns ``/ready`` red within seconds.
+- The pooled connections, their time limits and what a dead one means: ``store_pg_conn.py``.
 """
 
 from __future__ import annotations
@@ -32,23 +38,25 @@ from songserve.api.migrations_pg import migrate
 from songserve.api.migrations_sqlite import NewerSchemaError
 from songserve.api.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store import (
+    BACKGROUND,
     STORED_TRACK_FIELDS,
     DuplicateKey,
+    Fence,
     Job,
     Key,
+    LeaseLost,
     StaleTrack,
     Track,
-    WorkerRow,
     job_from_row,
     stored_value,
     work_ratios,
 )
-from songserve.api.store_pg_conn import PgConnections, redact
+from songserve.api.store_pg_conn import PgConnections, StoreLimits, redact
+from songserve.api.store_pg_leases import PgMembership, lease_cte
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CHANNEL = "songserve_jobs"
-NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in epoch seconds
 TERMINAL_VALUES = [s.value for s in TERMINAL]
 TRACK_COLUMN_TYPES = {
     "status": "text", "seed": "bigint", "attempts": "int", "worker_id": "int", "task_id": "text", "owner": "text",
@@ -63,40 +71,59 @@ JOB_WITH_TRACKS = (
 RUNNING_VALUES = [s.value for s in RUNNING]
 
 
-class PgStore:
+# Schema steps may rewrite a table and wait for another dispatcher's migration: limits of their own.
+MIGRATION_LIMITS = StoreLimits(statement_timeout_sec=600.0, lock_timeout_sec=120.0)
+
+
+class PgStore(PgMembership):
     shared = True
 
-    def __init__(self, url: str, origin: str, pool_size: int = 10) -> None:
+    def __init__(self, url: str, origin: str, pool_size: int = 10, limits: StoreLimits | None = None) -> None:
         self.url = url
         self.where = redact(url)
         self.origin = origin  # this dispatcher's id: its own NOTIFYs are not news to it
-        self.db = PgConnections(url, pool_size)
+        self.limits = limits or StoreLimits()
+        self.ident = ""  # read at open
+        self.routes_db = PgConnections(url, pool_size, self.limits, "songserve-routes")
+        self.loops_db = PgConnections(url, pool_size, self.limits, "songserve-loops")
+
+    @property
+    def db(self) -> PgConnections:
+        """The calling lane's pool: the background loops' own, or the routes'."""
+        return self.loops_db if BACKGROUND.get() else self.routes_db
 
     @classmethod
-    async def open(cls, url: str, origin: str, pool_size: int = 10, timeout: float = 10.0) -> PgStore:
+    async def open(
+        cls, url: str, origin: str, pool_size: int = 10, timeout: float = 10.0, limits: StoreLimits | None = None
+    ) -> PgStore:
         """Connect and migrate; a store that cannot be used raises ``ConfigError`` in one line."""
-        store = cls(url, origin, pool_size)
+        store = cls(url, origin, pool_size, limits)
         try:
             # One plain connection first: a wrong URL fails once, in one line, not in the pool's retries.
             async with await psycopg.AsyncConnection.connect(
-                url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(timeout))
-            ) as conn:
+                url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(timeout)),
+                options=MIGRATION_LIMITS.options(url),
+            ) as conn:  # fmt: skip
                 await migrate(conn)
-            await store.db.open(timeout)
+                row = await (await conn.execute("SELECT value FROM store_meta WHERE name='store_id'")).fetchone()
+                store.ident = str(row["value"]) if row else ""
+            await store.routes_db.open(timeout)
+            await store.loops_db.open(timeout)
         except NewerSchemaError as exc:
-            await store.db.close()
+            await store.close()
             raise ConfigError(
                 f"The job store {store.where} has schema version {exc.found}, newer than this build's {exc.known}: "
                 "run the newer songserve on it, or point STORE_URL at another database."
             ) from None
         except (psycopg.Error, PoolTimeout) as exc:
-            await store.db.close()
+            await store.close()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"The job store {store.where} cannot be opened ({first}).") from None
         return store
 
     async def close(self) -> None:
-        await self.db.close()
+        await self.routes_db.close()
+        await self.loops_db.close()
 
     def _announcing(self, write: str) -> str:
         """``write`` (an UPDATE/DELETE … RETURNING job_id) and its NOTIFY as one statement."""
@@ -123,23 +150,27 @@ class PgStore:
             raise DuplicateKey(found) from None
         job.seq = int(rows[0]["seq"])
 
-    async def claim(self, tracks: list[Track]) -> set[int]:
-        """One statement: lock the wanted rows still queued (``SKIP LOCKED``, in the given order), write
-        each one's new state, and NOTIFY, all in one round trip."""
+    async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
+        """One statement: check the fence, lock the wanted rows still queued (``SKIP LOCKED``, in the
+        given order), write each one's new state, and NOTIFY, all in one round trip."""
         if not tracks:
             return set()
         columns = ", ".join(STORED_TRACK_FIELDS)
         arrays = ", ".join(f"%s::{TRACK_COLUMN_TYPES[f]}[]" for f in STORED_TRACK_FIELDS)
         sets = ", ".join(f"{f}=w.{f}" for f in STORED_TRACK_FIELDS)
+        lease, lease_params = lease_cte(fence)
         rows = await self.db.rows(
-            f"WITH w AS (SELECT * FROM unnest(%s::int[], {arrays}) WITH ORDINALITY AS w(idx, {columns}, ord)),"
+            f"WITH {lease},"
+            f" w AS (SELECT * FROM unnest(%s::int[], {arrays}) WITH ORDINALITY AS w(idx, {columns}, ord)),"
             " locked AS (SELECT t.idx FROM tracks t JOIN w ON t.idx = w.idx WHERE t.job_id=%s AND t.status='queued'"
-            " ORDER BY w.ord FOR UPDATE OF t SKIP LOCKED),"
+            " AND EXISTS (SELECT 1 FROM lease) ORDER BY w.ord FOR UPDATE OF t SKIP LOCKED),"
             f" claimed AS (UPDATE tracks t SET {sets} FROM w WHERE t.job_id=%s AND t.idx = w.idx"
             " AND t.idx IN (SELECT idx FROM locked) RETURNING t.idx),"
             f" n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || %s) WHERE EXISTS (SELECT 1 FROM claimed))"
-            " SELECT idx FROM claimed, (SELECT count(*) FROM n) AS sent",
+            " SELECT (SELECT count(*) FROM lease) AS held, ARRAY(SELECT idx FROM claimed) AS won,"
+            " (SELECT count(*) FROM n) AS sent",
             [
+                *lease_params,
                 [t.index for t in tracks],
                 *([stored_value(t, f) for t in tracks] for f in STORED_TRACK_FIELDS),
                 tracks[0].job_id,
@@ -148,16 +179,21 @@ class PgStore:
                 tracks[0].job_id,
             ],
         )
-        return {int(r["idx"]) for r in rows}
+        if not rows[0]["held"]:
+            raise LeaseLost(tracks[0].key, fence)
+        return {int(i) for i in rows[0]["won"]}
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
+        """One statement: the fence, the compare-and-set and the NOTIFY."""
         sets = ", ".join(f"{f}=%s" for f in STORED_TRACK_FIELDS)
+        lease, lease_params = lease_cte(fence)
         rows = await self.db.rows(
-            self._announcing(
-                f"UPDATE tracks SET {sets} WHERE job_id=%s AND idx=%s AND status=%s"
-                " AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
-            ),
+            f"WITH {lease}, w AS (UPDATE tracks SET {sets} WHERE job_id=%s AND idx=%s AND status=%s"
+            " AND owner IS NOT DISTINCT FROM %s AND EXISTS (SELECT 1 FROM lease) RETURNING job_id),"
+            f" n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w)"
+            " SELECT (SELECT count(*) FROM lease) AS held, (SELECT count(*) FROM n) AS written",
             [
+                *lease_params,
                 *(stored_value(t, f) for f in STORED_TRACK_FIELDS),
                 t.job_id,
                 t.index,
@@ -166,17 +202,21 @@ class PgStore:
                 self.origin,
             ],
         )
-        if not rows:
+        if fence is not None and not rows[0]["held"]:
+            raise LeaseLost(t.key, fence)
+        if not rows[0]["written"]:
             raise StaleTrack(t.key)
 
-    async def save_progress(self, t: Track) -> None:
+    async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
+        lease, lease_params = lease_cte(fence)
         await self.db.rows(
-            self._announcing(
-                "UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s, phase_rate=%s"
-                " WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s RETURNING job_id"
-            ),
-            (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner, self.origin),
-        )
+            f"WITH {lease}, w AS (UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s,"
+            " phase_rate=%s WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s"
+            " AND EXISTS (SELECT 1 FROM lease) RETURNING job_id)"
+            f" SELECT w.job_id, pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w",
+            (*lease_params, t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index,
+             t.owner, self.origin),
+        )  # fmt: skip
 
     async def _job_write(self, sql: str, params: tuple[Any, ...]) -> None:
         await self.db.rows(self._announcing(sql + " RETURNING job_id"), (*params, self.origin))
@@ -247,79 +287,6 @@ class PgStore:
         )
         return work_ratios((r["metadata"], r["started_at"], r["finished_at"], r["duration_sec"]) for r in rows)
 
-    # ---- workers, dispatchers and leases -------------------------------------------------------
-    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
-        renew = (
-            f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
-            " WHERE url=%s RETURNING worker_id"
-        )
-        async with self.db.tx() as conn:
-            row = await (await conn.execute(renew, (ttl, announced, url))).fetchone()  # the usual case: a renewal
-            if row is None:  # a new URL: ids are handed out one registration at a time
-                await conn.execute("LOCK TABLE workers IN SHARE ROW EXCLUSIVE MODE")
-                row = await (await conn.execute(renew, (ttl, announced, url))).fetchone()
-            if row is None:
-                cur = await conn.execute(
-                    "INSERT INTO workers (worker_id, url, announced, registered_until)"
-                    f" SELECT COALESCE(MAX(worker_id) + 1, 0), %s, %s, {NOW} + %s FROM workers RETURNING worker_id",
-                    (url, announced, ttl),
-                )
-                row = await cur.fetchone()
-        return int(row["worker_id"])  # type: ignore[index]
-
-    async def withdraw_worker(self, worker_id: int) -> bool:
-        rows = await self.db.rows(
-            "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0 RETURNING worker_id",
-            (worker_id,),
-        )
-        return bool(rows)
-
-    async def live_workers(self) -> list[WorkerRow]:
-        rows = await self.db.read(
-            f"SELECT worker_id, url, announced, CASE WHEN lease_until > {NOW} THEN lease_owner END AS owner"
-            f" FROM workers WHERE registered_until > {NOW} ORDER BY worker_id"
-        )
-        return [WorkerRow(int(r["worker_id"]), r["url"], bool(r["announced"]), r["owner"]) for r in rows]
-
-    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
-        async with self.db.tx() as conn:
-            await conn.execute(
-                f"INSERT INTO dispatchers VALUES (%s, {NOW} + %s)"
-                " ON CONFLICT (dispatcher_id) DO UPDATE SET alive_until=EXCLUDED.alive_until",
-                (dispatcher_id, ttl),
-            )
-            await conn.execute(f"DELETE FROM dispatchers WHERE alive_until < {NOW} - 3600")
-            cur = await conn.execute(f"SELECT dispatcher_id FROM dispatchers WHERE alive_until > {NOW}")
-            return {r["dispatcher_id"] for r in await cur.fetchall()}
-
-    async def leave(self, dispatcher_id: str) -> None:
-        async with self.db.tx() as conn:
-            await conn.execute("DELETE FROM dispatchers WHERE dispatcher_id=%s", (dispatcher_id,))
-            await conn.execute(
-                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=%s", (dispatcher_id,)
-            )
-
-    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
-        rows = await self.db.rows(
-            f"UPDATE workers SET lease_until={NOW} + %s WHERE lease_owner=%s AND lease_until > {NOW} RETURNING worker_id",
-            (ttl, owner),
-        )
-        return {int(r["worker_id"]) for r in rows}
-
-    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
-        rows = await self.db.rows(
-            f"UPDATE workers SET lease_owner=%s, lease_until={NOW} + %s WHERE worker_id=%s AND registered_until > {NOW}"
-            f" AND (lease_owner IS NULL OR lease_owner=%s OR lease_until <= {NOW}) RETURNING worker_id",
-            (owner, ttl, worker_id, owner),
-        )
-        return bool(rows)
-
-    async def release_lease(self, owner: str, worker_id: int) -> None:
-        await self.db.rows(
-            "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=%s AND lease_owner=%s RETURNING worker_id",
-            (worker_id, owner),
-        )
-
     # ---- events and one-at-a-time work ---------------------------------------------------------
     @asynccontextmanager
     async def listen(self, on_change: Callable[[str], None]) -> AsyncIterator[None]:
@@ -334,7 +301,9 @@ class PgStore:
         backoff = 0.2
         while True:
             try:
-                async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as conn:
+                async with await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True, options=self.limits.options(self.url)
+                ) as conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
                     on_change("*")  # anything missed while not listening: resync everything
                     backoff = 0.2
@@ -358,3 +327,13 @@ class PgStore:
             finally:
                 if got:
                     await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+    async def probe(self, timeout: float) -> None:
+        """The lock every write takes on the job tables (``ROW EXCLUSIVE``: it waits only for a lock
+        that would stall writes), asked for under ``timeout`` and let go at once, on the loops' pool."""
+        ms = max(1, round(timeout * 1000))
+        async with self.loops_db.tx(wait=timeout, limits=StoreLimits(2 * timeout, timeout)) as conn:
+            await conn.execute(
+                f"SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {2 * ms};"
+                " LOCK TABLE jobs, tracks IN ROW EXCLUSIVE MODE"
+            )

@@ -11,7 +11,11 @@ Kept apart from the store's SQL (``store_pg.py``), which calls only ``rows`` (on
 - a database restart kills every pooled connection. The first call that meets a dead one has the
   pool test and replace all of them (``recheck``), and a read that met one runs once more on a
   fresh connection; a write answers 503 for its client to retry, since whether a statement whose
-  connection died was applied cannot be known.
+  connection died was applied cannot be known;
+- no wait on the database is unbounded: every connection starts with ``statement_timeout`` and
+  ``lock_timeout`` (``STORE_STATEMENT_TIMEOUT_SEC``, ``STORE_LOCK_TIMEOUT_SEC``), so a locked table
+  or a stuck server costs a call seconds and a 503, never a request hung for as long as the lock
+  lasts; a statement cut short is rolled back by the server, so a write either happened whole or not.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -32,7 +37,34 @@ log = logging.getLogger(__name__)
 # How long a call waits for a pooled connection before it answers 503: short, so that while the
 # database is down (no connection to be had) clients hear so in seconds, not after psycopg's 30 s.
 CONNECTION_WAIT_SEC = 5.0
+NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in epoch seconds
 Conn = psycopg.AsyncConnection[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """How long one statement may run, and wait for a lock, on the store's connections (seconds)."""
+
+    statement_timeout_sec: float = 5.0
+    lock_timeout_sec: float = 2.0
+
+    def options(self, url: str) -> str:
+        """libpq ``options`` for a connection to ``url``: the URL's own, then these two settings."""
+        try:
+            own = str(psycopg.conninfo.conninfo_to_dict(url).get("options") or "")
+        except psycopg.ProgrammingError:
+            own = ""
+        ms = (max(1, round(self.statement_timeout_sec * 1000)), max(1, round(self.lock_timeout_sec * 1000)))
+        return f"{own} -c statement_timeout={ms[0]} -c lock_timeout={ms[1]}".strip()
+
+    def reason(self, exc: psycopg.Error) -> str | None:
+        """What a cut-short statement means, naming the server setting (STORE_LOCK_TIMEOUT_SEC and
+        STORE_STATEMENT_TIMEOUT_SEC set them); None for any other error."""
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return f"a table it needs stayed locked past {self.lock_timeout_sec:g}s (lock_timeout)"
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            return f"a statement ran past {self.statement_timeout_sec:g}s (statement_timeout)"
+        return None
 
 
 class ConnectionLost(StoreError):
@@ -53,14 +85,15 @@ def redact(url: str) -> str:
 class PgConnections:
     """The pool of one store, opened by ``open`` and closed by ``close``."""
 
-    def __init__(self, url: str, pool_size: int) -> None:
+    def __init__(self, url: str, pool_size: int, limits: StoreLimits, name: str = "songserve-store") -> None:
+        self.limits = limits
         self.pool = AsyncConnectionPool(
             url,
             min_size=1,
             max_size=pool_size,
             open=False,
-            kwargs={"autocommit": True, "row_factory": dict_row},
-            name="songserve-store",
+            kwargs={"autocommit": True, "row_factory": dict_row, "options": limits.options(url)},
+            name=name,
             timeout=CONNECTION_WAIT_SEC,
         )
         self._checking: asyncio.Task[None] | None = None
@@ -76,12 +109,16 @@ class PgConnections:
         return self.pool.connection()  # type: ignore[return-value]  # the pool's connections make dict rows
 
     @asynccontextmanager
-    async def tx(self, transaction: bool = True) -> AsyncIterator[Conn]:
-        """A pooled connection, in one transaction (or autocommit for a single statement, which is one
-        implicit transaction and saves the BEGIN/COMMIT round trips); a database failure becomes ``StoreError``."""
+    async def tx(
+        self, transaction: bool = True, wait: float | None = None, limits: StoreLimits | None = None
+    ) -> AsyncIterator[Conn]:
+        """A pooled connection (waiting at most ``wait`` seconds for one), in one transaction (or
+        autocommit for a single statement, which is one implicit transaction and saves the BEGIN/COMMIT
+        round trips); a database failure becomes ``StoreError`` (``limits``: those the caller set for
+        this transaction, for the message)."""
         used: Conn | None = None
         try:
-            async with self.pool.connection() as conn:
+            async with self.pool.connection(timeout=wait) as conn:
                 used = conn  # type: ignore[assignment]  # the pool's connections make dict rows
                 if not transaction:
                     yield conn  # type: ignore[misc]
@@ -91,6 +128,8 @@ class PgConnections:
         except (DuplicateKey, StaleTrack):
             raise
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
+            if (why := (limits or self.limits).reason(exc)) is not None:
+                raise StoreError(why) from exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if used is not None and used.broken:
                 self.recheck()

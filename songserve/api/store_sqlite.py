@@ -23,8 +23,10 @@ from songserve.api.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store import (
     STORED_TRACK_FIELDS,
     DuplicateKey,
+    Fence,
     Job,
     Key,
+    LeaseLost,
     StaleTrack,
     StoreError,
     Track,
@@ -37,6 +39,7 @@ from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
 RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
+BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 
 
 class SqliteStore:
@@ -53,13 +56,14 @@ class SqliteStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.where = str(path)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
         self.db.row_factory = sqlite3.Row
         try:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.execute("PRAGMA foreign_keys=ON")
             migrate(self.db)
+            self.ident = str(self.db.execute("SELECT value FROM store_meta WHERE name='store_id'").fetchone()[0])
         except NewerSchemaError as exc:
             self.db.close()
             raise ConfigError(newer_schema_message(path, exc)) from None
@@ -104,18 +108,30 @@ class SqliteStore:
                 [(t.job_id, t.index, t.status.value, t.seed) for t in job.tracks],
             )
 
-    async def claim(self, tracks: list[Track]) -> set[int]:
+    async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
         won: set[int] = set()
-        with self._tx() as db:  # the write lock makes the check and the write one step
+        with self._tx() as db:  # the write lock makes the checks and the writes one step
+            if tracks and not self._holds(db, fence):
+                raise LeaseLost(tracks[0].key, fence)
             for t in tracks:
                 if self._write_track(db, t, (TrackStatus.queued, None)):
                     won.add(t.index)
         return won
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None]) -> None:
+    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
         with self._tx() as db:
+            if fence is not None and not self._holds(db, fence):
+                raise LeaseLost(t.key, fence)
             if not self._write_track(db, t, seen):
                 raise StaleTrack(t.key)
+
+    def _holds(self, db: sqlite3.Connection, fence: Fence) -> bool:
+        """The fence's lease row says what the fence says, and has not expired (one dispatcher's clock)."""
+        row = db.execute(
+            "SELECT 1 FROM workers WHERE worker_id=? AND lease_owner=? AND lease_epoch=? AND lease_until > ?",
+            (fence.worker_id, fence.owner, fence.epoch, time.time()),
+        ).fetchone()
+        return row is not None
 
     def _write_track(self, db: sqlite3.Connection, t: Track, seen: tuple[TrackStatus, str | None]) -> bool:
         values = [stored_value(t, f) for f in STORED_TRACK_FIELDS]
@@ -126,8 +142,10 @@ class SqliteStore:
         )
         return cur.rowcount == 1
 
-    async def save_progress(self, t: Track) -> None:
+    async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
         with self._tx() as db:
+            if fence is not None and not self._holds(db, fence):
+                return
             db.execute(
                 "UPDATE tracks SET worker_phase=?, phase_progress=?, phase_detail=?, phase_rate=?"
                 " WHERE job_id=? AND idx=? AND owner IS ?",
@@ -260,24 +278,30 @@ class SqliteStore:
             db.execute("DELETE FROM dispatchers WHERE dispatcher_id=?", (dispatcher_id,))
             db.execute("UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=?", (dispatcher_id,))
 
-    async def renew_leases(self, owner: str, ttl: float) -> set[int]:
+    async def renew_leases(self, owner: str, ttl: float) -> dict[int, int]:
         now = time.time()
         with self._tx() as db:
             db.execute(
                 "UPDATE workers SET lease_until=? WHERE lease_owner=? AND lease_until > ?", (now + ttl, owner, now)
             )
-            rows = db.execute("SELECT worker_id FROM workers WHERE lease_owner=? AND lease_until > ?", (owner, now))
-            return {int(r[0]) for r in rows.fetchall()}
+            rows = db.execute(
+                "SELECT worker_id, lease_epoch FROM workers WHERE lease_owner=? AND lease_until > ?", (owner, now)
+            )
+            return {int(r[0]): int(r[1]) for r in rows.fetchall()}
 
-    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> bool:
+    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> int | None:
         now = time.time()
         with self._tx() as db:
+            # The epoch stays only for a renewal by the holder of an unexpired lease (as in store_pg.py).
             cur = db.execute(
-                "UPDATE workers SET lease_owner=?, lease_until=? WHERE worker_id=? AND registered_until > ?"
+                "UPDATE workers SET lease_epoch = lease_epoch + (CASE WHEN lease_owner IS ? AND lease_until > ?"
+                " THEN 0 ELSE 1 END), lease_owner=?, lease_until=? WHERE worker_id=? AND registered_until > ?"
                 " AND (lease_owner IS NULL OR lease_owner=? OR lease_until <= ?)",
-                (owner, now + ttl, worker_id, now, owner, now),
+                (owner, now, owner, now + ttl, worker_id, now, owner, now),
             )
-            return cur.rowcount == 1
+            if cur.rowcount != 1:
+                return None
+            return int(db.execute("SELECT lease_epoch FROM workers WHERE worker_id=?", (worker_id,)).fetchone()[0])
 
     async def release_lease(self, owner: str, worker_id: int) -> None:
         with self._tx() as db:
@@ -294,6 +318,22 @@ class SqliteStore:
     @asynccontextmanager
     async def exclusive(self, name: str) -> AsyncIterator[bool]:
         yield True
+
+    async def probe(self, timeout: float) -> None:
+        """Take the write lock and let it go at once, waiting at most ``timeout`` for it (another process
+        holding the file, a full disk); the usual wait (5 s) comes back afterwards."""
+        db = self.db
+        db.execute(f"PRAGMA busy_timeout = {max(1, int(timeout * 1000))}")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
+            db.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise StoreError(str(exc)) from exc
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
 
 
 def newer_schema_message(path: Path, exc: NewerSchemaError) -> str:

@@ -10,8 +10,10 @@ A track's lifetime (the legal moves are in ``states.py``; who makes them is said
 
 Store first: a state change is written before it shows in memory (``change`` writes the new state,
 then applies it), so memory never claims what the store does not hold. Writes are compare-and-set
-on the (status, owner) this dispatcher last saw: when another dispatcher changed the track first
-(``StaleTrack``), nothing is applied and the job is read again from the store. The book decides
+on the (status, owner) this dispatcher last saw, and those for a track on a worker carry the lease
+they are made under (a ``Fence``, checked by the store): when another dispatcher changed the track
+first, or the lease is gone (``StaleTrack``, ``LeaseLost``), nothing is applied and the job is read
+again from the store. The book decides
 none of the moves: the attempts (``attempts.py``), the dispatcher's repairs and the membership's
 take-overs ask for them here.
 
@@ -32,7 +34,7 @@ from collections.abc import Container
 from songserve.api import queue_order
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.states import TrackStatus, check_transition, job_status
-from songserve.api.store import STORED_TRACK_FIELDS, Job, JobStore, Key, StaleTrack, Track
+from songserve.api.store import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
 
 log = logging.getLogger(__name__)
 IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
@@ -101,11 +103,12 @@ class TrackBook:
         self.changes.touch()
 
     # ---- transitions ----------------------------------------------------------------------------
-    async def claim(self, job: Job, tracks: list[Track], wanted: list[Track]) -> list[Track]:
+    async def claim(self, job: Job, tracks: list[Track], wanted: list[Track], fence: Fence) -> list[Track]:
         """Claim queued ``tracks`` of ``job`` in the store with the states in ``wanted`` (running, owned
-        here); returns the tracks won, with their new state. They leave the queue either way."""
+        here, on the worker ``fence`` leases); returns the tracks won, with their new state. They leave
+        the queue either way, but for a fence that failed (``LeaseLost``: nothing changed)."""
         async with self._write:
-            won = await self.store.claim(wanted)
+            won = await self.store.claim(wanted, fence)
             for t, new in zip(tracks, wanted, strict=True):
                 self.queue.pop(t.key, None)
                 if t.index in won:
@@ -116,19 +119,20 @@ class TrackBook:
             self.resync(job.job_id)  # another dispatcher took some: learn their state
         return [t for t in tracks if t.index in won]
 
-    async def change(self, t: Track, status: TrackStatus, **fields: object) -> None:
+    async def change(self, t: Track, status: TrackStatus, fence: Fence | None = None, **fields: object) -> None:
         """Write the track's new state to the store, then keep it in memory.
 
-        Compare-and-set on what this dispatcher last saw: when another dispatcher changed the track
-        first, nothing changes here, the job is read again, and ``StaleTrack`` is raised.
+        Compare-and-set on what this dispatcher last saw (under ``fence``, the lease of the attempt
+        that writes): when another dispatcher changed the track first, or the lease is gone, nothing
+        changes here, the job is read again, and ``StaleTrack`` (or ``LeaseLost``) is raised.
         """
         async with self._write:
             check_transition(t.status, status)
             new = dataclasses.replace(t, status=status, **fields)  # type: ignore[arg-type]
             try:
-                await self.store.save_track(new, (t.status, t.owner))
-            except StaleTrack:
-                log.info("track %s/%d: changed by another dispatcher; reading it again", *t.key)
+                await self.store.save_track(new, (t.status, t.owner), fence)
+            except StaleTrack as exc:
+                log.info("track %s/%d: not written (%s); reading it again", *t.key, exc)
                 self.resync(t.job_id)
                 raise
             for k in ("status", *fields):
@@ -145,7 +149,7 @@ class TrackBook:
         self.changes.touch()
         return True
 
-    async def retry(self, job: Job, t: Track, reason: str, count: bool = True) -> None:
+    async def retry(self, job: Job, t: Track, reason: str, count: bool = True, fence: Fence | None = None) -> None:
         """The track runs again (queued), unless its job was cancelled or its attempts ran out."""
         if t.status.terminal:
             return
@@ -154,14 +158,14 @@ class TrackBook:
         now = time.time()
         if job.cancelled or await self.store.is_cancelled(job.job_id):
             job.cancelled = True
-            await self.change(t, TrackStatus.cancelled, attempts=attempts, finished_at=now, owner=None)
+            await self.change(t, TrackStatus.cancelled, fence, attempts=attempts, finished_at=now, owner=None)
         elif attempts >= self.max_attempts:
             msg = f"Track failed after {attempts} attempts: {reason}."
-            await self.change(t, TrackStatus.error, attempts=attempts, error=msg, finished_at=now, owner=None)
+            await self.change(t, TrackStatus.error, fence, attempts=attempts, error=msg, finished_at=now, owner=None)
             log.warning("track %s/%d: %s", job.job_id, t.index, msg)
         else:
             log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, reason)
-            await self.change(t, TrackStatus.queued, attempts=attempts, worker_id=-1, owner=None, **IDLE)
+            await self.change(t, TrackStatus.queued, fence, attempts=attempts, worker_id=-1, owner=None, **IDLE)
             self.enqueue(job, t)
             self.reorder()
         await self.finish_if_done(job)
@@ -203,14 +207,27 @@ class TrackBook:
         await self._dirty_event.wait()
         self._dirty_event.clear()
         dirty, self._dirty = self._dirty, set()
+        try:
+            if "*" in dirty:
+                return await self.reload(live)
+            stored = {job_id: await self.store.load_job(job_id) for job_id in dirty}
+        except BaseException:  # the store did not answer: these are read again next time
+            self._dirty |= dirty
+            self._dirty_event.set()
+            raise
         stop: list[Key] = []
-        if "*" in dirty:
-            stored = {j.job_id: j for j in await self.store.active_jobs()}
-            for job_id in set(self.jobs) | set(stored):
-                stop += self.merge(job_id, stored.get(job_id), live)
-        else:
-            for job_id in dirty:
-                stop += self.merge(job_id, await self.store.load_job(job_id), live)
+        for job_id, job in stored.items():
+            stop += self.merge(job_id, job, live)
+        self.reorder()
+        return stop
+
+    async def reload(self, live: Container[Key]) -> list[Key]:
+        """Read every active job from the store again and merge it (after a pause, before dispatching
+        again; as a safety net under the events); returns what ``merge`` returns."""
+        stored = {j.job_id: j for j in await self.store.active_jobs()}
+        stop: list[Key] = []
+        for job_id in set(self.jobs) | set(stored):
+            stop += self.merge(job_id, stored.get(job_id), live)
         self.reorder()
         return stop
 

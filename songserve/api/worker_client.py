@@ -32,6 +32,7 @@ FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has 
 CHUNK = 1 << 16
 CONTROL_TIMEOUT = 5.0
 SONGSERVE, REFERENCE = "songserve", "reference"
+LEASE_HEADER = "Songserve-Lease"  # worker/fence.py reads it
 
 
 class WorkerClient:
@@ -80,18 +81,22 @@ class WorkerClient:
         except ValidationError as exc:
             raise WorkerFault(f"Worker config is not the contract: {exc.errors()[0]['msg']}.") from None
 
-    async def generate(self, req: WorkerGenerateRequest) -> Outcome:
-        """Run one track; returns when the worker answers (no read timeout: the caller bounds it)."""
+    async def generate(self, req: WorkerGenerateRequest, lease: str | None = None) -> Outcome:
+        """Run one track; returns when the worker answers (no read timeout: the caller bounds it).
+
+        ``lease``: ``<store id> <epoch>`` the task is sent under (our worker refuses a stale one, 409)."""
         body = to_worker.generate_body(req, self.reference)
-        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=body)
+        headers = {LEASE_HEADER: lease} if lease else {}
+        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=body, headers=headers)
         return to_worker.read_answer(r.status_code, self._json(r), self.reference)
 
-    async def generate_batch(self, reqs: list[WorkerGenerateRequest]) -> list[Outcome]:
+    async def generate_batch(self, reqs: list[WorkerGenerateRequest], lease: str | None = None) -> list[Outcome]:
         """Run takes of one request as one batch (``POST /generate_batch``): one outcome per take."""
         if len(reqs) == 1:
-            return [await self.generate(reqs[0])]
+            return [await self.generate(reqs[0], lease)]
         body = to_worker.batch_body(reqs)
-        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body)
+        headers = {LEASE_HEADER: lease} if lease else {}
+        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body, headers=headers)
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
@@ -104,11 +109,14 @@ class WorkerClient:
         r = await self._call("POST", f"/cancel/{task_id}", timeout)
         return r.status_code != 404
 
-    async def task(self, task_id: str) -> Outcome | None:
-        """What became of a task: None while it runs; raises ``TaskLost`` when the worker forgot it."""
+    async def task(self, task_id: str, lease: str | None = None) -> Outcome | None:
+        """What became of a task: None while it runs; raises ``TaskLost`` when the worker forgot it.
+
+        ``lease``: the asker's; from then on the worker refuses tasks sent under an older one."""
         if self.reference:
             raise TaskLost(f"worker {self.url} (reference) cannot report task {task_id}")
-        r = await self._call("GET", f"/tasks/{task_id}", CONTROL_TIMEOUT)
+        headers = {LEASE_HEADER: lease} if lease else {}
+        r = await self._call("GET", f"/tasks/{task_id}", CONTROL_TIMEOUT, headers=headers)
         if r.status_code == 404:
             raise TaskLost(f"worker {self.url} lost task {task_id}")
         try:

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -41,6 +41,7 @@ from songserve.schemas import (
 from songserve.settings import WorkerSettings
 from songserve.urls import dispatcher_urls, local_health_url
 from songserve.worker.announce import Announcer
+from songserve.worker.fence import HEADER, LeaseFences
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.to_pipeline import batch_result, generate_failure
 
@@ -120,6 +121,8 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
     app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes)
     out_dir = runtime.s.output_dir
+    fences = LeaseFences()  # a task from a dispatcher whose lease here passed on is refused (fence.py)
+    Lease = Header(None, alias=HEADER, max_length=100)
 
     # /health and /config answer the fields the worker sets: a test tone has no parked stages or
     # CUDA memory (/health) and no context length (/config), and those fields stay off its answers.
@@ -169,7 +172,10 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
 
     # A finished take (status "ok") or a cancelled one (HTTP 200); a failure is an error body with its kind.
     @app.post("/generate", response_model=WorkerGenerateResult | WorkerTakeFailure)
-    async def generate(body: WorkerGenerateRequest) -> WorkerGenerateResult | WorkerTakeFailure | JSONResponse:
+    async def generate(
+        body: WorkerGenerateRequest, lease: str | None = Lease
+    ) -> WorkerGenerateResult | WorkerTakeFailure | JSONResponse:
+        fences.check(lease, [body.task_id or "(no id)"])
         try:
             return await runtime.generate(body)
         except BusyError:
@@ -178,7 +184,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             return generate_failure(body.task_id, exc)
 
     @app.post("/generate_batch")
-    async def generate_batch(body: WorkerBatchRequest) -> WorkerBatchResult:
+    async def generate_batch(body: WorkerBatchRequest, lease: str | None = Lease) -> WorkerBatchResult:
         """Several takes of one request as one batch (issue 14).
 
         Body ``{"takes": [<a /generate body>, …]}``: the takes differ only in ``seed_override``,
@@ -191,6 +197,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         While it runs, ``/health`` lists every take under ``tasks`` with its own progress.
         A request that cannot be served at all (too long for the context, unknown model) is one 400.
         """
+        fences.check(lease, [t.task_id or "(no id)" for t in body.takes])
         results = await runtime.generate_batch(body.takes)
         first = results[0][1]
         if isinstance(first, RequestError) and all(r is first for _, r in results):
@@ -202,7 +209,8 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         return runtime.cancel(task_id)
 
     @app.get("/tasks/{task_id}")
-    async def task(task_id: str) -> TaskView:
+    async def task(task_id: str, lease: str | None = Lease) -> TaskView:
+        fences.note(lease)  # a new lease holder asking: what the old one sends from now on is refused
         return runtime.task(task_id)
 
     @app.delete("/files/{task_id}")
