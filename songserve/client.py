@@ -1,7 +1,12 @@
 """The command-line client: ``python -m songserve generate …`` and ``python -m songserve status``.
 
     python -m songserve generate --lyrics-file song.txt --tags "pop, piano" --duration 0.1 --tracks 2 --out songs/
+    python -m songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
     python -m songserve status
+
+``--continue JOB:TRACK@SEC`` retakes a finished take from SEC seconds on: what comes before is kept,
+and whatever is not given on the command line (style, lyrics, duration) stays the original's.
+``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
 
 Talks to the dispatcher over HTTP (``--server``, default ``$SONGSERVE_URL`` or http://127.0.0.1:8889).
 Exits non-zero with the server's error sentence when something fails.
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 import uuid
@@ -22,6 +28,8 @@ import httpx
 from songserve.serving import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
+CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?)$")
+STORED = ("mp3", "wav", "codes")  # the files a track has; any other format is rendered from its WAV
 
 
 class ClientError(Exception):
@@ -53,19 +61,46 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
         return client.post("/generate", json=body, headers=headers)
 
 
-def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
-    lyrics = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
-    body = {
-        "mode": "instrumental" if args.instrumental else "vocal",
-        "tags": args.tags or "",
-        "lyrics": lyrics,
-        "duration": args.duration,
-        "num_tracks": args.tracks,
-    }
+def continue_from(text: str) -> dict[str, Any]:
+    """``JOB:TRACK@SEC`` → the request's ``continue_from``."""
+    m = CONTINUE.match(text)
+    if m is None:
+        raise ClientError(f"--continue {text!r}: expected JOB:TRACK@SEC, e.g. 3f2a9c01d4e5b677:0@80.5")
+    return {"job_id": m.group(1), "track_index": int(m.group(2)), "at_sec": float(m.group(3))}
+
+
+def request_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``POST /generate`` body; a retake sends only what was given, the rest is the original's."""
+    retake = args.cont is not None
+    body: dict[str, Any] = {"num_tracks": args.tracks}
+    if retake:
+        body["continue_from"] = continue_from(args.cont)
+    if args.lyrics_file or args.lyrics is not None or not retake:
+        body["lyrics"] = Path(args.lyrics_file).read_text(encoding="utf-8") if args.lyrics_file else (args.lyrics or "")
+    if args.instrumental or not retake:
+        body["mode"] = "instrumental" if args.instrumental else "vocal"
+    if args.tags is not None or not retake:
+        body["tags"] = args.tags or ""
+    if args.duration is not None or not retake:
+        body["duration"] = 1.0 if args.duration is None else args.duration
     if args.prompt:
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
         body["seed"] = args.seed
+    return body
+
+
+def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | None) -> tuple[str, dict[str, Any]]:
+    if kind in STORED:
+        return track["files"][kind], {}
+    params: dict[str, Any] = {"format": kind}
+    if loudness is not None:
+        params["loudness"] = loudness
+    return f"/job/{job_id}/track/{track['index']}/render", params
+
+
+def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
+    body = request_body(args)
     accepted = _check(_submit(client, body))
     job_id = accepted["job_id"]
     print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
@@ -93,7 +128,8 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
             continue
         for kind in args.formats.split(","):
             dest = out_dir / f"{job_id}_track{t['index']}.{kind}"
-            with client.stream("GET", t["files"][kind]) as r:
+            url, params = _file_url(job_id, t, kind, args.loudness)
+            with client.stream("GET", url, params=params, timeout=300) as r:
                 if r.status_code >= 400:
                     r.read()
                     _check(r)
@@ -132,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--tags")
     g.add_argument("--prompt", help="a description instead of tags")
     g.add_argument("--instrumental", action="store_true")
-    g.add_argument("--duration", type=float, default=1.0, help="minutes")
+    g.add_argument("--duration", type=float, help="minutes (default 1; a retake: the original's)")
     g.add_argument("--tracks", type=int, default=2)
     g.add_argument("--seed", type=int)
     g.add_argument("--out", default="songs")
-    g.add_argument("--formats", default="mp3,wav")
+    g.add_argument("--formats", default="mp3,wav", help="of mp3, wav, codes, flac, opus")
+    g.add_argument("--loudness", type=float, help="LUFS for the flac/opus downloads (EBU R128); unset: as made")
+    g.add_argument("--continue", dest="cont", metavar="JOB:TRACK@SEC", help="retake a finished take from SEC on")
     g.add_argument("--poll", type=float, default=0.5)
     sub.add_parser("status", help="show the worker table")
     args = ap.parse_args(argv)

@@ -38,9 +38,10 @@ class FieldError(RequestError):
 
     http_status = 422
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, where: str = "body") -> None:
         super().__init__(f"Field '{field}': {message}.")
-        self.detail = [{"loc": ["body", field], "msg": message, "type": "value_error"}]
+        # a nested field ("continue_from.at_sec") as pydantic writes its location: one entry per level
+        self.detail = [{"loc": [where, *field.split(".")], "msg": message, "type": "value_error"}]
 
 
 class NotFoundError(RequestError):

@@ -71,6 +71,12 @@ class WorkerSettings(BaseSettings):
         description="backbone token budget (the reference's --num-tokens-to-generate), capped by the context",
     )
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens per prefill chunk (a cancel lands between chunks)")
+    kv_snapshot_mb: float = Field(
+        2048.0, ge=0, description="memory for the backbone's KV of recent retakes' prefixes (an LRU); 0 = none kept"
+    )
+    kv_snapshot_memory: Literal["device", "host"] = Field(
+        "device", description="where KV snapshots live: on the device, or in host memory (pinned on CUDA)"
+    )
     compile: Literal["auto", "0", "1"] = Field(
         "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
     )
@@ -104,7 +110,11 @@ class WorkerSettings(BaseSettings):
     drain_timeout_sec: float = Field(
         30.0, ge=0, description="on SIGTERM, how long the running task may finish before it is cancelled"
     )
-    max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    max_body_bytes: int = Field(
+        16_000_000,
+        ge=1024,
+        description="largest request body: a retake carries its kept codes (≤ 3.4 MB a take at 15 minutes)",
+    )
     min_free_disk_mb: float = Field(
         500.0, ge=0, description="below this much free space on the output disk, /health says disk_low"
     )

@@ -236,14 +236,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
     upload = {"src_audio": ("take.mp3", b"\xff\xfb", "audio/mpeg")}
     r = httpx.post(site.ace + "/release_task", data={"task_type": "repaint"}, files=upload)
     assert r.status_code == 400
-    assert "repaint of an uploaded src_audio needs continue_from, not available in this build" in r.json()["error"]
-    # A repaint to the end from our own take is read in full, then answered by the one function
-    # that will continue it once continue_from exists.
-    r = httpx.post(
-        site.ace + "/release_task", json={"task_type": "repaint", "src_audio_path": ours, "repainting_start": 1}
-    )
-    assert r.status_code == 400
-    assert "repaint of a take needs continue_from, not available in this build" in r.json()["error"]
+    assert r.json()["error"].startswith("Field 'src_audio': a repaint of an uploaded file needs the audio encoder")
     assert _queued_and_total(site) == before
 
 
@@ -400,3 +393,17 @@ def test_each_mapping_reaches_the_worker(reference, body, received):
     reference.wait_job(task_id)
     sent = json.loads(reference.requests.read_text().splitlines()[-1])
     assert {k: sent[k] for k in received} == received
+
+
+def test_a_repaint_to_the_end_of_our_take_is_a_retake_that_keeps_its_start(site, client, finished):
+    """``task_type: repaint`` of a file this server returned, from 1 s on: our ``continue_from``."""
+    source_id, takes = finished
+    task_id = client.release(task_type="repaint", src_audio_path=takes[0]["file"], repainting_start=1, seed=5)
+    repainted = client.wait(task_id)
+    assert len(repainted) == 2  # ACE-Step's default batch_size
+    for i, take in enumerate(site.job(task_id)["tracks"]):
+        kept = take["metadata"]["continued"]
+        assert kept["origin"] == f"{source_id}/0"
+        assert kept["frames"] == int(1.0 * 44_100 / 2_048)
+        audio, rate = sf.read(io.BytesIO(client.download(repainted[i]).content), always_2d=True)
+        assert abs(len(audio) / rate - 3.0) < 0.1  # the source's length, inherited

@@ -79,7 +79,7 @@ def test_our_workers_answer_says_each_files_size_and_checksum(tmp_path):
         w.wait_healthy()
         body = {"lyrics": "hello", "duration": 0.05, "task_id": "facts-1"}
         answer = httpx.post(w.url + "/generate", json=body, timeout=60).json()
-        names = [answer[k] for k in ("wav_filename", "mp3_filename", "json_filename")]
+        names = [answer[k] for k in ("wav_filename", "mp3_filename", "json_filename", "codes_filename")]
         assert sorted(answer["files"]) == sorted(names)
         for name in names:
             data = httpx.get(f"{w.url}/download/{name}", timeout=10).content

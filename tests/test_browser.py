@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
+import soundfile as sf
 
 from tests.support import ROOT, Cluster, start_worker
 
@@ -87,4 +90,44 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "browser.png"), full_page=True)
     assert Path(ARTIFACTS / "browser.png").stat().st_size > 10_000
+    assert not errors
+
+
+def test_continue_from_here_and_downloads_in_other_formats(site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(site.url + "/")
+    page.wait_for_selector("#tag-chips button")
+    page.fill("#lyrics", "[verse]\nkeep this part\nthen something new")
+    page.fill("#duration", "0.05")
+    page.fill("#num_tracks", "1")
+    page.click("#generate")
+    card = page.locator(".job").first
+    card.locator("audio").wait_for(state="visible", timeout=120_000)
+    original = card.get_attribute("data-job-id")
+    flac = card.locator(".dl-flac")
+    assert flac.get_attribute("href") == f"job/{original}/track/0/render?format=flac"
+    card.locator("select.loudness").select_option("-23")
+    assert flac.get_attribute("href") == f"job/{original}/track/0/render?format=flac&loudness=-23"
+    r = httpx.get(f"{site.url}/{flac.get_attribute('href')}", timeout=60)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "audio/flac"
+    assert sf.info(io.BytesIO(r.content)).samplerate == 44100
+
+    # Seek the player to 1.5 s (a person pausing there), then continue from it.
+    page.evaluate("""async () => { const a = document.querySelector('.job audio'); await a.play(); a.pause();
+        await new Promise((done, fail) => { a.addEventListener('seeked', done, { once: true });
+          setTimeout(() => fail(new Error('no seeked event')), 20000); a.currentTime = 1.5; }); }""")
+    button = card.locator("button.continue")
+    assert button.inner_text() == "Continue from 0:01.5"
+    button.click()
+    page.wait_for_function("document.querySelectorAll('.job').length === 2")
+    retake = page.locator(".job").first
+    retake.locator("audio").wait_for(state="visible", timeout=120_000)
+    assert retake.locator(".job-title").inner_text().startswith("Mandopop")
+    assert " · from 0:01.5" in retake.locator(".job-title").inner_text()
+    job = httpx.get(f"{site.url}/job/{retake.get_attribute('data-job-id')}", timeout=10).json()
+    continued = job["tracks"][0]["metadata"]["continued"]
+    assert continued["origin"] == f"{original}/0"
+    assert continued["frames"] == int(1.5 * 44100 / 2048)
     assert not errors

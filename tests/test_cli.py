@@ -6,8 +6,11 @@ import subprocess
 import sys
 
 import httpx
+import pyloudnorm
 import pytest
+import soundfile as sf
 
+from songserve import codes
 from songserve.client import _submit
 from tests.support import ROOT, Cluster
 
@@ -95,3 +98,20 @@ def test_a_submission_whose_answer_is_lost_is_sent_again_and_makes_one_job(clust
     assert len(keys) == 1  # the same key both times
     first = httpx.post(cluster.url + "/generate", json=body, headers={"Idempotency-Key": keys.pop()}).json()
     assert first["job_id"] == job_id  # the job the lost answer made: the retry did not make a second one
+
+
+def test_continue_retakes_a_finished_take_and_downloads_rendered_formats(cluster, tmp_path):
+    original = cluster.submit(tags="pop", lyrics="[verse]\nfirst take", duration=0.1, num_tracks=1)
+    assert cluster.wait_job(original["job_id"])["status"] == "completed"
+    spec = f"{original['job_id']}:0@2.5"
+    out = cli("--server", cluster.url, "generate", "--continue", spec, "--tracks", "1", "--formats", "codes,flac",
+              "--loudness", "-18", "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    grid = codes.read(next(tmp_path.glob("*_track0.codes")))
+    assert grid.header["continued"]["frames"] == int(2.5 * grid.header["frame_rate"])
+    assert grid.frames == int(6.0 * grid.header["frame_rate"])  # the original's 0.1 minutes, not the CLI's default
+    x, rate = sf.read(next(tmp_path.glob("*_track0.flac")))
+    assert abs(pyloudnorm.Meter(rate).integrated_loudness(x) + 18) <= 0.5
+    bad = cli("--server", cluster.url, "generate", "--continue", "nope@3", "--out", str(tmp_path))
+    assert bad.returncode == 1
+    assert "expected JOB:TRACK@SEC" in bad.stderr

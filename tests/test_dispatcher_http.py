@@ -91,8 +91,9 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
         assert t["files"] == {
             "mp3": f"/job/{job_id}/track/{t['index']}/mp3",
             "wav": f"/job/{job_id}/track/{t['index']}/wav",
+            "codes": f"/job/{job_id}/track/{t['index']}/codes",  # ours: the take's code grid
         }
-        for kind in ("wav", "mp3"):
+        for kind in ("wav", "mp3", "codes"):
             ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}")
             assert ours.status_code == 200
             assert len(ours.content) == t["metadata"]["file_bytes"][kind]  # as copied from the worker

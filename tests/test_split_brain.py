@@ -68,6 +68,12 @@ def test_a_dispatcher_paused_past_its_lease_strands_nothing_and_repeats_little(t
     b = start_dispatcher(tmp_path, "B", pg_url, workers)
     try:
         wait_for(lambda: sorted(w["leased_by"] for w in status(b)["workers"]).count("A") >= 1, timeout=30)
+        seen: list[tuple[str, str, str]] = []  # B's view of the workers at its last look
+
+        def b_holds_all() -> bool:
+            seen[:] = [(w.get("url"), w["leased_by"], w.get("status")) for w in status(b)["workers"]]
+            return all(held == "B" for _, held, _ in seen)
+
         ids: list[str] = []
         for rnd in range(2):
             ids += [submit((a, b)[i % 2], 100 * rnd + i, tracks=1 + i % 2) for i in range(30)]
@@ -75,7 +81,10 @@ def test_a_dispatcher_paused_past_its_lease_strands_nothing_and_repeats_little(t
             a.signal(signal.SIGSTOP)
             paused_at = time.monotonic()
             # B sees A gone (presence and leases expire) and takes A's workers over.
-            wait_for(lambda: all(w["leased_by"] == "B" for w in status(b)["workers"]), timeout=30, interval=0.2)
+            try:
+                wait_for(b_holds_all, timeout=45, interval=0.2)
+            except TimeoutError:
+                raise AssertionError(f"round {rnd}: B did not take every worker over: {seen}") from None
             held_for(paused_at, 2.5 * LEASE)
             a.signal(signal.SIGCONT)
         resumed = time.monotonic()

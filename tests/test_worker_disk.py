@@ -65,13 +65,13 @@ def test_health_reports_the_disk_and_files(worker) -> None:
     r = _generate(worker.url, AUTH)
     assert r.status_code == 200, r.text
     after = _health(worker.url)
-    assert after["output_files"] == before["output_files"] + 3
+    assert after["output_files"] == before["output_files"] + 4  # WAV, MP3, JSON and the codes grid
 
 
 def test_delete_files_removes_one_task_and_is_protected(worker) -> None:
     keep = _generate(worker.url, AUTH).json()
     done = _generate(worker.url, AUTH).json()
-    names = {done["wav_filename"], done["mp3_filename"], done["json_filename"]}
+    names = {done[k] for k in ("wav_filename", "mp3_filename", "json_filename", "codes_filename")}
     assert httpx.delete(f"{worker.url}/files/{done['task_id']}", timeout=10).status_code == 401
     r = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
@@ -282,8 +282,10 @@ def test_files_of_a_forgotten_task_are_found_by_their_json(tmp_path: Path) -> No
     done = asyncio.run(rt.generate(WorkerGenerateRequest(task_id="gone", duration=0.01)))
     rt.tasks = TaskRegistry()  # what a restart forgets
     removed = rt.remove_task_files("gone")
-    assert sorted(removed) == sorted([done.wav_filename, done.mp3_filename, done.json_filename])
-    assert sorted(os.listdir(s.output_dir)) == sorted([other.wav_filename, other.mp3_filename, other.json_filename])
+    assert sorted(removed) == sorted([done.wav_filename, done.mp3_filename, done.json_filename, done.codes_filename])
+    assert sorted(os.listdir(s.output_dir)) == sorted(
+        [other.wav_filename, other.mp3_filename, other.json_filename, other.codes_filename]
+    )
     with pytest.raises(NotFoundError):
         rt.remove_task_files("never-ran")
     rt.tasks.batch = [TaskContext("running")]

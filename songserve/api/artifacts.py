@@ -1,4 +1,4 @@
-"""Artifacts on disk: each finished track's WAV, MP3 and JSON, copied from its worker and checked.
+"""Artifacts on disk: each finished track's WAV, MP3, code grid and JSON, copied from its worker and checked.
 
 Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>``: every file of
 a track first under a temporary name, within one deadline for the whole copy and a size cap per
@@ -6,9 +6,12 @@ file, then checked against what the worker said it wrote (``result_check.py``), 
 renamed into place, so a track is never completed with a short or damaged file, and results survive
 a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault`` is the worker's
 (a file it cannot serve, short, damaged, oversize or late), ``ResultsUnwritable`` ours (the folder
-cannot be written; ``results_folder.py`` holds whether it can now). Retention removes finished jobs
-past their TTL and, oldest first, while the folder is over its size cap, and asks ``orphans`` for
-folders no job row owns (a store moved aside or restored from an older backup).
+cannot be written; ``results_folder.py`` holds whether it can now). Beside the tracks in the job's
+folder, under the same retention: a retake's kept frames (``prefix.codes``, cut from the original
+at submit, so the retake does not depend on the original's folder) and cached renders
+(``track_<i>.render-<key>.<ext>``). Retention removes finished jobs past their TTL and, oldest
+first, while the folder is over its size cap, and asks ``orphans`` for folders no job row owns (a
+store moved aside or restored from an older backup).
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ if TYPE_CHECKING:
     from songserve.schemas import WorkerGenerateResult
 
 log = logging.getLogger(__name__)
-KINDS = ("wav", "mp3", "json")
+KINDS = ("wav", "mp3", "json", "codes")
 JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
+RENDER_KEY = re.compile(r"^[a-f0-9]{16}$")
+RENDER_EXTS = ("flac", "opus", "mp3", "wav", "json")  # a render, and the JSON beside it
 
 
 class ArtifactStore:
@@ -51,6 +56,36 @@ class ArtifactStore:
         if not JOB_ID.match(job_id) or kind not in KINDS or index < 0:
             raise ValueError("invalid artifact address")
         return self.root / job_id / f"track_{index}.{kind}"
+
+    def prefix_path(self, job_id: str) -> Path:
+        """A retake's kept frames (``songserve/codes.py``'s file), written when it is submitted."""
+        if not JOB_ID.match(job_id):
+            raise ValueError("invalid artifact address")
+        return self.root / job_id / "prefix.codes"
+
+    def write_prefix(self, job_id: str, data: bytes) -> None:
+        """Keep a retake's kept frames in its job's folder (a temporary name, then a rename)."""
+        path = self.prefix_path(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def render_path(self, job_id: str, index: int, key: str, ext: str) -> Path:
+        """A cached render of a track: ``key`` is the hash of its parameters."""
+        if not JOB_ID.match(job_id) or index < 0 or not RENDER_KEY.match(key) or ext not in RENDER_EXTS:
+            raise ValueError("invalid artifact address")
+        return self.root / job_id / f"track_{index}.render-{key}.{ext}"
+
+    def renders(self, job_id: str, index: int) -> list[Path]:
+        """The cached renders of a track, oldest first."""
+        if not JOB_ID.match(job_id) or index < 0:
+            raise ValueError("invalid artifact address")
+        found = [p for p in (self.root / job_id).glob(f"track_{index}.render-*") if p.is_file()]
+        return sorted(found, key=lambda p: p.stat().st_mtime)
 
     def has(self, job_id: str, index: int, kind: str) -> bool:
         p = self.path(job_id, index, kind)

@@ -3,7 +3,8 @@
 An attempt, in the order it happens, and in this order below:
 1. ``begin``: each take gets a fresh task id and is claimed in the store (``TrackBook.claim``); the
    takes won are assigned to the worker and one asyncio task runs them (``reattach`` starts one for
-   a track already running on a worker, after a restart or a lease take-over);
+   a track already running on a worker, after a restart or a lease take-over); a retake's takes
+   carry the frames it keeps (``retakes.kept_frames``, read before the claim);
 2. ``_run``: the worker's answer, one ``Outcome`` per take (``WorkerClient.generate_batch``, or
    ``/tasks/{id}`` polled for a reattached track); the worker is released at once;
 3. ``_apply``: done → its files copied and checked (``ArtifactStore.collect``) and the track done;
@@ -42,6 +43,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from songserve.api import retakes
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.attempt_fences import AttemptFences
 from songserve.api.attempt_stops import SILENT, AttemptStops
@@ -123,6 +125,8 @@ class Attempts(AttemptStops, AttemptFences):
                 t, status=TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id,
                 owner=self.me, error=None, started_at=now, worker_phase="backbone", phase_progress=0,
                 phase_detail="", phase_rate=None))  # fmt: skip
+        # A retake's kept frames, read before the claim: from the claim to ``_spawn`` nothing awaits.
+        prefix = await retakes.kept_frames(self.artifacts, job) if job.request.continue_from is not None else None
         fence = self.fence_of(w)
         if fence is None:
             return False
@@ -142,8 +146,12 @@ class Attempts(AttemptStops, AttemptFences):
             self._deadlines[t.key] = time.monotonic() + self.deadline(job)
             log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
                      t.task_id, len(started))  # fmt: skip
-        reqs, lease = [worker_request(job, t) for t in started], self.lease_header(fence)
-        self._spawn([t.key for t in started], self._run(job, started, w, lambda: w.client.generate_batch(reqs, lease)))
+        reqs, lease = [worker_request(job, t, prefix) for t in started], self.lease_header(fence)
+        if job.request.continue_from is not None and prefix is None:  # never a take of the prompt alone instead
+            obtain: Callable[[], Awaitable[list[Outcome]]] = retakes.frames_gone(len(started))
+        else:
+            obtain = functools.partial(w.client.generate_batch, reqs, lease)
+        self._spawn([t.key for t in started], self._run(job, started, w, obtain))
         if job.started_at is None:
             job.started_at = now
             try:

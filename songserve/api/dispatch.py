@@ -37,6 +37,7 @@ from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.membership import Membership
 from songserve.api.metrics import DispatcherMetrics
+from songserve.api.placement import pick
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import JobStatus, TrackStatus, job_status
 from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Track
@@ -257,8 +258,10 @@ class Dispatcher:
                 t = job.tracks[entry.index]
                 if t.status is not TrackStatus.queued:
                     continue
-                # A track that just failed on a worker for an environment reason goes elsewhere if it can.
-                w = next((w for w in free if w.worker_id != t.avoid_worker), free[0])
+                # Elsewhere after an environment failure if it can; a retake to a worker that can continue it.
+                w = pick(free, job, t)
+                if w is None:
+                    continue
                 tracks = [
                     t,
                     *self._pack(job, w, len(ordered) - len(taken) - 1, len(free) - 1, taken | {(job.job_id, t.index)}),
@@ -272,6 +275,8 @@ class Dispatcher:
     def _pack(self, job: Job, w: WorkerHandle, queued_after: int, free_after: int, taken: set[Key]) -> list[Track]:
         """More queued takes of ``job`` for ``w`` to run in the same batch (may be none)."""
         mode = self.s.pack_tracks
+        if job.request.continue_from is not None and mode == "auto":
+            mode = "always"  # retakes of one prefix: one batch prefills it once
         if w.max_batch <= 1 or mode == "never" or (mode == "auto" and queued_after <= free_after):
             return []
         more = [x for x in job.tracks if x.status is TrackStatus.queued and (job.job_id, x.index) not in taken]
@@ -334,6 +339,10 @@ class Dispatcher:
     def fleet(self) -> Fleet:
         pool = self.pool
         return Fleet(pool.models("backbone"), pool.models("superres"), pool.context_minutes(), len(pool.workers))
+
+    def can_continue(self) -> bool:
+        """Some worker can run a retake: one of ours (a reference worker knows no prefix), or none known yet."""
+        return not self.pool.workers or any(not w.client.reference for w in self.pool.workers)
 
     def knows_worker(self, worker_id: int) -> bool:
         return self.pool.by_id(worker_id) is not None

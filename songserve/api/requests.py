@@ -161,8 +161,8 @@ def normalize(
     adjusted: dict[str, dict[str, Any]] = {}
     for name, sent in body.sent.items():
         now = getattr(final, name)
-        if isinstance(now, BaseModel):  # a nested model (the ACE-Step dialect's extras) compares as sent
-            now = now.model_dump()
+        if isinstance(now, BaseModel):  # a nested model (continue_from, the ACE-Step extras): as sent, no defaults
+            now = now.model_dump(exclude_unset=True)
         if _differs(sent, now):
             adjusted[name] = {"from": sent, "to": now}
     notes = unknown_notes(body.unknown, GenerateRequest.model_fields)

@@ -4,7 +4,9 @@ Our workers say each file's size and SHA-256 (``WorkerGenerateResult.files``): t
 both. The reference's workers say nothing about their files, so for every worker a WAV is also read
 as a WAV: its RIFF and data chunk sizes must agree with the file's length, and its frames with the
 ``duration_sec`` of the answer. That catches a truncated file even when its header was rewritten to
-match (self-consistent but short). A failed check is ``WorkerFault``: the worker's, not the track's.
+match (self-consistent but short). A code grid (``.codes``, only our workers write one) is read the
+same way: its header's levels × frames must fill the file exactly, since a retake continues from it.
+A failed check is ``WorkerFault``: the worker's, not the track's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from songserve import codes
 from songserve.api.outcomes import WorkerFault
 from songserve.schemas import ResultFile
 
@@ -42,7 +45,7 @@ class WavFacts:
 
 
 def check_copy(name: str, kind: str, got: Copied, said: ResultFile | None, duration_sec: float) -> None:
-    """Raise ``WorkerFault`` naming what is wrong with the copy of ``name`` (a ``kind`` of wav, mp3, json)."""
+    """Raise ``WorkerFault`` naming what is wrong with the copy of ``name`` (a ``kind`` of wav, mp3, json, codes)."""
     if got.size == 0:
         raise WorkerFault(f"{name} arrived empty.")
     if said is not None:
@@ -58,6 +61,13 @@ def check_copy(name: str, kind: str, got: Copied, said: ResultFile | None, durat
                 f"{name} holds {wav.duration_sec:.3f}s of audio ({wav.frames} frames at {wav.sample_rate} Hz); "
                 f"the worker said {duration_sec:.3f}s."
             )
+    if kind == "codes":
+        with open(got.path, "rb") as f:
+            head = f.read(codes.MAX_HEAD)
+        try:
+            codes.read_header(head, got.size)
+        except codes.CodesFileError as exc:
+            raise WorkerFault(f"{name}: {exc}.") from None
 
 
 def read_wav_header(path: Path, size: int, name: str) -> WavFacts:

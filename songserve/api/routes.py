@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
@@ -50,7 +50,25 @@ async def cancel(job_id: str, svc: JobService = Service) -> JobView:
     return await svc.cancel(job_id)
 
 
-# GET and HEAD as two routes: one route with both methods gives both one OpenAPI operation id (a warning).
+# GET and HEAD as two routes each: one route with both methods gives both one OpenAPI operation id (a warning).
+@router.get("/job/{job_id}/track/{idx}/render")
+@router.head("/job/{job_id}/track/{idx}/render")
+async def render(
+    job_id: str,
+    idx: int,
+    format: str = Query("flac", max_length=8, description="flac, opus, mp3 or wav"),
+    loudness: float | None = Query(None, description="integrated loudness in LUFS (EBU R128), -70 to -5"),
+    start: float | None = Query(None, ge=0, description="seconds into the take"),
+    end: float | None = Query(None, gt=0, description="seconds into the take"),
+    svc: JobService = Service,
+) -> FileResponse:
+    """The take in another format, at a loudness, over a time range; made once, then from the cache."""
+    f, headers = await svc.render(job_id, idx, format, loudness, start, end)
+    return FileResponse(
+        f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition, headers=headers
+    )
+
+
 @router.get("/job/{job_id}/track/{idx}/{kind}")
 @router.head("/job/{job_id}/track/{idx}/{kind}")
 async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:

@@ -10,6 +10,7 @@ for any job: what is not in its memory is read from the store.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -22,6 +23,8 @@ from pathlib import Path
 import httpx
 
 from songserve import __version__
+from songserve import codes as codes_file
+from songserve.api import render, retakes
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
@@ -36,7 +39,11 @@ from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, Worker
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
-MEDIA = {"mp3": ("audio/mpeg", "inline"), "wav": ("audio/wav", "attachment")}
+MEDIA = {
+    "mp3": ("audio/mpeg", "inline"),
+    "wav": ("audio/wav", "attachment"),
+    "codes": ("application/octet-stream", "attachment"),  # songserve/codes.py's file
+}
 KEEPALIVE_SEC = 15.0
 
 
@@ -94,6 +101,7 @@ class JobService:
         self.artifacts = artifacts
         self.dispatcher = Dispatcher(s, store, artifacts, http)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
+        self.renders = render.Renders(artifacts)
 
     @property
     def accepting(self) -> bool:
@@ -148,6 +156,11 @@ class JobService:
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
+        if req.continue_from is not None and not d.can_continue():
+            raise FieldError("continue_from", "no worker here can continue a song (they are all the reference's)")
+        retake = await retakes.resolve(req, self._load, self.artifacts) if req.continue_from is not None else None
+        if retake is not None:
+            req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req)
         req, lyrics = norm.request, norm.cleaned_lyrics
         if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
@@ -169,13 +182,22 @@ class JobService:
                 idempotency_key=idempotency_key or None,
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
             )
+            if retake is not None:  # before the row: a queued retake always finds its frames
+                blob = codes_file.encode(retake.kept.codes, retake.kept.header)
+                await asyncio.to_thread(self.artifacts.write_prefix, job_id, blob)
             await self.store.insert_job(job)  # one transaction: a failed submit leaves no row behind
         except DuplicateKey as dup:  # the same key just now, at this or another dispatcher
+            self.artifacts.remove_job(job_id)
             return await self._existing(dup.job_id, req, norm)
-        except StoreError as exc:
-            log.error("submit: the store cannot write: %s", exc)
+        except (StoreError, OSError) as exc:
+            self.artifacts.remove_job(job_id)
+            log.error("submit: the store or the results folder cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
+        if retake is not None:
+            head = retake.kept.header
+            log.info("job %s: continues %s from %.2f s (%d frames kept)", job_id, head["origin"], head["at_sec"],
+                     retake.kept.frames)  # fmt: skip
         if norm.adjusted:  # the values as sent are the client's text: escaped and capped
             log.info("job %s: read as the reference reads it: %s", job_id, safe(norm.adjusted, 500))
         if norm.unknown_count:
@@ -235,7 +257,7 @@ class JobService:
 
     async def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
         if kind not in MEDIA:
-            raise NotFoundError(f"No such file kind {kind!r}; use mp3 or wav.")
+            raise NotFoundError(f"No such file kind {kind!r}; use mp3, wav, codes or render.")
         view = await self.view(job_id)
         if not 0 <= idx < len(view.tracks):
             raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
@@ -243,6 +265,9 @@ class JobService:
         if track.status != TrackStatus.done:
             raise NotFoundError(f"Track {idx} of job {job_id} is not done.")
         expected = (track.metadata.get("file_bytes") or {}).get(kind)
+        if kind == "codes" and expected is None:
+            raise NotFoundError(f"Track {idx} of job {job_id} kept no codes (its worker writes none, or it was made "
+                                "before codes were kept).")  # fmt: skip
         size = self.artifacts.sizes(job_id, idx).get(kind)
         if not size or (expected is not None and size != expected):
             what = "is missing" if size is None else "is empty" if not size else "does not have its recorded size"
@@ -250,6 +275,22 @@ class JobService:
             raise GoneError(f"The {kind} file of track {idx} of job {job_id} {what}; generate the song again.")
         media, disposition = MEDIA[kind]
         return TrackFile(self.artifacts.path(job_id, idx, kind), media, f"{job_id}_track{idx}.{kind}", disposition)
+
+    async def render(
+        self, job_id: str, idx: int, fmt: str, loudness: float | None, start: float | None, end: float | None
+    ) -> tuple[TrackFile, dict[str, str]]:
+        """A finished take in another format, loudness or range (``render.py``), from the cache or made now."""
+        await self.track_file(job_id, idx, "wav")  # done, present, of its recorded size
+        job = await self._load(job_id)
+        spec = render.parse(fmt, loudness, start, end, job.tracks[idx].duration_sec)
+        got = self.renders.cached(job_id, idx, spec)
+        if got is None:
+            r = job.request
+            style = (r.prompt if r.prompt_mode == "natural" else r.tags).strip()
+            title = f"{style[:80]} (take {idx + 1})" if style else f"songserve {job_id} take {idx + 1}"
+            got = await asyncio.to_thread(self.renders.make, job_id, idx, spec, title, job.cleaned_lyrics)
+        name = f"{job_id}_track{idx}.{spec.format}"
+        return TrackFile(got.path, got.media_type, name, "attachment"), got.headers()
 
     async def events(self, job_id: str, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:
         """Server-sent events: the job view on every change, until it is terminal."""

@@ -23,18 +23,19 @@ from pydantic import ValidationError
 
 from songserve.api.outcomes import Outcome, OutcomeKind, WorkerFault
 from songserve.api.store import Job, Track
-from songserve.schemas import TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult
+from songserve.schemas import PrefixCodes, TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult
 
 REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the reference dispatcher sends
 # What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
 # (a reference worker runs each take alone and sends neither).
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
-BATCH_KEYS = ("batch_size", "parked")
+BATCH_KEYS = ("batch_size", "parked", "prefill", "continued")
 
 
 # ---- what a worker receives -----------------------------------------------------------------------
-def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
-    """Our worker's payload for one attempt of one track (docs/api.md, "Worker payload")."""
+def worker_request(job: Job, t: Track, prefix: PrefixCodes | None = None) -> WorkerGenerateRequest:
+    """Our worker's payload for one attempt of one track (docs/api.md, "Worker payload"); ``prefix``:
+    a retake's kept frames (``retakes.py`` cut them when the job was submitted)."""
     r = job.request
     natural = r.prompt_mode == "natural"
     style = r.prompt if natural else r.tags
@@ -62,6 +63,7 @@ def worker_request(job: Job, t: Track) -> WorkerGenerateRequest:
         task_id=t.task_id or "",
         job_id=job.job_id,
         track_index=t.index,
+        prefix=prefix,
     )
 
 
@@ -71,7 +73,7 @@ def reference_request(req: WorkerGenerateRequest) -> dict[str, Any]:
     # expects no lyrics.
     instrumental = req.raw_mode == "instrumental"
     return {
-        **req.model_dump(exclude={"task_id", "job_id", "track_index"}),  # it has no task ids
+        **req.model_dump(exclude={"task_id", "job_id", "track_index", "prefix"}),  # it has no task ids
         "language": "Instrumental" if instrumental else "",
         "lyrics": "" if instrumental else req.lyrics,
         "duration": max(1, math.ceil(req.duration - 1e-9)),  # it takes whole minutes only (an int field)
@@ -150,6 +152,8 @@ def result_files(res: WorkerGenerateResult) -> dict[str, str]:
     names = {"wav": res.wav_filename, "mp3": res.mp3_filename}
     if res.json_filename:
         names["json"] = res.json_filename
+    if res.codes_filename:
+        names["codes"] = res.codes_filename
     return names
 
 

@@ -59,9 +59,14 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
         seed=t.seed,
         attempts=t.attempts,
         queue_position=queue_position,
-        files=TrackFiles(mp3=f"{base}/mp3", wav=f"{base}/wav") if done else None,
+        files=_files(base, t) if done else None,
         metadata=t.metadata,
     )
+
+
+def _files(base: str, t: Track) -> TrackFiles:
+    kept = t.metadata.get("file_bytes") or {}
+    return TrackFiles(mp3=f"{base}/mp3", wav=f"{base}/wav", codes=f"{base}/codes" if "codes" in kept else None)
 
 
 def job_view(job: Job, positions: Mapping[Key, int], eta: float | None) -> JobView:

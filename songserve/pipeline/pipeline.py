@@ -5,7 +5,8 @@ run as one batch, the stages in order, the track's metadata and files. Where the
 are (``RUNTIME_MODE``, park mode's state machine) is ``residency.py``'s; each batch walks its
 transitions. All model work runs on the worker's single model thread, under
 ``torch.inference_mode``. Several takes of one request run as one batch (``run_batch``); ``run``
-is a batch of one.
+is a batch of one. A retake (a request with a ``prefix``) keeps the prefix's frames and generates
+the rest (``continuation.py``), through the KV snapshots this pipeline keeps for the backbones.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.arch import GPTArch
+from songserve.pipeline.continuation import codes_header, continued, kept_codes
 from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
 from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.residency import Residency
 from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take, plan_length
@@ -38,26 +40,13 @@ log = logging.getLogger(__name__)
 DECODE_STEPS = 1000  # the decoding phase's progress unit: the decoder's chunks, then the files (``_finish_take``)
 
 
-def _arch_summary(a: GPTArch) -> dict[str, Any]:
-    return {
-        "layers": a.num_layers,
-        "hidden": a.hidden_size,
-        "heads": a.num_attention_heads,
-        "query_groups": a.num_query_groups or a.num_attention_heads,
-        "position_embedding": a.position_embedding_type,
-        "normalization": f"{a.normalization} eps={a.norm_epsilon:g}",
-        "vocab": a.vocab_size,
-        "padded_vocab": a.rows,
-        "text_vocab": a.text_vocab_size,
-    }
-
-
 class ModelPipeline:
     def __init__(self, settings: PipelineConfig, ckpt: CheckpointSet, device: torch.device) -> None:
         self.s = settings
         self.ckpt = ckpt
         self.device = device
         self.residency = Residency(settings, ckpt, device, phase=self._phase)
+        self.snapshots = KVSnapshots(int(settings.kv_snapshot_mb * 2**20), settings.kv_snapshot_memory)
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
@@ -69,6 +58,9 @@ class ModelPipeline:
     def load(self) -> None:
         """Load what stays resident (``Residency.load``), then compile the backbones' decode step."""
         self.residency.load()
+        for name, bb in self.residency.backbones.items():
+            bb.name = name
+            bb.snapshots = self.snapshots if self.snapshots.capacity > 0 else None
         if want_compile(self.s.compile, self.device):
             self.phase_hook("compiling")
             for bb in self.residency.backbones.values():
@@ -85,6 +77,7 @@ class ModelPipeline:
         out = self.residency.status()
         compiled = [bb.compiled.describe() for bb in self.residency.backbones.values() if bb.compiled is not None]
         out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
+        out["kv_snapshots"] = self.snapshots.describe()
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -98,7 +91,7 @@ class ModelPipeline:
             "tiny_checkpoints": self.ckpt.tiny,
             "checkpoint_layout": self.ckpt.layout,
             "checkpoints": dict(self.ckpt.found),
-            "architectures": {n: _arch_summary(b.gpt.arch) for n, b in self.residency.backbones.items()},
+            "architectures": {n: b.gpt.arch.summary() for n, b in self.residency.backbones.items()},
         }
 
     # -- limits, reported in /config ---------------------------------------------------------------
@@ -189,11 +182,12 @@ class ModelPipeline:
             max_new_tokens=self.s.max_new_tokens,
             min_share=self.min_share(),
         )
+        kept = kept_codes(req.prefix, SUPERRES_LEVELS, plan.budget_frames) if req.prefix is not None else None
         length = len(bb_prompt) + 2 * plan.budget_frames
         size = self._fit(len(reqs), lambda b: backbone.kv_bytes_new(b, length))
         out: list[TrackResult | BaseException] = []
         for a in range(0, len(reqs), size):
-            out += self._run_batch(reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan)
+            out += self._run_batch(reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan, kept)
         return out
 
     def _run_batch(
@@ -204,6 +198,7 @@ class ModelPipeline:
         backbone: Backbone,
         bb_prompt: list[int],
         plan: LengthPlan,
+        kept: torch.Tensor | None = None,  # (64, K): a retake's kept frames
     ) -> list[TrackResult | BaseException]:
         residency, tokenizer = self.residency, self.residency.tokenizer
         assert tokenizer is not None
@@ -215,7 +210,15 @@ class ModelPipeline:
         ids = ",".join(r.task_id for r in reqs)
 
         t = time.perf_counter()
-        bbs = backbone.generate_batch(bb_prompt, plan, takes, top_k=req.top_k_bb, temperature=req.temperature)
+        bbs = backbone.generate_batch(
+            bb_prompt,
+            plan,
+            takes,
+            top_k=req.top_k_bb,
+            temperature=req.temperature,
+            kept=None if kept is None else kept[:BACKBONE_LEVELS],
+            origin=req.prefix.origin if req.prefix is not None else "",
+        )
         timings["backbone_sec"] = time.perf_counter() - t
         for r, bb in zip(reqs, bbs, strict=True):
             if bb is not None:
@@ -251,7 +254,12 @@ class ModelPipeline:
                 assert got is not None
                 coarse.append(got.codes)
             codes_list = superres.generate_batch(
-                sr_prompt, coarse, top_k=req.top_k_sr, generators=[gens[i] for i in live], ctxs=[ctxs[i] for i in live]
+                sr_prompt,
+                coarse,
+                top_k=req.top_k_sr,
+                generators=[gens[i] for i in live],
+                ctxs=[ctxs[i] for i in live],
+                known=kept,
             )
             timings["superres_sec"] = time.perf_counter() - t
             residency.leave_superres()
@@ -331,7 +339,9 @@ class ModelPipeline:
             "task_id": req.task_id,
             "job_id": req.job_id,
             "track_index": req.track_index,
-            "request": {k: v for k, v in asdict(req).items() if k not in ("task_id", "job_id", "track_index")},
+            "request": {
+                k: v for k, v in asdict(req).items() if k not in ("task_id", "job_id", "track_index", "prefix")
+            },
             "seed": req.seed,
             "models": {"backbone": bb_name, "superres": sr_name, "tiny_checkpoints": self.ckpt.tiny},
             "tokens": {
@@ -341,6 +351,7 @@ class ModelPipeline:
                 "frames": int(codes.shape[1]),
                 "stopped_by": bb.stopped_by,
             },
+            "prefill": bb.prefill,
             "stopped_by": bb.stopped_by,
             "batch_size": batch_size,
             "timings": timings,
@@ -354,13 +365,19 @@ class ModelPipeline:
         }
         if parked is not None:  # park mode: which stages waited in host memory while each stage ran
             metadata["parked"] = parked
+        if req.prefix is not None:
+            metadata["continued"] = continued(req.prefix, cfg.frame_rate)
         mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
         timings["model_sec"] = time.perf_counter() - t_all
-        wav, mp3_name, meta, metadata = write_track(self.s.output_dir, audio, cfg.sample_rate, metadata, mp3, on_export)
+        grid = (codes[: cfg.n_codebooks].numpy(), codes_header(metadata, cfg.frame_rate))
+        wav, mp3_name, meta, metadata = write_track(
+            self.s.output_dir, audio, cfg.sample_rate, metadata, mp3, on_export, codes=grid
+        )
         log.info(
             "task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all
         )
-        return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata)
+        codes_name = metadata["files"]["codes"]
+        return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata, codes_name)
 
 
 def vocal_lang_of(req: TrackRequest) -> str:

@@ -1,8 +1,10 @@
 """The test pipeline: a deterministic tone after a configurable delay, with the real export.
 
 For scheduling and fault tests of the dispatcher (``--pipeline test``): it reports progress through
-the same phases, honours cancellation, and writes real WAV/MP3/JSON files. Never a substitute for
-the model pipeline in its own tests.
+the same phases, honours cancellation, and writes real WAV/MP3/JSON files and a codes file: a
+deterministic grid (``(seed + frame + level) mod 1024``) that starts with a request's prefix, so
+retakes can be routed and checked through the dispatcher at tone speed. Its audio stays a tone
+(it has no decoder). Never a substitute for the model pipeline in its own tests.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from songserve.errors import RequestError
 from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.numbers import FRAMES_PER_SECOND, HOP, SAMPLE_RATE
+from songserve.pipeline.numbers import CODEBOOK, FRAMES_PER_SECOND, HOP, SAMPLE_RATE, SUPERRES_LEVELS
 from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.types import TrackRequest, TrackResult
 
@@ -52,7 +55,9 @@ class TonePipeline:
         out: list[TrackResult | BaseException] = []
         for req, ctx in zip(reqs, ctxs, strict=True):
             try:
-                out.append(self.run(req, ctx))
+                got = self.run(req, ctx)
+                got.metadata["batch_size"] = len(reqs)  # what the dispatcher's packing sent as one batch
+                out.append(got)
             except Exception as exc:
                 out.append(exc)
         return out
@@ -71,12 +76,19 @@ class TonePipeline:
         if self.s.test_max_audio_sec:  # load and fuzz tests: the schedule is the point, not the audio
             seconds = min(seconds, self.s.test_max_audio_sec)
         frames = max(1, int(seconds * SAMPLE_RATE / HOP))
+        codes = (req.seed + np.arange(frames)[None, :] + np.arange(SUPERRES_LEVELS)[:, None]) % CODEBOOK
+        if req.prefix is not None:
+            if req.prefix.levels != SUPERRES_LEVELS or req.prefix.frames >= frames:
+                raise RequestError(f"The prefix ({req.prefix.levels} × {req.prefix.frames}) does not fit a "
+                                   f"{SUPERRES_LEVELS} × {frames} grid.")  # fmt: skip
+            kept = np.frombuffer(req.prefix.raw, dtype="<i2").reshape(SUPERRES_LEVELS, req.prefix.frames)
+            codes[:, : req.prefix.frames] = kept
         n = frames * HOP
         freq = 220.0 + (req.seed % 440)
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
         tone = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
         audio = np.stack([tone, tone], axis=1)
-        meta = {
+        meta: dict[str, Any] = {
             "task_id": req.task_id,
             "job_id": req.job_id,
             "track_index": req.track_index,
@@ -86,5 +98,12 @@ class TonePipeline:
             "timings": {"delay_sec": self.s.test_delay_s},
             "duration_sec": n / SAMPLE_RATE,
         }
-        wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options())
-        return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta)
+        offered = {"backbone": "default_backbone", "superres": "default_superres"}  # what describe() says
+        head: dict[str, Any] = {"seed": req.seed, "models": offered, "frame_rate": FRAMES_PER_SECOND, "hop": HOP,
+                "sample_rate": SAMPLE_RATE, "job_id": req.job_id, "track_index": req.track_index}  # fmt: skip
+        if req.prefix is not None:
+            meta["continued"] = {"frames": req.prefix.frames, "at_sec": req.prefix.frames / FRAMES_PER_SECOND,
+                                 "origin": req.prefix.origin}  # fmt: skip
+            head["continued"] = meta["continued"]
+        wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options(), codes=(codes, head))
+        return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta, meta["files"]["codes"])

@@ -17,6 +17,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Prefix:
+    """A code grid to continue from: the take starts with exactly these frames, every level of them.
+
+    Where it came from (a finished take, later a user's own audio through the codec's encoder) is
+    the sender's business; ``origin`` only labels it in the worker's KV snapshots and metadata."""
+
+    raw: bytes = field(repr=False)  # levels × frames int16, little-endian, level-major
+    levels: int
+    frames: int
+    origin: str = ""
+
+
+@dataclass(frozen=True)
 class TrackRequest:
     """One track, as the worker receives it (docs/api.md, worker payload)."""
 
@@ -38,14 +51,16 @@ class TrackRequest:
     job_id: str = ""
     track_index: int = 0
     extra: dict[str, Any] = field(default_factory=dict[str, Any])  # raw_* fields, recorded in the JSON only
+    prefix: Prefix | None = None  # continue from these frames (a retake); None: a take from the prompt alone
 
 
 @dataclass
 class BackboneResult:
-    codes: torch.Tensor  # (2, frames): q0 and q1 codes in [0, 1024)
+    codes: torch.Tensor  # (2, frames): q0 and q1 codes in [0, 1024), a prefix's kept frames first
     prompt_tokens: int
-    new_tokens: int
+    new_tokens: int  # sampled here (a prefix's kept tokens are not)
     stopped_by: str  # "end_of_audio" or "budget"
+    prefill: dict[str, Any] = field(default_factory=dict[str, Any])  # tokens, restored (from a KV snapshot), sec
 
 
 @dataclass
@@ -57,6 +72,7 @@ class TrackResult:
     backbone_tokens: int
     seed: int
     metadata: dict[str, Any]
+    codes_filename: str = ""  # the take's code grid (songserve/codes.py), beside its WAV
 
 
 class Pipeline(Protocol):

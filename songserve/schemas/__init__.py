@@ -5,6 +5,8 @@ reference's workers; do not rename them. By concern:
 - ``worker``: dispatcher ↔ worker (``/generate``, ``/generate_batch``, ``/health``, ``/config``, tasks);
 - ``announce``: workers that join a dispatcher (``POST /workers``);
 - ``client``: the dispatcher's client routes (``POST /generate``, the job view);
+- ``continuation``: continuing a song (``ContinueFrom``, and ``PrefixCodes``, the code grid a
+  worker continues from);
 - ``common``: the patterns that bound names and ids, and a percent.
 Everything is re-exported here: importers name ``songserve.schemas`` only.
 """
@@ -16,12 +18,14 @@ from songserve.schemas.client import AceStepExtras, GenerateAccepted, GenerateRe
 from songserve.schemas.common import (
     FILE_NAME_PATTERN,
     ID_PATTERN,
+    JOB_ID_PATTERN,
     MAX_SEED,
     NO_CONTROL,
     SHA256_PATTERN,
     WORD_PATTERN,
     Percent,
 )
+from songserve.schemas.continuation import CODEBOOK_SIZE, MAX_PREFIX_FRAMES, ContinueFrom, PrefixCodes
 from songserve.schemas.worker import (
     ErrorKind,
     ResultFile,
@@ -40,18 +44,23 @@ from songserve.schemas.worker import (
 )
 
 __all__ = [
+    "CODEBOOK_SIZE",
     "FILE_NAME_PATTERN",
     "ID_PATTERN",
+    "JOB_ID_PATTERN",
+    "MAX_PREFIX_FRAMES",
     "MAX_SEED",
     "NO_CONTROL",
     "SHA256_PATTERN",
     "WORD_PATTERN",
+    "AceStepExtras",
+    "ContinueFrom",
     "ErrorKind",
     "GenerateAccepted",
-    "AceStepExtras",
     "GenerateRequest",
     "JobView",
     "Percent",
+    "PrefixCodes",
     "ResultFile",
     "TakeHealth",
     "TaskState",

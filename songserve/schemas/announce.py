@@ -1,4 +1,8 @@
-"""Wire models of workers that join a dispatcher by announcing themselves (``POST /workers``)."""
+"""Workers that join a dispatcher by announcing themselves (``POST /workers``, docs/api.md).
+
+The URL a worker announces is where the dispatcher sends everything else, so it is checked here
+as a plain origin; a bad one is a 422 naming it (and refuses a worker's start-up, ``settings.py``).
+"""
 
 from __future__ import annotations
 

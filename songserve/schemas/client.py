@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
 from songserve.body_fields import BodyFields, read_body
+from songserve.schemas.continuation import ContinueFrom
 
 
 class AceStepExtras(BaseModel):
@@ -53,6 +54,9 @@ class GenerateRequest(BaseModel):
     acestep: AceStepExtras | None = Field(
         None, description="(internal) what the ACE-Step dialect keeps with a job it made; our clients leave it out"
     )
+    continue_from: ContinueFrom | None = Field(
+        None, description="keep a finished take's audio before at_sec and generate the rest (docs/api.md)"
+    )
 
     _body: BodyFields = PrivateAttr(default_factory=BodyFields)
 
@@ -85,6 +89,7 @@ class GenerateAccepted(BaseModel):
 class TrackFiles(BaseModel):
     mp3: str
     wav: str
+    codes: str | None = None  # the take's code grid (GET /job/{id}/track/{i}/codes), when its worker kept one
 
 
 class TrackView(BaseModel):

@@ -16,6 +16,7 @@ ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
 WORD_PATTERN = r"^[A-Za-z_]*$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 FILE_NAME_PATTERN = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,200})?$"  # a plain file name, as /download serves (or none)
+JOB_ID_PATTERN = r"^[a-f0-9]{8,64}$"  # the dispatcher's job ids (16 hex digits; older ones may differ in length)
 MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
 
 

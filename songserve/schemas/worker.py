@@ -21,6 +21,7 @@ from songserve.schemas.common import (
     WORD_PATTERN,
     Percent,
 )
+from songserve.schemas.continuation import PrefixCodes
 
 
 class WorkerPhase(StrEnum):
@@ -73,6 +74,7 @@ class WorkerGenerateRequest(BaseModel):
     task_id: str = Field("", max_length=64, pattern=ID_PATTERN)
     job_id: str = Field("", max_length=64, pattern=ID_PATTERN)
     track_index: int = Field(0, ge=0, le=1000)
+    prefix: PrefixCodes | None = None  # ext: continue from these frames (kept exactly), generate the rest
 
 
 class ResultFile(BaseModel):
@@ -85,7 +87,7 @@ class ResultFile(BaseModel):
 
 
 class WorkerGenerateResult(BaseModel):
-    """Worker → dispatcher: a finished track. ``task_id``, ``json_filename`` and ``files`` are our extensions.
+    """Worker → dispatcher: a finished track. ``task_id``, ``json_filename``, ``codes_filename`` and ``files`` are ours.
 
     ``files``: each file's size and checksum by its file name (the reference's worker sends none:
     the dispatcher then checks what a WAV's header and ``duration_sec`` allow).
@@ -98,6 +100,7 @@ class WorkerGenerateResult(BaseModel):
     mp3_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
     wav_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
     json_filename: str = Field("", pattern=FILE_NAME_PATTERN)
+    codes_filename: str = Field("", pattern=FILE_NAME_PATTERN)  # ext: the take's code grid (songserve/codes.py)
     duration_sec: float
     backbone_tokens: int
     gpu_id: int
@@ -157,6 +160,7 @@ class WorkerHealth(BaseModel):
     batch_size: int | None = None  # ext: takes in the running batch
     tasks: list[TakeHealth] = Field(default_factory=list)  # ext: the takes of the running batch
     cuda_allocated_mb: float | None = None  # ext, on CUDA: memory torch holds on the device
+    kv_snapshots: dict[str, Any] | None = None  # ext, model pipeline: the backbone's kept prefixes (slots, bytes)
 
     def take(self, task_id: str) -> TakeHealth | None:
         """The progress of one running take: its own entry, or the whole worker's for a single task."""

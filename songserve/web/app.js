@@ -1,4 +1,5 @@
-// songserve page: submit a job, follow it over server-sent events, play and download the tracks.
+// songserve page: submit a job, follow it over server-sent events, play and download the tracks,
+// and continue a finished track from the player's position.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -206,8 +207,60 @@ function render(card, job) {
         audio.src = t.files.mp3.replace(/^\//, "");
         result.querySelector(".dl-mp3").href = t.files.mp3.replace(/^\//, "");
         result.querySelector(".dl-wav").href = t.files.wav.replace(/^\//, "");
+        setupResult(result, card.dataset.jobId, t.index, audio);
       }
       result.hidden = false;
+    }
+  });
+}
+
+// ---- a finished track: other formats, and "continue from here" --------------------------------
+// FLAC and Opus are rendered by the server from the stored WAV (GET …/render), at a loudness if chosen.
+function renderLinks(result, jobId, index) {
+  const loudness = result.querySelector(".loudness").value;
+  for (const format of ["flac", "opus"]) {
+    const query = new URLSearchParams({ format });
+    if (loudness) query.set("loudness", loudness);
+    result.querySelector(`.dl-${format}`).href = `job/${jobId}/track/${index}/render?${query}`;
+  }
+}
+
+function clock(sec) {
+  const m = Math.floor(sec / 60);
+  return `${m}:${(sec - 60 * m).toFixed(1).padStart(4, "0")}`;
+}
+
+// A retake: the server keeps this track's audio before the player's position and generates the
+// rest again (POST /generate with continue_from); style, lyrics and length stay the original's.
+function setupResult(result, jobId, index, audio) {
+  renderLinks(result, jobId, index);
+  result.querySelector(".loudness").addEventListener("change", () => renderLinks(result, jobId, index));
+  const button = result.querySelector(".continue");
+  const label = () => {
+    button.textContent = audio.currentTime > 0 ? `Continue from ${clock(audio.currentTime)}` : "Continue from here";
+  };
+  audio.addEventListener("timeupdate", label);
+  audio.addEventListener("seeked", label);
+  const card = result.closest(".job");
+  button.addEventListener("click", async () => {
+    const error = card.querySelector(".job-error");
+    const at = audio.currentTime;
+    if (!(at > 0)) { showError(error, "Play the track and pause where its new part should start."); return; }
+    showError(error, "");
+    const body = { continue_from: { job_id: jobId, track_index: index, at_sec: Number(at.toFixed(3)) },
+                   num_tracks: Number($("num_tracks").value) };
+    if ($("seed").value !== "") body.seed = Number($("seed").value);
+    button.disabled = true;
+    try {
+      const accepted = await api("generate", {
+        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+      });
+      const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · from ${clock(at)}`;
+      followJob(accepted.job_id, { tags: title }, accepted.adjusted);
+    } catch (e) {
+      showError(error, e.message);
+    } finally {
+      button.disabled = false;
     }
   });
 }

@@ -25,7 +25,7 @@ from typing import Any
 from songserve.schemas import ResultFile
 
 log = logging.getLogger(__name__)
-OUTPUT_SUFFIXES = (".wav", ".mp3", ".json", ".tmp")  # what export writes; nothing else is ever removed
+OUTPUT_SUFFIXES = (".wav", ".mp3", ".json", ".codes", ".tmp")  # what export writes; nothing else is ever removed
 OUTPUT_NAME = re.compile(r"^\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 
 
@@ -95,7 +95,7 @@ def names_from_metadata(out_dir: Path, task_id: str) -> list[str]:
             continue
         if isinstance(meta, dict) and meta.get("task_id") == task_id:
             files = meta.get("files") or {}
-            found += [str(files[k]) for k in ("wav", "mp3") if k in files] + [entry.name]
+            found += [str(files[k]) for k in ("wav", "mp3", "codes") if k in files] + [entry.name]
     return found
 
 

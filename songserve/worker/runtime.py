@@ -204,7 +204,7 @@ class WorkerRuntime:
         """Each finished take's files, sized and checksummed as written (``{}`` for a take that failed)."""
         out_dir = self.s.output_dir
         return [
-            file_facts(out_dir, [n for n in (r.wav_filename, r.mp3_filename, r.json_filename) if n])
+            file_facts(out_dir, [n for n in (r.wav_filename, r.mp3_filename, r.codes_filename, r.json_filename) if n])
             if isinstance(r, TrackResult)
             else {}
             for r in raw
@@ -262,7 +262,7 @@ class WorkerRuntime:
 
     # -- output files ---------------------------------------------------------------------------
     def remove_task_files(self, task_id: str) -> list[str]:
-        """Delete one finished task's WAV/MP3/JSON (the dispatcher has copied them); returns the names removed.
+        """Delete one finished task's WAV/MP3/codes/JSON (the dispatcher has copied them); returns the names removed.
 
         The names come from the remembered task, or, for a task this process no longer remembers
         (restarted, or evicted), from the JSON files that name it. Removing twice is not an error.
@@ -272,7 +272,7 @@ class WorkerRuntime:
         view = self.tasks.get(task_id)
         if view is not None and view.result is not None:
             r = view.result
-            names = [r.wav_filename, r.mp3_filename, r.json_filename]
+            names = [n for n in (r.wav_filename, r.mp3_filename, r.codes_filename, r.json_filename) if n]
         else:
             names = names_from_metadata(self.s.output_dir, task_id)
             if not names and view is None:

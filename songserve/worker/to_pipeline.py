@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 
 from songserve.errors import SongserveError, TaskCancelled
 from songserve.http_errors import error_response
-from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.pipeline.types import Prefix, TrackRequest, TrackResult
 from songserve.schemas import (
+    PrefixCodes,
     ResultFile,
     WorkerBatchResult,
     WorkerGenerateRequest,
@@ -61,7 +62,13 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
             "raw_mode": body.raw_mode,
             "raw_prompt_mode": body.raw_prompt_mode,
         },
+        prefix=prefix(body.prefix) if body.prefix is not None else None,
     )
+
+
+def prefix(wire: PrefixCodes) -> Prefix:
+    """The wire's base64 grid as the pipeline's ``Prefix`` (the codes decoded once, here)."""
+    return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin)
 
 
 def generate_result(
@@ -74,6 +81,7 @@ def generate_result(
         mp3_filename=got.mp3_filename,
         wav_filename=got.wav_filename,
         json_filename=got.json_filename,
+        codes_filename=got.codes_filename,
         duration_sec=got.duration_sec,
         backbone_tokens=got.backbone_tokens,
         gpu_id=gpu_id,

@@ -12,8 +12,9 @@ Only the translation differs, and it lives here, one concern a module:
     bodies.py     a request body as ACE-Step reads it (JSON, +json, form, multipart, untyped)
     params.py     its alias table, nested sources (``param_obj``, ``metas``) and loose coercions
     translate.py  ACE-Step parameters → our ``GenerateRequest`` (what is ignored, what was read differently)
-    repaint.py    ``task_type: repaint`` checked in full, then handed to the one function that continues
-    tasks.py      submit and look up tasks through the ``JobService``; errors renamed to ACE-Step's fields
+    repaint.py    ``task_type: repaint`` to the end checked in full, then handed to ``tasks.continue_from``
+    tasks.py      submit and look up tasks through the ``JobService`` (a repaint: our ``continue_from``
+                  retake of the source take); errors renamed to ACE-Step's fields
     answers.py    the wrapper, ``/query_result`` items and the ``result`` string, ``/v1/stats``
     files.py      opaque audio ids for ``/v1/audio?path=`` (never a filesystem path), FLAC on demand
     samples.py    ``/create_random_sample`` (from ``examples.json``, written for this project), ``/format_input``

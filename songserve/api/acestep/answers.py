@@ -38,7 +38,8 @@ def audio_format(job: Job) -> str:
     return extra.audio_format if extra is not None else "mp3"
 
 
-def _caption(job: Job) -> str:
+def caption_of(job: Job) -> str:
+    """The caption as the task's client sent it (a job made on our own port: its style)."""
     extra = job.request.acestep
     return extra.caption if extra is not None else _style(job)
 
@@ -84,7 +85,7 @@ def take_item(job: Job, view: JobView, t: TrackView, seeds: str) -> dict[str, An
             "genres": None,
             "keyscale": None,
             "timesignature": None,
-            "prompt": _caption(job),
+            "prompt": caption_of(job),
             "lyrics": job.request.lyrics,
         },
         "seed_value": seeds,

@@ -10,7 +10,7 @@ upload (multipart ``src_audio``/``ctx_audio``).
 Refused with a 400 naming the key: a finite end (the model cannot stop and rejoin the source), a
 negative start, and no source at all. A reference audio or a foreign ``src_audio_path`` is refused
 for every task type (``translate.py``). What a valid repaint becomes is one function,
-``tasks.continue_from``.
+``tasks.continue_from``: a retake (``continue_from``) of the source take from ``repainting_start``.
 """
 
 from __future__ import annotations

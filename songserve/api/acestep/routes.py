@@ -74,8 +74,8 @@ async def release_task(request: Request, authorization: str | None = Authorizati
     ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
-        return JSONResponse(await continue_from(svc, task))
-    if task.source is not None:
+        task = await continue_from(svc, task)  # our retake of the source take from repainting_start
+    elif task.source is not None:
         await source_take(svc, task.source, task.keys["src_audio_path"])
     accepted = await submit(svc, task)
     data = {"task_id": accepted.job_id, "status": "queued", "queue_position": max(1, accepted.queue_position)}

@@ -3,8 +3,11 @@
 ``submit`` hands the translated request to ``JobService.submit`` (the same normalisation, limits,
 queue and store) and says its refusals in ACE-Step's names (``duration`` → ``audio_duration``, or the
 alias the client used) with ACE-Step's 400; ``find`` reads a job and its view (from memory while
-active, else from the store, so any dispatcher of a shared store answers); ``continue_from`` is
-where a repaint goes.
+active, else from the store, so any dispatcher of a shared store answers); ``continue_from`` makes
+a repaint to the end our retake of a point (``continue_from`` on ``POST /generate``): the source take
+(a ``src_audio_path`` this server returned names its job and take) kept up to ``repainting_start``,
+the rest generated. What the repaint's body sets (caption, lyrics, length, seed, model) applies; what
+it leaves out is the source take's, as for any retake (``songserve/api/retakes.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import ValidationError
+
+from songserve.api.acestep.answers import caption_of
 from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
@@ -21,7 +27,7 @@ from songserve.api.service import JobService
 from songserve.api.store import Job
 from songserve.api.views import job_view
 from songserve.errors import FieldError
-from songserve.schemas import GenerateAccepted, JobView
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
 
 log = logging.getLogger(__name__)
 
@@ -64,26 +70,60 @@ async def find(svc: JobService, task_id: str) -> tuple[Job, JobView] | None:
     return job, job_view(job, facts.positions, facts.eta)
 
 
-async def source_take(svc: JobService, ref: AudioRef, key: str) -> float:
-    """The seconds of the finished take a ``src_audio_path`` names, or a 400 naming the key."""
+async def _source(svc: JobService, ref: AudioRef, key: str) -> tuple[Job, TrackView]:
+    """The job and the finished take a ``src_audio_path`` names, or a 400 naming the key."""
     found = await find(svc, ref.job_id)
     tracks = found[1].tracks if found else []
     take = tracks[ref.index] if ref.index < len(tracks) else None
-    if take is None or take.status != "done":
+    if found is None or take is None or take.status != "done":
         raise field_error(key, "names no finished take of this server")
-    return take.duration_sec
+    return found[0], take
 
 
-async def continue_from(svc: JobService, repaint: Repaint) -> dict[str, Any]:
-    """A repaint to the end: continue the source from ``start`` (the retake of a point).
+async def source_take(svc: JobService, ref: AudioRef, key: str) -> float:
+    """The seconds of the finished take a ``src_audio_path`` names, or a 400 naming the key."""
+    return (await _source(svc, ref, key))[1].duration_sec
 
-    Everything about the request is checked by now; what is left is the continuation itself, which
-    needs ``continue_from`` on ``POST /generate`` (and, for an upload, audio uploads).
+
+async def continue_from(svc: JobService, repaint: Repaint) -> Task:
+    """A repaint to the end as the task to submit: a retake of the source take from ``start``.
+
+    Everything about the request is checked by now but the source itself; an uploaded source needs
+    the codec's encoder to become codes, so it stays a 400 until the worker has one.
     """
-    key = repaint.task.keys.get("src_audio_path", "src_audio_path")
-    if isinstance(repaint.source, AudioRef):
-        seconds = await source_take(svc, repaint.source, key)
-        if repaint.start > seconds:
-            raise field_error("repainting_start", f"is past the end of the source ({seconds:.2f} s)")
-    what = "an uploaded src_audio" if isinstance(repaint.source, Upload) else "a take"
-    raise AceError(400, f"Field 'task_type': repaint of {what} needs continue_from, not available in this build.")
+    task = repaint.task
+    key = task.keys.get("src_audio_path", "src_audio_path")
+    if isinstance(repaint.source, Upload):
+        raise AceError(400, "Field 'src_audio': a repaint of an uploaded file needs the audio encoder, which "
+                       "this server does not run yet; repaint a file it returned (src_audio_path).")  # fmt: skip
+    source, take = await _source(svc, repaint.source, key)
+    start_key = task.keys.get("at_sec", "repainting_start")
+    if repaint.start > take.duration_sec:
+        raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
+    if repaint.start <= 0:
+        raise field_error(start_key, "must be more than 0 seconds: a repaint keeps the source before it "
+                          "(text2music makes a new song)")  # fmt: skip
+    task.request = _retake(task, repaint.source, repaint.start, caption_of(source), key)
+    # Our retake's fields under the names the client sent: where the source and the point came from.
+    task.keys |= {"continue_from": key, "job_id": key, "track_index": key, "at_sec": start_key}
+    return task
+
+
+def _retake(task: Task, ref: AudioRef, start: float, caption: str, key: str) -> GenerateRequest:
+    """Our request for the repaint: only what its body sent, and ``continue_from``; the rest is inherited."""
+    r, sent = task.request, task.request.body.sent
+    body: dict[str, Any] = {
+        "num_tracks": r.num_tracks,
+        "continue_from": {"job_id": ref.job_id, "track_index": ref.index, "at_sec": start},
+    }
+    if "tags" in task.keys:  # a caption (or prompt) was sent
+        body |= {"prompt_mode": r.prompt_mode, "tags": r.tags, "prompt": r.prompt}
+        caption = r.acestep.caption if r.acestep is not None else caption
+    if "lyrics" in task.keys:
+        body |= {"mode": r.mode, "lyrics": r.lyrics}
+    body |= {k: sent[k] for k in ("duration", "seed", "backbone") if k in sent}
+    body["acestep"] = {"audio_format": task.audio_format, "caption": caption}
+    try:
+        return GenerateRequest.model_validate(body)
+    except ValidationError as exc:  # a take index past our limit
+        raise field_error(key, str(exc.errors()[0]["msg"]).rstrip(".")) from None

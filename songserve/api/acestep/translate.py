@@ -225,6 +225,8 @@ def read_task(p: Params, uploads: Mapping[str, Upload], ctx: Context) -> Task | 
         task.keys["src_audio_path"] = src[0]
     if task_type == "repaint":
         start, whence = repaint.read(p, source, upload)
+        if (start_key := p.find("repainting_start")) is not None:
+            task.keys["at_sec"] = start_key[0]  # continue_from.at_sec, as the client named it
         out: Task | Repaint = Repaint(task, start, whence)
     else:
         task.source = source

@@ -73,6 +73,20 @@ class GPTArch:
             return self.inference_max_seq_length
         return min(self.max_sequence_length, self.inference_max_seq_length or self.max_sequence_length)
 
+    def summary(self) -> dict[str, Any]:
+        """``/config``'s ``architectures`` entry: what a person checks against the release."""
+        return {
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "heads": self.num_attention_heads,
+            "query_groups": self.num_query_groups or self.num_attention_heads,
+            "position_embedding": self.position_embedding_type,
+            "normalization": f"{self.normalization} eps={self.norm_epsilon:g}",
+            "vocab": self.vocab_size,
+            "padded_vocab": self.rows,
+            "text_vocab": self.text_vocab_size,
+        }
+
     @property
     def activation_name(self) -> str:
         return self.activation or ("silu" if self.gated_linear_unit else "gelu")

@@ -19,6 +19,11 @@ Why the loop looks like this (issue 14):
   for every request (a cache sized to each request's length recompiled the step per length);
 - a row that ended keeps drawing until that check, so its generator is rewound to the state right
   after its end-of-audio draw: the later stages see the same generator as a take run alone.
+
+A retake (issue 24) passes the kept frames' q0/q1 codes: they are prefilled after the prompt as the
+tokens the loop would have fed, written into the result as they are, and sampling starts after
+them. Only such a prefill uses the KV snapshots (``engine/kv_snapshots.py``): restored positions
+are not prefilled again, and the prefill is kept for the next retake of the same prefix.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +43,7 @@ from songserve.pipeline.engine.compiled_step import CompiledStep
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.kv_cache import KVCache
+from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.engine.sampling import sample_rows
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.numbers import CODEBOOK, TOKENS_PER_MINUTE
@@ -111,6 +118,8 @@ class Backbone:
         self.check_every = check_every
         self.compiled: CompiledStep | GraphedStep | None = None  # set at load when COMPILE is on
         self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
+        self.name = ""  # the model's name: the KV snapshots' key (set by the residency)
+        self.snapshots: KVSnapshots | None = None  # retakes' prefixes (KV_SNAPSHOT_MB > 0)
 
     def _cache_len(self, length: int) -> int:
         """The compiled step decodes into a cache of the full context: static shapes whatever the
@@ -127,17 +136,23 @@ class Backbone:
     def max_frames(self, prompt_len: int) -> int:
         return max(0, (self.gpt.arch.context_length - prompt_len) // 2)
 
+    def audio_ids(self, kept: torch.Tensor) -> list[int]:
+        """Kept frames' codes (2, K) → the 2K ids the loop feeds for them: q0, q1 of each frame in turn."""
+        offsets = torch.tensor([self.text_vocab, self.text_vocab + CODEBOOK]).view(2, 1)
+        return [int(x) for x in (kept.long().cpu() + offsets).t().reshape(-1)]
+
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], cache: KVCache, ctxs: list[TaskContext]) -> torch.Tensor:
+    def prefill(self, prompt: list[int], cache: KVCache, ctxs: list[TaskContext], start: int = 0) -> torch.Tensor:
         """Prompt → hidden at its last position (1, H); KV written to row 0, then copied to all rows.
 
         Chunks of ``prefill_chunk`` tokens with a cancellation check between them; the result
-        equals a one-pass prefill (same causal attention, only split over the key axis's prefix)."""
+        equals a one-pass prefill (same causal attention, only split over the key axis's prefix).
+        ``start`` > 0: positions [0, start) are in row 0 already (a restored snapshot)."""
         dev = self.dm.device
         ids = torch.tensor(prompt, device=dev).view(1, -1)
         row0 = cache.rows(0, 1)
         h = None
-        for a in range(0, len(prompt), self.prefill_chunk):
+        for a in range(start, len(prompt), self.prefill_chunk):
             if all(c.cancelled() for c in ctxs):
                 raise TaskCancelled(f"Task {ctxs[0].task_id} was cancelled.")
             b = min(len(prompt), a + self.prefill_chunk)
@@ -146,6 +161,30 @@ class Backbone:
         assert h is not None
         cache.broadcast_row0(len(prompt))
         return h
+
+    def _prefill_kept(
+        self, ids: list[int], cache: KVCache, ctxs: list[TaskContext], continues: bool, origin: str
+    ) -> dict[str, Any]:
+        """The prefill, through the KV snapshots when the take continues a prefix: ``h`` (1, H) and
+        the metadata's ``prefill`` (tokens, restored, sec)."""
+        t0 = time.perf_counter()
+        snaps = self.snapshots if continues else None
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        restored, h = 0, None
+        if snaps is not None:
+            restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1))
+            if restored:
+                log.info("task %s: %d of %d prefix tokens restored from a KV snapshot (%s)", ctxs[0].task_id,
+                         restored, len(ids), came_from or "no origin")  # fmt: skip
+        if h is None:
+            h = self.prefill(ids, cache, ctxs, start=restored)
+        else:  # all of it, and its last hidden state: nothing to prefill
+            cache.broadcast_row0(len(ids))
+        if snaps is not None:
+            snaps.save(self.name, ids_t, cache.rows(0, 1), origin, h)
+        if self.dm.device.type == "cuda":
+            torch.cuda.synchronize(self.dm.device)  # the seconds below are the prefill's, not its launch's
+        return {"h": h, "tokens": len(ids), "restored": restored, "sec": round(time.perf_counter() - t0, 6)}
 
     def _kv_len(self, end: int, cache_len: int) -> tuple[int, bool]:
         """Eager: exactly the written prefix, no mask. Compiled: a power-of-two bucket with a mask."""
@@ -189,36 +228,55 @@ class Backbone:
         top_k: int,
         temperature: float,
         top_p: float | None = None,
+        kept: torch.Tensor | None = None,
+        origin: str = "",
     ) -> list[BackboneResult | None]:
-        """N takes of one prompt as one batch; ``None`` for a take cancelled on its own."""
+        """N takes of one prompt as one batch; ``None`` for a take cancelled on its own.
+
+        ``kept`` (2, K): a retake's kept frames, which every take starts with; ``origin`` labels
+        their KV snapshot."""
         dm, P = self.dm, len(prompt)
         total = 2 * min(plan.budget_frames, self.max_frames(P))
         B = len(takes)
+        kept_ids = self.audio_ids(kept) if kept is not None else []
+        t_first = len(kept_ids)  # the first token sampled here
+        if t_first >= total:
+            raise RequestError(
+                f"The kept part ({t_first // 2} frames) leaves nothing to generate within the song's "
+                f"{total // 2} frames; ask for a longer duration or continue from an earlier point."
+            )
         if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
             cache = self.compiled.cache_for(B, P + total)
         else:
             cache = dm.new_cache(B, self._cache_len(P + total))
         dm.rope_tables(P + total)
-        h = self.prefill(prompt, cache, [t.ctx for t in takes]).expand(B, -1)
+        prefill = self._prefill_kept(prompt + kept_ids, cache, [t.ctx for t in takes], kept is not None, origin)
+        h = prefill.pop("h").expand(B, -1)
         dev = dm.device
 
         rows = list(range(B))  # original take index of each active row
         slots = list(range(B))  # its row in h and the cache (compiled mode keeps ended rows' slots)
         results: list[BackboneResult | None] = [None] * B
         buf = torch.zeros(max(total, 1), B, dtype=torch.long, device=dev)  # codes, column = take
+        if t_first:
+            buf[:t_first] = (
+                torch.tensor(kept_ids, device=dev).view(-1, 1)
+                - self.text_vocab
+                - (torch.arange(t_first, device=dev) % 2).view(-1, 1) * CODEBOOK
+            )
         rows_t = torch.arange(B, device=dev)
         slots_t = rows_t
-        pos = torch.tensor([P], device=dev)
+        pos = torch.tensor([P + t_first], device=dev)
         saved: dict[int, list[torch.Tensor]] = {}  # step → generator states after an end-of-audio-able draw
-        last_check, t0 = 0, time.perf_counter()
+        last_check, t0 = t_first, time.perf_counter()
         step_fn: StepFn = self.compiled or dm.step
 
         def finish(i: int, n_codes: int, stopped_by: str) -> None:
             codes = buf[:n_codes, i].to("cpu")
             grid = codes.view(-1, 2).t().contiguous() if n_codes else torch.zeros(2, 0, dtype=torch.long)
-            results[i] = BackboneResult(grid, P, n_codes, stopped_by)
+            results[i] = BackboneResult(grid, P, n_codes - t_first, stopped_by, dict(prefill))
 
-        t = 0
+        t = t_first
         while t < total and rows:
             level = t % 2
             start = self.text_vocab + level * CODEBOOK
@@ -244,7 +302,7 @@ class Backbone:
             t += 1
             if t - last_check >= self.check_every or last:
                 h, cache, rows, slots = self._check(
-                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last, P
+                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last, P, first=t_first
                 )
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
                 saved.clear()
@@ -269,6 +327,7 @@ class Backbone:
         t0: float,
         last: bool,
         prompt_len: int,
+        first: int = 0,
     ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
         """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
         block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
@@ -284,7 +343,7 @@ class Backbone:
                 log.info("task %s: cancelled in the backbone at token %d", takes[i].ctx.task_id, t)
             else:
                 keep.append(j)
-        rate = t / max(time.perf_counter() - t0, 1e-9)
+        rate = (t - first) / max(time.perf_counter() - t0, 1e-9)  # tokens sampled here per second
         for j in keep:
             takes[rows[j]].ctx.report(
                 "backbone",

@@ -1,6 +1,7 @@
-"""Export: WAV, MP3 and JSON for one track, each written atomically into the output folder.
+"""Export: WAV, MP3, the code grid and JSON for one track, each written atomically into the output folder.
 
-Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``. MP3 goes through
+Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``, plus ``.codes`` (the take's
+64 × frames code grid, ``songserve/codes.py``: what a later retake continues from). MP3 goes through
 ``soundfile``'s bundled libsndfile (no system package), constant bitrate, highest quality by
 default. Each file is written under a temporary name in the same folder, then renamed.
 
@@ -30,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
+
+from songserve import codes as codes_file
 
 MP3_BLOCK_SEC = 10  # seconds of audio per MP3 write (a progress report after each)
 WAV_SHARE = 0.05  # of the export: writing 16-bit PCM is ~40× quicker than encoding MP3
@@ -101,10 +104,13 @@ def write_track(
     metadata: dict[str, Any],
     mp3: Mp3Options,
     on_progress: Progress | None = None,
+    codes: tuple[np.ndarray, dict[str, Any]] | None = None,
 ) -> tuple[str, str, str, dict[str, Any]]:
     """audio (samples, channels) float32 in [-1, 1] → (wav, mp3, json) names and the metadata written.
 
     ``on_progress(share, what)``: the WAV is a small share (it is quick), the MP3 the rest.
+    ``codes``: the take's grid (levels, frames) and its file header, written as ``<base>.codes``
+    (``metadata["files"]["codes"]``) once the MP3 is done (a few hundred kB: no share of its own).
     """
     report: Progress = on_progress or (lambda share, what: None)
     try:
@@ -128,8 +134,14 @@ def write_track(
 
         _atomic(out_dir / mp3_name, lambda p: _write_mp3(p, audio, sample_rate, mp3, mp3_report), wav_bytes // 4)
         written.append(out_dir / mp3_name)
+        files = {"wav": wav, "mp3": mp3_name, "json": meta}
+        if codes is not None:
+            blob = codes_file.encode(*codes)
+            files["codes"] = f"{base}{codes_file.SUFFIX}"
+            _atomic(out_dir / files["codes"], lambda p: p.write_bytes(blob), len(blob))
+            written.append(out_dir / files["codes"])
         timings = {**metadata.get("timings", {}), "export_sec": time.perf_counter() - t0}
-        metadata = {**metadata, "timings": timings, "files": {"wav": wav, "mp3": mp3_name, "json": meta}}
+        metadata = {**metadata, "timings": timings, "files": files}
         text = json.dumps(metadata, indent=2, ensure_ascii=False)
         _atomic(out_dir / meta, lambda p: p.write_text(text, encoding="utf-8"), len(text.encode()))
     except BaseException:

@@ -9,6 +9,11 @@ model's context run in consecutive windows with the same prompt.
 Several takes of one prompt run as one batch (issue 14): rows of different lengths are padded
 with ``-1`` and their padding keys masked; a batch of equal lengths runs with no mask at all. Each
 take samples its own frames with its own generator, exactly the draws it makes alone.
+
+A retake (issue 24) passes the kept frames' 64 levels (``known``): at each level's pass they are
+written into the grid as known values and only the new frames' cells are sampled, so the network
+still sees the whole grid (non-causal) with levels 0..c-1 filled everywhere, as in a take of its
+own. A window of kept frames only is copied, not run.
 """
 
 from __future__ import annotations
@@ -51,16 +56,22 @@ class SuperRes:
         top_k: int,
         generators: list[torch.Generator],
         ctxs: list[TaskContext],
+        known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
         when every take is cancelled; its codes are then simply not used by the caller."""
         window = self.gpt.arch.context_length - len(prompt)
         if window <= 0:
             raise ValueError("the super-resolution prompt fills the whole context")
+        kept = 0 if known is None else int(known.shape[1])
+        if known is not None and int(known.shape[0]) != self.levels:
+            raise ValueError(f"the kept frames have {known.shape[0]} levels; this model writes {self.levels}")
         outs = []
         for c in coarse:
             out = torch.empty(self.levels, c.shape[1], dtype=torch.long)
             out[:2] = c
+            if known is not None:
+                out[:, :kept] = known[:, : c.shape[1]]
             outs.append(out)
         longest = max(c.shape[1] for c in coarse)
         spans = [(a, min(longest, a + window)) for a in range(0, longest, window)] or [(0, 0)]
@@ -68,6 +79,9 @@ class SuperRes:
         for w, (a, b) in enumerate(spans):
             members = [i for i, c in enumerate(coarse) if c.shape[1] > a or (a == 0 and c.shape[1] == 0)]
             parts = [coarse[i][:, a:b] for i in members]
+            known_here = None if known is None else known[:, a : min(b, kept)]
+            if known_here is not None and all(p.shape[1] <= known_here.shape[1] for p in parts):
+                continue  # every frame of this window is kept: nothing to sample (``outs`` holds them)
             got = self._window(
                 prompt,
                 parts,
@@ -76,6 +90,7 @@ class SuperRes:
                 [ctxs[i] for i in members],
                 w * passes,
                 passes * len(spans),
+                known_here,
             )
             for i, codes in zip(members, got, strict=True):
                 outs[i][:, a : a + codes.shape[1]] = codes
@@ -90,11 +105,14 @@ class SuperRes:
         ctxs: list[TaskContext],
         done0: int,
         total: int,
+        known: torch.Tensor | None = None,  # (levels, k): the window's first k frames, kept
     ) -> list[torch.Tensor]:
         """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
         dm, dev, T = self.dm, self.dm.device, self.text_vocab
         P, B = len(prompt), len(coarse)
         lens = [c.shape[1] for c in coarse]
+        k = 0 if known is None else int(known.shape[1])
+        kept = None if known is None else known.to(dev)
         F = max(lens)
         grid = torch.full((B, P + F, self.levels), -1, dtype=torch.long, device=dev)  # (B, S, C)
         grid[:, :P, 0] = torch.tensor(prompt, device=dev)
@@ -114,8 +132,12 @@ class SuperRes:
             h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
             for r in range(B):
-                logits = self.gpt.project(h[r, : lens[r]], start, start + CODEBOOK)
-                grid[r, P : P + lens[r], c] = start + sample(logits, top_k, generators[r])
+                if k and lens[r] <= k:
+                    continue  # a take that ended right where the kept frames end samples nothing
+                logits = self.gpt.project(h[r, k : lens[r]], start, start + CODEBOOK)
+                grid[r, P + k : P + lens[r], c] = start + sample(logits, top_k, generators[r])
+            if kept is not None:
+                grid[:, P : P + k, c] = start + kept[c]
             for x in ctxs:
                 x.report("superres", done0 + c - 1, total, f"level {c}/{self.levels - 1}")
         levels = torch.arange(self.levels, device=dev) * CODEBOOK

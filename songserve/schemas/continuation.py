@@ -1,0 +1,70 @@
+"""Continuing a song: the client's ``continue_from`` and the code grid a worker continues from.
+
+The two are kept apart on purpose. ``ContinueFrom`` names a finished take (a job, a track, a
+second); the dispatcher resolves it into a ``PrefixCodes``: the kept frames themselves, which is
+all a worker needs. A worker never looks a job up, so any other source of a code grid (a user's
+own audio through the codec's encoder, later) reaches it the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from songserve.schemas.common import JOB_ID_PATTERN, NO_CONTROL
+
+CODEBOOK_SIZE = 1024  # codes of every level are in [0, 1024)
+MAX_LEVELS = 64
+# 15 minutes (the worker's longest request) of 44,100 / 2,048 frames per second
+MAX_PREFIX_FRAMES = math.ceil(15 * 60 * 44_100 / 2_048)
+MAX_PREFIX_CHARS = 4 * math.ceil(MAX_LEVELS * MAX_PREFIX_FRAMES * 2 / 3)  # base64 of that many int16 codes
+
+
+class ContinueFrom(BaseModel):
+    """``POST /generate``'s ``continue_from``: keep a take's frames before ``at_sec``, generate the rest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(max_length=64, pattern=JOB_ID_PATTERN, description="the job of the take to continue")
+    track_index: int = Field(0, ge=0, le=1000, description="which of its takes")
+    at_sec: float = Field(gt=0, allow_inf_nan=False, description="seconds into that take: what comes before is kept")
+
+
+class PrefixCodes(BaseModel):
+    """Dispatcher → worker, with a task: the new take starts with exactly these frames.
+
+    ``codes`` is base64 of ``levels × frames`` little-endian int16 values, level-major (row ``c``
+    holds level ``c`` of every frame), each in [0, 1024). ``origin`` labels where the grid came
+    from (the dispatcher sends ``<job_id>/<track_index>``); the worker reports it with the KV
+    snapshots it keeps, so a dispatcher can send the next continuation of the same take to the
+    worker that holds its prefix.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    levels: int = Field(ge=1, le=MAX_LEVELS)
+    frames: int = Field(ge=1, le=MAX_PREFIX_FRAMES)
+    codes: str = Field(max_length=MAX_PREFIX_CHARS, repr=False)
+    origin: str = Field("", max_length=200, pattern=NO_CONTROL)
+
+    @model_validator(mode="after")
+    def _codes_fit(self) -> PrefixCodes:
+        try:
+            raw = base64.b64decode(self.codes, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("codes is not base64") from None
+        if len(raw) != 2 * self.levels * self.frames:
+            raise ValueError(f"codes holds {len(raw)} bytes; {self.levels} levels × {self.frames} frames need "
+                             f"{2 * self.levels * self.frames}")  # fmt: skip
+        return self
+
+    def raw(self) -> bytes:
+        """The int16 values, little-endian, level-major."""
+        return base64.b64decode(self.codes)
+
+    @classmethod
+    def of(cls, raw: bytes, levels: int, frames: int, origin: str = "") -> PrefixCodes:
+        return cls(levels=levels, frames=frames, codes=base64.b64encode(raw).decode(), origin=origin)

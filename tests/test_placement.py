@@ -1,0 +1,54 @@
+"""Which free worker a track goes to (``api/placement.py``), in-process: retakes to our workers, the
+snapshot's holder first; every other track as before."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from songserve.api.placement import pick
+from songserve.api.pool import WorkerHandle
+from songserve.api.store import Job, Track
+from songserve.api.worker_client import REFERENCE, WorkerClient
+from songserve.schemas import GenerateRequest, WorkerHealth
+
+pytestmark = pytest.mark.quick
+ORIGINAL = "0123456789abcdef"
+
+
+def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = False) -> WorkerHandle:
+    client = WorkerClient(httpx.AsyncClient(), f"http://w{worker_id}")
+    if reference:
+        client.kind = REFERENCE
+    slots = [{"model": "default_backbone", "origin": o, "tokens": 900, "bytes": 1} for o in origins]
+    return WorkerHandle(
+        worker_id, client, online=True, health=WorkerHealth(status="idle", kv_snapshots={"slots": slots})
+    )
+
+
+def job(retake: bool) -> Job:
+    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0} if retake else None
+    req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
+    return Job(job_id="fedcba9876543210", seq=1, created_at=0.0, request=req, cleaned_lyrics="",
+               tracks=[Track("fedcba9876543210", 0, 1)])  # fmt: skip
+
+
+def test_a_retake_goes_to_the_idle_worker_holding_a_snapshot_of_its_original():
+    free = [handle(0), handle(1, ("other/0",)), handle(2, (f"{ORIGINAL}/0",))]
+    j = job(retake=True)
+    assert pick(free, j, j.tracks[0]) is free[2]
+
+
+def test_without_a_holder_a_retake_takes_the_first_of_our_workers_never_a_reference_one():
+    free = [handle(0, reference=True), handle(1), handle(2)]
+    j = job(retake=True)
+    assert pick(free, j, j.tracks[0]) is free[1]
+    assert pick([handle(0, reference=True)], j, j.tracks[0]) is None  # it waits for one of ours
+
+
+def test_other_tracks_keep_the_pool_order_and_avoid_the_worker_they_just_failed_on():
+    free = [handle(0, reference=True), handle(1), handle(2, (f"{ORIGINAL}/0",))]
+    j = job(retake=False)
+    assert pick(free, j, j.tracks[0]) is free[0]
+    j.tracks[0].avoid_worker = 0
+    assert pick(free, j, j.tracks[0]) is free[1]
