@@ -17,12 +17,14 @@ Every message is one sentence for a person; tracebacks go to the log, never to a
 class SongserveError(Exception):
     """Base class: ``str(exc)`` is a sentence that may be shown to a client.
 
-    ``headers`` (e.g. Retry-After) and ``detail`` (validation entries) travel into the error body.
+    ``headers`` (e.g. Retry-After) travel with the answer; ``detail`` (validation entries) and ``extra``
+    (more fields, e.g. the ``limit`` a key is over) into the error body.
     """
 
     http_status = 500
     headers: dict[str, str] | None = None
     detail: list[dict[str, object]] | None = None
+    extra: dict[str, object] | None = None
 
 
 class ConfigError(SongserveError):

@@ -105,7 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SongserveError)
     async def _ours(_: Request, exc: SongserveError) -> JSONResponse:
         extra = {"detail": exc.detail} if exc.detail else {}
-        return error_response(exc.http_status, str(exc), headers=exc.headers, **extra)
+        return error_response(exc.http_status, str(exc), headers=exc.headers, **extra, **(exc.extra or {}))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

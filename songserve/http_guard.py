@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-async def _send_error(send: Send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(send: Send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps({"status": "error", "error": message}).encode()
     await send(
         {
@@ -56,7 +56,7 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await _send_error(
+            return await send_error(
                 send,
                 401,
                 "Missing or wrong credentials: send Authorization: Bearer <key>.",
@@ -77,7 +77,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+            return await send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
         if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         # No Content-Length (chunked): read up to the limit here, then replay it to the app.
@@ -90,7 +90,7 @@ class BodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                return await _send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+                return await send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay_receive() -> Message:

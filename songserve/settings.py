@@ -177,7 +177,9 @@ def load_settings(cls: type[S], argv: Sequence[str] | None = None, **overrides: 
         return cls(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise ConfigError(f"Setting {err['loc'][0]}: {err['msg']} (got {err.get('input')!r}).") from None
+        name = str(err["loc"][0]) if err["loc"] else ""
+        got = "***" if any(w in name for w in SECRET_WORDS) else repr(err.get("input"))  # a secret stays unsaid
+        raise ConfigError(f"Setting {name}: {err['msg']} (got {got}).") from None
 
 
 def log_non_default(settings: BaseSettings) -> None:
@@ -260,6 +262,26 @@ class DispatcherSettings(BaseSettings):
         description="run a job's tracks as one batch on a worker: auto = when more are queued than workers are free",
     )
     api_key: str = Field("", description="when set, clients send Authorization: Bearer <key>")
+    api_keys_file: Path | None = Field(
+        None,
+        description='JSON of API keys with names and limits: {"<key>": {"name", "tracks_per_hour", "concurrent_jobs", '
+        '"max_duration", "max_priority"}}; beside or instead of API_KEY',
+    )
+    webhook_secret: str = Field(
+        "", description="signs webhook events (Standard Webhooks: whsec_<base64 key>, or any text); unset = no webhooks"
+    )
+    webhook_allow: str = Field(
+        "", description="hosts, addresses, CIDRs or 'public' webhooks may target; unset = public addresses only"
+    )
+    webhook_retry_base_sec: float = Field(
+        4.0, gt=0, le=300, description="wait before a failed webhook event's first retry; it doubles up to 5 minutes"
+    )
+    webhook_max_age_sec: float = Field(
+        86400.0, gt=0, description="a webhook event not delivered this long after it happened is given up"
+    )
+    webhook_timeout_sec: float = Field(
+        10.0, gt=0, le=120, description="a webhook receiver's whole answer must come within this"
+    )
     public_page: bool = Field(True, description="with an API key: the page and /tags stay public")
     worker_token: str = Field("", description="shared secret sent to the workers")
     cors_origins: str = Field(
@@ -278,7 +300,7 @@ class DispatcherSettings(BaseSettings):
     )
     log_level: str = "INFO"
 
-    @field_validator("tags_file", "results_dir", "acestep_port", mode="before")
+    @field_validator("tags_file", "results_dir", "acestep_port", "api_keys_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -288,6 +310,22 @@ class DispatcherSettings(BaseSettings):
     def _own_port(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value == info.data.get("port"):
             raise ValueError("must differ from API_PORT (each dialect has its own port)")
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_secret(cls, value: str) -> str:
+        from songserve.api.webhook_sign import signing_key
+
+        signing_key(value)  # a whsec_ secret that is not base64 refuses start-up
+        return value
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _webhook_allow(cls, value: str) -> str:
+        from songserve.api.webhook_targets import WebhookPolicy
+
+        WebhookPolicy(value)  # an item that is no host, address or CIDR refuses start-up
         return value
 
     @field_validator("store_url")

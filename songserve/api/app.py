@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from songserve import __version__
 from songserve.api.artifacts import ArtifactStore
+from songserve.api.keys import ApiKeys, KeyAuth
 from songserve.api.page import FILES, page_router
 from songserve.api.routes import router
 from songserve.api.service import JobService
@@ -18,7 +19,7 @@ from songserve.api.store import JobStore
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
 from songserve.http_errors import install_error_handlers
-from songserve.http_guard import BearerAuth, BodyLimit
+from songserve.http_guard import BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
 from songserve.settings import DispatcherSettings
 
@@ -43,6 +44,8 @@ async def open_store(s: DispatcherSettings) -> JobStore:
 
 
 def create_app(s: DispatcherSettings) -> FastAPI:
+    keys = ApiKeys.load(s.api_key, s.api_keys_file)  # a bad keys file refuses start-up (main.py reads it first)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
@@ -71,12 +74,14 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         allow_origins=cors_origins(s),
         allow_origin_regex=LOCAL_ORIGINS,
         allow_methods=["GET", "POST", "DELETE"],
-        allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Range"],
+        allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Prefer", "Range"],
+        expose_headers=["Preference-Applied", "Retry-After"],
     )
-    if s.api_key:
+    app.state.keys = keys  # the ACE-Step dialect checks the same keys
+    if keys.enabled:
         app.add_middleware(
-            BearerAuth,
-            token=s.api_key,
+            KeyAuth,
+            keys=keys,
             exempt={"/health", *(PAGE if s.public_page else ())},
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )

@@ -138,6 +138,9 @@ class AttemptStops:
             self._progress_saved[t.key] = time.monotonic()
         elif self.book.show_progress(t, fields):
             await self._save_progress(t)
+        else:
+            return
+        await self.book.progress_event(t)  # the job's webhook, if it asked for progress
 
     async def _save_progress(self, t: Track) -> None:
         """Other dispatchers show a track's progress from the store: write it, at most once a second."""

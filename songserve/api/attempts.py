@@ -154,8 +154,9 @@ class Attempts(AttemptStops, AttemptFences):
         self._spawn([t.key for t in started], self._run(job, started, w, obtain))
         if job.started_at is None:
             job.started_at = now
+            start = self.book.events.of(job, "start", None, self.book.positions)  # the job's webhook, if it asked
             try:
-                await self.store.mark_started(job.job_id, now)
+                await self.store.mark_started(job.job_id, now, start)
             except StoreError as exc:  # a timestamp: the job's view falls back to its tracks' start
                 log.warning("job %s: its start could not be stored (%s)", job.job_id, exc)
         return True

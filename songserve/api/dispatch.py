@@ -43,6 +43,7 @@ from songserve.api.states import JobStatus, TrackStatus, job_status
 from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Track
 from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
+from songserve.api.webhook_events import JobEvents
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,12 @@ class Fleet:
 
 class Dispatcher:
     def __init__(
-        self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: httpx.AsyncClient
+        self,
+        s: DispatcherSettings,
+        store: JobStore,
+        artifacts: ArtifactStore,
+        http: httpx.AsyncClient,
+        events: JobEvents | None = None,
     ) -> None:
         self.s = s
         self.store = store
@@ -83,7 +89,7 @@ class Dispatcher:
         self.counts: dict[str, int] = {}  # tracks by status in the store, refreshed by the membership loop
         self._kick = asyncio.Event()  # something changed that may let a track start
         self.pool = WorkerPool(http, s.health_interval, s.offline_after_failures, self._on_worker)
-        self.book = TrackBook(store, self.me, s.max_attempts, self.metrics)
+        self.book = TrackBook(store, self.me, s.max_attempts, self.metrics, events)
         self.attempts = Attempts(
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )

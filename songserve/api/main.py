@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from songserve.api import tags
+from songserve.api.keys import ApiKeys
 from songserve.api.store_sqlite_check import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = load_settings(DispatcherSettings, sys.argv[1:] if argv is None else argv)
         s.worker_list()
         tags.load_catalogue(s.tags_file or tags.BUILTIN)  # a bad file refuses start-up here
+        ApiKeys.load(s.api_key, s.api_keys_file)  # so does a bad keys file
     except ConfigError as exc:
         print(f"dispatcher: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ registry (tests run several dispatchers in one process), with the process collec
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import (
@@ -24,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from songserve.api.loops import LoopHealth
+from songserve.api.outbox import OutboxStats
 from songserve.api.pool import WorkerView
 from songserve.api.states import JobStatus, TrackStatus
 
@@ -100,6 +102,19 @@ class DispatcherMetrics:
             registry=r,
         )
 
+        self.webhook_delivered = Counter(
+            "songserve_webhook_deliveries", "Webhook events delivered (a 2xx answer), by event.", ["event"], registry=r
+        )
+        self.webhook_failures = Counter(
+            "songserve_webhook_failures",
+            "Failed tries of webhook events, by reason: refused (WEBHOOK_ALLOW), timeout, connect, status.",
+            ["reason"],
+            registry=r,
+        )
+        self.webhook_given_up = Counter(
+            "songserve_webhook_given_up", "Webhook events given up after WEBHOOK_MAX_AGE_SEC.", registry=r
+        )
+
     def track_done(self, meta: dict[str, Any], end_to_end: float, wall: float, audio: float) -> None:
         """A finished track: its worker's stage timings (``meta``), and seconds end to end, on the worker, of audio."""
         timings = meta.get("timings")
@@ -112,6 +127,10 @@ class DispatcherMetrics:
 
     def watch(self, state: LiveState) -> None:
         self.registry.register(_LiveGauges(state))
+
+    def watch_outbox(self, stats: Callable[[], OutboxStats]) -> None:
+        """The outbox's gauges, read from ``stats`` (the webhooks loop's last count) at scrape time."""
+        self.registry.register(_OutboxGauges(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,4 +182,19 @@ class _LiveGauges(Collector):
             "songserve_track_seconds_per_audio_second",
             "Mean wall seconds per second of audio (recent).",
             value=ratio or 0.0,
+        )
+
+
+class _OutboxGauges(Collector):
+    """The webhook outbox's depth and the age of its oldest pending event (the whole store's)."""
+
+    def __init__(self, stats: Callable[[], OutboxStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats()
+        yield GaugeMetricFamily("songserve_webhook_outbox_depth", "Webhook events not yet delivered.", value=st.depth)
+        age = max(0.0, time.time() - st.oldest) if st.oldest is not None else 0.0
+        yield GaugeMetricFamily(
+            "songserve_webhook_oldest_event_seconds", "Age of the oldest webhook event not yet delivered.", value=age
         )

@@ -85,6 +85,33 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "INSERT INTO store_meta VALUES ('store_id', md5(random()::text || clock_timestamp()::text))",
         ),
     ),
+    (
+        4,
+        "webhooks and keys: the outbox of webhook events, each job's key name and last progress event",
+        (
+            "ALTER TABLE jobs ADD COLUMN caller TEXT",
+            "ALTER TABLE jobs ADD COLUMN progress_event_at DOUBLE PRECISION NOT NULL DEFAULT 0",
+            "CREATE INDEX jobs_caller ON jobs(caller, created_at)",
+            """CREATE TABLE webhook_events (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                event_id TEXT NOT NULL UNIQUE,
+                job_id TEXT NOT NULL,
+                kind TEXT NOT NULL,
+                url TEXT NOT NULL,
+                body TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                state TEXT NOT NULL DEFAULT 'pending',
+                attempts INTEGER NOT NULL DEFAULT 0,
+                next_at DOUBLE PRECISION NOT NULL DEFAULT 0,
+                lease_owner TEXT,
+                lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+                last_error TEXT,
+                ended_at DOUBLE PRECISION
+            )""",
+            "CREATE INDEX webhook_events_due ON webhook_events(state, next_at)",
+            "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -52,6 +52,26 @@ CREATE TABLE IF NOT EXISTS tracks (
     PRIMARY KEY (job_id, idx)
 )"""
 
+# The durable outbox (``outbox.py``): one row per event, written in the transaction of the state
+# change it reports; ``id`` orders a job's events (AUTOINCREMENT: never reused).
+V4_WEBHOOK_EVENTS = """
+CREATE TABLE webhook_events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    url TEXT NOT NULL,
+    body TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_at REAL NOT NULL DEFAULT 0,
+    lease_owner TEXT,
+    lease_until REAL NOT NULL DEFAULT 0,
+    last_error TEXT,
+    ended_at REAL
+)"""
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -101,6 +121,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE workers ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0",
             "CREATE TABLE store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
             "INSERT INTO store_meta VALUES ('store_id', lower(hex(randomblob(16))))",
+        ),
+    ),
+    Migration(
+        4,
+        "webhooks and keys: the outbox of webhook events, each job's key name and last progress event",
+        (
+            "ALTER TABLE jobs ADD COLUMN caller TEXT",
+            "ALTER TABLE jobs ADD COLUMN progress_event_at REAL NOT NULL DEFAULT 0",
+            "CREATE INDEX jobs_caller ON jobs(caller, created_at)",
+            V4_WEBHOOK_EVENTS,
+            "CREATE INDEX webhook_events_due ON webhook_events(state, next_at)",
+            "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
         ),
     ),
 )

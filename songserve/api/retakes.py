@@ -31,6 +31,8 @@ from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
 MODELS = ("backbone", "superres")
+# A retake's own, never the original's: how many, its seeds and priority, what it continues, where its events go.
+OWN = {"num_tracks", "seed", "priority", "continue_from", "acestep", "webhook", "webhook_events"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, 
         if made and want and want != made:
             raise FieldError(name, f"must be {made!r}, the model that made the take being continued")
         body[name] = made or want
-    own = req.model_dump(include={"num_tracks", "seed", "priority", "continue_from", "acestep"}, exclude_unset=True)
+    own = req.model_dump(include=OWN, exclude_unset=True)
     merged = GenerateRequest.model_validate({**body, **own})
     merged._body = req.body  # what the client sent (and its unknown names) is what the answer reports on
     return merged

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
 from songserve.api import metrics
+from songserve.api.keys import CALLER, Caller
 from songserve.api.service import JobService
 from songserve.http_errors import error_response
-from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
+from songserve.schemas import (
+    GenerateAccepted,
+    GenerateRequest,
+    JobView,
+    UsageView,
+    WorkerAnnounced,
+    WorkerAnnouncement,
+)
 
 router = APIRouter()
 
@@ -23,21 +34,54 @@ async def service(request: Request) -> JobService:
 Service = Depends(service)
 
 
+def caller(request: Request) -> Caller | None:
+    """The API key's caller (``keys.KeyAuth`` found it), or None without keys."""
+    found: Caller | None = request.scope.get(CALLER)
+    return found
+
+
 # A fixed ASCII text: the names themselves are in the body's ``ignored`` (a header cannot carry them safely).
 IGNORED_WARNING = '299 songserve "unknown fields were ignored; the answer lists them in ignored"'
+MAX_WAIT_SEC = 60
+WAIT = re.compile(r"(?:^|,)\s*wait\s*=\s*\"?(\d{1,6})\"?\s*(?:[;,]|$)", re.IGNORECASE)
 
 
-@router.post("/generate", response_model=GenerateAccepted)
+def prefer_wait(prefer: str | None) -> int | None:
+    """``Prefer: wait=N`` (RFC 7240) as seconds, at most 60; None when not asked (or not readable: ignored)."""
+    m = WAIT.search(prefer or "")
+    return min(int(m.group(1)), MAX_WAIT_SEC) if m else None
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateAccepted,
+    responses={202: {"model": GenerateAccepted, "description": "Prefer: wait=N and the job still runs after N s"}},
+)
 async def generate(
     req: GenerateRequest,
+    request: Request,
     response: Response,
     idempotency_key: str | None = Header(None, max_length=200),
+    prefer: str | None = Header(None, max_length=200, description="wait=N (≤ 60): answer when the job ends"),
     svc: JobService = Service,
-) -> GenerateAccepted:
-    accepted = await svc.submit(req, idempotency_key)
-    if accepted.ignored:
-        response.headers["Warning"] = IGNORED_WARNING
-    return accepted
+) -> Any:
+    """Accept a job; with ``Prefer: wait=N``, answer its view (200) once it ended, or at N s 202."""
+    accepted = await svc.submit(req, idempotency_key, caller(request))
+    headers = {"Warning": IGNORED_WARNING} if accepted.ignored else {}
+    if (wait := prefer_wait(prefer)) is None:
+        response.headers.update(headers)
+        return accepted
+    headers["Preference-Applied"] = f"wait={wait}"
+    view = await svc.wait_for_end(accepted.job_id, wait)
+    if view is not None:
+        return JSONResponse(view.model_dump(mode="json"), headers=headers)
+    return JSONResponse(accepted.model_dump(mode="json"), status_code=202, headers=headers)
+
+
+@router.get("/usage", response_model=UsageView)
+async def usage(request: Request, svc: JobService = Service) -> UsageView:
+    """The caller's key: its limits and its use (the last hour's tracks, its unfinished jobs)."""
+    return await svc.usage(caller(request))
 
 
 @router.get("/job/{job_id}", response_model=JobView)

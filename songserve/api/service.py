@@ -27,15 +27,29 @@ from songserve import codes as codes_file
 from songserve.api import render, retakes
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
+from songserve.api.keys import Caller
+from songserve.api.quota import WINDOW_SEC, OverQuota
+from songserve.api.refusals import AnnounceRefused, GoneError, QueueFull, StoreUnavailable
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
+from songserve.api.usage import OverLimit, check_request, quota, usage_view
 from songserve.api.views import job_view
+from songserve.api.webhook_events import JobEvents
+from songserve.api.webhook_sender import WebhookSender
+from songserve.api.webhook_targets import Refused, WebhookPolicy
 from songserve.body_fields import MAX_NAME_CHARS
-from songserve.errors import FieldError, NotFoundError, RequestError, SongserveError, UnavailableError
+from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
 from songserve.logs import safe
-from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
+from songserve.schemas import (
+    GenerateAccepted,
+    GenerateRequest,
+    JobView,
+    UsageView,
+    WorkerAnnounced,
+    WorkerAnnouncement,
+)
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
@@ -45,43 +59,6 @@ MEDIA = {
     "codes": ("application/octet-stream", "attachment"),  # songserve/codes.py's file
 }
 KEEPALIVE_SEC = 15.0
-
-
-class QueueFull(SongserveError):
-    http_status = 429
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.headers = {"Retry-After": str(retry_after)}
-
-
-class StoreUnavailable(SongserveError):
-    """The job store cannot write (disk full, I/O error): nothing was accepted; try again later."""
-
-    def __init__(self, exc: Exception) -> None:
-        reason = exc.args[0] if exc.args else exc
-        full = "full" in str(reason).lower()
-        super().__init__(
-            "The job store's disk is full; nothing was queued, try again later."
-            if full
-            else f"The job store cannot write ({reason}); nothing was queued, try again later."
-        )
-        self.http_status = 507 if full else 503
-        self.headers = {"Retry-After": "30"}
-
-
-class AnnounceRefused(SongserveError):
-    """A worker's announcement without the right token (401), or announcing is off here (403)."""
-
-    def __init__(self, message: str, http_status: int) -> None:
-        super().__init__(message)
-        self.http_status = http_status
-
-
-class GoneError(SongserveError):
-    """A done track whose file was removed or damaged on disk (HTTP 410)."""
-
-    http_status = 410
 
 
 @dataclass(frozen=True)
@@ -99,7 +76,10 @@ class JobService:
         self.s = s
         self.store = store
         self.artifacts = artifacts
-        self.dispatcher = Dispatcher(s, store, artifacts, http)
+        events = JobEvents()
+        self.dispatcher = Dispatcher(s, store, artifacts, http, events)
+        self.webhooks = WebhookSender(s, store, self.dispatcher.me, self.dispatcher.metrics, events)
+        self.webhook_policy = WebhookPolicy(s.webhook_allow)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
         self.renders = render.Renders(artifacts)
 
@@ -114,7 +94,10 @@ class JobService:
                 if mine:  # with several dispatchers on one store, one sweeps at a time
                     await self.retention.sweep()
 
-        await self.dispatcher.start([("retention", sweep, self.s.sweep_interval_sec)])
+        await self.webhooks.start()
+        await self.dispatcher.start(
+            [("retention", sweep, self.s.sweep_interval_sec), ("webhooks", self.webhooks.step, 0.0)]
+        )
 
     async def drain(self, timeout: float) -> None:
         """Stop accepting; let running tracks finish up to ``timeout``; the queue stays persisted."""
@@ -122,6 +105,7 @@ class JobService:
 
     async def stop(self) -> None:
         await self.dispatcher.stop()
+        await self.webhooks.stop()
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
@@ -152,7 +136,10 @@ class JobService:
                 f"tokens (max_sequence_length), which holds about {context / per_minute:.1f} minutes",
             )
 
-    async def submit(self, req: GenerateRequest, idempotency_key: str | None = None) -> GenerateAccepted:
+    async def submit(
+        self, req: GenerateRequest, idempotency_key: str | None = None, caller: Caller | None = None
+    ) -> GenerateAccepted:
+        """Accept a job (``caller``: the API key that sent it, whose limits apply and whose use it counts)."""
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
@@ -163,6 +150,9 @@ class JobService:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req)
         req, lyrics = norm.request, norm.cleaned_lyrics
+        check_request(caller, req)
+        if req.webhook:
+            await self._check_webhook(req.webhook)
         if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
             return await self._existing(existing, req, norm)
         queued = d.queue_length()
@@ -181,11 +171,16 @@ class JobService:
                 priority=req.priority,
                 idempotency_key=idempotency_key or None,
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
+                caller=caller.name if caller is not None else None,
             )
             if retake is not None:  # before the row: a queued retake always finds its frames
                 blob = codes_file.encode(retake.kept.codes, retake.kept.header)
                 await asyncio.to_thread(self.artifacts.write_prefix, job_id, blob)
-            await self.store.insert_job(job)  # one transaction: a failed submit leaves no row behind
+            # one transaction (with the key's quota): a failed submit leaves no row behind
+            await self.store.insert_job(job, quota(caller, d.queue_wait()))
+        except OverQuota as over:
+            self.artifacts.remove_job(job_id)
+            raise OverLimit(caller.name if caller else "", over) from None
         except DuplicateKey as dup:  # the same key just now, at this or another dispatcher
             self.artifacts.remove_job(job_id)
             return await self._existing(dup.job_id, req, norm)
@@ -193,7 +188,8 @@ class JobService:
             self.artifacts.remove_job(job_id)
             log.error("submit: the store or the results folder cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
-        log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
+        log.info("job %s: %d tracks, %.2f min, priority %d%s", job_id, req.num_tracks, req.duration, req.priority,
+                 f", key {caller.name}" if caller else "")  # fmt: skip
         if retake is not None:
             head = retake.kept.header
             log.info("job %s: continues %s from %.2f s (%d frames kept)", job_id, head["origin"], head["at_sec"],
@@ -217,6 +213,15 @@ class JobService:
             ignored=norm.ignored,
             notes=norm.notes,
         )
+
+    async def _check_webhook(self, url: str) -> None:
+        """A webhook this dispatcher can sign and may send to (``WEBHOOK_ALLOW``), or a 422 naming it."""
+        if not self.s.webhook_secret:
+            raise FieldError("webhook", "this dispatcher sends no webhooks (it has no WEBHOOK_SECRET to sign them)")
+        try:
+            await self.webhook_policy.check(url)
+        except Refused as exc:
+            raise FieldError("webhook", str(exc)) from None
 
     async def _existing(self, job_id: str, req: GenerateRequest, norm: NormalizedRequest) -> GenerateAccepted:
         """The answer to a repeated Idempotency-Key: the job it made, if the body is the same."""
@@ -303,10 +308,26 @@ class JobService:
             if body != last:
                 last = body
                 yield f"event: job\ndata: {body}\n\n"
-            if JobStatus(view.status) in TERMINAL_JOB and all(TrackStatus(t.status).terminal for t in view.tracks):
+            if _ended(view):
                 return
             if await changes.wait(before, timeout=KEEPALIVE_SEC) == before:
                 yield ": keep-alive\n\n"
+
+    async def wait_for_end(self, job_id: str, seconds: float) -> JobView | None:
+        """``Prefer: wait``: the job's view once it has ended, or None after ``seconds``."""
+        changes, deadline = self.dispatcher.changes, time.monotonic() + seconds
+        while True:
+            before = changes.version
+            view = await self.view(job_id)
+            left = deadline - time.monotonic()
+            if _ended(view) or left <= 0:
+                return view if _ended(view) else None
+            await changes.wait(before, timeout=min(left, 1.0))  # a second at most: a job ended elsewhere
+
+    async def usage(self, caller: Caller | None) -> UsageView:
+        """``GET /usage``: the caller's limits and use, counted from the store (the whole fleet's)."""
+        now = time.time()
+        return usage_view(caller, await self.store.usage(caller.name if caller else None, now - WINDOW_SEC), now)
 
     # ---- reporting ------------------------------------------------------------------------------
     async def status(self) -> dict[str, object]:
@@ -368,3 +389,8 @@ class JobService:
             "workers": fleet.workers,
             "version": __version__,
         }
+
+
+def _ended(view: JobView) -> bool:
+    """The job and every track of it have ended."""
+    return JobStatus(view.status) in TERMINAL_JOB and all(TrackStatus(t.status).terminal for t in view.tracks)

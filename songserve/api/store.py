@@ -18,6 +18,9 @@ The rules both engines keep, so the dispatcher's code is the same over either:
   its lease cannot write for a track under a lease it no longer holds, whatever its memory says;
 - a queued track leaves the queue only through ``claim`` (or ``save_track`` to cancelled/error);
 - a job is finished in the store when its last track is terminal (``finish_job``), whoever ran it;
+- a webhook event is written in the transaction of the change it reports, and only when that change
+  is made (a track's terminal write, a job's first start, its finish); the outbox's rules: ``outbox.py``;
+- a key's quota is checked in the transaction that inserts the job it admits (``quota.py``);
 - times are seconds since the epoch; lease expiry is measured on the store's clock.
 """
 
@@ -25,16 +28,19 @@ from __future__ import annotations
 
 import contextvars
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from songserve.api.outbox import Delivery, OutboxStats, WebhookEvent
+from songserve.api.quota import Quota, Usage
 from songserve.api.states import TrackStatus
 from songserve.errors import SongserveError
 from songserve.schemas import GenerateRequest
 
 Key = tuple[str, int]  # (job_id, track index)
+Events = Sequence[WebhookEvent]
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     idempotency_key: str | None = None
+    caller: str | None = None  # the name of the API key that submitted it (None: no key)
 
     # The job's own times are written after its tracks' (separate writes), so a reader can see a
     # track started or every track ended before the job says so; these answer from the tracks then.
@@ -171,8 +178,9 @@ class JobStore(Protocol):
     async def close(self) -> None: ...
 
     # jobs and tracks
-    async def insert_job(self, job: Job) -> None:
-        """Store a new job and its tracks in one transaction; sets ``job.seq``. Raises ``DuplicateKey``."""
+    async def insert_job(self, job: Job, quota: Quota | None = None) -> None:
+        """Store a new job and its tracks in one transaction; sets ``job.seq``. Raises ``DuplicateKey``,
+        and ``OverQuota`` when ``quota`` (its key's, checked in the same transaction) does not admit it."""
 
     async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
         """Claim queued tracks of one job for the worker ``fence`` names, in the given order, skipping
@@ -180,19 +188,25 @@ class JobStore(Protocol):
 
         ``tracks`` carry the state to write (running, owned by the claimer); returns the indices won."""
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
+    async def save_track(
+        self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None, events: Events = ()
+    ) -> None:
         """Write ``t`` if its row still has the (status, owner) ``seen`` and, with a ``fence``, the
-        lease is still held as it says; else raise ``StaleTrack`` (``LeaseLost`` for the fence)."""
+        lease is still held as it says; else raise ``StaleTrack`` (``LeaseLost`` for the fence).
+        ``events`` are written with it, or not at all."""
 
     async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
         """Write the worker's progress of a running track (the owner's throttled updates); a write
         whose fence fails changes nothing (the next state change says why)."""
 
-    async def mark_started(self, job_id: str, at: float) -> None: ...
+    async def mark_started(self, job_id: str, at: float, events: Events = ()) -> None:
+        """The job's start time, if it has none yet; ``events`` are written only then."""
+
     async def mark_cancelled(self, job_id: str) -> None: ...
 
-    async def finish_job(self, job_id: str, at: float) -> bool:
-        """Mark the job terminal if every track is; returns whether it is terminal now."""
+    async def finish_job(self, job_id: str, at: float, events: Events = ()) -> bool:
+        """Mark the job terminal if every track is; returns whether it is terminal now. ``events`` are
+        written only by the call that makes it terminal."""
 
     async def is_cancelled(self, job_id: str) -> bool: ...
     async def job_by_key(self, key: str) -> str | None: ...
@@ -205,6 +219,26 @@ class JobStore(Protocol):
     async def delete_job(self, job_id: str) -> None: ...
     async def counts(self) -> dict[str, int]: ...
     async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]: ...
+    async def usage(self, caller: str | None, since: float) -> Usage:
+        """A key name's unfinished jobs, and its jobs submitted after ``since`` (None: jobs without a key)."""
+
+    # the webhook outbox (outbox.py)
+    async def add_progress_event(self, event: WebhookEvent, min_gap: float) -> bool:
+        """Write a progress event unless the job has one from the last ``min_gap`` seconds or is finished."""
+
+    async def claim_events(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
+        """Lease up to ``limit`` due events to ``owner``, each the oldest pending one of its job."""
+
+    async def event_delivered(self, row: int) -> None: ...
+    async def event_failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
+        """A failed try of ``owner``'s: tried again in ``retry_in`` seconds, or (None) given up."""
+
+    async def release_events(self, owner: str) -> None:
+        """``owner`` starts again: its leases on events end (nothing of it is sending any more)."""
+
+    async def outbox_stats(self) -> OutboxStats: ...
+    async def sweep_events(self, ended_before: float) -> int:
+        """Remove delivered and given-up events that ended before ``ended_before``; returns how many."""
 
     # workers, dispatchers and leases
     async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
@@ -275,6 +309,7 @@ def job_from_row(row: Any, tracks: Iterable[Any]) -> Job:
         started_at=row["started_at"],
         finished_at=row["finished_at"],
         idempotency_key=row["idempotency_key"],
+        caller=row["caller"],
         tracks=[
             Track(
                 job_id=t["job_id"],

@@ -36,11 +36,13 @@ from psycopg_pool import PoolTimeout
 
 from songserve.api.migrations_pg import migrate
 from songserve.api.migrations_sqlite import NewerSchemaError
+from songserve.api.quota import Quota
 from songserve.api.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store import (
     BACKGROUND,
     STORED_TRACK_FIELDS,
     DuplicateKey,
+    Events,
     Fence,
     Job,
     Key,
@@ -53,6 +55,7 @@ from songserve.api.store import (
 )
 from songserve.api.store_pg_conn import PgConnections, StoreLimits, redact
 from songserve.api.store_pg_leases import PgMembership, lease_cte
+from songserve.api.store_pg_outbox import PgOutbox, check_quota, events_cte
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,7 @@ RUNNING_VALUES = [s.value for s in RUNNING]
 MIGRATION_LIMITS = StoreLimits(statement_timeout_sec=600.0, lock_timeout_sec=120.0)
 
 
-class PgStore(PgMembership):
+class PgStore(PgMembership, PgOutbox):
     shared = True
 
     def __init__(self, url: str, origin: str, pool_size: int = 10, limits: StoreLimits | None = None) -> None:
@@ -130,19 +133,25 @@ class PgStore(PgMembership):
         return f"WITH w AS ({write}) SELECT w.job_id, pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w"
 
     # ---- jobs and tracks -----------------------------------------------------------------------
-    async def insert_job(self, job: Job) -> None:
+    async def insert_job(self, job: Job, quota: Quota | None = None) -> None:
+        sql = (
+            "WITH j AS (INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
+            " idempotency_key, caller) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) RETURNING job_id, seq),"
+            " t AS (INSERT INTO tracks (job_id, idx, status, seed)"
+            " SELECT j.job_id, x.idx, x.status, x.seed FROM j, unnest(%s::int[], %s::text[], %s::bigint[])"
+            " AS x(idx, status, seed))"
+            f" SELECT j.seq, pg_notify('{CHANNEL}', %s || '|' || j.job_id) FROM j"
+        )
+        params = (job.job_id, job.created_at, job.priority, job.request.model_dump_json(), job.cleaned_lyrics,
+                  len(job.tracks), job.idempotency_key, job.caller, [t.index for t in job.tracks],
+                  [t.status.value for t in job.tracks], [t.seed for t in job.tracks], self.origin)  # fmt: skip
         try:
-            rows = await self.db.rows(
-                "WITH j AS (INSERT INTO jobs (job_id, created_at, priority, request, cleaned_lyrics, num_tracks,"
-                " idempotency_key) VALUES (%s, %s, %s, %s, %s, %s, %s) RETURNING job_id, seq),"
-                " t AS (INSERT INTO tracks (job_id, idx, status, seed)"
-                " SELECT j.job_id, x.idx, x.status, x.seed FROM j, unnest(%s::int[], %s::text[], %s::bigint[])"
-                " AS x(idx, status, seed))"
-                f" SELECT j.seq, pg_notify('{CHANNEL}', %s || '|' || j.job_id) FROM j",
-                (job.job_id, job.created_at, job.priority, job.request.model_dump_json(), job.cleaned_lyrics,
-                 len(job.tracks), job.idempotency_key, [t.index for t in job.tracks],
-                 [t.status.value for t in job.tracks], [t.seed for t in job.tracks], self.origin),
-            )  # fmt: skip
+            if quota is None or not quota.limited:
+                rows = await self.db.rows(sql, params)
+            else:  # the key's count and the insert in one transaction, one key name at a time
+                async with self.db.tx() as conn:
+                    await check_quota(conn, quota, len(job.tracks), job.created_at)
+                    rows = await (await conn.execute(sql, params)).fetchall()
         except pg_errors.UniqueViolation:
             found = await self.job_by_key(job.idempotency_key or "")
             if found is None:
@@ -183,14 +192,17 @@ class PgStore(PgMembership):
             raise LeaseLost(tracks[0].key, fence)
         return {int(i) for i in rows[0]["won"]}
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
-        """One statement: the fence, the compare-and-set and the NOTIFY."""
+    async def save_track(
+        self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None, events: Events = ()
+    ) -> None:
+        """One statement: the fence, the compare-and-set, the NOTIFY and the events."""
         sets = ", ".join(f"{f}=%s" for f in STORED_TRACK_FIELDS)
         lease, lease_params = lease_cte(fence)
+        written, event_params = events_cte(events, "w")
         rows = await self.db.rows(
             f"WITH {lease}, w AS (UPDATE tracks SET {sets} WHERE job_id=%s AND idx=%s AND status=%s"
             " AND owner IS NOT DISTINCT FROM %s AND EXISTS (SELECT 1 FROM lease) RETURNING job_id),"
-            f" n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w)"
+            f" n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w){written}"
             " SELECT (SELECT count(*) FROM lease) AS held, (SELECT count(*) FROM n) AS written",
             [
                 *lease_params,
@@ -200,6 +212,7 @@ class PgStore(PgMembership):
                 seen[0].value,
                 seen[1],
                 self.origin,
+                *event_params,
             ],
         )
         if fence is not None and not rows[0]["held"]:
@@ -221,20 +234,26 @@ class PgStore(PgMembership):
     async def _job_write(self, sql: str, params: tuple[Any, ...]) -> None:
         await self.db.rows(self._announcing(sql + " RETURNING job_id"), (*params, self.origin))
 
-    async def mark_started(self, job_id: str, at: float) -> None:
-        await self._job_write("UPDATE jobs SET started_at=COALESCE(started_at, %s) WHERE job_id=%s", (at, job_id))
+    async def mark_started(self, job_id: str, at: float, events: Events = ()) -> None:
+        written, event_params = events_cte(events, "w")
+        await self.db.rows(
+            "WITH w AS (UPDATE jobs SET started_at=%s WHERE job_id=%s AND started_at IS NULL RETURNING job_id)"
+            f"{written} SELECT w.job_id, pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w",
+            [at, job_id, *event_params, self.origin],
+        )
 
     async def mark_cancelled(self, job_id: str) -> None:
         await self._job_write("UPDATE jobs SET cancelled=true WHERE job_id=%s", (job_id,))
 
-    async def finish_job(self, job_id: str, at: float) -> bool:
+    async def finish_job(self, job_id: str, at: float, events: Events = ()) -> bool:
+        written, event_params = events_cte(events, "u")
         rows = await self.db.rows(
             "WITH u AS (UPDATE jobs SET terminal=true, finished_at=COALESCE(finished_at, %s) WHERE job_id=%s"
             " AND NOT terminal AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=%s AND status <> ALL(%s))"
-            f" RETURNING job_id), n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || job_id) FROM u)"
+            f" RETURNING job_id), n AS (SELECT pg_notify('{CHANNEL}', %s || '|' || job_id) FROM u){written}"
             " SELECT (SELECT count(*) FROM n) > 0 OR COALESCE((SELECT terminal FROM jobs WHERE job_id=%s), false)"
             " AS terminal",
-            (at, job_id, job_id, TERMINAL_VALUES, self.origin, job_id),
+            [at, job_id, job_id, TERMINAL_VALUES, self.origin, *event_params, job_id],
         )
         return bool(rows and rows[0]["terminal"])
 

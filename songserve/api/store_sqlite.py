@@ -19,10 +19,12 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from songserve.api.migrations_sqlite import NewerSchemaError, migrate
+from songserve.api.quota import Quota
 from songserve.api.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store import (
     STORED_TRACK_FIELDS,
     DuplicateKey,
+    Events,
     Fence,
     Job,
     Key,
@@ -35,6 +37,7 @@ from songserve.api.store import (
     stored_value,
     work_ratios,
 )
+from songserve.api.store_sqlite_outbox import SqliteOutbox, check_quota, insert_events
 from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
@@ -42,7 +45,7 @@ RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 
 
-class SqliteStore:
+class SqliteStore(SqliteOutbox):
     """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``
     (``store_sqlite_check.py``).
 
@@ -92,16 +95,18 @@ class SqliteStore:
             raise
 
     # ---- jobs and tracks -----------------------------------------------------------------------
-    async def insert_job(self, job: Job) -> None:
+    async def insert_job(self, job: Job, quota: Quota | None = None) -> None:
         with self._tx() as db:
             if job.idempotency_key and (found := self._by_key(job.idempotency_key)):
                 raise DuplicateKey(found)
+            if quota is not None and quota.limited:
+                check_quota(db, quota, len(job.tracks), job.created_at)
             job.seq = int(db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
             db.execute(
                 "INSERT INTO jobs (job_id, seq, created_at, priority, request, cleaned_lyrics, num_tracks,"
-                " idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " idempotency_key, caller) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job.job_id, job.seq, job.created_at, job.priority, job.request.model_dump_json(),
-                 job.cleaned_lyrics, len(job.tracks), job.idempotency_key),
+                 job.cleaned_lyrics, len(job.tracks), job.idempotency_key, job.caller),
             )  # fmt: skip
             db.executemany(
                 "INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, ?, ?, ?)",
@@ -118,12 +123,15 @@ class SqliteStore:
                     won.add(t.index)
         return won
 
-    async def save_track(self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None) -> None:
+    async def save_track(
+        self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None, events: Events = ()
+    ) -> None:
         with self._tx() as db:
             if fence is not None and not self._holds(db, fence):
                 raise LeaseLost(t.key, fence)
             if not self._write_track(db, t, seen):
                 raise StaleTrack(t.key)
+            insert_events(db, events)
 
     def _holds(self, db: sqlite3.Connection, fence: Fence) -> bool:
         """The fence's lease row says what the fence says, and has not expired (one dispatcher's clock)."""
@@ -152,21 +160,24 @@ class SqliteStore:
                 (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner),
             )
 
-    async def mark_started(self, job_id: str, at: float) -> None:
+    async def mark_started(self, job_id: str, at: float, events: Events = ()) -> None:
         with self._tx() as db:
-            db.execute("UPDATE jobs SET started_at=COALESCE(started_at, ?) WHERE job_id=?", (at, job_id))
+            if db.execute("UPDATE jobs SET started_at=? WHERE job_id=? AND started_at IS NULL", (at, job_id)).rowcount:
+                insert_events(db, events)
 
     async def mark_cancelled(self, job_id: str) -> None:
         with self._tx() as db:
             db.execute("UPDATE jobs SET cancelled=1 WHERE job_id=?", (job_id,))
 
-    async def finish_job(self, job_id: str, at: float) -> bool:
+    async def finish_job(self, job_id: str, at: float, events: Events = ()) -> bool:
         with self._tx() as db:
-            db.execute(
-                "UPDATE jobs SET terminal=1, finished_at=COALESCE(finished_at, ?) WHERE job_id=? AND NOT EXISTS"
-                f" (SELECT 1 FROM tracks WHERE job_id=? AND status NOT IN ({TERMINAL_SQL}))",
+            cur = db.execute(
+                "UPDATE jobs SET terminal=1, finished_at=COALESCE(finished_at, ?) WHERE job_id=? AND terminal=0"
+                f" AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=? AND status NOT IN ({TERMINAL_SQL}))",
                 (at, job_id, job_id),
             )
+            if cur.rowcount:
+                insert_events(db, events)
             row = db.execute("SELECT terminal FROM jobs WHERE job_id=?", (job_id,)).fetchone()
         return bool(row and row[0])
 

@@ -33,8 +33,10 @@ from collections.abc import Container
 
 from songserve.api import queue_order
 from songserve.api.metrics import DispatcherMetrics
+from songserve.api.outbox import PROGRESS_EVENT_SEC
 from songserve.api.states import TrackStatus, check_transition, job_status
 from songserve.api.store import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
+from songserve.api.webhook_events import JobEvents
 
 log = logging.getLogger(__name__)
 IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
@@ -64,8 +66,11 @@ class ChangeFeed:
 class TrackBook:
     """The active jobs, the queue, and every transition of their tracks."""
 
-    def __init__(self, store: JobStore, me: str, max_attempts: int, metrics: DispatcherMetrics) -> None:
+    def __init__(
+        self, store: JobStore, me: str, max_attempts: int, metrics: DispatcherMetrics, events: JobEvents | None = None
+    ) -> None:
         self.store = store
+        self.events = events or JobEvents()  # the webhook events each change makes, written with it
         self.me = me  # this dispatcher's id: the owner written on the tracks it runs
         self.max_attempts = max_attempts
         self.metrics = metrics
@@ -129,8 +134,10 @@ class TrackBook:
         async with self._write:
             check_transition(t.status, status)
             new = dataclasses.replace(t, status=status, **fields)  # type: ignore[arg-type]
+            ends = status.terminal and not t.status.terminal
+            events = self.events.of(self.jobs.get(t.job_id), "track", new, self.positions) if ends else []
             try:
-                await self.store.save_track(new, (t.status, t.owner), fence)
+                await self.store.save_track(new, (t.status, t.owner), fence, events)
             except StaleTrack as exc:
                 log.info("track %s/%d: not written (%s); reading it again", *t.key, exc)
                 self.resync(t.job_id)
@@ -138,6 +145,14 @@ class TrackBook:
             for k in ("status", *fields):
                 setattr(t, k, getattr(new, k))
         self.changes.touch()
+
+    async def progress_event(self, t: Track) -> None:
+        """A running track moved: a ``progress`` event for its job, if it asked for them and none was
+        written in the last 2 s (the store decides, for the whole fleet)."""
+        job = self.jobs.get(t.job_id)
+        if job is not None and self.events.progress_due(job):
+            for event in self.events.of(job, "progress", positions=self.positions):
+                await self.store.add_progress_event(event, PROGRESS_EVENT_SEC)
 
     def show_progress(self, t: Track, fields: dict[str, object]) -> bool:
         """A running track's progress from its worker (its status unchanged): in memory at once, in the
@@ -186,10 +201,11 @@ class TrackBook:
         if not all(t.status.terminal for t in job.tracks):
             return
         now = job.end_time() or time.time()  # the last track's end: what the job's view showed until now
-        if not await self.store.finish_job(job.job_id, now):
+        if not await self.store.finish_job(job.job_id, now, self.events.of(job, "completed")):
             self.resync(job.job_id)  # memory is ahead of or behind the store: read it again
             return
         job.finished_at, job.terminal = job.finished_at or now, True
+        self.events.forget(job.job_id)
         for t in job.tracks:
             self.metrics.finished.labels(str(t.worker_id), t.status.value).inc()
         self.jobs.pop(job.job_id, None)

@@ -14,7 +14,17 @@ Everything is re-exported here: importers name ``songserve.schemas`` only.
 from __future__ import annotations
 
 from songserve.schemas.announce import WorkerAnnounced, WorkerAnnouncement
-from songserve.schemas.client import AceStepExtras, GenerateAccepted, GenerateRequest, JobView, TrackFiles, TrackView
+from songserve.schemas.client import (
+    AceStepExtras,
+    GenerateAccepted,
+    GenerateRequest,
+    JobView,
+    KeyLimits,
+    TrackFiles,
+    TrackView,
+    UsageView,
+    WebhookEventName,
+)
 from songserve.schemas.common import (
     FILE_NAME_PATTERN,
     ID_PATTERN,
@@ -59,6 +69,7 @@ __all__ = [
     "GenerateAccepted",
     "GenerateRequest",
     "JobView",
+    "KeyLimits",
     "Percent",
     "PrefixCodes",
     "ResultFile",
@@ -67,6 +78,8 @@ __all__ = [
     "TaskView",
     "TrackFiles",
     "TrackView",
+    "UsageView",
+    "WebhookEventName",
     "WorkerAnnounced",
     "WorkerAnnouncement",
     "WorkerBatchRequest",

@@ -8,11 +8,23 @@ reported, bounded: ``songserve/body_fields.py``).
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from songserve.body_fields import BodyFields, read_body
 from songserve.schemas.continuation import ContinueFrom
+
+WebhookEventName = Literal["start", "progress", "track", "completed"]
 
 
 class AceStepExtras(BaseModel):
@@ -58,7 +70,38 @@ class GenerateRequest(BaseModel):
         None, description="keep a finished take's audio before at_sec and generate the rest (docs/api.md)"
     )
 
+    webhook: str | None = Field(
+        None, max_length=2000, description="an http(s) URL that receives the job's events, signed (docs/api.md)"
+    )
+    webhook_events: list[WebhookEventName] | None = Field(
+        None, min_length=1, max_length=8, description="which events the webhook receives; default [completed]"
+    )
+
     _body: BodyFields = PrivateAttr(default_factory=BodyFields)
+
+    @field_validator("webhook")
+    @classmethod
+    def _webhook_url(cls, value: str | None) -> str | None:
+        """The URL's form; where it may point is the dispatcher's to check (``WEBHOOK_ALLOW``)."""
+        if value is None:
+            return None
+        parts = urlsplit(value.strip())
+        try:
+            parts.port  # noqa: B018  # raises for a port that is not a number in range
+        except ValueError:
+            raise ValueError("has a port that is not a number from 0 to 65535") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("must not carry a user or password (the events are signed instead)")
+        return value.strip()
+
+    @field_validator("webhook_events")
+    @classmethod
+    def _webhook_events(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        if value is not None and not info.data.get("webhook"):
+            raise ValueError("needs a webhook to send them to")
+        return list(dict.fromkeys(value)) if value is not None else None
 
     @model_validator(mode="wrap")
     @classmethod
@@ -84,6 +127,29 @@ class GenerateAccepted(BaseModel):
     )
     ignored: list[str] = Field(default_factory=list, description="(extension) unknown field names, not used (≤ 32)")
     notes: list[str] = Field(default_factory=list, description="(extension) what else to know: typos, defaults")
+
+
+class KeyLimits(BaseModel):
+    """An API key's limits (``API_KEYS_FILE``); None is unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracks_per_hour: int | None = Field(None, ge=0, description="tracks submitted in any hour")
+    concurrent_jobs: int | None = Field(None, ge=0, description="jobs not yet finished at once")
+    max_duration: float | None = Field(None, gt=0, description="longest song, in minutes")
+    max_priority: int | None = Field(None, ge=0, le=9, description="highest priority")
+
+
+class UsageView(BaseModel):
+    """``GET /usage``: the caller's key, its limits and its use (counted from the job store)."""
+
+    name: str | None = Field(description="the key's name; null without keys")
+    limits: KeyLimits
+    tracks_last_hour: int
+    active_jobs: int
+    tracks_left: int | None = Field(description="tracks it may still submit this hour; null: unlimited")
+    jobs_left: int | None = Field(description="jobs it may still start now; null: unlimited")
+    next_track_in_sec: float = Field(description="seconds until one more track fits the hourly limit (0: now)")
 
 
 class TrackFiles(BaseModel):

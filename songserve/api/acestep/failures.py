@@ -5,7 +5,7 @@ docs read; its Studio page and wrappers read the wrapper's ``code`` and ``error`
 tests ``code === 200`` and shows ``error``). Every refusal here carries all three, beside our own
 ``"status": "error"`` (docs/api.md), with the HTTP status ACE-Step uses: 400 for a parameter, 401,
 403/404 for audio, 413, 415 for a body it cannot read, 422 for a missing query parameter, 429 with
-``Retry-After`` for a full queue. Tracebacks go to the log only.
+``Retry-After`` for a full queue or a key over its limit (with ``limit`` naming it). Tracebacks go to the log only.
 """
 
 from __future__ import annotations
@@ -39,11 +39,16 @@ def field_error(name: str, why: str) -> AceError:
 
 
 def error_response(
-    status: int, message: str, headers: dict[str, str] | None = None, detail: object = None
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    detail: object = None,
+    extra: dict[str, object] | None = None,
 ) -> JSONResponse:
     body = {
         "status": "error",
         "detail": message if detail is None else detail,
+        **(extra or {}),
         **wrap(None, code=status, error=message),
     }
     return JSONResponse(body, status_code=status, headers=headers)
@@ -69,7 +74,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = 400 if isinstance(exc, FieldError) else exc.http_status
         if status >= 500:
             log.warning("acestep %s %s: %d %s", request.method, request.url.path, status, exc)
-        return error_response(status, str(exc), headers=exc.headers)
+        return error_response(status, str(exc), headers=exc.headers, extra=exc.extra)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -24,6 +24,7 @@ from songserve.api.acestep.stats import JobTally
 from songserve.api.acestep.tasks import continue_from, find, source_take, submit
 from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
+from songserve.api.keys import ApiKeys
 from songserve.api.service import JobService
 from songserve.settings import DispatcherSettings
 
@@ -42,6 +43,11 @@ def _settings(request: Request) -> DispatcherSettings:
     return s
 
 
+def _keys(request: Request) -> ApiKeys:
+    keys: ApiKeys = request.app.state.host.state.keys  # our port's keys (create_app read them)
+    return keys
+
+
 def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
     tags: dict[str, dict[str, Any]] = request.app.state.host.state.tags
     return tags
@@ -50,7 +56,7 @@ def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
 async def _small(request: Request, authorization: str | None) -> Body:
     s = _settings(request)
     body = small_body(request.headers.get("content-type"), await read_bytes(request, s.max_body_bytes))
-    check_body_or_header(s.api_key, body.fields, authorization)
+    check_body_or_header(_keys(request), body.fields, authorization)
     return body
 
 
@@ -70,14 +76,14 @@ def _task_ids(value: Any) -> list[str]:
 async def release_task(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     s, svc = _settings(request), _service(request)
     body = release_body(request.headers.get("content-type"), await read_bytes(request, s.max_body_bytes))
-    check_body_or_header(s.api_key, body.fields, authorization)
+    caller = check_body_or_header(_keys(request), body.fields, authorization)
     ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
         task = await continue_from(svc, task)  # our retake of the source take from repainting_start
     elif task.source is not None:
         await source_take(svc, task.source, task.keys["src_audio_path"])
-    accepted = await submit(svc, task)
+    accepted = await submit(svc, task, caller)
     data = {"task_id": accepted.job_id, "status": "queued", "queue_position": max(1, accepted.queue_position)}
     return JSONResponse(wrap(data, extra=task.extra()))
 
@@ -101,14 +107,14 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/v1/stats")
 async def stats(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    check_header(_settings(request).api_key, authorization)
+    check_header(_keys(request), authorization)
     tally: JobTally = request.app.state.tally
     return JSONResponse(wrap(await tally.stats(_service(request))))
 
 
 @router.get("/v1/models")
 async def models(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    check_header(_settings(request).api_key, authorization)
+    check_header(_keys(request), authorization)
     names = list(_service(request).dispatcher.fleet().backbone_models)
     listed = [{"name": n, "is_default": i == 0} for i, n in enumerate(names)]
     return JSONResponse(wrap({"models": listed, "default_model": names[0] if names else None}))
@@ -131,6 +137,6 @@ async def format_input_route(request: Request, authorization: str | None = Autho
 async def audio(
     request: Request, path: str = Query(..., max_length=200), authorization: str | None = Authorization
 ) -> FileResponse:
-    check_header(_settings(request).api_key, authorization)
+    check_header(_keys(request), authorization)
     file, media = await audio_file(_service(request), path)
     return FileResponse(file, media_type=media)

@@ -23,6 +23,7 @@ from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
 from songserve.api.artifacts import JOB_ID
+from songserve.api.keys import Caller
 from songserve.api.service import JobService
 from songserve.api.store import Job
 from songserve.api.views import job_view
@@ -36,9 +37,10 @@ def _ace_name(task: Task, ours: str) -> str:
     return task.keys.get(ours, ACE_NAMES.get(ours, ours))
 
 
-async def submit(svc: JobService, task: Task) -> GenerateAccepted:
+async def submit(svc: JobService, task: Task, caller: Caller | None = None) -> GenerateAccepted:
+    """The task as our job, under ``caller``'s key (its limits: a 429 in the wrapper when over one)."""
     try:
-        accepted = await svc.submit(task.request)
+        accepted = await svc.submit(task.request, caller=caller)
     except FieldError as exc:
         detail = (exc.detail or [{}])[0]
         loc = detail.get("loc") or ["body"]

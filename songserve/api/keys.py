@@ -1,0 +1,132 @@
+"""API keys: who is calling, by name, with what limits (``API_KEY`` and ``API_KEYS_FILE``).
+
+``API_KEYS_FILE`` is a JSON object keyed by the key itself::
+
+    {"<key>": {"name": "studio", "tracks_per_hour": 100, "concurrent_jobs": 4, "max_duration": 10,
+               "max_priority": 5}}
+
+Every limit is optional (absent or null: unlimited); a key without a name is named
+``key-<first 8 hex digits of its SHA-256>``. The single ``API_KEY`` still works beside it, as a key
+named ``default`` with no limits. Use is counted per name (``jobs.caller``), so two keys with one
+name (a key being rotated) share their use. A key is compared in constant time against every key
+(no early exit) and never logged or answered; the name is what logs, ``/usage`` and the store see.
+
+``KeyAuth`` is the dispatcher's guard (the worker keeps ``http_guard.BearerAuth``): it answers 401 as
+before and puts the caller it found into the request's scope (``CALLER``) for the routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from songserve.errors import ConfigError
+from songserve.http_guard import send_error
+from songserve.schemas import KeyLimits
+
+CALLER = "songserve.caller"  # the scope key routes read the caller from
+DEFAULT_NAME = "default"  # API_KEY's name
+
+
+class KeyEntry(KeyLimits):
+    """One key's entry in the file: its name and its limits."""
+
+    name: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[\w .@:+-]+$")
+
+
+class _KeysFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keys: dict[str, KeyEntry]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the key's name and its limits."""
+
+    name: str
+    limits: KeyLimits
+
+
+class ApiKeys:
+    """The keys this dispatcher knows; ``enabled`` when any (then every request needs one)."""
+
+    def __init__(self, entries: list[tuple[str, Caller]]) -> None:
+        self._entries = [(key.encode(), caller) for key, caller in entries]
+        self.enabled = bool(entries)
+
+    @classmethod
+    def load(cls, api_key: str, path: Path | None) -> ApiKeys:
+        """``API_KEY`` and the file's keys; a file that cannot be read raises ``ConfigError`` in one line."""
+        entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits()))] if api_key else []
+        if path is None:
+            return cls(entries)
+        try:
+            raw = json.loads(path.read_text())
+            parsed = _KeysFile.model_validate({"keys": raw})
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else _why(exc)
+            raise ConfigError(f"Setting api_keys_file: {path} cannot be used ({why}).") from None
+        for key, entry in parsed.keys.items():
+            if not key or key != key.strip() or any(c.isspace() for c in key):
+                raise ConfigError(f"Setting api_keys_file: {path} has a key that is empty or holds spaces.")
+            name = entry.name or f"key-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+            entries.append((key, Caller(name, KeyLimits(**entry.model_dump(exclude={"name"})))))
+        return cls(entries)
+
+    def identify(self, given: bytes) -> Caller | None:
+        """The caller whose key ``given`` is, comparing with every key (the time says nothing of which)."""
+        found = None
+        for key, caller in self._entries:
+            if hmac.compare_digest(given, key):
+                found = caller
+        return found
+
+    def from_bearer(self, authorization: bytes) -> Caller | None:
+        """``Authorization: Bearer <key>``'s caller, or None."""
+        scheme, _, key = authorization.partition(b" ")
+        return self.identify(key) if scheme == b"Bearer" else None
+
+
+def _why(exc: ValueError) -> str:
+    """A file's fault without its keys: the entry is named by its position and name, never by its key."""
+    if not isinstance(exc, ValidationError):
+        return f"not JSON: {exc}"
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    if len(loc) < 2:
+        return "it must be a JSON object of keys"
+    field = ".".join(str(p) for p in loc[2:]) or "its value"  # loc[1] is the key itself: never said
+    return f"an entry's {field}: {err['msg'].lower()}"
+
+
+class KeyAuth:
+    """Requires a known key (``Authorization: Bearer <key>``) except on the exempt paths, and names
+    the caller in the scope (``scope[CALLER]``). The 401 is the one ``BearerAuth`` gave."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, exempt: set[str], exempt_prefixes: tuple[str, ...] = ()) -> None:
+        self.app, self.keys, self.exempt, self.exempt_prefixes = app, keys, exempt, exempt_prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["path"] in self.exempt
+            or scope["path"].startswith(self.exempt_prefixes)
+            or scope["method"] == "OPTIONS"
+        ):
+            return await self.app(scope, receive, send)
+        caller = self.keys.from_bearer(dict(scope["headers"]).get(b"authorization", b""))
+        if caller is None:
+            return await send_error(
+                send,
+                401,
+                "Missing or wrong credentials: send Authorization: Bearer <key>.",
+                [(b"www-authenticate", b'Bearer realm="songserve"')],
+            )
+        scope[CALLER] = caller
+        return await self.app(scope, receive, send)

@@ -1,0 +1,89 @@
+"""The webhook outbox's records and rules: what both store engines keep, and when an event is tried again.
+
+Why an outbox: a webhook must not be lost when a dispatcher dies between a job's state change and
+its delivery, nor sent twice by two dispatchers of a fleet. So an event is a row of the job store
+(``webhook_events``), written in the same transaction as the state change it reports (a track's
+terminal state, a job's start and end; a ``progress`` row with the job's last-progress mark), and
+delivered from there by the ``webhooks`` loop (``webhook_sender.py``) of whichever dispatcher claims
+it. An event row's life:
+
+    pending ──claim (lease: owner, until)──▶ sending ──a 2xx answer──▶ delivered   (swept after an hour)
+       ▲                                        │ refused, no answer, another status
+       └── wait 4 s, 8 s, … ≤ 5 min ◀───────────┤   (while younger than WEBHOOK_MAX_AGE_SEC)
+                                                └──────── older ──────────▶ failed  (swept after an hour)
+
+"sending" is a pending row whose lease has not expired: a dispatcher killed while sending leaves a
+lease that lapses, and the row is claimed again (at least once, with the same ``event_id``). Only
+the oldest pending row of a job can be claimed, so a job's events arrive in the order they were
+written, each after the one before it was delivered or given up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+EVENT_KINDS = ("start", "progress", "track", "completed")
+DEFAULT_EVENTS = ("completed",)
+MAX_RETRY_SEC = 300.0  # the wait between tries doubles up to this
+PROGRESS_EVENT_SEC = 2.0  # at most one progress event per job in this time
+SWEEP_AFTER_SEC = 3600.0  # delivered and given-up rows are kept this long (to look at), then removed
+
+
+class OutboxState(StrEnum):
+    pending = "pending"  # waiting for its next try, or being sent (leased)
+    delivered = "delivered"
+    failed = "failed"  # given up: no 2xx within WEBHOOK_MAX_AGE_SEC
+
+
+@dataclass(frozen=True)
+class WebhookEvent:
+    """One event as written: its id (the ``webhook-id`` of every try), its job, kind, target and body."""
+
+    event_id: str
+    job_id: str
+    kind: str
+    url: str
+    body: str  # the JSON text signed and sent, the same on every try
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A claimed event: the row's id, the event, and how many tries of it failed before this one."""
+
+    row: int
+    event: WebhookEvent
+    attempts: int
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """Pending events in the store (the whole fleet's) and when the oldest was written (None: none)."""
+
+    depth: int = 0
+    oldest: float | None = None
+
+
+def retry_delay(failures: int, base: float) -> float:
+    """Seconds before the next try after ``failures`` failed ones: base, 2 × base, … up to 5 minutes."""
+    return min(MAX_RETRY_SEC, base * 2.0 ** max(0, min(failures - 1, 30)))
+
+
+def event_columns(events: list[WebhookEvent]) -> list[list[object]]:
+    """The events as one list per column (id, job, kind, url, body, time): both engines insert these."""
+    return [
+        [e.event_id for e in events],
+        [e.job_id for e in events],
+        [e.kind for e in events],
+        [e.url for e in events],
+        [e.body for e in events],
+        [e.created_at for e in events],
+    ]
+
+
+def delivery_from_row(r: Any) -> Delivery:
+    """A ``Delivery`` from a ``webhook_events`` row (``sqlite3.Row`` or a dict: read by column name)."""
+    event = WebhookEvent(r["event_id"], r["job_id"], r["kind"], r["url"], r["body"], float(r["created_at"]))
+    return Delivery(int(r["id"]), event, int(r["attempts"]))
