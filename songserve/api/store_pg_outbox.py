@@ -85,7 +85,7 @@ class PgOutbox:
     async def event_delivered(self, row: int) -> None:
         await self.db.rows(
             f"UPDATE webhook_events SET state='delivered', ended_at={NOW}, lease_owner=NULL, lease_until=0"
-            " WHERE id=%s AND state='pending'",
+            " WHERE id=%s AND state='pending' RETURNING id",
             (row,),
         )
 
@@ -93,13 +93,14 @@ class PgOutbox:
         ended = "state='failed', ended_at=" + NOW if retry_in is None else f"next_at={NOW} + %s"
         await self.db.rows(
             f"UPDATE webhook_events SET {ended}, attempts=attempts+1, last_error=%s, lease_owner=NULL,"
-            " lease_until=0 WHERE id=%s AND state='pending' AND lease_owner=%s",
+            " lease_until=0 WHERE id=%s AND state='pending' AND lease_owner=%s RETURNING id",
             [*([] if retry_in is None else [retry_in]), error, row, owner],
         )
 
     async def release_events(self, owner: str) -> None:
         await self.db.rows(
-            "UPDATE webhook_events SET lease_owner=NULL, lease_until=0 WHERE lease_owner=%s AND state='pending'",
+            "UPDATE webhook_events SET lease_owner=NULL, lease_until=0 WHERE lease_owner=%s AND state='pending'"
+            " RETURNING id",
             (owner,),
         )
 

@@ -79,7 +79,8 @@ class WebhookPolicy:
         if kind is None and self.public:
             return None
         what = f"a {kind} address" if kind else "an address"
-        return f"{host} is {ip}, {what} that WEBHOOK_ALLOW does not allow"
+        where = f"{ip} is" if host == str(ip) else f"{host} is {ip},"  # an address in the URL: said once
+        return f"{where} {what} that WEBHOOK_ALLOW does not allow"
 
     async def check(self, url: str) -> Target:
         """Resolve ``url``'s host; every address must be allowed. The target is the first address."""
