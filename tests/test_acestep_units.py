@@ -19,6 +19,7 @@ from songserve.api.acestep.failures import AceError
 from songserve.api.acestep.files import AudioRef, parse_id, parse_source
 from songserve.api.acestep.params import Params
 from songserve.api.acestep.translate import Context, Repaint, Task, read_task, tag_prompt
+from songserve.api.keys import ApiKeys
 from songserve.api.states import TrackStatus
 from songserve.api.store import Job, Track
 from songserve.api.tags import TAGS
@@ -331,20 +332,21 @@ def test_an_unknown_task_is_failed_with_a_reason_not_queued_forever():
 
 # ---- auth and samples -------------------------------------------------------------------------------
 def test_the_key_comes_from_ai_token_first_then_the_header_bearer_or_bare():
-    auth.check_body_or_header("k", {"ai_token": "k"}, None)
-    auth.check_body_or_header("k", {}, "Bearer k")
-    auth.check_body_or_header("k", {}, "k")
-    auth.check_body_or_header("", {}, None)
+    keys, none = ApiKeys.load("k", None), ApiKeys.load("", None)
+    assert auth.check_body_or_header(keys, {"ai_token": "k"}, None).name == "default"
+    auth.check_body_or_header(keys, {}, "Bearer k")
+    auth.check_body_or_header(keys, {}, "k")
+    assert auth.check_body_or_header(none, {}, None) is None
     for fields, header, says in [
         ({"ai_token": "bad"}, "Bearer k", "Invalid ai_token"),
         ({}, "Bearer bad", "Invalid API key"),
         ({"ai_token": ""}, None, "Missing ai_token or Authorization header"),
     ]:
         with pytest.raises(AceError, match=says) as err:
-            auth.check_body_or_header("k", fields, header)
+            auth.check_body_or_header(keys, fields, header)
         assert err.value.http_status == 401
     with pytest.raises(AceError, match="Missing Authorization header"):
-        auth.check_header("k", None)
+        auth.check_header(keys, None)
 
 
 def test_samples_have_acesteps_two_shapes_and_their_tag_captions_read_as_tags():

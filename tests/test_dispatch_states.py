@@ -230,7 +230,7 @@ async def test_a_store_write_failure_keeps_the_track_queued_until_the_store_reco
 async def test_a_failed_write_at_submit_is_refused_and_leaves_no_job_behind(tmp_path):
     async with FakeFleet(tmp_path) as f:
 
-        async def full(job):  # type: ignore[no-untyped-def]
+        async def full(job, quota=None):  # type: ignore[no-untyped-def]
             raise StoreError("database or disk is full")
 
         f.svc.store.insert_job = full  # type: ignore[method-assign]
@@ -374,10 +374,10 @@ async def test_a_track_whose_outcome_could_not_be_stored_is_collected_not_run_ag
         store = f.svc.store
         real_save, full = store.save_track, [True]
 
-        async def save(t, seen, fence=None):  # type: ignore[no-untyped-def]
+        async def save(t, seen, fence=None, events=()):  # type: ignore[no-untyped-def]
             if full[0] and t.status.value in ("done", "queued"):
                 raise StoreError("database or disk is full")
-            await real_save(t, seen, fence)
+            await real_save(t, seen, fence, events)
 
         store.save_track = save  # type: ignore[method-assign]
         job_id = (await f.svc.submit(body())).job_id
