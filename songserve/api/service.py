@@ -177,7 +177,7 @@ class JobService:
                 blob = codes_file.encode(retake.kept.codes, retake.kept.header)
                 await asyncio.to_thread(self.artifacts.write_prefix, job_id, blob)
             # one transaction (with the key's quota): a failed submit leaves no row behind
-            await self.store.insert_job(job, quota(caller, d.queue_wait()))
+            await self.store.insert_job(job, quota(caller, d.queue_wait))
         except OverQuota as over:
             self.artifacts.remove_job(job_id)
             raise OverLimit(caller.name if caller else "", over) from None

@@ -17,6 +17,8 @@ Through psycopg 3 with an async connection pool; every method is one short trans
 - ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
 - ``probe`` asks for the lock every write takes on the job tables, under a short lock timeout, and
   lets it go: a table locked by anyone turns ``/ready`` red within seconds.
+- Webhook events ride in the statement of the change they report (``events_cte``); the outbox's claims
+  and a key's quota: ``store_pg_outbox.py``, mixed in.
 - The pooled connections, their time limits and what a dead one means: ``store_pg_conn.py``.
 """
 

@@ -4,6 +4,9 @@ Everything a restart needs is here: the request, each track's status, attempts, 
 timings and metadata. The dispatcher's queue is rebuilt from it at start-up. All calls come from
 the event-loop thread; each is a short local transaction.
 
+The webhook outbox and a key's usage are ``store_sqlite_outbox.py``, mixed in; their writes that go
+with a state change or a job's insert run inside those transactions.
+
 The file is checked before the service opens it (``store_sqlite_check.prepare_store``: damage, an
 empty file beside results, a newer schema); the schema itself is versioned and migrated forward in
 ``migrations_sqlite.py``.

@@ -13,6 +13,7 @@ Two kinds of limit, two answers:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from songserve.api.keys import Caller
 from songserve.api.quota import OverQuota, Quota, Usage, free_in
@@ -59,12 +60,13 @@ def check_request(caller: Caller | None, req: GenerateRequest) -> None:
                     f"{lim.tracks_per_hour} allows in any hour", "tracks_per_hour", lim.tracks_per_hour)  # fmt: skip
 
 
-def quota(caller: Caller | None, jobs_retry_sec: float) -> Quota | None:
-    """What the store checks for ``caller`` (None: no key, or no counted limit)."""
-    if caller is None:
+def quota(caller: Caller | None, jobs_retry_sec: Callable[[], float]) -> Quota | None:
+    """What the store checks for ``caller`` (None: no key, or no counted limit; ``jobs_retry_sec``, an
+    estimate for the Retry-After of a key at its concurrent jobs, is asked only then)."""
+    if caller is None or (caller.limits.tracks_per_hour is None and caller.limits.concurrent_jobs is None):
         return None
     lim = caller.limits
-    return Quota(caller.name, lim.tracks_per_hour, lim.concurrent_jobs, max(1.0, jobs_retry_sec))
+    return Quota(caller.name, lim.tracks_per_hour, lim.concurrent_jobs, max(1.0, jobs_retry_sec()))
 
 
 def usage_view(caller: Caller | None, usage: Usage, now: float) -> UsageView:
