@@ -311,6 +311,32 @@ async def test_a_jobs_events_arrive_signed_in_order(tmp_path):
 
 
 @aio
+async def test_a_running_track_sends_progress_events_between_start_and_completed(tmp_path):
+    with Receiver() as rx:
+        async with FakeFleet(tmp_path, **HOOKS) as f:
+            w, hold = f.workers[0], asyncio.Event()
+            w.plans.append(Plan(release=hold))
+            kinds = ["start", "progress", "completed"]
+            await f.svc.submit(body(webhook=rx.url, webhook_events=kinds))
+            w.phase, w.detail = "backbone", "10/100 tokens"
+            for pct in range(1, 100):  # the worker moves on; the health poll shows each step
+                w.progress = pct
+                await asyncio.sleep(0.01)
+                if rx.events("progress"):
+                    break
+            await until(lambda: bool(rx.events("progress")), timeout=30)
+            hold.set()
+            await until(lambda: bool(rx.events("completed")), timeout=30)
+        types = [h.event["type"] for h in rx.events()]
+        assert types[0] == "start"
+        assert types[-1] == "completed"
+        assert "progress" in types
+        progress = rx.events("progress")[0].event["data"]
+        assert progress["status"] == "generating"
+        assert progress["tracks"][0]["progress"] > 0
+
+
+@aio
 async def test_a_receiver_failing_twice_gets_the_event_three_times_with_one_id(tmp_path):
     with Receiver() as rx:
         rx.answers.extend([500, 500])

@@ -59,6 +59,7 @@ class ApiKeys:
     def __init__(self, entries: list[tuple[str, Caller]]) -> None:
         self._entries = [(key.encode(), caller) for key, caller in entries]
         self.enabled = bool(entries)
+        self.names = sorted({caller.name for _, caller in entries})  # what a log may say of them
 
     @classmethod
     def load(cls, api_key: str, path: Path | None) -> ApiKeys:

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         s = load_settings(DispatcherSettings, sys.argv[1:] if argv is None else argv)
         s.worker_list()
         tags.load_catalogue(s.tags_file or tags.BUILTIN)  # a bad file refuses start-up here
-        ApiKeys.load(s.api_key, s.api_keys_file)  # so does a bad keys file
+        keys = ApiKeys.load(s.api_key, s.api_keys_file)  # so does a bad keys file
     except ConfigError as exc:
         print(f"dispatcher: {exc}", file=sys.stderr)
         return 2
@@ -50,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dispatcher: {exc}", file=sys.stderr)
         return 2
     log.info("workers: %s", ", ".join(s.worker_list()) or "none")
+    if keys.enabled:
+        log.info("API keys: %d, named %s", len(keys.names), ", ".join(keys.names))
 
     from songserve.api.acestep.app import serving_plan
     from songserve.api.app import create_app

@@ -25,6 +25,8 @@ from songserve.api.outbox import DEFAULT_EVENTS, PROGRESS_EVENT_SEC, WebhookEven
 from songserve.api.store import Job, Key, Track
 from songserve.api.views import job_view
 
+MAX_THROTTLED = 10_000  # jobs remembered for the progress throttle before the stale ones are dropped
+
 
 def wanted(job: Job, kind: str) -> bool:
     """Whether ``job`` asked for events of ``kind``."""
@@ -64,6 +66,8 @@ class JobEvents:
         now = time.monotonic()
         if now - self._progress_asked.get(job.job_id, float("-inf")) < PROGRESS_EVENT_SEC:
             return False
+        if len(self._progress_asked) >= MAX_THROTTLED:  # jobs another dispatcher finished: never forgotten here
+            self._progress_asked = {j: t for j, t in self._progress_asked.items() if now - t < PROGRESS_EVENT_SEC}
         self._progress_asked[job.job_id] = now
         return True
 
