@@ -72,7 +72,8 @@ def sync(dev: torch.device) -> None:
 
 def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Take
+    from songserve.pipeline.stages.length import LengthPlan
 
     def takes() -> list[Take]:
         return [Take(torch.Generator(device=dev).manual_seed(i), TaskContext(f"t{i}")) for i in range(batch)]
@@ -117,8 +118,9 @@ def decode_speed(bb, dev: torch.device, tokens: int) -> None:
 def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.numbers import HOP, SAMPLE_RATE
-    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Take
     from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig
+    from songserve.pipeline.stages.length import LengthPlan
     from songserve.pipeline.stages.superres import SuperRes
 
     frames = max(1, int(seconds * SAMPLE_RATE / HOP))

@@ -85,6 +85,11 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "INSERT INTO store_meta VALUES ('store_id', md5(random()::text || clock_timestamp()::text))",
         ),
     ),
+    (
+        4,
+        "live audio: the seconds of a running track's live audio, so any dispatcher shows them",
+        ("ALTER TABLE tracks ADD COLUMN preview_sec DOUBLE PRECISION NOT NULL DEFAULT 0",),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

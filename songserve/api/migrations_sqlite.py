@@ -103,6 +103,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "INSERT INTO store_meta VALUES ('store_id', lower(hex(randomblob(16))))",
         ),
     ),
+    Migration(
+        4,
+        "live audio: the seconds of a running track's live audio, so any dispatcher shows them",
+        ("ALTER TABLE tracks ADD COLUMN preview_sec REAL NOT NULL DEFAULT 0",),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -99,7 +99,9 @@ def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, 
         if made and want and want != made:
             raise FieldError(name, f"must be {made!r}, the model that made the take being continued")
         body[name] = made or want
-    own = req.model_dump(include={"num_tracks", "seed", "priority", "continue_from", "acestep"}, exclude_unset=True)
+    own = req.model_dump(
+        include={"num_tracks", "seed", "priority", "continue_from", "acestep", "preview"}, exclude_unset=True
+    )
     merged = GenerateRequest.model_validate({**body, **own})
     merged._body = req.body  # what the client sent (and its unknown names) is what the answer reports on
     return merged

@@ -7,7 +7,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 
 from songserve import __version__
 from songserve.api import metrics
-from songserve.api.service import JobService
+from songserve.api.live import LiveResponse
+from songserve.api.service import JobService, TrackFile
 from songserve.http_errors import error_response
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, WorkerAnnounced, WorkerAnnouncement
 
@@ -66,6 +67,24 @@ async def render(
     f, headers = await svc.render(job_id, idx, format, loudness, start, end)
     return FileResponse(
         f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition, headers=headers
+    )
+
+
+@router.get("/job/{job_id}/track/{idx}/stream")
+async def stream(
+    job_id: str,
+    idx: int,
+    format: str = Query("mp3", max_length=8, description="mp3 (plays as it arrives) or wav (16-bit PCM)"),
+    svc: JobService = Service,
+) -> Response:
+    """The track from its start as it is made, to its end (``api/live.py``); once done, its final file."""
+    got = await svc.stream(job_id, idx, format)
+    if isinstance(got, TrackFile):
+        return FileResponse(got.path, media_type=got.media_type, filename=got.filename,
+                            content_disposition_type="inline")  # fmt: skip
+    media, chunks = got
+    return LiveResponse(
+        chunks, media_type=media, headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
     )
 
 

@@ -27,6 +27,7 @@ from songserve import codes as codes_file
 from songserve.api import render, retakes
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
+from songserve.api.live import LiveStreams, NoAudio
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
@@ -102,6 +103,8 @@ class JobService:
         self.dispatcher = Dispatcher(s, store, artifacts, http)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
         self.renders = render.Renders(artifacts)
+        self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
+                                self.dispatcher.changes)  # fmt: skip
 
     @property
     def accepting(self) -> bool:
@@ -275,6 +278,21 @@ class JobService:
             raise GoneError(f"The {kind} file of track {idx} of job {job_id} {what}; generate the song again.")
         media, disposition = MEDIA[kind]
         return TrackFile(self.artifacts.path(job_id, idx, kind), media, f"{job_id}_track{idx}.{kind}", disposition)
+
+    async def stream(self, job_id: str, idx: int, fmt: str) -> TrackFile | tuple[str, AsyncIterator[bytes]]:
+        """A track's audio as it is made (``live.py``); a finished track's final file; 409 for one that
+        ended without audio."""
+        media = self.live.media_type(fmt)
+        view = await self.view(job_id)
+        if not 0 <= idx < len(view.tracks):
+            raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
+        track = view.tracks[idx]
+        if track.status == TrackStatus.done:
+            return await self.track_file(job_id, idx, fmt)
+        if TrackStatus(track.status).terminal:
+            raise NoAudio(f"Track {idx} of job {job_id} is {track.status}: it has no audio"
+                          f"{' (' + track.error + ')' if track.error else ''}.")  # fmt: skip
+        return media, self.live.chunks(job_id, idx, fmt)
 
     async def render(
         self, job_id: str, idx: int, fmt: str, loudness: float | None, start: float | None, end: float | None

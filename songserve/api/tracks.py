@@ -37,7 +37,9 @@ from songserve.api.states import TrackStatus, check_transition, job_status
 from songserve.api.store import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
 
 log = logging.getLogger(__name__)
-IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
+IDLE: dict[str, object] = {
+    "worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None, "preview_sec": 0.0,
+}  # fmt: skip
 
 
 class ChangeFeed:
