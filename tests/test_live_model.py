@@ -50,7 +50,9 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
     body, during = bytearray(), []  # audio bytes, and how many had come while the track was generating
 
     def listen() -> None:
-        with httpx.stream("GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=httpx.Timeout(10, read=300)) as r:
+        with httpx.stream(
+            "GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=httpx.Timeout(10, read=300)
+        ) as r:
             assert r.status_code == 200
             for piece in r.iter_raw(1 << 15):
                 body.extend(piece)
