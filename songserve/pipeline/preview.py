@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from songserve.errors import TaskCancelled
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import BACKBONE_LEVELS
 from songserve.pipeline.stages.codec import AudioDecoder
@@ -196,7 +197,10 @@ class Previewer:
                     row = self._next()
                     if row is None:
                         return
-                    self._advance(row, stages)
+                    try:
+                        self._advance(row, stages)
+                    except TaskCancelled:  # its take was cancelled mid-window: the other takes go on
+                        row.ctx.live.fail("the take was cancelled")
         except Exception as exc:  # the take goes on; only its live audio ends
             log.exception("live audio of tasks %s failed", ",".join(r.ctx.task_id for r in self.rows))
             for row in self.rows:
