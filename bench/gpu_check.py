@@ -16,6 +16,7 @@ import dataclasses
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -72,7 +73,8 @@ def sync(dev: torch.device) -> None:
 
 def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Take
+    from songserve.pipeline.stages.length import LengthPlan
 
     def takes() -> list[Take]:
         return [Take(torch.Generator(device=dev).manual_seed(i), TaskContext(f"t{i}")) for i in range(batch)]
@@ -117,8 +119,9 @@ def decode_speed(bb, dev: torch.device, tokens: int) -> None:
 def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.numbers import HOP, SAMPLE_RATE
-    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Take
     from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig
+    from songserve.pipeline.stages.length import LengthPlan
     from songserve.pipeline.stages.superres import SuperRes
 
     frames = max(1, int(seconds * SAMPLE_RATE / HOP))
@@ -146,13 +149,58 @@ def track(bb, shape: Shape, dev: torch.device, seconds: float) -> None:
         sync(dev)
         t_dec = time.perf_counter() - t0
     total = t_bb + t_sr + t_dec
+    live = live_track(bb, sr, decoder, dev, frames, prompt, t_bb)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
     report(
         "GPU-track",
         f"{seconds:g}s track (random weights): backbone {t_bb:.1f}s ({coarse.numel() / t_bb:.0f} tok/s), "
         f"superres {t_sr:.1f}s, decoder {t_dec:.1f}s, total {total:.1f}s = {seconds / total:.1f}x real time; "
-        f"audio {tuple(wave.shape)}, peak {peak:.1f} GiB",
+        f"audio {tuple(wave.shape)}, peak {peak:.1f} GiB; {live}",
     )
+
+
+def live_track(bb, sr, decoder, dev: torch.device, frames: int, prompt: list[int], t_bb: float) -> str:
+    """The same backbone run with a listener (issue 23): its preview thread beside the steps (its own
+    CUDA stream). Time to the first live audio from the start, and the backbone's time over without."""
+    import tempfile
+    import threading
+
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.numbers import FRAMES_PER_SECOND
+    from songserve.pipeline.preview import Previewer, PreviewStages
+    from songserve.pipeline.stages.backbone import Take
+    from songserve.pipeline.stages.length import LengthPlan
+
+    ctx = TaskContext("live")
+    ctx.live.want()
+    first: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        preview = Previewer([ctx], [0], frames, lambda: PreviewStages(sr, prompt, decoder), out_dir=Path(tmp),
+                            device=dev, chunk_frames=round(2 * FRAMES_PER_SECOND), context_frames=16,
+                            decode_context=16, top_k=10)  # fmt: skip
+        gen = torch.Generator(device=dev).manual_seed(0)
+        sync(dev)
+        t0 = time.perf_counter()
+
+        def watch() -> None:
+            while not first:
+                if ctx.live.frames_written:
+                    first.append(time.perf_counter() - t0)
+                elif ctx.live.state.final:
+                    return
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        bb.generate_batch(prompt, LengthPlan(frames, frames, 2 * frames), [Take(gen, ctx)], top_k=80,
+                          temperature=1.0, listener=preview)  # fmt: skip
+        sync(dev)
+        t_live = time.perf_counter() - t0
+        preview.close()
+        watcher.join(10)
+    got = f"{first[0]:.2f}s" if first else "none"
+    return (f"live: first audio {got} after the start (target <= 1.5 s), backbone with a listener "
+            f"{t_live / t_bb:.2f}x without (target <= 1.1x), {ctx.live.seconds:.1f}s of live audio")  # fmt: skip
 
 
 def main() -> None:

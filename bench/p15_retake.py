@@ -38,7 +38,8 @@ def backbone(layers: int, hidden: int, heads: int, context: int) -> Any:
 def first_frames(bb: Any, prompt: list[int], kept: torch.Tensor, frames: int, seed: int) -> tuple[float, torch.Tensor]:
     """CPU seconds to the retake's first ``frames`` new frames, and those frames' codes."""
     from songserve.pipeline.context import TaskContext
-    from songserve.pipeline.stages.backbone import LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Take
+    from songserve.pipeline.stages.length import LengthPlan
 
     n = kept.shape[1] + frames
     take = Take(torch.Generator().manual_seed(seed), TaskContext("p15"))

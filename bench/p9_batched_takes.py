@@ -38,7 +38,8 @@ def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[i
     from songserve.pipeline.engine.arch import GPTArch
     from songserve.pipeline.engine.gpt import AcousticGPT, build_model
     from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
-    from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
+    from songserve.pipeline.stages.backbone import Backbone, Take
+    from songserve.pipeline.stages.length import LengthPlan
 
     vocab = 1024 + BACKBONE_LEVELS * CODEBOOK
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, 1024, vocab, 2 * frames + 64, 64)

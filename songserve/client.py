@@ -7,6 +7,9 @@
 ``--continue JOB:TRACK@SEC`` retakes a finished take from SEC seconds on: what comes before is kept,
 and whatever is not given on the command line (style, lyrics, duration) stays the original's.
 ``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
+``--listen FILE`` writes the first take to FILE as it is made (``.wav``: 16-bit PCM, else MP3), from
+its first seconds to its end; ``--listen -`` writes it to standard output (progress goes to
+standard error), e.g. ``python -m songserve generate --listen - … | mpv -``.
 
 Talks to the dispatcher over HTTP (``--server``, default ``$SONGSERVE_URL`` or http://127.0.0.1:8889).
 Exits non-zero with the server's error sentence when something fails.
@@ -18,6 +21,7 @@ import argparse
 import os
 import re
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -87,7 +91,50 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
         body["seed"] = args.seed
+    if args.listen:
+        body["preview"] = True  # live audio from the first seconds, not only once the listener connects
     return body
+
+
+class Listener:
+    """Writes take 0's stream (``GET …/stream``) to a file or stdout as it arrives, in a thread."""
+
+    def __init__(self, dest: str) -> None:
+        self.dest = dest
+        self.fmt = "wav" if dest.lower().endswith(".wav") else "mp3"
+        self.bytes = 0
+        self.error = ""
+        # Opened before the job is submitted: a path that cannot be written is the command's error.
+        self.sink = sys.stdout.buffer if dest == "-" else open(dest, "wb")
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self, client: httpx.Client, job_id: str) -> None:
+        self.client, self.job_id = client, job_id
+        self.thread.start()
+
+    def _run(self) -> None:
+        url = f"/job/{self.job_id}/track/0/stream"
+        sink = self.sink
+        try:
+            with self.client.stream("GET", url, params={"format": self.fmt}, timeout=httpx.Timeout(30, read=None)) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                for chunk in r.iter_raw():
+                    sink.write(chunk)
+                    sink.flush()  # a player reading the file (or the pipe) hears it now
+                    self.bytes += len(chunk)
+        except (ClientError, httpx.HTTPError) as exc:  # a cut stream: the track failed or was cancelled
+            self.error = str(exc) or type(exc).__name__
+        finally:
+            if sink is not sys.stdout.buffer:
+                sink.close()
+
+    def report(self, out: TextIO) -> None:
+        self.thread.join(timeout=60)
+        where = "standard output" if self.dest == "-" else self.dest
+        ended = f", then it was cut ({self.error})" if self.error else ""
+        print(f"listened: {self.bytes} bytes of track 0 written to {where} as they came{ended}", file=out)
 
 
 def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | None) -> tuple[str, dict[str, Any]]:
@@ -101,9 +148,12 @@ def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | N
 
 def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     body = request_body(args)
+    listener = Listener(args.listen) if args.listen else None
     accepted = _check(_submit(client, body))
     job_id = accepted["job_id"]
     print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
+    if listener is not None:
+        listener.start(client, job_id)
     tty = out.isatty()
     last: list[str] = []
     while True:
@@ -119,6 +169,8 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
         if job["status"] in TERMINAL:
             break
         time.sleep(args.poll)
+    if listener is not None:
+        listener.report(out)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved = 0
@@ -175,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--formats", default="mp3,wav", help="of mp3, wav, codes, flac, opus")
     g.add_argument("--loudness", type=float, help="LUFS for the flac/opus downloads (EBU R128); unset: as made")
     g.add_argument("--continue", dest="cont", metavar="JOB:TRACK@SEC", help="retake a finished take from SEC on")
+    g.add_argument("--listen", metavar="FILE", help="write take 0 to FILE as it is made (.wav or MP3; - = stdout)")
     g.add_argument("--poll", type=float, default=0.5)
     sub.add_parser("status", help="show the worker table")
     args = ap.parse_args(argv)
@@ -182,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)
         with httpx.Client(base_url=args.server, headers=headers, timeout=30, limits=limits) as client:
-            return {"generate": generate, "status": status}[args.command](args, client)
+            out = sys.stderr if getattr(args, "listen", None) == "-" else sys.stdout  # stdout carries the audio
+            return {"generate": generate, "status": status}[args.command](args, client, out)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -88,6 +88,12 @@ class WorkerSettings(BaseSettings):
     )
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
+    preview_chunk_sec: float = Field(
+        3.0, ge=0, le=60, description="live audio: seconds of new frames per preview window; 0 = no live audio"
+    )
+    preview_context_frames: int = Field(
+        16, ge=0, le=512, description="live audio: frames before a window's new ones that super-resolution sees"
+    )
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
     worker_token: str = Field(
         "", description="shared secret: every route but /health needs Authorization: Bearer <token>"

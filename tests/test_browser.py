@@ -55,7 +55,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     page.click("#generate")
     card = page.locator(".job").first
     card.locator(".track .phase").wait_for()
-    audio = card.locator("audio")
+    audio = card.locator(".result audio")
     audio.wait_for(state="visible", timeout=120_000)
     assert card.locator(".job-status").inner_text().startswith("completed")
     assert card.locator("progress").get_attribute("value") == "100"
@@ -63,7 +63,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     assert href
     assert href.endswith("/track/0/wav")
     played = page.evaluate(
-        """async () => { const a = document.querySelector('.job audio'); await a.play();
+        """async () => { const a = document.querySelector('.job .result audio'); await a.play();
              await new Promise(r => setTimeout(r, 700)); return [a.currentTime, a.duration]; }"""
     )
     assert played[0] > 0.1
@@ -103,7 +103,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     page.fill("#num_tracks", "1")
     page.click("#generate")
     card = page.locator(".job").first
-    card.locator("audio").wait_for(state="visible", timeout=120_000)
+    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     original = card.get_attribute("data-job-id")
     flac = card.locator(".dl-flac")
     assert flac.get_attribute("href") == f"job/{original}/track/0/render?format=flac"
@@ -115,7 +115,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     assert sf.info(io.BytesIO(r.content)).samplerate == 44100
 
     # Seek the player to 1.5 s (a person pausing there), then continue from it.
-    page.evaluate("""async () => { const a = document.querySelector('.job audio'); await a.play(); a.pause();
+    page.evaluate("""async () => { const a = document.querySelector('.job .result audio'); await a.play(); a.pause();
         await new Promise((done, fail) => { a.addEventListener('seeked', done, { once: true });
           setTimeout(() => fail(new Error('no seeked event')), 20000); a.currentTime = 1.5; }); }""")
     button = card.locator("button.continue")
@@ -123,11 +123,42 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     button.click()
     page.wait_for_function("document.querySelectorAll('.job').length === 2")
     retake = page.locator(".job").first
-    retake.locator("audio").wait_for(state="visible", timeout=120_000)
+    retake.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert retake.locator(".job-title").inner_text().startswith("Mandopop")
     assert " · from 0:01.5" in retake.locator(".job-title").inner_text()
     job = httpx.get(f"{site.url}/job/{retake.get_attribute('data-job-id')}", timeout=10).json()
     continued = job["tracks"][0]["metadata"]["continued"]
     assert continued["origin"] == f"{original}/0"
     assert continued["frames"] == int(1.5 * 44100 / 2048)
+    assert not errors
+
+
+def test_the_page_plays_a_take_live_before_it_is_done(site, page):
+    """ "Listen live" is on by default: the first take's stream plays while the job is still running."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(site.url + "/")
+    page.wait_for_selector("#tag-chips button")
+    assert page.is_checked("#live")
+    page.fill("#lyrics", "[verse]\nhear it live\nas it is made")
+    page.fill("#duration", "1")
+    page.fill("#num_tracks", "1")
+    page.click("#generate")
+    card = page.locator(".job").first
+    card.locator(".live .live-badge").wait_for(timeout=60_000)
+    # The live <audio> plays (its clock moves) while the job's status is not terminal yet.
+    seen = page.wait_for_function(
+        """() => { const a = document.querySelector('.job .live audio');
+                   const status = document.querySelector('.job .job-status').textContent;
+                   return a && a.currentTime > 0.5 && !/^(completed|partial|failed|cancelled)/.test(status)
+                     && [a.currentTime, status]; }""",
+        timeout=120_000,
+        polling=100,
+    ).json_value()
+    assert seen[0] > 0.5
+    assert card.locator(".live .live-badge").inner_text() == "LIVE"
+    page.wait_for_function(
+        "document.querySelector('.job .job-status').textContent.startsWith('completed')", timeout=300_000
+    )
+    assert card.locator(".live .live-badge").inner_text() == "DONE"
     assert not errors

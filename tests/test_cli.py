@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -115,3 +116,26 @@ def test_continue_retakes_a_finished_take_and_downloads_rendered_formats(cluster
     bad = cli("--server", cluster.url, "generate", "--continue", "nope@3", "--out", str(tmp_path))
     assert bad.returncode == 1
     assert "expected JOB:TRACK@SEC" in bad.stderr
+
+
+def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, tmp_path):
+    dest = tmp_path / "live.wav"
+    base = ("--server", cluster.url, "generate", "--lyrics", "la", "--duration", "0.1", "--tracks", "1")
+    out = cli(*base, "--seed", "4", "--listen", str(dest), "--formats", "wav", "--out", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert f"written to {dest} as they came" in out.stdout
+    final, rate = sf.read(next((tmp_path / "out").glob("*.wav")), dtype="int16")
+    heard = dest.read_bytes()
+    assert heard[:4] == b"RIFF"
+    assert heard[44:] == final.tobytes()  # the tone's live audio is its final audio, every sample
+    piped = subprocess.run(
+        [sys.executable, "-m", "songserve", *base, "--listen", "-", "--formats", "mp3", "--out", str(tmp_path / "o2")],
+        cwd=ROOT, capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert piped.returncode == 0, piped.stderr
+    assert b"written to standard output" in piped.stderr  # progress and messages on stderr
+    audio, rate = sf.read(io.BytesIO(piped.stdout))  # stdout: the MP3 stream alone
+    assert abs(len(audio) / rate - 6.0) < 0.2
+    unwritable = cli(*base, "--listen", str(tmp_path / "no" / "such" / "dir.mp3"))
+    assert unwritable.returncode == 1
+    assert "No such file or directory" in unwritable.stderr

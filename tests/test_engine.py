@@ -18,7 +18,8 @@ from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_
 from songserve.pipeline.engine.sampling import sample
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.stages import tokenizer as tk
-from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.stages.backbone import Backbone, Take
+from songserve.pipeline.stages.length import LengthPlan
 
 PROMPT = list(range(3, 23))
 

@@ -10,7 +10,8 @@ from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.oracle import causal_mask, megatron_forward
 from songserve.pipeline.engine.transformer import DecodeModel
-from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.stages.backbone import Backbone, Take
+from songserve.pipeline.stages.length import LengthPlan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPT = list(range(3, 23))

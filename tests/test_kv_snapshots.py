@@ -21,7 +21,8 @@ from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots, common_prefix
 from songserve.pipeline.stages import tokenizer as tk
-from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take
+from songserve.pipeline.stages.backbone import Backbone, Take
+from songserve.pipeline.stages.length import LengthPlan
 from songserve.pipeline.stages.superres import SuperRes
 
 PROMPT = list(range(3, 40))

@@ -12,7 +12,7 @@ import torch
 from songserve.errors import RequestError
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import TOKENS_PER_MINUTE
-from songserve.pipeline.stages.backbone import plan_length
+from songserve.pipeline.stages.length import plan_length
 from songserve.pipeline.types import TrackRequest
 from tests.support import start_worker
 

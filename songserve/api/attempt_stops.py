@@ -131,7 +131,8 @@ class AttemptStops:
         if take is None:
             return
         fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
-                  "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec}  # fmt: skip
+                  "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec,
+                  "preview_sec": take.preview_sec or 0.0}  # fmt: skip
         status = status_of_phase(take.phase)
         if status is not t.status:
             await self.book.change(t, status, fence=self._fences.get(t.key), **fields)

@@ -124,7 +124,7 @@ class Attempts(AttemptStops, AttemptFences):
             wanted.append(dataclasses.replace(
                 t, status=TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id,
                 owner=self.me, error=None, started_at=now, worker_phase="backbone", phase_progress=0,
-                phase_detail="", phase_rate=None))  # fmt: skip
+                phase_detail="", phase_rate=None, preview_sec=0.0))  # fmt: skip
         # A retake's kept frames, read before the claim: from the claim to ``_spawn`` nothing awaits.
         prefix = await retakes.kept_frames(self.artifacts, job) if job.request.continue_from is not None else None
         fence = self.fence_of(w)

@@ -44,6 +44,7 @@ from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Trac
 from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.api.webhook_events import JobEvents
+from songserve.api.worker_client import WorkerClient
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
@@ -349,6 +350,11 @@ class Dispatcher:
     def can_continue(self) -> bool:
         """Some worker can run a retake: one of ours (a reference worker knows no prefix), or none known yet."""
         return not self.pool.workers or any(not w.client.reference for w in self.pool.workers)
+
+    def live_client(self, worker_id: int) -> WorkerClient | None:
+        """Where a running track's live audio comes from: our worker's client (a reference worker makes none)."""
+        w = self.pool.by_id(worker_id)
+        return w.client if w is not None and not w.client.reference else None
 
     def knows_worker(self, worker_id: int) -> bool:
         return self.pool.by_id(worker_id) is not None

@@ -87,6 +87,11 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     ),
     (
         4,
+        "live audio: the seconds of a running track's live audio, so any dispatcher shows them",
+        ("ALTER TABLE tracks ADD COLUMN preview_sec DOUBLE PRECISION NOT NULL DEFAULT 0",),
+    ),
+    (
+        5,
         "webhooks and keys: the outbox of webhook events, each job's key name and last progress event",
         (
             "ALTER TABLE jobs ADD COLUMN caller TEXT",

@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS tracks (
 
 # The durable outbox (``outbox.py``): one row per event, written in the transaction of the state
 # change it reports; ``id`` orders a job's events (AUTOINCREMENT: never reused).
-V4_WEBHOOK_EVENTS = """
+V5_WEBHOOK_EVENTS = """
 CREATE TABLE webhook_events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     event_id TEXT NOT NULL UNIQUE,
@@ -125,12 +125,17 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         4,
+        "live audio: the seconds of a running track's live audio, so any dispatcher shows them",
+        ("ALTER TABLE tracks ADD COLUMN preview_sec REAL NOT NULL DEFAULT 0",),
+    ),
+    Migration(
+        5,
         "webhooks and keys: the outbox of webhook events, each job's key name and last progress event",
         (
             "ALTER TABLE jobs ADD COLUMN caller TEXT",
             "ALTER TABLE jobs ADD COLUMN progress_event_at REAL NOT NULL DEFAULT 0",
             "CREATE INDEX jobs_caller ON jobs(caller, created_at)",
-            V4_WEBHOOK_EVENTS,
+            V5_WEBHOOK_EVENTS,
             "CREATE INDEX webhook_events_due ON webhook_events(state, next_at)",
             "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
         ),

@@ -75,8 +75,8 @@ class NormalizedRequest:
 
 
 def _differs(sent: Any, used: Any) -> bool:
-    """A coercion or a change: ``"3"`` → 3 and 15 → 10 differ; 3 → 3.0 does not."""
-    if isinstance(sent, bool) or isinstance(sent, str) != isinstance(used, str):
+    """A coercion or a change: ``"3"`` → 3, ``true`` → 1 and 15 → 10 differ; 3 → 3.0 and ``true`` → ``true`` do not."""
+    if isinstance(sent, bool) != isinstance(used, bool) or isinstance(sent, str) != isinstance(used, str):
         return True
     return bool(sent != used)
 

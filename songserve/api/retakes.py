@@ -31,8 +31,8 @@ from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
 MODELS = ("backbone", "superres")
-# A retake's own, never the original's: how many, its seeds and priority, what it continues, where its events go.
-OWN = {"num_tracks", "seed", "priority", "continue_from", "acestep", "webhook", "webhook_events"}
+# A retake's own, never the original's: how many, seeds, priority, what it continues, its preview, its events' URL.
+OWN = {"num_tracks", "seed", "priority", "continue_from", "acestep", "preview", "webhook", "webhook_events"}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from songserve import __version__
 from songserve.api import metrics
 from songserve.api.keys import CALLER, Caller
-from songserve.api.service import JobService
+from songserve.api.live import LiveResponse
+from songserve.api.service import JobService, TrackFile
 from songserve.http_errors import error_response
 from songserve.schemas import (
     GenerateAccepted,
@@ -113,6 +114,24 @@ async def render(
     )
 
 
+@router.get("/job/{job_id}/track/{idx}/stream")
+async def stream(
+    job_id: str,
+    idx: int,
+    format: str = Query("mp3", max_length=8, description="mp3 (plays as it arrives) or wav (16-bit PCM)"),
+    svc: JobService = Service,
+) -> Response:
+    """The track from its start as it is made, to its end (``api/live.py``); once done, its final file."""
+    got = await svc.stream(job_id, idx, format)
+    if isinstance(got, TrackFile):
+        return FileResponse(got.path, media_type=got.media_type, filename=got.filename,
+                            content_disposition_type="inline")  # fmt: skip
+    media, chunks = got
+    return LiveResponse(
+        chunks, media_type=media, headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+    )
+
+
 @router.get("/job/{job_id}/track/{idx}/{kind}")
 @router.head("/job/{job_id}/track/{idx}/{kind}")
 async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
@@ -169,11 +188,11 @@ async def announce(
     body: WorkerAnnouncement, authorization: str | None = Header(None), svc: JobService = Service
 ) -> WorkerAnnounced:
     """A worker started with ``--announce`` joins the pool (the worker token, not the API key)."""
-    return await svc.announce(body, authorization)
+    return await svc.announcements.announce(body, authorization)
 
 
 @router.delete("/workers/{worker_id}")
 async def withdraw(
     worker_id: int, authorization: str | None = Header(None), svc: JobService = Service
 ) -> dict[str, object]:
-    return await svc.withdraw(worker_id, authorization)
+    return await svc.announcements.withdraw(worker_id, authorization)

@@ -11,7 +11,6 @@ for any job: what is not in its memory is read from the store.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import secrets
@@ -25,11 +24,13 @@ import httpx
 from songserve import __version__
 from songserve import codes as codes_file
 from songserve.api import render, retakes
+from songserve.api.announcements import Announcements
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
 from songserve.api.keys import Caller
+from songserve.api.live import LiveStreams, NoAudio
 from songserve.api.quota import WINDOW_SEC, OverQuota
-from songserve.api.refusals import AnnounceRefused, GoneError, QueueFull, StoreUnavailable
+from songserve.api.refusals import GoneError, QueueFull, StoreUnavailable
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
@@ -47,8 +48,6 @@ from songserve.schemas import (
     GenerateRequest,
     JobView,
     UsageView,
-    WorkerAnnounced,
-    WorkerAnnouncement,
 )
 from songserve.settings import DispatcherSettings
 
@@ -82,6 +81,9 @@ class JobService:
         self.webhook_policy = WebhookPolicy(s.webhook_allow)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
         self.renders = render.Renders(artifacts)
+        self.announcements = Announcements(s, store, self.dispatcher)  # workers that join and leave
+        self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
+                                self.dispatcher.changes)  # fmt: skip
 
     @property
     def accepting(self) -> bool:
@@ -281,6 +283,21 @@ class JobService:
         media, disposition = MEDIA[kind]
         return TrackFile(self.artifacts.path(job_id, idx, kind), media, f"{job_id}_track{idx}.{kind}", disposition)
 
+    async def stream(self, job_id: str, idx: int, fmt: str) -> TrackFile | tuple[str, AsyncIterator[bytes]]:
+        """A track's audio as it is made (``live.py``); a finished track's final file; 409 for one that
+        ended without audio."""
+        media = self.live.media_type(fmt)
+        view = await self.view(job_id)
+        if not 0 <= idx < len(view.tracks):
+            raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
+        track = view.tracks[idx]
+        if track.status == TrackStatus.done:
+            return await self.track_file(job_id, idx, fmt)
+        if TrackStatus(track.status).terminal:
+            raise NoAudio(f"Track {idx} of job {job_id} is {track.status}: it has no audio"
+                          f"{' (' + track.error + ')' if track.error else ''}.")  # fmt: skip
+        return media, self.live.chunks(job_id, idx, fmt)
+
     async def render(
         self, job_id: str, idx: int, fmt: str, loudness: float | None, start: float | None, end: float | None
     ) -> tuple[TrackFile, dict[str, str]]:
@@ -344,33 +361,6 @@ class JobService:
     def metrics(self) -> bytes:
         """``GET /metrics``: the Prometheus text."""
         return self.dispatcher.metrics.render()
-
-    # ---- workers that join and leave ------------------------------------------------------------
-    def _check_worker_token(self, authorization: str | None) -> None:
-        token = self.s.worker_token
-        if not token:
-            raise AnnounceRefused("Announcing is off here: start the dispatcher with a WORKER_TOKEN.", 403)
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise AnnounceRefused("Authorization: a worker announces itself with Bearer <WORKER_TOKEN>.", 401)
-
-    async def announce(self, body: WorkerAnnouncement, authorization: str | None) -> WorkerAnnounced:
-        """A worker joins (or renews its registration) for ``ttl_sec``; every dispatcher on the store sees it."""
-        self._check_worker_token(authorization)
-        worker_id = await self.store.register_worker(body.url.rstrip("/"), body.ttl_sec, announced=True)
-        if not self.dispatcher.knows_worker(worker_id):
-            log.info("worker %d (%s) announced itself for %.0fs", worker_id, body.url, body.ttl_sec)
-            self.dispatcher.membership_soon()
-        return WorkerAnnounced(worker_id=worker_id, expires_in_sec=body.ttl_sec)
-
-    async def withdraw(self, worker_id: int, authorization: str | None) -> dict[str, object]:
-        """A worker leaves: no new tracks; a track it still runs is retried elsewhere."""
-        self._check_worker_token(authorization)
-        if not await self.store.withdraw_worker(worker_id):
-            raise NotFoundError(f"Worker {worker_id} is not registered.")
-        log.info("worker %d left", worker_id)
-        self.dispatcher.membership_soon()
-        return {"worker_id": worker_id, "left": True}
 
     def config(self) -> dict[str, object]:
         s, fleet = self.s, self.dispatcher.fleet()

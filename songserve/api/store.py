@@ -63,6 +63,7 @@ class Track:
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
     phase_rate: float | None = None  # tokens per second, in the backbone
+    preview_sec: float = 0.0  # seconds of live audio the worker has made of it (issue 23)
     # live, not stored
     queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
     avoid_worker: int = -1  # its last attempt failed there for an environment reason: prefer another
@@ -75,7 +76,7 @@ class Track:
 
 STORED_TRACK_FIELDS = (
     "status", "seed", "attempts", "worker_id", "task_id", "owner", "error", "duration_sec", "started_at",
-    "finished_at", "metadata", "worker_phase", "phase_progress", "phase_detail", "phase_rate",
+    "finished_at", "metadata", "worker_phase", "phase_progress", "phase_detail", "phase_rate", "preview_sec",
 )  # fmt: skip
 
 
@@ -329,6 +330,7 @@ def job_from_row(row: Any, tracks: Iterable[Any]) -> Job:
                 phase_progress=t["phase_progress"],
                 phase_detail=t["phase_detail"],
                 phase_rate=t["phase_rate"],
+                preview_sec=t["preview_sec"] or 0.0,
             )
             for t in tracks
         ],

@@ -67,6 +67,7 @@ TRACK_COLUMN_TYPES = {
     "status": "text", "seed": "bigint", "attempts": "int", "worker_id": "int", "task_id": "text", "owner": "text",
     "error": "text", "duration_sec": "float8", "started_at": "float8", "finished_at": "float8", "metadata": "text",
     "worker_phase": "text", "phase_progress": "int", "phase_detail": "text", "phase_rate": "float8",
+    "preview_sec": "float8",
 }  # fmt: skip
 # A job row with its tracks as one JSON array: one round trip for a whole job.
 JOB_WITH_TRACKS = (
@@ -226,11 +227,11 @@ class PgStore(PgMembership, PgOutbox):
         lease, lease_params = lease_cte(fence)
         await self.db.rows(
             f"WITH {lease}, w AS (UPDATE tracks SET worker_phase=%s, phase_progress=%s, phase_detail=%s,"
-            " phase_rate=%s WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s"
+            " phase_rate=%s, preview_sec=%s WHERE job_id=%s AND idx=%s AND owner IS NOT DISTINCT FROM %s"
             " AND EXISTS (SELECT 1 FROM lease) RETURNING job_id)"
             f" SELECT w.job_id, pg_notify('{CHANNEL}', %s || '|' || w.job_id) FROM w",
-            (*lease_params, t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index,
-             t.owner, self.origin),
+            (*lease_params, t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.preview_sec, t.job_id,
+             t.index, t.owner, self.origin),
         )  # fmt: skip
 
     async def _job_write(self, sql: str, params: tuple[Any, ...]) -> None:

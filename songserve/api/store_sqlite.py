@@ -158,9 +158,18 @@ class SqliteStore(SqliteOutbox):
             if fence is not None and not self._holds(db, fence):
                 return
             db.execute(
-                "UPDATE tracks SET worker_phase=?, phase_progress=?, phase_detail=?, phase_rate=?"
+                "UPDATE tracks SET worker_phase=?, phase_progress=?, phase_detail=?, phase_rate=?, preview_sec=?"
                 " WHERE job_id=? AND idx=? AND owner IS ?",
-                (t.worker_phase, t.phase_progress, t.phase_detail, t.phase_rate, t.job_id, t.index, t.owner),
+                (
+                    t.worker_phase,
+                    t.phase_progress,
+                    t.phase_detail,
+                    t.phase_rate,
+                    t.preview_sec,
+                    t.job_id,
+                    t.index,
+                    t.owner,
+                ),  # fmt: skip
             )
 
     async def mark_started(self, job_id: str, at: float, events: Events = ()) -> None:

@@ -27,9 +27,9 @@ from songserve.schemas import PrefixCodes, TaskState, TaskView, WorkerGenerateRe
 
 REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the reference dispatcher sends
 # What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
-# (a reference worker runs each take alone and sends neither).
+# (a reference worker runs each take alone and sends none of them; "live" only where someone listened).
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
-BATCH_KEYS = ("batch_size", "parked", "prefill", "continued")
+BATCH_KEYS = ("batch_size", "parked", "prefill", "continued", "live")
 
 
 # ---- what a worker receives -----------------------------------------------------------------------
@@ -64,6 +64,7 @@ def worker_request(job: Job, t: Track, prefix: PrefixCodes | None = None) -> Wor
         job_id=job.job_id,
         track_index=t.index,
         prefix=prefix,
+        preview=r.preview,
     )
 
 
@@ -73,7 +74,7 @@ def reference_request(req: WorkerGenerateRequest) -> dict[str, Any]:
     # expects no lyrics.
     instrumental = req.raw_mode == "instrumental"
     return {
-        **req.model_dump(exclude={"task_id", "job_id", "track_index", "prefix"}),  # it has no task ids
+        **req.model_dump(exclude={"task_id", "job_id", "track_index", "prefix", "preview"}),  # it has no task ids
         "language": "Instrumental" if instrumental else "",
         "lyrics": "" if instrumental else req.lyrics,
         "duration": max(1, math.ceil(req.duration - 1e-9)),  # it takes whole minutes only (an int field)

@@ -39,7 +39,9 @@ from songserve.api.store import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, 
 from songserve.api.webhook_events import JobEvents
 
 log = logging.getLogger(__name__)
-IDLE: dict[str, object] = {"worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None}
+IDLE: dict[str, object] = {
+    "worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None, "preview_sec": 0.0,
+}  # fmt: skip
 
 
 class ChangeFeed:

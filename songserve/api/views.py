@@ -61,6 +61,9 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
         queue_position=queue_position,
         files=_files(base, t) if done else None,
         metadata=t.metadata,
+        preview_sec=t.preview_sec if t.status.running else 0.0,
+        # queued, running or done: something to hear; an ended track without audio has no stream
+        stream_url=f"{base}/stream" if done or not t.status.terminal else None,
     )
 
 

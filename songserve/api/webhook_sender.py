@@ -72,8 +72,11 @@ class WebhookSender:
 
     async def step(self) -> None:
         """One turn of the loop: wait, claim and start what is due, refresh the numbers, sweep."""
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that meets a set event
+        # (this event is set often), and the loop would then outlive the dispatcher's stop.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._kick.wait(), POLL_SEC)
+            async with asyncio.timeout(POLL_SEC):
+                await self._kick.wait()
         self._kick.clear()
         room = MAX_SENDING - len(self._sending)
         if room > 0 and self.key is not None:  # without a secret: another dispatcher of the fleet sends them

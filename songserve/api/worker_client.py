@@ -31,6 +31,9 @@ from songserve.schemas import TaskView, WorkerConfig, WorkerGenerateRequest, Wor
 FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has its own deadline)
 CHUNK = 1 << 16
 CONTROL_TIMEOUT = 5.0
+# A live stream is quiet between its last audio and its take's end (super-resolution, decoder, files);
+# past this the relay asks again, so a worker that hangs never holds a listener for good.
+LIVE_READ_TIMEOUT = 20.0
 SONGSERVE, REFERENCE = "songserve", "reference"
 LEASE_HEADER = "Songserve-Lease"  # worker/fence.py reads it
 
@@ -132,6 +135,26 @@ class WorkerClient:
         r = await self._call("DELETE", f"/files/{task_id}", CONTROL_TIMEOUT)
         if r.status_code not in (200, 404):
             raise WorkerUnreachable(f"Worker could not remove the files of {task_id} (HTTP {r.status_code}).")
+
+    async def live_chunks(self, task_id: str, start: int) -> AsyncGenerator[bytes, None]:
+        """A running take's live audio (16-bit PCM, 44.1 kHz stereo) from byte ``start`` on, as the worker
+        makes it (``GET /tasks/{id}/stream``). Ends when the take ends or has no (more) live audio;
+        nothing at all from a worker that has none for it (409, 404) or from a reference worker.
+        ``WorkerUnreachable`` when the connection breaks or stays silent past ``LIVE_READ_TIMEOUT``."""
+        if self.reference:
+            return
+        url = f"{self.url}/tasks/{task_id}/stream"
+        timeout = httpx.Timeout(CONTROL_TIMEOUT, read=LIVE_READ_TIMEOUT)
+        try:
+            async with self.http.stream("GET", url, params={"start": start}, timeout=timeout) as r:
+                if r.status_code != 200:
+                    return
+                async for chunk in r.aiter_raw(CHUNK):
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise WorkerUnreachable(
+                f"Live audio of {task_id} from worker {self.url} broke ({type(exc).__name__})."
+            ) from exc
 
     async def file_chunks(self, filename: str, max_bytes: int) -> AsyncGenerator[bytes, None]:
         """The bytes of one result file as they arrive (close it with ``contextlib.aclosing``).

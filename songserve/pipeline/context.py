@@ -1,7 +1,8 @@
 """Cooperative cancellation and progress for one task.
 
 Stages call ``ctx.check()`` between tokens, passes and chunks, and ``ctx.report(...)`` to publish
-progress; the worker's HTTP thread reads ``ctx.snapshot()`` while the model thread runs.
+progress; the worker's HTTP thread reads ``ctx.snapshot()`` while the model thread runs. A take's
+live audio (``ctx.live``, ``live.py``) is shared the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from songserve.errors import TaskCancelled
+from songserve.pipeline.live import LiveAudio
 
 
 @dataclass
@@ -36,6 +38,7 @@ class TaskContext:
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self._progress = Progress()
+        self.live = LiveAudio(task_id)  # the take's preview audio, when someone wants it
 
     def cancel(self) -> None:
         self._cancel.set()

@@ -24,20 +24,21 @@ from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.continuation import codes_header, continued, kept_codes
+from songserve.pipeline.continuation import kept_codes
 from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
 from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
+from songserve.pipeline.finish import BatchFacts, finish_take
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
+from songserve.pipeline.preview import Previewer, PreviewStages
 from songserve.pipeline.residency import Residency
-from songserve.pipeline.stages.backbone import Backbone, LengthPlan, Take, plan_length
-from songserve.pipeline.stages.export import Mp3Options, write_track
+from songserve.pipeline.stages.backbone import Backbone, Take
+from songserve.pipeline.stages.length import LengthPlan, plan_length
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.stages.superres import SuperRes
-from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
+from songserve.pipeline.types import TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
-DECODE_STEPS = 1000  # the decoding phase's progress unit: the decoder's chunks, then the files (``_finish_take``)
 
 
 class ModelPipeline:
@@ -210,15 +211,22 @@ class ModelPipeline:
         ids = ",".join(r.task_id for r in reqs)
 
         t = time.perf_counter()
-        bbs = backbone.generate_batch(
-            bb_prompt,
-            plan,
-            takes,
-            top_k=req.top_k_bb,
-            temperature=req.temperature,
-            kept=None if kept is None else kept[:BACKBONE_LEVELS],
-            origin=req.prefix.origin if req.prefix is not None else "",
-        )
+        previewer = self._previewer(reqs, ctxs, plan, kept)
+        try:
+            bbs = backbone.generate_batch(
+                bb_prompt,
+                plan,
+                takes,
+                top_k=req.top_k_bb,
+                temperature=req.temperature,
+                kept=None if kept is None else kept[:BACKBONE_LEVELS],
+                origin=req.prefix.origin if req.prefix is not None else "",
+                listener=previewer,
+            )
+        except BaseException as exc:
+            previewer.close(failed=f"the take ended in the backbone ({type(exc).__name__})")
+            raise
+        previewer.close()  # the rest of each wanted take's live audio, before stage 2 takes the device
         timings["backbone_sec"] = time.perf_counter() - t
         for r, bb in zip(reqs, bbs, strict=True):
             if bb is not None:
@@ -234,12 +242,7 @@ class ModelPipeline:
             t = time.perf_counter()
             residency.load_stage2()
             sr_name, superres = self._pick(residency.superres, req.superres_name, "superres")
-            sr_style = style_of("" if req.superres_text_mode != "full" else req.description, req.tags, req.genre)
-            sr_prompt = build_prompt(
-                tokenizer,
-                PromptRequest(sr_style, req.lyrics, req.duration, vocal_lang_of(req), req.instrumental),
-                superres.gpt.arch.max_prompt_length,
-            )
+            sr_prompt = self._superres_prompt(req, superres)
             frames = max(got.codes.shape[1] for got in bbs if got is not None)
             seq = min(superres.gpt.arch.context_length, len(sr_prompt) + frames)
             residency.enter_superres(superres, len(live), seq)
@@ -273,19 +276,11 @@ class ModelPipeline:
                 if ctxs[i].cancelled():
                     continue
                 try:
-                    results[i] = self._finish_take(
-                        reqs[i],
-                        ctxs[i],
-                        codes,
-                        bb,
-                        dict(timings),
-                        t_all,
-                        B,
-                        bb_name,
-                        sr_name,
-                        len(sr_prompt),
-                        dict(parked_during) if self.s.runtime_mode == "park" else None,
-                    )
+                    batch = BatchFacts(B, bb_name, sr_name, len(sr_prompt), dict(timings), t_all,
+                                       dict(parked_during) if self.s.runtime_mode == "park" else None)  # fmt: skip
+                    assert residency.decoder is not None
+                    results[i] = finish_take(self.s, self.ckpt.tiny, residency, self.device, reqs[i], ctxs[i],
+                                             codes, bb, batch, previewer.report(i))  # fmt: skip
                 except TaskCancelled as exc:
                     results[i] = exc
         finally:  # however the batch ended (a cancel or an error mid-stage): back to idle's state
@@ -294,90 +289,37 @@ class ModelPipeline:
         log.info("tasks %s: batch of %d done in %.2fs", ids, B, time.perf_counter() - t_all)
         return results
 
-    def _finish_take(
-        self,
-        req: TrackRequest,
-        ctx: TaskContext,
-        codes: torch.Tensor,
-        bb: BackboneResult,
-        timings: dict[str, float],
-        t_all: float,
-        batch_size: int,
-        bb_name: str,
-        sr_name: str,
-        sr_prompt_len: int,
-        parked: dict[str, list[str]] | None = None,
-    ) -> TrackResult:
-        """Decoder and files for one take of a batch."""
-        t = time.perf_counter()
-        decoder = self.residency.decoder
-        assert decoder is not None
-        cfg = decoder.cfg
-        # The decoding phase's percent covers the decoder and then the files, half each: on the CPU the
-        # MP3 encoder takes about as long as the decoder (export.py), and a phase stuck at 100 % while
-        # the files are written read as 99 % overall for the whole export.
-        ctx.report("decoding", 0, DECODE_STEPS)
-
-        def on_chunk(done: int, total: int) -> None:
-            ctx.check()
-            ctx.report("decoding", DECODE_STEPS * done // (2 * total), DECODE_STEPS, f"chunk {done}/{total}")
-
-        def on_export(share: float, what: str) -> None:
-            ctx.report("decoding", int(DECODE_STEPS * (1 + share) / 2), DECODE_STEPS, what)
-
-        with torch.inference_mode():
-            wave = decoder.decode(
-                codes[: cfg.n_codebooks].unsqueeze(0).to(self.device),
-                self.s.decode_chunk_frames,
-                self.s.decode_context_frames,
-                on_chunk,
-            )[0]
-        audio = wave.float().t().cpu().numpy()  # (samples, channels)
-        timings["decoder_sec"] = time.perf_counter() - t
-        duration_sec = audio.shape[0] / cfg.sample_rate
-        metadata = {
-            "task_id": req.task_id,
-            "job_id": req.job_id,
-            "track_index": req.track_index,
-            "request": {
-                k: v for k, v in asdict(req).items() if k not in ("task_id", "job_id", "track_index", "prefix")
-            },
-            "seed": req.seed,
-            "models": {"backbone": bb_name, "superres": sr_name, "tiny_checkpoints": self.ckpt.tiny},
-            "tokens": {
-                "backbone_prompt": bb.prompt_tokens,
-                "backbone_new": bb.new_tokens,
-                "superres_prompt": sr_prompt_len,
-                "frames": int(codes.shape[1]),
-                "stopped_by": bb.stopped_by,
-            },
-            "prefill": bb.prefill,
-            "stopped_by": bb.stopped_by,
-            "batch_size": batch_size,
-            "timings": timings,
-            "duration_sec": duration_sec,
-            "requested_sec": req.duration * 60,
-            "sample_rate": cfg.sample_rate,
-            "channels": int(audio.shape[1]),
-            "device": str(self.device),
-            "runtime_mode": self.s.runtime_mode,
-            "load_sec": dict(self.residency.load_sec),
-        }
-        if parked is not None:  # park mode: which stages waited in host memory while each stage ran
-            metadata["parked"] = parked
-        if req.prefix is not None:
-            metadata["continued"] = continued(req.prefix, cfg.frame_rate)
-        mp3 = Mp3Options(self.s.mp3_bitrate_mode, self.s.mp3_compression_level)
-        timings["model_sec"] = time.perf_counter() - t_all
-        grid = (codes[: cfg.n_codebooks].numpy(), codes_header(metadata, cfg.frame_rate))
-        wav, mp3_name, meta, metadata = write_track(
-            self.s.output_dir, audio, cfg.sample_rate, metadata, mp3, on_export, codes=grid
+    def _superres_prompt(self, req: TrackRequest, superres: SuperRes) -> list[int]:
+        tokenizer = self.residency.tokenizer
+        assert tokenizer is not None
+        style = style_of("" if req.superres_text_mode != "full" else req.description, req.tags, req.genre)
+        return build_prompt(
+            tokenizer,
+            PromptRequest(style, req.lyrics, req.duration, vocal_lang_of(req), req.instrumental),
+            superres.gpt.arch.max_prompt_length,
         )
-        log.info(
-            "task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all
-        )
-        codes_name = metadata["files"]["codes"]
-        return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata, codes_name)
+
+    def _previewer(
+        self, reqs: list[TrackRequest], ctxs: list[TaskContext], plan: LengthPlan, kept: torch.Tensor | None
+    ) -> Previewer:
+        """The batch's live audio (``preview.py``); it costs nothing until a take is wanted."""
+        req, fps = reqs[0], self.residency.decoder_cfg.frame_rate
+
+        def stages() -> PreviewStages:  # on the preview thread, when the first take is wanted
+            self.residency.load_stage2()
+            self.residency.enter_preview()
+            superres = self._pick(self.residency.superres, req.superres_name, "superres")[1]
+            assert self.residency.decoder is not None
+            return PreviewStages(superres, self._superres_prompt(req, superres), self.residency.decoder)
+
+        chunk = round(self.s.preview_chunk_sec * fps)
+        for ctx in ctxs:
+            if req.preview and chunk > 0:
+                ctx.live.want()
+        return Previewer(ctxs, [r.seed for r in reqs], plan.budget_frames, stages,
+                         out_dir=self.s.output_dir, device=self.device, chunk_frames=chunk,
+                         context_frames=self.s.preview_context_frames, decode_context=self.s.decode_context_frames,
+                         top_k=req.top_k_sr, kept=kept)  # fmt: skip
 
 
 def vocal_lang_of(req: TrackRequest) -> str:

@@ -9,7 +9,8 @@ idle and during the backbone ``{superres, decoder}``; during superres ``{decoder
 decoder ``{superres}``, each plus ``backbone`` when ``PARK_BACKBONE`` parks it for those two
 stages (``1``; ``auto``: when the device's free memory is short of what they need). A batch walks
 the transitions below in order: ``load_stage2``, ``enter_superres``, ``leave_superres``,
-``enter_decoder``, ``end_batch``; however it ends (done, cancelled, failed mid-stage),
+``enter_decoder``, ``end_batch`` (a batch whose live audio is wanted loads and unparks stage 2
+during the backbone: ``enter_preview``); however it ends (done, cancelled, failed mid-stage),
 ``end_batch`` returns the state to idle's. Every move swaps the ``.data`` of the same parameter
 objects (models, decode functions and tests keep their references) and the host copy is kept, so
 parking is free and unparking is one host→device copy; on the CPU both are no-ops and the outputs
@@ -141,6 +142,12 @@ class Residency:
         if self.backbone_must_park(superres, takes, seq):
             self._park("backbone")
         self._unpark("superres")
+
+    def enter_preview(self) -> None:
+        """Live audio wanted during the backbone (``preview.py``): super-resolution and decoder on the
+        device beside it (park mode unparks them early; they stay until ``end_batch``)."""
+        self._unpark("superres")
+        self._unpark("decoder")
 
     def leave_superres(self) -> None:
         self._park("superres")

@@ -66,12 +66,6 @@ class TonePipeline:
         if self.s.test_hang:  # fault injection: a model thread that stops making progress
             ctx.report("backbone", 1, 100, "hung")
             threading.Event().wait()
-        steps = max(1, int(self.s.test_delay_s / 0.01))
-        for i in range(steps):
-            ctx.check()
-            ctx.report(PHASES[min(2, 3 * i // steps)], i + 1, steps)
-            if self.s.test_delay_s:
-                time.sleep(self.s.test_delay_s / steps)
         seconds = req.duration * 60
         if self.s.test_max_audio_sec:  # load and fuzz tests: the schedule is the point, not the audio
             seconds = min(seconds, self.s.test_max_audio_sec)
@@ -88,6 +82,7 @@ class TonePipeline:
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
         tone = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
         audio = np.stack([tone, tone], axis=1)
+        self._delay(req, ctx, audio)
         meta: dict[str, Any] = {
             "task_id": req.task_id,
             "job_id": req.job_id,
@@ -105,5 +100,35 @@ class TonePipeline:
             meta["continued"] = {"frames": req.prefix.frames, "at_sec": req.prefix.frames / FRAMES_PER_SECOND,
                                  "origin": req.prefix.origin}  # fmt: skip
             head["continued"] = meta["continued"]
+        if ctx.live.wanted():
+            meta["live"] = {"state": ctx.live.state.value, "seconds": round(ctx.live.seconds, 3)}
         wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options(), codes=(codes, head))
         return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta, meta["files"]["codes"])
+
+    def _delay(self, req: TrackRequest, ctx: TaskContext, audio: np.ndarray) -> None:
+        """The phases over ``TEST_DELAY_S``. Live audio, when wanted, is the tone itself, written in
+        step with the backbone phase (its first third), as the model pipeline's preview is."""
+        steps = max(1, int(self.s.test_delay_s / 0.01))
+        backbone_steps = max(1, steps // 3)
+        live = ctx.live if self.s.preview_chunk_sec > 0 else None
+        if live is not None and req.preview:
+            live.want()
+        try:
+            for i in range(steps):
+                ctx.check()
+                ctx.report(PHASES[min(2, 3 * i // steps)], i + 1, steps)
+                if live is not None and live.wanted() and i < backbone_steps:
+                    if live.path is None:
+                        live.open(self.s.output_dir)
+                    upto = len(audio) * (i + 1) // backbone_steps
+                    live.append(audio[live.frames_written : upto])
+                    if i + 1 == backbone_steps:
+                        live.complete()
+                if live is not None and i + 1 == backbone_steps:
+                    live.close_window()
+                if self.s.test_delay_s:
+                    time.sleep(self.s.test_delay_s / steps)
+        except BaseException as exc:
+            ctx.live.fail(f"the take ended ({type(exc).__name__})")
+            raise
+        ctx.live.close_window()

@@ -52,6 +52,7 @@ class TrackRequest:
     track_index: int = 0
     extra: dict[str, Any] = field(default_factory=dict[str, Any])  # raw_* fields, recorded in the JSON only
     prefix: Prefix | None = None  # continue from these frames (a retake); None: a take from the prompt alone
+    preview: bool = False  # live audio from the first seconds, listened to or not (``pipeline/live.py``)
 
 
 @dataclass

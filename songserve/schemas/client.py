@@ -69,6 +69,9 @@ class GenerateRequest(BaseModel):
     continue_from: ContinueFrom | None = Field(
         None, description="keep a finished take's audio before at_sec and generate the rest (docs/api.md)"
     )
+    preview: bool = Field(
+        False, description="make live audio from the first seconds, listened to or not (a listener asks for it too)"
+    )
 
     webhook: str | None = Field(
         None, max_length=2000, description="an http(s) URL that receives the job's events, signed (docs/api.md)"
@@ -172,6 +175,8 @@ class TrackView(BaseModel):
     queue_position: int = 0
     files: TrackFiles | None = None
     metadata: dict[str, Any] = {}
+    preview_sec: float = 0.0  # (extension) seconds of live audio a listener can hear now
+    stream_url: str | None = None  # (extension) its live audio while it is made, then the final audio
 
 
 class JobView(BaseModel):

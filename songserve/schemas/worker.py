@@ -75,6 +75,7 @@ class WorkerGenerateRequest(BaseModel):
     job_id: str = Field("", max_length=64, pattern=ID_PATTERN)
     track_index: int = Field(0, ge=0, le=1000)
     prefix: PrefixCodes | None = None  # ext: continue from these frames (kept exactly), generate the rest
+    preview: bool = False  # ext: live audio from the first seconds, whether or not anyone listens yet
 
 
 class ResultFile(BaseModel):
@@ -122,6 +123,8 @@ class TakeHealth(BaseModel):
     tokens_per_sec: float | None = None
     cancelled: bool = False
     last_progress_at: float | None = None  # wall clock of the take's last report
+    live: str | None = None  # its live audio's state (pipeline/live.py's LiveState), once wanted
+    preview_sec: float | None = None  # seconds of its live audio written so far
 
 
 class WorkerHealth(BaseModel):

@@ -1,5 +1,5 @@
-// songserve page: submit a job, follow it over server-sent events, play and download the tracks,
-// and continue a finished track from the player's position.
+// songserve page: submit a job, follow it over server-sent events, hear each take while it is made,
+// play and download the tracks, and continue a finished track from the player's position.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -123,6 +123,7 @@ $("gen-form").addEventListener("submit", async (event) => {
     lyrics: instrumental ? "" : $("lyrics").value,
     duration: Number($("duration").value),
     num_tracks: Number($("num_tracks").value),
+    preview: $("live").checked,
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   $("generate").disabled = true;
@@ -148,6 +149,7 @@ function adjustedNote(adjusted) {
 function followJob(jobId, request, adjusted, notes) {
   const card = $("job-tpl").content.firstElementChild.cloneNode(true);
   card.dataset.jobId = jobId;
+  card.dataset.live = request.preview ? "1" : "";  // asked to be heard while it is made: play take 1 live
   const note = card.querySelector(".job-note");
   note.textContent = [adjustedNote(adjusted), ...(notes || [])].filter(Boolean).join(" ");  // the server's notes
   note.hidden = !note.textContent;
@@ -200,6 +202,7 @@ function render(card, job) {
     el.querySelector(".phase").textContent = t.phase_display;
     el.querySelector("progress").value = t.progress;
     showError(el.querySelector(".track-error"), t.error);
+    renderLive(card, el, t);
     if (t.status === "done" && t.files) {
       const result = el.querySelector(".result");
       const audio = result.querySelector("audio");
@@ -212,6 +215,35 @@ function render(card, job) {
       result.hidden = false;
     }
   });
+}
+
+// ---- live audio: a take heard while it is made (GET …/stream, MP3 as it arrives) ------------------
+// "Listen live" (or the form's box, for the first take) plays the stream; it runs on to the take's end
+// and then the final players appear below. The badge says LIVE until the track is done.
+function renderLive(card, el, t) {
+  const live = el.querySelector(".live");
+  const audio = live.querySelector("audio");
+  const ended = ["done", "error", "cancelled"].includes(t.status);
+  if (!t.stream_url || (ended && !audio.getAttribute("src"))) { live.hidden = true; return; }
+  live.hidden = false;
+  if (ended) {
+    live.dataset.final = "";
+    live.querySelector(".live-badge").textContent = t.status === "done" ? "DONE" : t.status.toUpperCase();
+    live.querySelector(".live-sec").textContent = "";
+    live.querySelector(".listen").hidden = true;
+    return;
+  }
+  live.querySelector(".live-sec").textContent = t.preview_sec > 0 ? `${clock(t.preview_sec)} made so far`
+    : t.status === "queued" ? "starts when the track does" : "the first seconds are on their way";
+  const listen = live.querySelector(".listen");
+  const play = () => {
+    if (audio.getAttribute("src")) return;
+    audio.src = t.stream_url.replace(/^\//, "");
+    audio.play().catch(() => {});  // a browser that wants a click first shows the play button
+    listen.hidden = true;
+  };
+  if (!listen.dataset.ready) { listen.dataset.ready = "1"; listen.addEventListener("click", play); }
+  if (card.dataset.live === "1" && t.index === 0) play();
 }
 
 // ---- a finished track: other formats, and "continue from here" --------------------------------

@@ -1,7 +1,7 @@
 """The worker's HTTP surface (docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
 
 ``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/tasks`` and ``/cancel`` answer
-models of ``songserve.schemas``, serialised by FastAPI; a take's result or failure becomes its
+models of ``songserve.schemas`` (``/tasks/{id}/stream`` a running take's live audio), serialised by FastAPI; a take's result or failure becomes its
 answer in ``worker/to_pipeline.py``. Errors take the one error body (``http_errors``).
 
 Besides the routes, a small background task sweeps output files past ``OUTPUT_TTL_SEC``; the
@@ -18,8 +18,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Header
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi import FastAPI, Header, Query
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from songserve import __version__
@@ -42,6 +42,7 @@ from songserve.settings import WorkerSettings
 from songserve.urls import dispatcher_urls, local_health_url
 from songserve.worker.announce import Announcer
 from songserve.worker.fence import HEADER, LeaseFences
+from songserve.worker.live_stream import follow, open_live
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.to_pipeline import batch_result, generate_failure
 
@@ -212,6 +213,19 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     async def task(task_id: str, lease: str | None = Lease) -> TaskView:
         fences.note(lease)  # a new lease holder asking: what the old one sends from now on is refused
         return runtime.task(task_id)
+
+    @app.get("/tasks/{task_id}/stream")
+    async def live_stream(task_id: str, start: int = Query(0, ge=0, description="bytes already heard")) -> Response:
+        """A running take's live audio: 16-bit PCM, 44.1 kHz stereo, as it is made (``live_stream.py``)."""
+        ctx = open_live(runtime.tasks, task_id, runtime.s.preview_chunk_sec > 0, start)
+        live = ctx.live
+        headers = {
+            "Cache-Control": "no-cache",
+            "X-Sample-Rate": str(live.sample_rate),
+            "X-Channels": str(live.channels),
+        }
+        chunks = follow(live, start, lambda: runtime.tasks.running(task_id) is ctx)
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
     @app.delete("/files/{task_id}")
     async def remove_files(task_id: str) -> dict[str, Any]:

@@ -25,7 +25,14 @@ from typing import Any
 from songserve.schemas import ResultFile
 
 log = logging.getLogger(__name__)
-OUTPUT_SUFFIXES = (".wav", ".mp3", ".json", ".codes", ".tmp")  # what export writes; nothing else is ever removed
+OUTPUT_SUFFIXES = (
+    ".wav",
+    ".mp3",
+    ".json",
+    ".codes",
+    ".pcm",
+    ".tmp",
+)  # export and live audio write these; nothing else is removed
 OUTPUT_NAME = re.compile(r"^\.?[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 
 

@@ -190,6 +190,8 @@ class WorkerRuntime:
         except Exception as exc:  # the whole batch failed (a request error, or the model)
             raw = [exc] * len(ctxs)
         finally:
+            for ctx in ctxs:  # a listener that has the live file open reads on to its end
+                ctx.live.remove()
             with self._lock:
                 self.tasks.end()
                 self.phase = WorkerPhase.idle.value

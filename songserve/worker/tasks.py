@@ -85,6 +85,8 @@ class TaskRegistry:
         out = []
         for ctx in list(self.batch):
             p = ctx.snapshot()
+            wanted = ctx.live.wanted()  # only then the live fields are set (/health leaves unset ones out)
+            live = {"live": ctx.live.state.value, "preview_sec": round(ctx.live.seconds, 2)} if wanted else {}
             out.append(
                 TakeHealth(
                     task_id=ctx.task_id,
@@ -94,6 +96,7 @@ class TaskRegistry:
                     tokens_per_sec=p.rate,
                     cancelled=ctx.cancelled(),
                     last_progress_at=p.updated_at,
+                    **live,
                 )
             )
         return out

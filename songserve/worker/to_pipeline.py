@@ -63,6 +63,7 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
             "raw_prompt_mode": body.raw_prompt_mode,
         },
         prefix=prefix(body.prefix) if body.prefix is not None else None,
+        preview=body.preview,
     )
 
 

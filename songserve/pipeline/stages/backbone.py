@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,48 +46,11 @@ from songserve.pipeline.engine.kv_cache import KVCache
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.engine.sampling import sample_rows
 from songserve.pipeline.engine.transformer import DecodeModel
-from songserve.pipeline.numbers import CODEBOOK, TOKENS_PER_MINUTE
+from songserve.pipeline.numbers import CODEBOOK
+from songserve.pipeline.stages.length import LengthPlan
 from songserve.pipeline.types import BackboneResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LengthPlan:
-    """How long a song may run: the reference's semantics (end-of-audio ends it) with our floor."""
-
-    budget_frames: int  # the most frames (tokens / 2) the loop writes
-    min_frames: int  # end-of-audio is offered from this frame on
-    estimate_tokens: int  # progress denominator: 2,584 × (d + 0.8)
-
-
-def plan_length(
-    prompt_len: int,
-    duration_min: float,
-    frame_rate: float,
-    *,
-    context: int,
-    max_new_tokens: int,
-    min_share: float,
-) -> LengthPlan:
-    """The request's frame budget, or a ``RequestError`` naming the limit before any work.
-
-    ``min_share`` ≥ 1 means exact length (the tiny set: its end-of-audio is untrained noise), so
-    the budget is the requested length. Otherwise the budget is the reference's token budget,
-    capped by the context, and the model ends the song itself. Either way the token budget
-    (``MAX_NEW_TOKENS``, the launcher's ``--num-tokens-to-generate``) caps it.
-    """
-    requested = max(1, int(duration_min * 60 * frame_rate))
-    room = context - prompt_len
-    if prompt_len + 2 * requested > context:
-        raise RequestError(
-            f"The request needs {prompt_len} prompt tokens plus {2 * requested} audio tokens "
-            f"({duration_min:g} min), more than the model's context of {context} tokens (max_sequence_length)."
-        )
-    budget = min(requested, max_new_tokens // 2) if min_share >= 1.0 else min(max_new_tokens, room) // 2
-    estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
-    floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
-    return LengthPlan(budget, min(budget, floor), estimate)
 
 
 @dataclass
@@ -99,6 +62,16 @@ class Take:
 
 
 StepFn = Callable[..., torch.Tensor]
+
+
+class TokenListener(Protocol):
+    """Told of every take's new codes at each host sync (the live preview, ``pipeline/preview.py``)."""
+
+    def tokens(self, take: int, first: int, codes: torch.Tensor) -> None:
+        """``codes`` (n,) on the CPU: tokens ``first``.. of ``take`` (a take that ended may send extra)."""
+
+    def ended(self, take: int, n_tokens: int) -> None:
+        """``take`` ended with exactly ``n_tokens`` tokens (the kept ones of a retake included)."""
 
 
 class Backbone:
@@ -230,11 +203,12 @@ class Backbone:
         top_p: float | None = None,
         kept: torch.Tensor | None = None,
         origin: str = "",
+        listener: TokenListener | None = None,
     ) -> list[BackboneResult | None]:
         """N takes of one prompt as one batch; ``None`` for a take cancelled on its own.
 
         ``kept`` (2, K): a retake's kept frames, which every take starts with; ``origin`` labels
-        their KV snapshot."""
+        their KV snapshot. ``listener`` hears each take's new codes at every host sync."""
         dm, P = self.dm, len(prompt)
         total = 2 * min(plan.budget_frames, self.max_frames(P))
         B = len(takes)
@@ -272,6 +246,8 @@ class Backbone:
         step_fn: StepFn = self.compiled or dm.step
 
         def finish(i: int, n_codes: int, stopped_by: str) -> None:
+            if listener is not None:
+                listener.ended(i, n_codes)
             codes = buf[:n_codes, i].to("cpu")
             grid = codes.view(-1, 2).t().contiguous() if n_codes else torch.zeros(2, 0, dtype=torch.long)
             results[i] = BackboneResult(grid, P, n_codes - t_first, stopped_by, dict(prefill))
@@ -302,7 +278,22 @@ class Backbone:
             t += 1
             if t - last_check >= self.check_every or last:
                 h, cache, rows, slots = self._check(
-                    takes, rows, slots, buf, last_check, t, saved, finish, h, cache, plan, t0, last, P, first=t_first
+                    takes,
+                    rows,
+                    slots,
+                    buf,
+                    last_check,
+                    t,
+                    saved,
+                    finish,
+                    h,
+                    cache,
+                    plan,
+                    t0,
+                    last,
+                    P,
+                    t_first,
+                    listener,
                 )
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
                 saved.clear()
@@ -328,9 +319,13 @@ class Backbone:
         last: bool,
         prompt_len: int,
         first: int = 0,
+        listener: TokenListener | None = None,
     ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
         """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
         block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
+        if listener is not None:
+            for j, i in enumerate(rows):
+                listener.tokens(i, a, block[:, j])
         keep: list[int] = []
         for j, i in enumerate(rows):
             hits = (block[:, j] == CODEBOOK).nonzero()
