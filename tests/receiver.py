@@ -36,6 +36,7 @@ class Receiver:
     def __init__(self, default: int = 200) -> None:
         self.default = default
         self.answers: deque[int] = deque()
+        self.delays: deque[float] = deque()  # seconds before each next answer (a slow receiver)
         self.hits: list[Hit] = []
         self.lock = threading.Lock()
         receiver = self
@@ -46,9 +47,14 @@ class Receiver:
                 with receiver.lock:
                     receiver.hits.append(Hit({k.lower(): v for k, v in self.headers.items()}, body, time.time()))
                     status = receiver.answers.popleft() if receiver.answers else receiver.default
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
+                    delay = receiver.delays.popleft() if receiver.delays else 0.0
+                time.sleep(delay)
+                try:
+                    self.send_response(status)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                except OSError:  # the sender gave up on a slow answer and closed the connection
+                    pass
 
             def log_message(self, *args: object) -> None:
                 pass

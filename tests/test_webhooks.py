@@ -355,6 +355,19 @@ async def test_a_receiver_failing_twice_gets_the_event_three_times_with_one_id(t
 
 
 @aio
+async def test_a_slow_receiver_times_out_and_the_event_is_tried_again(tmp_path):
+    with Receiver() as rx:
+        rx.delays.append(3.0)
+        async with FakeFleet(tmp_path, **HOOKS, webhook_timeout_sec=0.3) as f:
+            await f.svc.submit(body(webhook=rx.url))
+            done = 'songserve_webhook_deliveries_total{event="completed"}'
+            await until(lambda: metric(f.svc.metrics().decode(), done) == 1, timeout=30)
+            assert metric(f.svc.metrics().decode(), 'songserve_webhook_failures_total{reason="timeout"}') == 1
+        assert len({h.id for h in rx.hits}) == 1
+        assert len(rx.hits) == 2
+
+
+@aio
 async def test_an_event_never_answered_2xx_is_given_up_after_the_limit(tmp_path):
     with Receiver(default=503) as rx:
         async with FakeFleet(tmp_path, **HOOKS, webhook_max_age_sec=0.3) as f:
