@@ -136,6 +136,8 @@ def test_a_cancel_cuts_the_stream_and_a_cancelled_tracks_stream_is_a_409(site):
 
 def test_bad_requests_name_what_is_wrong(site):
     job = submit(site, seed=9)
+    head = httpx.head(f"{site.url}/job/{job}/track/0/stream", timeout=10)  # what GET answers, no body
+    assert (head.status_code, head.headers["content-type"], head.content) == (200, "audio/mpeg", b"")
     r = httpx.get(f"{site.url}/job/{job}/track/0/stream", params={"format": "ogg"}, timeout=10)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["query", "format"]

@@ -114,6 +114,19 @@ async def render(
     )
 
 
+@router.head("/job/{job_id}/track/{idx}/stream")
+async def stream_head(
+    job_id: str, idx: int, format: str = Query("mp3", max_length=8), svc: JobService = Service
+) -> Response:
+    """What GET would answer, without the body (a live stream's generator is made, never started)."""
+    got = await svc.stream(job_id, idx, format)
+    if isinstance(got, TrackFile):
+        return FileResponse(
+            got.path, media_type=got.media_type, filename=got.filename, content_disposition_type="inline"
+        )
+    return Response(media_type=got[0], headers={"Cache-Control": "no-cache"})
+
+
 @router.get("/job/{job_id}/track/{idx}/stream")
 async def stream(
     job_id: str,

@@ -131,6 +131,7 @@ class Previewer:
         self.decode_context = max(0, decode_context)
         self.top_k = top_k
         self.enabled = chunk_frames > 0  # PREVIEW_CHUNK_SEC=0: no live audio on this worker
+        self.threads = torch.get_num_threads()  # the model thread's: a new thread would take OpenMP's default
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -186,6 +187,7 @@ class Previewer:
         self._thread.start()
 
     def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # CPU: beside the backbone, not all cores spinning against it
         stream = None
         if self.device.type == "cuda":  # a stream of its own: its kernels run beside the backbone's steps
             torch.cuda.set_device(self.device)
