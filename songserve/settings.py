@@ -94,6 +94,13 @@ class WorkerSettings(BaseSettings):
     preview_context_frames: int = Field(
         16, ge=0, le=512, description="live audio: frames before a window's new ones that super-resolution sees"
     )
+    preview_levels: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="live audio: code levels the preview fills and decodes (fewer: cheaper, coarser); "
+        "0 = auto: all 64 on CUDA, 16 on the CPU",
+    )
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
     worker_token: str = Field(
         "", description="shared secret: every route but /health needs Authorization: Bearer <token>"

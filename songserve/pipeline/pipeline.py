@@ -39,6 +39,7 @@ from songserve.pipeline.stages.superres import SuperRes
 from songserve.pipeline.types import TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
+CPU_PREVIEW_LEVELS = 16  # PREVIEW_LEVELS' default on the CPU (bench P14)
 
 
 class ModelPipeline:
@@ -319,7 +320,15 @@ class ModelPipeline:
         return Previewer(ctxs, [r.seed for r in reqs], plan.budget_frames, stages,
                          out_dir=self.s.output_dir, device=self.device, chunk_frames=chunk,
                          context_frames=self.s.preview_context_frames, decode_context=self.s.decode_context_frames,
-                         top_k=req.top_k_sr, kept=kept)  # fmt: skip
+                         decode_chunk=self.s.decode_chunk_frames,
+                         top_k=req.top_k_sr, kept=kept, levels=self.preview_levels())  # fmt: skip
+
+    def preview_levels(self) -> int:
+        """PREVIEW_LEVELS, or its default: every level on CUDA (the preview's own stream overlaps the
+        backbone), 16 on the CPU (a whole second super-resolution would compete with the take for cores)."""
+        if self.s.preview_levels:
+            return self.s.preview_levels
+        return SUPERRES_LEVELS if self.device.type == "cuda" else CPU_PREVIEW_LEVELS
 
 
 def vocal_lang_of(req: TrackRequest) -> str:

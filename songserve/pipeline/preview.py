@@ -5,7 +5,9 @@ its periodic host sync. Nothing more happens until someone wants a take's live a
 (``LiveAudio.want``: the request's ``preview``, or a listener on the worker's stream route); then
 the previewer's own thread starts and, whenever a wanted take has ``chunk_frames`` new frames:
 
-1. **super-resolution over a window**: the new frames' q0/q1 plus ``context_frames`` frames
+1. **super-resolution over a window** (of the first ``levels``, ``PREVIEW_LEVELS``: by default all
+   64; fewer is a cheaper, coarser preview, its levels those a full pass draws, an RVQ decoded from
+   its first levels): the new frames' q0/q1 plus ``context_frames`` frames
    before them whose 64 levels the preview already has, passed as known values (the retake's
    mechanism, ``SuperRes.generate_batch(known=…)``): the window is non-causal inside, and the
    preview grid stays one consistent grid across windows;
@@ -113,7 +115,9 @@ class Previewer:
         context_frames: int,
         decode_context: int,
         top_k: int,
+        decode_chunk: int = 256,  # DECODE_CHUNK_FRAMES: a long window decodes in chunks, as the final does
         kept: torch.Tensor | None = None,  # (64, K): a retake's kept frames, the start of every take
+        levels: int = 0,  # code levels the preview fills and decodes (PREVIEW_LEVELS); 0 = all
     ) -> None:
         self.rows = [
             _Row(c, s, torch.zeros(2 * budget_frames, dtype=torch.long)) for c, s in zip(ctxs, seeds, strict=True)
@@ -129,7 +133,9 @@ class Previewer:
         self.chunk = max(1, chunk_frames)
         self.context = max(0, context_frames)
         self.decode_context = max(0, decode_context)
+        self.decode_chunk = decode_chunk
         self.top_k = top_k
+        self.levels = levels
         self.enabled = chunk_frames > 0  # PREVIEW_CHUNK_SEC=0: no live audio on this worker
         self.threads = torch.get_num_threads()  # the model thread's: a new thread would take OpenMP's default
         self._cond = threading.Condition()
@@ -258,7 +264,13 @@ class Previewer:
         coarse = row.flat[: 2 * ready].view(-1, 2).t()[:, done - left :]  # (2, left + new)
         known = row.grid[:, done - left :] if left else None
         got = stages.superres.generate_batch(
-            stages.prompt, [coarse], top_k=self.top_k, generators=[row.generator], ctxs=[_Follow(row.ctx)], known=known
+            stages.prompt,
+            [coarse],
+            top_k=self.top_k,
+            generators=[row.generator],
+            ctxs=[_Follow(row.ctx)],
+            known=known,
+            upto=self.levels,
         )[0]
         row.grid = torch.cat([row.grid, got[:, left:]], dim=1)
 
@@ -272,8 +284,9 @@ class Previewer:
             return
         lo, hi = max(0, row.emitted - self.decode_context), min(frames, end + self.decode_context)
         cfg = decoder.cfg
-        codes = row.grid[: cfg.n_codebooks, lo:hi].unsqueeze(0).to(self.device)
-        wave = decoder.decode(codes, chunk_frames=0)[0]  # (channels, samples)
+        levels = min(self.levels or cfg.n_codebooks, cfg.n_codebooks)  # RVQ: the first levels are a coarser take
+        codes = row.grid[:levels, lo:hi].unsqueeze(0).to(self.device)
+        wave = decoder.decode(codes, self.decode_chunk, self.decode_context)[0]  # (channels, samples): exact
         a, b = (row.emitted - lo) * cfg.hop, (end - lo) * cfg.hop
         row.ctx.live.append(wave[:, a:b].float().t().cpu().numpy())
         row.emitted = end

@@ -57,9 +57,13 @@ class SuperRes:
         generators: list[torch.Generator],
         ctxs: list[TaskContext],
         known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
+        upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
-        when every take is cancelled; its codes are then simply not used by the caller."""
+        when every take is cancelled; its codes are then simply not used by the caller. With ``upto``
+        the levels from ``upto`` on are not sampled (their rows are meaningless), and the levels below
+        are the ones a full pass draws: each pass sees only the levels below its own."""
+        top = min(upto or self.levels, self.levels)
         window = self.gpt.arch.context_length - len(prompt)
         if window <= 0:
             raise ValueError("the super-resolution prompt fills the whole context")
@@ -75,7 +79,7 @@ class SuperRes:
             outs.append(out)
         longest = max(c.shape[1] for c in coarse)
         spans = [(a, min(longest, a + window)) for a in range(0, longest, window)] or [(0, 0)]
-        passes = self.levels - 2
+        passes = top - 2
         for w, (a, b) in enumerate(spans):
             members = [i for i, c in enumerate(coarse) if c.shape[1] > a or (a == 0 and c.shape[1] == 0)]
             parts = [coarse[i][:, a:b] for i in members]
@@ -91,6 +95,7 @@ class SuperRes:
                 w * passes,
                 passes * len(spans),
                 known_here,
+                top,
             )
             for i, codes in zip(members, got, strict=True):
                 outs[i][:, a : a + codes.shape[1]] = codes
@@ -106,6 +111,7 @@ class SuperRes:
         done0: int,
         total: int,
         known: torch.Tensor | None = None,  # (levels, k): the window's first k frames, kept
+        top: int = 0,  # levels [0, top) are filled
     ) -> list[torch.Tensor]:
         """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
         dm, dev, T = self.dm, self.dm.device, self.text_vocab
@@ -125,7 +131,7 @@ class SuperRes:
             padding = torch.arange(P + F, device=dev).view(1, -1) >= torch.tensor(
                 [P + n for n in lens], device=dev
             ).view(-1, 1)
-        for c in range(2, self.levels):
+        for c in range(2, top or self.levels):
             if all(x.cancelled() for x in ctxs):
                 ctxs[0].check()
             grid[:, P - 1, 0] = T - 1 - c  # task marker
