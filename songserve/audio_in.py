@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 SAMPLE_RATE = 44100  # what the codec takes (pipeline/numbers.py; not imported: the dispatcher needs no pipeline)
-MIN_SAMPLES = 2048  # one frame of the codec: anything shorter encodes to nothing
+HOP = 2048  # samples per frame of the codec
+MIN_SAMPLES = HOP  # one frame: anything shorter encodes to nothing
 EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "FLAC": "flac", "OGG": "ogg", "MP3": "mp3",
               "AIFF": "aiff", "CAF": "caf", "W64": "w64"}  # fmt: skip
 

@@ -23,6 +23,7 @@ from songserve.serving import CLIENT_KEEPALIVE_SEC
 from songserve.settings import DispatcherSettings
 
 PAGE = {*FILES, "/tags"}
+MULTIPART_SLACK = 64 * 1024  # bytes of a multipart body beyond its file: boundaries, headers, small fields
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
 
 
@@ -40,6 +41,12 @@ async def open_store(s: DispatcherSettings) -> JobStore:
         limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
         return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size, limits=limits)
     return SqliteStore(s.state_dir / "jobs.sqlite3")
+
+
+def upload_limit(s: DispatcherSettings) -> tuple[int, str]:
+    """The body limit of a route that takes an audio file (the file's cap and a multipart envelope), and its 413."""
+    said = f"The file is larger than UPLOAD_MAX_MB ({s.upload_max_mb:g} MB); nothing was stored."
+    return int(s.upload_max_mb * 2**20) + MULTIPART_SLACK, said
 
 
 def create_app(s: DispatcherSettings) -> FastAPI:
@@ -80,7 +87,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             exempt={"/health", *(PAGE if s.public_page else ())},
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
     app.include_router(router)
     app.include_router(page_router())
     return app

@@ -5,7 +5,8 @@ sets another's attributes (they read each other's state and call each other's me
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
 - the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
-- the membership (``membership.py``): presence, the worker registry, leases and take-overs.
+- the membership (``membership.py``): presence, the worker registry, leases and take-overs;
+- the encodings (``encodings.py``): uploads to encode, served before tracks.
 
 Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
 probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
@@ -33,6 +34,7 @@ from songserve.api import readiness
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.attempt_stops import USER_CANCEL
 from songserve.api.attempts import Attempts
+from songserve.api.encodings import Encodings
 from songserve.api.estimates import SpeedHistory
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.membership import Membership
@@ -88,6 +90,7 @@ class Dispatcher:
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )
         self.membership = Membership(s, self.me, store, self.pool, self.book, self.attempts)
+        self.encodings = Encodings(s, self.me, store, artifacts, self.attempts, self._kick.set)
         self.probe = StoreProbe(store)
         self.metrics.watch(self)
         self._membership_ticks = 0
@@ -143,6 +146,7 @@ class Dispatcher:
     async def stop(self) -> None:
         self.accepting = False
         await self.pool.stop()
+        await self.encodings.stop()
         tasks = self._tasks + list(self.attempts.running.values())
         for t in tasks:
             t.cancel()
@@ -207,6 +211,7 @@ class Dispatcher:
     async def _reconcile_step(self) -> None:
         """After each membership step: its work on the job tables, then the gauges' track counts."""
         await self.membership.reconcile()
+        await self.encodings.reconcile(self.membership.alive)
         self._kick.set()
         self.counts = await self.store.counts()
 
@@ -241,6 +246,8 @@ class Dispatcher:
             self.membership.soon()  # a lease not renewed in time (a pause?): nothing goes there until it is
         # No new track while the results folder cannot be written: its files would only wait too.
         free = self.pool.available() if self.results.writable else []
+        if free:  # short work first: uploads waiting for their codes
+            free = await self.encodings.start(free)
         if not free:  # nothing can start: only the positions change (one ordering, not two)
             book.reorder()
             return
@@ -258,6 +265,9 @@ class Dispatcher:
                 t = job.tracks[entry.index]
                 if t.status is not TrackStatus.queued:
                     continue
+                missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
+                if missing is None:
+                    continue
                 # Elsewhere after an environment failure if it can; a retake to a worker that can continue it.
                 w = pick(free, job, t)
                 if w is None:
@@ -267,7 +277,7 @@ class Dispatcher:
                     *self._pack(job, w, len(ordered) - len(taken) - 1, len(free) - 1, taken | {(job.job_id, t.index)}),
                 ]
                 taken.update((job.job_id, x.index) for x in tracks)
-                if await self.attempts.begin(job, tracks, w):
+                if await self.attempts.begin(job, tracks, w, missing):
                     free.remove(w)
         finally:
             book.reorder()
@@ -339,6 +349,10 @@ class Dispatcher:
     def fleet(self) -> Fleet:
         pool = self.pool
         return Fleet(pool.models("backbone"), pool.models("superres"), pool.context_minutes(), len(pool.workers))
+
+    def kick(self) -> None:
+        """Something may start now (an upload was stored): the dispatch loop looks at once."""
+        self._kick.set()
 
     def can_continue(self) -> bool:
         """Some worker can run a retake: one of ours (a reference worker knows no prefix), or none known yet."""

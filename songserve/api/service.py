@@ -30,7 +30,8 @@ from songserve.api.dispatch import Dispatcher
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
-from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
+from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, StoreUnavailable, Track
+from songserve.api.uploads import UploadService
 from songserve.api.views import job_view
 from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, SongserveError, UnavailableError
@@ -53,21 +54,6 @@ class QueueFull(SongserveError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.headers = {"Retry-After": str(retry_after)}
-
-
-class StoreUnavailable(SongserveError):
-    """The job store cannot write (disk full, I/O error): nothing was accepted; try again later."""
-
-    def __init__(self, exc: Exception) -> None:
-        reason = exc.args[0] if exc.args else exc
-        full = "full" in str(reason).lower()
-        super().__init__(
-            "The job store's disk is full; nothing was queued, try again later."
-            if full
-            else f"The job store cannot write ({reason}); nothing was queued, try again later."
-        )
-        self.http_status = 507 if full else 503
-        self.headers = {"Retry-After": "30"}
 
 
 class AnnounceRefused(SongserveError):
@@ -102,6 +88,7 @@ class JobService:
         self.dispatcher = Dispatcher(s, store, artifacts, http)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
         self.renders = render.Renders(artifacts)
+        self.uploads = UploadService(s, store, artifacts, self.dispatcher)  # a person's own audio (uploads.py)
 
     @property
     def accepting(self) -> bool:
@@ -158,7 +145,9 @@ class JobService:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if req.continue_from is not None and not d.can_continue():
             raise FieldError("continue_from", "no worker here can continue a song (they are all the reference's)")
-        retake = await retakes.resolve(req, self._load, self.artifacts) if req.continue_from is not None else None
+        retake = None
+        if req.continue_from is not None:
+            retake = await retakes.resolve(req, self._load, self.artifacts, self.store.load_upload)
         if retake is not None:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req)
@@ -182,7 +171,7 @@ class JobService:
                 idempotency_key=idempotency_key or None,
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
             )
-            if retake is not None:  # before the row: a queued retake always finds its frames
+            if retake is not None and retake.kept is not None:  # before the row: a queued retake finds its frames
                 blob = codes_file.encode(retake.kept.codes, retake.kept.header)
                 await asyncio.to_thread(self.artifacts.write_prefix, job_id, blob)
             await self.store.insert_job(job)  # one transaction: a failed submit leaves no row behind
@@ -194,7 +183,7 @@ class JobService:
             log.error("submit: the store or the results folder cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d", job_id, req.num_tracks, req.duration, req.priority)
-        if retake is not None:
+        if retake is not None and retake.kept is not None:
             head = retake.kept.header
             log.info("job %s: continues %s from %.2f s (%d frames kept)", job_id, head["origin"], head["at_sec"],
                      retake.kept.frames)  # fmt: skip

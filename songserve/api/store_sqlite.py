@@ -35,6 +35,7 @@ from songserve.api.store import (
     stored_value,
     work_ratios,
 )
+from songserve.api.store_sqlite_uploads import SqliteUploads
 from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
@@ -42,12 +43,12 @@ RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 
 
-class SqliteStore:
+class SqliteStore(SqliteUploads):
     """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``
     (``store_sqlite_check.py``).
 
     Calls come from the event-loop thread; each is a short local transaction, so they run inline.
-    Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
+    Uploads: ``store_sqlite_uploads.py``, mixed in. Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
     """
 
     shared = False
