@@ -17,13 +17,13 @@ from songserve.api.service import JobService
 from songserve.api.store import JobStore
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
+from songserve.api.uploads import upload_limit
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
 from songserve.settings import DispatcherSettings
 
 PAGE = {*FILES, "/tags"}
-MULTIPART_SLACK = 64 * 1024  # bytes of a multipart body beyond its file: boundaries, headers, small fields
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
 
 
@@ -41,12 +41,6 @@ async def open_store(s: DispatcherSettings) -> JobStore:
         limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
         return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size, limits=limits)
     return SqliteStore(s.state_dir / "jobs.sqlite3")
-
-
-def upload_limit(s: DispatcherSettings) -> tuple[int, str]:
-    """The body limit of a route that takes an audio file (the file's cap and a multipart envelope), and its 413."""
-    said = f"The file is larger than UPLOAD_MAX_MB ({s.upload_max_mb:g} MB); nothing was stored."
-    return int(s.upload_max_mb * 2**20) + MULTIPART_SLACK, said
 
 
 def create_app(s: DispatcherSettings) -> FastAPI:

@@ -30,6 +30,13 @@ from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MULTIPART_SLACK = 64 * 1024  # bytes of a multipart body beyond its file: boundaries, headers, small fields
+
+
+def upload_limit(s: DispatcherSettings) -> tuple[int, str]:
+    """The body limit of a route that takes an audio file (the file's cap and a multipart envelope), and its 413."""
+    said = f"The file is larger than UPLOAD_MAX_MB ({s.upload_max_mb:g} MB); nothing was stored."
+    return int(s.upload_max_mb * 2**20) + MULTIPART_SLACK, said
 
 
 class UploadTooLarge(SongserveError):
