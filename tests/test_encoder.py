@@ -215,3 +215,58 @@ def test_a_dac_format_file_has_no_encoder_here(tmp_path, release):
     torch.save({"state_dict": {}, "metadata": {"kwargs": {}}}, tmp_path / "dac.pth")
     with pytest.raises(ConfigError, match="DAC's own format"):
         load_encoder(release[0], tmp_path / "dac.pth", CPU)
+
+
+# ---- residency: the encoder lives where RUNTIME_MODE keeps the decoder ------------------------------
+
+
+def _residency(mode: str, config, ckpt):
+    from types import SimpleNamespace
+
+    from songserve.pipeline.residency import Residency
+
+    s = SimpleNamespace(runtime_mode=mode, trust_checkpoint_pickle=False, park_backbone="0", encode_chunk_frames=8,
+                        encode_context_frames=16)  # fmt: skip
+    files = SimpleNamespace(decoder_config=config, decoder_checkpoint=ckpt)
+    return s, Residency(s, files, CPU, phase=lambda _: None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["one_shot", "keep_loaded", "park"])
+def test_the_encoder_lives_where_the_runtime_mode_keeps_the_decoder(release, mode):
+    from songserve.pipeline.context import TaskContext
+    from songserve.pipeline.encoding import encode_audio
+
+    s, r = _residency(mode, *release)
+    r._check_encoder()  # what Residency.load does at start-up
+    assert r.encoder_error is None
+    if mode == "one_shot":
+        r._unload_stage2()
+    if mode == "park":
+        r._park("encoder")
+    pcm = read_audio(wav_bytes(music(1.0)))[0]
+    ctx = TaskContext("upload-x")
+    got = encode_audio(r, s, pcm, ctx)
+    assert got.codes.shape == (64, 21)
+    assert got.codes.dtype == np.int16
+    assert ctx.snapshot().phase == "encoding"
+    assert ctx.snapshot().detail == "chunk 3/3"  # 21 frames in chunks of 8
+    whole = load_encoder(*release, CPU).encode(torch.from_numpy(pcm), chunk_frames=0).numpy()
+    assert np.array_equal(got.codes, whole)
+    assert (r.encoder is None) == (mode == "one_shot")
+    assert ("encoder" in r.parked) == (mode == "park")
+    assert r.status()["encoder_loaded"] == (mode != "one_shot")
+
+
+def test_a_set_without_an_encoder_serves_songs_and_says_why_it_cannot_encode(tmp_path, release):
+    from songserve.errors import UnavailableError
+
+    blob = _blob(release[1])
+    for k in [k for k in blob["state_dict"] if k.startswith("generator.encoder.")]:
+        del blob["state_dict"][k]
+    torch.save(blob, tmp_path / "decoder_only.ckpt")
+    _, r = _residency("keep_loaded", release[0], tmp_path / "decoder_only.ckpt")
+    r._check_encoder()
+    assert r.encoder is None
+    assert "lacks 'generator.encoder.block.0.weight_v'" in (r.encoder_error or "")
+    with pytest.raises(UnavailableError, match="This worker cannot encode audio: Decoder checkpoint"):
+        r.enter_encoder()

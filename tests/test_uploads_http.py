@@ -21,7 +21,7 @@ from songserve import codes
 from songserve.audio_in import read_audio
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
 from songserve.pipeline.tone import tone_codes
-from tests.support import Cluster, ServerProcess, wait_for
+from tests.support import Cluster, ServerProcess, free_port, start_reference_worker, start_worker, wait_for
 
 UPLOAD_MB = 2.0
 MAX_MINUTES = 0.25  # 15 s: the longest song (and so the longest upload) here
@@ -274,3 +274,58 @@ def test_any_dispatcher_of_a_postgresql_fleet_answers_for_an_upload(tmp_path: Pa
 
 def _view(api: ServerProcess, upload_id: str) -> dict:
     return dict(httpx.get(f"{api.url}/uploads/{upload_id}", timeout=10).json())
+
+
+def test_the_workers_encode_route_takes_its_token_its_own_size_cap_and_only_audio(tmp_path: Path):
+    w = start_worker(tmp_path, "--pipeline", "test", "--max-audio-mb", "0.5", env={"WORKER_TOKEN": "t0k"}, name="enc")
+    try:
+        w.wait_healthy()
+        auth = {"Authorization": "Bearer t0k"}
+        data = audio(2.0)  # 350 kB
+        assert httpx.post(f"{w.url}/encode", content=data, timeout=30).status_code == 401
+        r = httpx.post(f"{w.url}/encode", params={"task_id": "upload-1"}, content=data, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert (got["task_id"], got["grid"]["levels"], got["grid"]["frames"]) == ("upload-1", 64, 2 * 44100 // 2048)
+        raw = np.frombuffer(codes_bytes(got["grid"]["codes"]), dtype="<i2").reshape(64, -1)
+        assert np.array_equal(raw, tone_codes(read_audio(data)[0]))
+        assert got["source"]["format"] == "WAV"
+        assert httpx.get(f"{w.url}/tasks/upload-1", headers=auth, timeout=10).json()["status"] == "done"
+        assert httpx.get(f"{w.url}/config", headers=auth, timeout=10).json()["encoder"] is True
+        r = httpx.post(f"{w.url}/encode", content=b"x" * (600 * 1024), headers=auth, timeout=30)
+        assert (r.status_code, r.json()["error"]) == (413, "The audio file is larger than MAX_AUDIO_MB (0.5 MB).")
+        r = httpx.post(f"{w.url}/encode", content=b"lyrics, not audio\n" * 40, headers=auth, timeout=30)
+        assert r.status_code == 400
+        assert r.json()["error"].startswith("The audio file is not audio that can be read")
+    finally:
+        w.stop()
+
+
+def codes_bytes(text: str) -> bytes:
+    import base64
+
+    return base64.b64decode(text)
+
+
+def test_uploads_need_the_api_key_and_a_worker_that_can_encode(tmp_path: Path):
+    ref = start_reference_worker(tmp_path)
+    ref.wait_healthy()
+    port = free_port()
+    args = ["backend_api.py", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--health-interval", "0.2",
+            "--worker-urls", ref.url, "--api-key", "k3y"]  # fmt: skip
+    api = ServerProcess(args, port, tmp_path / "api.log")
+    try:
+        api.wait_healthy(want=("ok",))
+        auth = {"Authorization": "Bearer k3y"}
+        wait_for(
+            lambda: [w["kind"] for w in httpx.get(f"{api.url}/status", headers=auth).json()["workers"]] == ["reference"]
+        )
+        files = {"file": ("x.wav", audio(1.0), "audio/wav")}
+        assert httpx.post(f"{api.url}/uploads", files=files, timeout=30).status_code == 401
+        r = httpx.post(f"{api.url}/uploads", files=files, headers=auth, timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"].startswith("No worker here can encode audio")
+        assert not (tmp_path / "state" / "results" / "uploads").exists()
+    finally:
+        api.stop()
+        ref.stop()

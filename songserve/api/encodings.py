@@ -62,6 +62,7 @@ class Encodings:
         self.fences = fences  # the lease of a worker, and the header that tells the worker so
         self.kick = kick  # a worker is free again, or an upload became ready: the dispatch loop looks again
         self.running: dict[str, asyncio.Task[None]] = {}  # upload id → its attempt
+        self.counts: dict[str, int] = {}  # uploads by status in the store, as ``reconcile`` last read them
 
     async def start(self, free: list[WorkerHandle]) -> list[WorkerHandle]:
         """Give the oldest queued uploads the free workers that encode; returns the workers left for tracks."""
@@ -178,6 +179,11 @@ class Encodings:
         if n:
             log.info("uploads: %d left encoding with no attempt behind them, queued again", n)
             self.kick()
+        self.counts = await self.store.upload_counts()
+
+    def can_encode(self, workers: list[WorkerHandle]) -> bool:
+        """Some worker could encode an upload: one of ours says so, or has not said yet (none known: they may come)."""
+        return not workers or any(w.can_encode or (w.config is None and not w.client.reference) for w in workers)
 
     async def stop(self) -> None:
         tasks = list(self.running.values())

@@ -23,7 +23,7 @@ from songserve.api.dispatch import Dispatcher
 from songserve.api.store import JobStore, StoreError, StoreUnavailable
 from songserve.api.store_uploads import UploadRecord
 from songserve.audio_in import HOP, AudioError, read_audio
-from songserve.errors import FieldError, NotFoundError, SongserveError
+from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
 from songserve.logs import safe
 from songserve.schemas import UploadStatus, UploadView
 from songserve.settings import DispatcherSettings
@@ -68,6 +68,9 @@ class UploadService:
             raise UploadTooLarge(
                 f"The file is larger than UPLOAD_MAX_MB ({self.s.upload_max_mb:g} MB); nothing was stored."
             )
+        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
+            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
+                                   "nothing was stored.")  # fmt: skip
         try:
             _, facts = await asyncio.to_thread(read_audio, data, self.max_seconds())
         except AudioError as exc:
