@@ -69,14 +69,25 @@ class Encodings:
         able = [w for w in free if w.can_encode]
         if not able:
             return free
-        for u in await self.store.queued_uploads(len(able)):
+        try:
+            queued = await self.store.queued_uploads(len(able))
+        except StoreError as exc:  # the tracks' turn is not lost to it: their own claims meet the store anyway
+            log.warning("uploads: the queue could not be read (%s)", exc)
+            return free
+        for u in queued:
             able = [w for w in able if w.available]  # the claims below await: re-read what may have moved
             if not able:
                 break
             w = able[0]
             fence = self.fences.fence_of(w)
-            if u.upload_id in self.running or fence is None or not await self.store.claim_upload(u.upload_id, fence):
-                continue  # another dispatcher's now, or the lease is not held here any more
+            if u.upload_id in self.running or fence is None:
+                continue
+            try:
+                if not await self.store.claim_upload(u.upload_id, fence):
+                    continue  # another dispatcher's now, or the lease is not held here any more
+            except StoreError as exc:
+                log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
+                break
             w.encoding = u.upload_id
             able.remove(w)
             free = [x for x in free if x is not w]
