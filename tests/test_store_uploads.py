@@ -154,3 +154,41 @@ def test_finished_uploads_expire_and_line_up_with_jobs_oldest_first(engine: str)
             assert await s.a.load_upload("abcd000000000008") is None
 
     run(go)
+
+
+def test_retention_removes_uploads_past_their_ttl_over_the_cap_and_orphaned(tmp_path: Path) -> None:
+    import os
+
+    from songserve.api.artifacts import ArtifactStore
+    from songserve.api.retention import Retention
+    from songserve.api.store_sqlite import SqliteStore
+
+    async def go() -> None:
+        store = SqliteStore(tmp_path / "jobs.sqlite3")
+        artifacts = ArtifactStore(tmp_path / "results")
+        fence = await lease(store, "A", 0)
+        for i, finished in ((1, 100.0), (2, 5_000.0), (3, 9_000.0)):
+            u = upload(f"eeee00000000000{i}")
+            await store.insert_upload(u)
+            artifacts.write_upload(u.upload_id, "source.wav", b"x" * 600_000)
+            assert await store.claim_upload(u.upload_id, fence)
+            assert await store.finish_upload(
+                dataclasses.replace(u, status=UploadStatus.ready, finished_at=finished), "A"
+            )
+        await store.insert_upload(upload("eeee000000000009"))  # queued: never a candidate
+        artifacts.write_upload("eeee000000000009", "source.wav", b"x" * 600_000)
+        artifacts.write_upload("eeee00000000000f", "source.wav", b"orphan")  # a folder no row owns
+        old = time.time() - 3600
+        os.utime(tmp_path / "results" / "uploads" / "eeee00000000000f", (old, old))
+        retention = Retention(store, artifacts, ttl_sec=1_000.0, max_mb=1.5)  # 2.4 MB stored, 1.5 MB allowed
+        assert (
+            await retention.sweep(now=2_000.0) == 3
+        )  # 1 past its TTL; then 2, the oldest left, over the cap; the orphan
+        assert await store.upload_ids() == {"eeee000000000003", "eeee000000000009"}
+        assert sorted(p.name for p in (tmp_path / "results" / "uploads").iterdir()) == [
+            "eeee000000000003",
+            "eeee000000000009",
+        ]
+        await store.close()
+
+    run(go)
