@@ -2,10 +2,14 @@
 
     python -m songserve generate --lyrics-file song.txt --tags "pop, piano" --duration 0.1 --tracks 2 --out songs/
     python -m songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
+    python -m songserve generate --continue-audio demo.mp3@42.5 --tags "rock" --lyrics-file rest.txt --duration 3
     python -m songserve status
 
 ``--continue JOB:TRACK@SEC`` retakes a finished take from SEC seconds on: what comes before is kept,
 and whatever is not given on the command line (style, lyrics, duration) stays the original's.
+``--continue-audio FILE[@SEC]`` uploads your own audio (``POST /uploads``: WAV, FLAC, OGG, MP3, any
+rate) and continues it from SEC seconds on (its end without ``@SEC``) with the style and lyrics given;
+without ``--duration`` the song is the upload plus 30 s (at least a minute).
 ``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
 ``--listen FILE`` writes the first take to FILE as it is made (``.wav``: 16-bit PCM, else MP3), from
 its first seconds to its end; ``--listen -`` writes it to standard output (progress goes to
@@ -33,6 +37,7 @@ from songserve.serving import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?)$")
+AUDIO_AT = re.compile(r"^(.+)@(\d+(?:\.\d*)?)$")
 STORED = ("mp3", "wav", "codes")  # the files a track has; any other format is rendered from its WAV
 
 
@@ -73,10 +78,31 @@ def continue_from(text: str) -> dict[str, Any]:
     return {"job_id": m.group(1), "track_index": int(m.group(2)), "at_sec": float(m.group(3))}
 
 
-def request_body(args: argparse.Namespace) -> dict[str, Any]:
+def audio_at(text: str) -> tuple[Path, float | None]:
+    """``FILE[@SEC]`` → the file and the second to continue it from (None: its end)."""
+    m = AUDIO_AT.match(text)
+    if m is not None and not Path(text).is_file():
+        return Path(m.group(1)), float(m.group(2))
+    return Path(text), None
+
+
+def upload_audio(client: httpx.Client, path: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """``POST /uploads`` of one file; its view (status queued: the server encodes it while the job waits)."""
+    with open(path, "rb") as f:
+        up = _check(client.post("/uploads", files={"file": (path.name, f, "application/octet-stream")}, timeout=300))
+    print(f"upload {up['upload_id']}: {path.name}, {up['duration_sec']:.1f} s, {up['status']}", file=out)
+    return up
+
+
+def request_body(args: argparse.Namespace, upload: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``POST /generate`` body; a retake sends only what was given, the rest is the original's."""
     retake = args.cont is not None
     body: dict[str, Any] = {"num_tracks": args.tracks}
+    if upload is not None:  # a continuation of one's own audio: a new song that starts with it
+        _, at = audio_at(args.cont_audio)
+        body["continue_from"] = {"upload_id": upload["upload_id"], **({"at_sec": at} if at is not None else {})}
+        if args.duration is None:
+            args.duration = round(max(1.0, (upload["duration_sec"] + 30) / 60), 2)
     if retake:
         body["continue_from"] = continue_from(args.cont)
     if args.lyrics_file or args.lyrics is not None or not retake:
@@ -147,8 +173,11 @@ def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | N
 
 
 def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
-    body = request_body(args)
-    listener = Listener(args.listen) if args.listen else None
+    if args.cont is not None and args.cont_audio is not None:
+        raise ClientError("--continue and --continue-audio: give one of them")
+    listener = Listener(args.listen) if args.listen else None  # before anything is stored: a bad path stops here
+    upload = upload_audio(client, audio_at(args.cont_audio)[0], out) if args.cont_audio is not None else None
+    body = request_body(args, upload)
     accepted = _check(_submit(client, body))
     job_id = accepted["job_id"]
     print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
@@ -227,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--formats", default="mp3,wav", help="of mp3, wav, codes, flac, opus")
     g.add_argument("--loudness", type=float, help="LUFS for the flac/opus downloads (EBU R128); unset: as made")
     g.add_argument("--continue", dest="cont", metavar="JOB:TRACK@SEC", help="retake a finished take from SEC on")
+    g.add_argument(
+        "--continue-audio", dest="cont_audio", metavar="FILE[@SEC]", help="upload your audio, continue it from SEC on"
+    )
     g.add_argument("--listen", metavar="FILE", help="write take 0 to FILE as it is made (.wav or MP3; - = stdout)")
     g.add_argument("--poll", type=float, default=0.5)
     sub.add_parser("status", help="show the worker table")

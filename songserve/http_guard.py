@@ -66,18 +66,24 @@ class BearerAuth:
 
 
 class BodyLimit:
-    """Rejects request bodies over ``max_bytes`` (by Content-Length, and while streaming)."""
+    """Rejects request bodies over ``max_bytes`` (by Content-Length, and while streaming).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    ``paths`` gives routes that take files their own limit and sentence (exact path → (bytes, what
+    to say)): an upload's audio is larger than any JSON body, and the answer names the setting."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, said = self.paths.get(scope["path"], (self.max_bytes, ""))
+        too_large = said or f"The request body is larger than {limit} bytes."
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await send_error(send, 413, too_large)
         if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             return await self.app(scope, receive, send)
         # No Content-Length (chunked): read up to the limit here, then replay it to the app.
@@ -89,8 +95,8 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await send_error(send, 413, f"The request body is larger than {self.max_bytes} bytes.")
+            if size > limit:
+                return await send_error(send, 413, too_large)
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay_receive() -> Message:

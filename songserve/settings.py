@@ -101,6 +101,11 @@ class WorkerSettings(BaseSettings):
         description="live audio: code levels the preview fills and decodes (fewer: cheaper, coarser); "
         "0 = auto: all 64 on CUDA, 16 on the CPU",
     )
+    encode_chunk_frames: int = Field(512, ge=0, description="encoder chunk (an upload's audio); 0 = one pass")
+    encode_context_frames: int = Field(16, ge=8, description="encoder context on each side of a chunk")
+    max_audio_mb: float = Field(
+        128.0, gt=0, description="largest audio file POST /encode takes (an upload the dispatcher sends)"
+    )
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
     worker_token: str = Field(
         "", description="shared secret: every route but /health needs Authorization: Bearer <token>"
@@ -301,6 +306,9 @@ class DispatcherSettings(BaseSettings):
         "", description="comma-separated extra origins allowed by CORS (localhost ports always are)"
     )
     max_body_bytes: int = Field(1_000_000, ge=1024, description="largest request body")
+    upload_max_mb: float = Field(
+        128.0, gt=0, description="largest audio file POST /uploads takes (and an ACE-Step multipart body)"
+    )
     strict_requests: bool = Field(
         False, description="422 for out-of-range values instead of reading them as the reference backend does"
     )

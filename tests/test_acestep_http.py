@@ -234,10 +234,13 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
     r = httpx.post(site.ace + "/release_task", data={"prompt": "x"}, files=upload)
     assert (r.status_code, r.json()["error"]) == (400, "Field 'ref_audio': this model takes no reference audio.")
     upload = {"src_audio": ("take.mp3", b"\xff\xfb", "audio/mpeg")}
-    r = httpx.post(site.ace + "/release_task", data={"task_type": "repaint"}, files=upload)
+    r = httpx.post(site.ace + "/release_task", data={"task_type": "repaint", "repainting_start": "1"}, files=upload)
     assert r.status_code == 400
-    assert r.json()["error"].startswith("Field 'src_audio': a repaint of an uploaded file needs the audio encoder")
+    assert r.json()["error"].startswith("Field 'src_audio': the file is not audio that can be read")
     assert _queued_and_total(site) == before
+    assert not (site.tmp / "state" / "results" / "uploads").is_dir() or not any(
+        (site.tmp / "state" / "results" / "uploads").iterdir()
+    )  # nothing of the refused file is stored
 
 
 @pytest.mark.parametrize(
@@ -407,3 +410,31 @@ def test_a_repaint_to_the_end_of_our_take_is_a_retake_that_keeps_its_start(site,
         assert kept["frames"] == int(1.0 * 44_100 / 2_048)
         audio, rate = sf.read(io.BytesIO(client.download(repainted[i]).content), always_2d=True)
         assert abs(len(audio) / rate - 3.0) < 0.1  # the source's length, inherited
+
+
+def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
+    """``task_type: repaint`` with a multipart ``src_audio``: stored and encoded as our upload, then continued."""
+    t = np.arange(2 * 44_100) / 44_100
+    wav = io.BytesIO()
+    sf.write(wav, np.stack([0.3 * np.sin(2 * np.pi * 330 * t)] * 2, 1), 44_100, format="WAV", subtype="PCM_16")
+    fields = {"task_type": "repaint", "repainting_start": "1.5", "audio_duration": "4", "batch_size": "1",
+              "caption": "pop", "lyrics": "[verse]\non and on"}  # fmt: skip
+    r = httpx.post(
+        site.ace + "/release_task", data=fields, files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")}
+    )
+    assert r.status_code == 200, r.text
+    task_id = r.json()["data"]["task_id"]
+    (take,) = client.wait(task_id)
+    kept = site.job(task_id)["tracks"][0]["metadata"]["continued"]
+    assert kept["origin"].startswith("upload/")
+    assert kept["frames"] == int(1.5 * 44_100 / 2_048)
+    upload = httpx.get(f"{site.url}/uploads/{kept['origin'].removeprefix('upload/')}", timeout=10).json()
+    assert (upload["status"], upload["filename"], upload["frames"]) == ("ready", "mine.wav", 2 * 44_100 // 2_048)
+    audio, rate = sf.read(io.BytesIO(client.download(take).content), always_2d=True)
+    assert abs(len(audio) / rate - 4.0) < 0.1
+    r = httpx.post(site.ace + "/release_task", data={**fields, "repainting_start": "9"},
+                   files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")})  # fmt: skip
+    assert (r.status_code, r.json()["error"]) == (
+        400,
+        "Field 'repainting_start': is past the end of the source (2.00 s).",
+    )

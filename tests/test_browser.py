@@ -161,4 +161,38 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
         "document.querySelector('.job .job-status').textContent.startsWith('completed')", timeout=300_000
     )
     assert card.locator(".live .live-badge").inner_text() == "DONE"
+
+
+def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(site, page, tmp_path):
+    import numpy as np
+
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    t = np.arange(2 * 48000) / 48000
+    demo = tmp_path / "demo.wav"
+    sf.write(demo, np.stack([0.3 * np.sin(2 * np.pi * 330 * t) * np.minimum(1, 4 * t)] * 2, 1), 48000)
+    page.goto(site.url + "/")
+    page.wait_for_selector("#tag-chips button")
+    page.fill("#lyrics", "[verse]\nmy own start\nand what follows")
+    page.fill("#duration", "0.05")
+    page.fill("#num_tracks", "1")
+    page.set_input_files("#upload-file", str(demo))
+    page.wait_for_function("document.getElementById('upload-status').textContent === 'ready'", timeout=120_000)
+    page.wait_for_function("document.getElementById('upload-wave').dataset.drawn === '1'", timeout=20_000)
+    box = page.locator("#upload-wave").bounding_box()
+    assert box is not None
+    page.evaluate("""() => new Promise((done) => { const a = document.getElementById('upload-audio');
+        if (a.readyState >= 1) done(); else a.addEventListener('loadedmetadata', done, { once: true }); })""")
+    page.locator("#upload-wave").click(position={"x": box["width"] / 2, "y": box["height"] / 2})  # about 1 s in
+    page.wait_for_function("document.getElementById('upload-continue').textContent.startsWith('Continue from 0:0')")
+    at = round(page.evaluate("document.getElementById('upload-audio').currentTime"), 3)
+    assert 0.9 < at < 1.1
+    page.click("#upload-continue")
+    card = page.locator(".job").first
+    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
+    assert card.locator(".job-title").inner_text().startswith("demo.wav · from 0:0")
+    job = httpx.get(f"{site.url}/job/{card.get_attribute('data-job-id')}", timeout=10).json()
+    continued = job["tracks"][0]["metadata"]["continued"]
+    assert continued["origin"].startswith("upload/")
+    assert continued["frames"] == int(at * 44100 / 2048)
     assert not errors

@@ -139,3 +139,30 @@ def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, t
     unwritable = cli(*base, "--listen", str(tmp_path / "no" / "such" / "dir.mp3"))
     assert unwritable.returncode == 1
     assert "No such file or directory" in unwritable.stderr
+
+
+def test_continue_audio_uploads_a_file_and_continues_it(cluster, tmp_path):
+    import numpy as np
+
+    t = np.arange(3 * 44100) / 44100
+    song = tmp_path / "my demo@home.flac"  # an '@' in the name is part of the name when the file exists
+    sf.write(song, np.stack([0.3 * np.sin(2 * np.pi * 220 * t)] * 2, 1), 22050 * 2, format="FLAC")
+    out = cli("--server", cluster.url, "generate", "--continue-audio", f"{song}@2", "--tags", "rock", "--lyrics", "on",
+              "--duration", "0.1", "--tracks", "1", "--formats", "codes", "--out", str(tmp_path / "out"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "upload " in out.stdout
+    assert "my demo@home.flac, 3.0 s" in out.stdout
+    grid = codes.read(next((tmp_path / "out").glob("*_track0.codes")))
+    assert grid.header["continued"]["frames"] == int(2 * grid.header["frame_rate"])
+    assert grid.header["continued"]["origin"].startswith("upload/")
+    out = cli(
+        "--server", cluster.url, "generate", "--continue-audio", str(song), "--tracks", "1", "--out", str(tmp_path)
+    )
+    assert out.returncode == 0, out.stderr  # to its end, a song of a minute by default
+    text = tmp_path / "lyrics.txt"
+    text.write_text("not audio")
+    bad = cli("--server", cluster.url, "generate", "--continue-audio", str(text), "--out", str(tmp_path))
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == (
+        "error: Field 'file': the file is not audio that can be read (WAV, FLAC, OGG, MP3 and other libsndfile formats)."
+    )

@@ -18,6 +18,7 @@ from songserve.api.service import JobService
 from songserve.api.store import JobStore
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
+from songserve.api.uploads import upload_limit
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
@@ -85,7 +86,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             exempt={"/health", *(PAGE if s.public_page else ())},
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
     app.include_router(router)
     app.include_router(page_router())
     return app

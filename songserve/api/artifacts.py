@@ -9,9 +9,12 @@ a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault
 cannot be written; ``results_folder.py`` holds whether it can now). Beside the tracks in the job's
 folder, under the same retention: a retake's kept frames (``prefix.codes``, cut from the original
 at submit, so the retake does not depend on the original's folder) and cached renders
-(``track_<i>.render-<key>.<ext>``). Retention removes finished jobs past their TTL and, oldest
-first, while the folder is over its size cap, and asks ``orphans`` for folders no job row owns (a
-store moved aside or restored from an older backup).
+(``track_<i>.render-<key>.<ext>``). Uploads (a person's own audio) live apart, in
+``<results>/uploads/<upload_id>/``: the file as sent (``source.<ext>``, the extension from its format,
+never from its name) and, once encoded, its code grid (``codes.codes``). Retention removes finished
+jobs and uploads past their TTL and, oldest first, while the folder is over its size cap, and asks
+``orphans`` / ``upload_orphans`` for folders no row owns (a store moved aside or restored from an
+older backup).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ KINDS = ("wav", "mp3", "json", "codes")
 JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
 RENDER_KEY = re.compile(r"^[a-f0-9]{16}$")
 RENDER_EXTS = ("flac", "opus", "mp3", "wav", "json")  # a render, and the JSON beside it
+UPLOADS = "uploads"  # the folder of uploads inside the results folder (not a job id: retention's job sweep skips it)
+UPLOAD_FILE = re.compile(r"^(source\.[a-z0-9]{1,8}|codes\.codes)$")
 
 
 class ArtifactStore:
@@ -73,6 +78,36 @@ class ArtifactStore:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def upload_path(self, upload_id: str, name: str) -> Path:
+        """A file of an upload: ``source.<ext>`` or ``codes.codes``, from a checked id and name."""
+        if not JOB_ID.match(upload_id) or not UPLOAD_FILE.match(name):
+            raise ValueError("invalid upload address")
+        return self.root / UPLOADS / upload_id / name
+
+    def write_upload(self, upload_id: str, name: str, data: bytes) -> None:
+        """One file of an upload, written under a temporary name then renamed."""
+        path = self.upload_path(upload_id, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def remove_upload(self, upload_id: str) -> None:
+        if JOB_ID.match(upload_id):
+            shutil.rmtree(self.root / UPLOADS / upload_id, ignore_errors=True)
+
+    def upload_bytes(self, upload_id: str) -> int:
+        d = self.root / UPLOADS / upload_id
+        return sum(p.stat().st_size for p in d.glob("*") if p.is_file()) if JOB_ID.match(upload_id) else 0
+
+    def upload_orphans(self, known_ids: Collection[str], min_age_sec: float = 300.0) -> list[str]:
+        """Upload folders no known upload owns (as ``orphans`` for jobs)."""
+        folder = self.root / UPLOADS
+        return self.orphans(known_ids, min_age_sec, folder) if folder.is_dir() else []
 
     def render_path(self, job_id: str, index: int, key: str, ext: str) -> Path:
         """A cached render of a track: ``key`` is the hash of its parameters."""
@@ -189,7 +224,7 @@ class ArtifactStore:
         if JOB_ID.match(job_id):
             shutil.rmtree(self.root / job_id, ignore_errors=True)
 
-    def orphans(self, known_ids: Collection[str], min_age_sec: float = 300.0) -> list[str]:
+    def orphans(self, known_ids: Collection[str], min_age_sec: float = 300.0, folder: Path | None = None) -> list[str]:
         """Job folders (sorted) that no known job owns: candidates for retention to report or remove.
 
         Only folders named like a job id count (anything else in the folder is not ours to touch).
@@ -199,7 +234,7 @@ class ArtifactStore:
         known = set(known_ids)
         cutoff = time.time() - min_age_sec
         out = []
-        for entry in os.scandir(self.root):
+        for entry in os.scandir(folder or self.root):
             if entry.name in known or not JOB_ID.match(entry.name):
                 continue
             if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime <= cutoff:
@@ -215,4 +250,6 @@ class ArtifactStore:
         return {kind: self.path(job_id, index, kind).stat().st_size for kind in KINDS if self.has(job_id, index, kind)}
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.glob("*/*") if p.is_file())
+        """Every job's and every upload's files."""
+        files = [*self.root.glob("*/*"), *self.root.glob(f"{UPLOADS}/*/*")]
+        return sum(p.stat().st_size for p in files if p.is_file())

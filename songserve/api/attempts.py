@@ -112,9 +112,10 @@ class Attempts(AttemptStops, AttemptFences):
         self._fences: dict[Key, Fence] = {}  # the lease each running attempt's writes are made under
 
     # ---- one attempt, in order ------------------------------------------------------------------
-    async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle) -> bool:
+    async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle, missing: str = "") -> bool:
         """Claim ``tracks`` (takes of one job, in order) in the store and start them on ``w`` as one
-        attempt (one batch when several). Returns False when another dispatcher had claimed them all."""
+        attempt (one batch when several). Returns False when another dispatcher had claimed them all.
+        ``missing``: why a continuation's kept frames never will be there (its upload failed): its takes fail so."""
         now = time.time()
         wanted = []
         for t in tracks:
@@ -126,7 +127,8 @@ class Attempts(AttemptStops, AttemptFences):
                 owner=self.me, error=None, started_at=now, worker_phase="backbone", phase_progress=0,
                 phase_detail="", phase_rate=None, preview_sec=0.0))  # fmt: skip
         # A retake's kept frames, read before the claim: from the claim to ``_spawn`` nothing awaits.
-        prefix = await retakes.kept_frames(self.artifacts, job) if job.request.continue_from is not None else None
+        retake = job.request.continue_from is not None and not missing
+        prefix = await retakes.kept_frames(self.artifacts, job) if retake else None
         fence = self.fence_of(w)
         if fence is None:
             return False
@@ -148,7 +150,7 @@ class Attempts(AttemptStops, AttemptFences):
                      t.task_id, len(started))  # fmt: skip
         reqs, lease = [worker_request(job, t, prefix) for t in started], self.lease_header(fence)
         if job.request.continue_from is not None and prefix is None:  # never a take of the prompt alone instead
-            obtain: Callable[[], Awaitable[list[Outcome]]] = retakes.frames_gone(len(started))
+            obtain: Callable[[], Awaitable[list[Outcome]]] = retakes.frames_gone(len(started), missing)
         else:
             obtain = functools.partial(w.client.generate_batch, reqs, lease)
         self._spawn([t.key for t in started], self._run(job, started, w, obtain))

@@ -5,7 +5,8 @@ sets another's attributes (they read each other's state and call each other's me
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
 - the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
-- the membership (``membership.py``): presence, the worker registry, leases and take-overs.
+- the membership (``membership.py``): presence, the worker registry, leases and take-overs;
+- the encodings (``encodings.py``): uploads to encode, served before tracks.
 
 Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
 probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 
 import httpx
 
@@ -33,14 +33,16 @@ from songserve.api import readiness
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.attempt_stops import USER_CANCEL
 from songserve.api.attempts import Attempts
+from songserve.api.encodings import Encodings
 from songserve.api.estimates import SpeedHistory
+from songserve.api.facts import Fleet, JobFacts
 from songserve.api.loops import LoopHealth, supervised
 from songserve.api.membership import Membership
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.placement import pick
+from songserve.api.placement import pack, pick
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.states import JobStatus, TrackStatus, job_status
-from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError, Track
+from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError
 from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.api.webhook_events import JobEvents
@@ -49,24 +51,6 @@ from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 Loop = tuple[str, Callable[[], Awaitable[None]], float]  # name, one iteration, seconds between iterations
-
-
-@dataclass(frozen=True)
-class JobFacts:
-    """What a job's view needs from the dispatcher besides the job."""
-
-    positions: Mapping[Key, int]  # 1-based queue positions of the queued tracks (of every job)
-    eta: float | None  # seconds until the job's last track is done (None: finished elsewhere, or no history)
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """What the workers offer, as they said in their ``/config`` (or health)."""
-
-    backbone_models: list[str]
-    superres_models: list[str]
-    context: tuple[int, int] | None  # (the longest backbone context in tokens, audio tokens per minute)
-    workers: int
 
 
 class Dispatcher:
@@ -95,6 +79,7 @@ class Dispatcher:
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )
         self.membership = Membership(s, self.me, store, self.pool, self.book, self.attempts)
+        self.encodings = Encodings(s, self.me, store, artifacts, self.attempts, self._kick.set)
         self.probe = StoreProbe(store)
         self.metrics.watch(self)
         self._membership_ticks = 0
@@ -150,6 +135,7 @@ class Dispatcher:
     async def stop(self) -> None:
         self.accepting = False
         await self.pool.stop()
+        await self.encodings.stop()
         tasks = self._tasks + list(self.attempts.running.values())
         for t in tasks:
             t.cancel()
@@ -214,6 +200,7 @@ class Dispatcher:
     async def _reconcile_step(self) -> None:
         """After each membership step: its work on the job tables, then the gauges' track counts."""
         await self.membership.reconcile()
+        await self.encodings.reconcile(self.membership.alive)
         self._kick.set()
         self.counts = await self.store.counts()
 
@@ -248,6 +235,8 @@ class Dispatcher:
             self.membership.soon()  # a lease not renewed in time (a pause?): nothing goes there until it is
         # No new track while the results folder cannot be written: its files would only wait too.
         free = self.pool.available() if self.results.writable else []
+        if free:  # short work first: uploads waiting for their codes
+            free = await self.encodings.start(free)
         if not free:  # nothing can start: only the positions change (one ordering, not two)
             book.reorder()
             return
@@ -265,32 +254,29 @@ class Dispatcher:
                 t = job.tracks[entry.index]
                 if t.status is not TrackStatus.queued:
                     continue
+                missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
+                if missing is None:
+                    continue
                 # Elsewhere after an environment failure if it can; a retake to a worker that can continue it.
                 w = pick(free, job, t)
                 if w is None:
                     continue
                 tracks = [
                     t,
-                    *self._pack(job, w, len(ordered) - len(taken) - 1, len(free) - 1, taken | {(job.job_id, t.index)}),
+                    *pack(
+                        job,
+                        w,
+                        self.s.pack_tracks,
+                        len(ordered) - len(taken) - 1,
+                        len(free) - 1,
+                        taken | {(job.job_id, t.index)},
+                    ),  # fmt: skip
                 ]
                 taken.update((job.job_id, x.index) for x in tracks)
-                if await self.attempts.begin(job, tracks, w):
+                if await self.attempts.begin(job, tracks, w, missing):
                     free.remove(w)
         finally:
             book.reorder()
-
-    def _pack(self, job: Job, w: WorkerHandle, queued_after: int, free_after: int, taken: set[Key]) -> list[Track]:
-        """More queued takes of ``job`` for ``w`` to run in the same batch (may be none)."""
-        mode = self.s.pack_tracks
-        if job.request.continue_from is not None and mode == "auto":
-            mode = "always"  # retakes of one prefix: one batch prefills it once
-        if w.max_batch <= 1 or mode == "never" or (mode == "auto" and queued_after <= free_after):
-            return []
-        more = [x for x in job.tracks if x.status is TrackStatus.queued and (job.job_id, x.index) not in taken]
-        room = w.max_batch - 1
-        if mode == "auto":
-            room = min(room, queued_after - free_after)  # leave the free workers their share
-        return more[: max(0, room)]
 
     # ---- what the service asks ------------------------------------------------------------------
     @property
@@ -346,6 +332,10 @@ class Dispatcher:
     def fleet(self) -> Fleet:
         pool = self.pool
         return Fleet(pool.models("backbone"), pool.models("superres"), pool.context_minutes(), len(pool.workers))
+
+    def kick(self) -> None:
+        """Something may start now (an upload was stored): the dispatch loop looks at once."""
+        self._kick.set()
 
     def can_continue(self) -> bool:
         """Some worker can run a retake: one of ours (a reference worker knows no prefix), or none known yet."""

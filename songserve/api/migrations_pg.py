@@ -117,6 +117,30 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
         ),
     ),
+    (
+        6,
+        "uploads: a person's own audio, queued for encoding, then continued from (store_uploads.py)",
+        (
+            """CREATE TABLE uploads (
+                upload_id TEXT PRIMARY KEY,
+                created_at DOUBLE PRECISION NOT NULL,
+                status TEXT NOT NULL,
+                filename TEXT NOT NULL DEFAULT '',
+                ext TEXT NOT NULL,
+                bytes BIGINT NOT NULL,
+                duration_sec DOUBLE PRECISION NOT NULL,
+                frames INTEGER NOT NULL,
+                source TEXT NOT NULL DEFAULT '{}',
+                error TEXT,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                owner TEXT,
+                worker_id INTEGER NOT NULL DEFAULT -1,
+                started_at DOUBLE PRECISION,
+                finished_at DOUBLE PRECISION
+            )""",
+            "CREATE INDEX uploads_status ON uploads(status, created_at)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -140,6 +140,30 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
         ),
     ),
+    Migration(
+        6,
+        "uploads: a person's own audio, queued for encoding, then continued from (store_uploads.py)",
+        (
+            """CREATE TABLE uploads (
+                upload_id TEXT PRIMARY KEY,
+                created_at REAL NOT NULL,
+                status TEXT NOT NULL,
+                filename TEXT NOT NULL DEFAULT '',
+                ext TEXT NOT NULL,
+                bytes INTEGER NOT NULL,
+                duration_sec REAL NOT NULL,
+                frames INTEGER NOT NULL,
+                source TEXT NOT NULL DEFAULT '{}',
+                error TEXT,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                owner TEXT,
+                worker_id INTEGER NOT NULL DEFAULT -1,
+                started_at REAL,
+                finished_at REAL
+            )""",
+            "CREATE INDEX uploads_status ON uploads(status, created_at)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

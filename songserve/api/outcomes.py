@@ -31,6 +31,14 @@ class WorkerFault(WorkerUnreachable):
     """
 
 
+class WorkerBusy(SongserveError):
+    """An encoding the worker could not take now (busy, draining, or it has no encoder): try another."""
+
+
+class EncodeRefused(SongserveError):
+    """The worker refused an upload's file itself (a 4xx that is not busy): another worker would too."""
+
+
 class TaskLost(SongserveError):
     """The worker does not know the task (it restarted): the track must run again."""
 

@@ -1,4 +1,4 @@
-"""Which of the free workers a queued track goes to.
+"""Which of the free workers a queued track goes to, and which more takes of its job go with it.
 
 Most tracks take the first free worker (in the pool's order), avoiding the one a track just
 failed on for an environment reason. A retake is pickier: only our workers can continue a song
@@ -6,13 +6,18 @@ failed on for an environment reason. A retake is pickier: only our workers can c
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
 same song, only the prefill is longer.
+
+``pack`` (``PACK_TRACKS``): a job's queued takes go to one worker as one batch when more are
+queued than workers are free (``auto``), always, or never; retakes of one prefix always go
+together, so the prefix is prefilled once.
 """
 
 from __future__ import annotations
 
 from songserve.api.pool import WorkerHandle
 from songserve.api.retakes import origin_of
-from songserve.api.store import Job, Track
+from songserve.api.states import TrackStatus
+from songserve.api.store import Job, Key, Track
 
 
 def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
@@ -32,3 +37,16 @@ def pick(free: list[WorkerHandle], job: Job, t: Track) -> WorkerHandle | None:
         if not candidates:
             return None
     return next((w for w in candidates if w.worker_id != t.avoid_worker), candidates[0])
+
+
+def pack(job: Job, w: WorkerHandle, mode: str, queued_after: int, free_after: int, taken: set[Key]) -> list[Track]:
+    """More queued takes of ``job`` for ``w`` to run in the same batch (may be none)."""
+    if job.request.continue_from is not None and mode == "auto":
+        mode = "always"  # retakes of one prefix: one batch prefills it once
+    if w.max_batch <= 1 or mode == "never" or (mode == "auto" and queued_after <= free_after):
+        return []
+    more = [x for x in job.tracks if x.status is TrackStatus.queued and (job.job_id, x.index) not in taken]
+    room = w.max_batch - 1
+    if mode == "auto":
+        room = min(room, queued_after - free_after)  # leave the free workers their share
+    return more[: max(0, room)]

@@ -83,6 +83,7 @@ class WorkerHandle:
     lease_valid_until: float = 0.0  # monotonic: the lease's last renewal was sent + LEASE_TTL_SEC (our own bound)
     lease_owner: str | None = None  # who held its lease at the last membership check
     handing_back: bool = False  # over this dispatcher's fair share: no new tasks, its lease goes back once idle
+    encoding: str | None = None  # the upload it encodes for us now (``encodings.py``): busy, as with a track
     _progress_mark: tuple[object, ...] = ()
 
     @property
@@ -98,7 +99,7 @@ class WorkerHandle:
             return WorkerView.error
         if reported == "stalled" or self.stalled:
             return WorkerView.stalled
-        if self.assigned or (reported == "busy" and not self.answered):
+        if self.assigned or self.encoding or (reported == "busy" and not self.answered):
             return WorkerView.busy
         if self.degraded_reason:
             return WorkerView.degraded
@@ -115,7 +116,22 @@ class WorkerHandle:
         lease = self.leased and not self.handing_back and time.monotonic() < self.lease_valid_until
         # A worker whose copies lag gets no more work: a result it cannot deliver is not multiplied.
         copying = self.collecting > COPIES_IN_FLIGHT
-        return lease and self.online and not self.assigned and healthy and not copying
+        idle = not self.assigned and self.encoding is None
+        return lease and self.online and idle and healthy and not copying
+
+    @property
+    def can_encode(self) -> bool:
+        """It says it encodes audio (our worker with an encoder; never a reference worker)."""
+        return self.config is not None and self.config.encoder and not self.client.reference
+
+    def encoded(self, upload_id: str, answered: bool) -> None:
+        """Its encoding of ``upload_id`` ended; ``answered``: it said so, so its model thread is free now."""
+        if self.encoding == upload_id:
+            self.encoding = None
+            if not answered:
+                self.trust_after = time.monotonic()
+            elif not self.assigned:
+                self.answered = True
 
     @property
     def max_batch(self) -> int:
@@ -214,7 +230,7 @@ class WorkerHandle:
             "device": h.device,
             "runtime_mode": h.runtime_mode,
             "progress": h.progress,
-            "task_id": next(iter(self.assigned), None),
+            "task_id": next(iter(self.assigned), None) or (f"upload-{self.encoding}" if self.encoding else None),
             "task_ids": list(self.assigned),
             "tasks_done": h.tasks_done,
             "kind": self.client.kind,

@@ -17,6 +17,7 @@ import time
 from typing import Protocol
 
 from songserve.api.attempts import Attempts
+from songserve.api.encodings import Encodings
 from songserve.api.loops import LoopHealth
 from songserve.api.membership import Membership
 from songserve.api.pool import WorkerPool
@@ -37,6 +38,7 @@ class DispatcherParts(Protocol):
     book: TrackBook
     pool: WorkerPool
     attempts: Attempts
+    encodings: Encodings
     membership: Membership
     probe: StoreProbe
     results: ResultsFolder
@@ -59,6 +61,8 @@ async def status(d: DispatcherParts) -> dict[str, object]:
         "store_stalled": d.probe.reason or None,
         # while the store stalls: the last counts read (store_stalled says why), not a 503
         "tracks_by_status": dict(d.counts) if d.probe.reason else await d.store.counts(),
+        "uploads_by_status": dict(d.encodings.counts),  # as the reconcile loop last read them
+        "encoding_uploads": sorted(d.encodings.running),  # here, now
         "uptime_sec": round(time.time() - d.started_at, 1),
         "accepting": d.accepting,
         "loops_failing": d.loops.failing(),

@@ -1,4 +1,5 @@
-"""``continue_from``: a retake of a finished take, checked and resolved before anything is queued.
+"""``continue_from``: a retake of a finished take, or the continuation of an upload, checked and resolved
+before anything is queued.
 
 Why at submit: every reason a retake cannot be served is known from the store and the results
 folder (the job is gone, its track is not done or kept no codes, ``at_sec`` is outside the song, the
@@ -10,6 +11,12 @@ folder, so the retake does not depend on the original staying within its retenti
 What the retake does not send it inherits from the original's request: the style, lyrics,
 duration, sampling settings and models; ``num_tracks``, ``seed``, ``priority`` (and the ACE-Step
 dialect's ``acestep`` extras) are its own.
+
+An upload (``continue_from.upload_id``) has no request to inherit from: the continuation is the
+request as sent, keeping the upload's frames before ``at_sec`` (all of them when it is left out).
+Gone or failed: 422 before any work. Ready: its frames are cut now, as a take's. Still queued or
+encoding: the job is accepted and its tracks wait in the queue; the dispatch pass cuts the frames
+once the upload is ready (``upload_frames_ready``), or fails the tracks with the upload's error.
 """
 
 from __future__ import annotations
@@ -25,14 +32,18 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.outcomes import Outcome, OutcomeKind
 from songserve.api.states import TrackStatus
 from songserve.api.store import Job
+from songserve.api.store_uploads import UploadRecord
+from songserve.audio_in import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
-from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes
+from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus
 
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
 MODELS = ("backbone", "superres")
 # A retake's own, never the original's: how many, seeds, priority, what it continues, its preview, its events' URL.
 OWN = {"num_tracks", "seed", "priority", "continue_from", "acestep", "preview", "webhook", "webhook_events"}
+FPS = SAMPLE_RATE / HOP  # an upload's frames per second before its codes (which say so) exist
+LoadUpload = Callable[[str], Awaitable[UploadRecord | None]]
 
 
 @dataclass(frozen=True)
@@ -40,18 +51,25 @@ class Retake:
     """A resolved ``continue_from``: the request as it will run, and the frames it keeps."""
 
     request: GenerateRequest
-    kept: codes.CodeGrid  # (64, K), its header naming the original and where it was cut
+    kept: codes.CodeGrid | None  # (64, K), its header naming the original and where it was cut; None: an
+    # upload still encoding (cut at dispatch)
 
 
 def origin_of(cf: ContinueFrom) -> str:
     """The label a retake's prefix carries to the worker (its KV snapshots are reported by it)."""
-    return f"{cf.job_id}/{cf.track_index}"
+    return f"upload/{cf.upload_id}" if cf.upload_id is not None else f"{cf.job_id}/{cf.track_index}"
 
 
-async def resolve(req: GenerateRequest, load_job: Callable[[str], Awaitable[Job]], artifacts: ArtifactStore) -> Retake:
+async def resolve(
+    req: GenerateRequest, load_job: Callable[[str], Awaitable[Job]], artifacts: ArtifactStore, load_upload: LoadUpload
+) -> Retake:
     """The retake ``req`` asks for, or the ``FieldError`` that says why it cannot be served."""
     cf = req.continue_from
     assert cf is not None
+    if cf.upload_id is not None:
+        return await _resolve_upload(req, cf, artifacts, load_upload)
+    assert cf.job_id is not None
+    assert cf.at_sec is not None
     try:
         original = await load_job(cf.job_id)
     except NotFoundError:
@@ -79,7 +97,72 @@ async def resolve(req: GenerateRequest, load_job: Callable[[str], Awaitable[Job]
     return Retake(request, codes.CodeGrid(kept.codes, {**head, "frames": kept.frames}))
 
 
+async def _resolve_upload(req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore,
+                          load_upload: LoadUpload) -> Retake:  # fmt: skip
+    assert cf.upload_id is not None
+    u = await load_upload(cf.upload_id)
+    if u is None:
+        raise FieldError("continue_from.upload_id", f"upload {cf.upload_id} is not known here (uploads are kept "
+                         "for RESULT_TTL_SEC)")  # fmt: skip
+    if u.status is UploadStatus.failed:
+        raise FieldError("continue_from.upload_id", f"upload {cf.upload_id} could not be encoded: {u.error}")
+    if cf.at_sec is not None and not 1 / FPS <= cf.at_sec <= u.duration_sec + 1e-6:
+        raise FieldError("continue_from.at_sec", f"must be inside the upload: from {1 / FPS:.3f} s to "
+                         f"{u.duration_sec:.2f} s (or left out: its end)")  # fmt: skip
+    keep = upload_keep(cf, u.frames, FPS)
+    if int(req.duration * 60 * FPS) <= keep:
+        raise FieldError("duration", f"{req.duration:g} minutes end before the upload's kept part "
+                         f"({keep / FPS:.2f} s); ask for a longer song")  # fmt: skip
+    if u.status is not UploadStatus.ready:
+        return Retake(req, None)  # its tracks wait for the encoding (upload_frames_ready)
+    try:
+        return Retake(req, await asyncio.to_thread(upload_prefix, artifacts, cf))
+    except (OSError, codes.CodesFileError) as exc:
+        log.error("upload %s: codes file unreadable: %s", cf.upload_id, exc)
+        raise FieldError("continue_from.upload_id", f"the codes of upload {cf.upload_id} cannot be read") from None
+
+
+def upload_keep(cf: ContinueFrom, frames: int, fps: float) -> int:
+    """Frames of an upload a continuation keeps: those wholly before ``at_sec``, or all of them."""
+    return frames if cf.at_sec is None else min(frames, int(cf.at_sec * fps))
+
+
+def upload_prefix(artifacts: ArtifactStore, cf: ContinueFrom) -> codes.CodeGrid:
+    """A ready upload's kept frames, labelled as a retake's are (``OSError`` / ``CodesFileError`` if unreadable)."""
+    assert cf.upload_id is not None
+    grid = codes.read(artifacts.upload_path(cf.upload_id, "codes.codes"))
+    fps = float(grid.header["frame_rate"])
+    kept = grid.cut(upload_keep(cf, grid.frames, fps))
+    return codes.CodeGrid(kept.codes, {**kept.header, "origin": origin_of(cf), "at_sec": kept.frames / fps})
+
+
+async def upload_frames_ready(job: Job, artifacts: ArtifactStore, load_upload: LoadUpload) -> bool | str:
+    """A job continuing an upload, at dispatch: True once its kept frames are in its folder (cut now if
+    the upload has become ready), False while the upload is queued or encoding, else why they never will be."""
+    cf = job.request.continue_from
+    assert cf is not None
+    assert cf.upload_id is not None
+    if artifacts.prefix_path(job.job_id).is_file():
+        return True
+    u = await load_upload(cf.upload_id)
+    if u is None:
+        return f"its upload {cf.upload_id} is gone"
+    if u.status is UploadStatus.failed:
+        return f"its upload {cf.upload_id} could not be encoded: {u.error}"
+    if u.status is not UploadStatus.ready:
+        return False
+    try:
+        grid = await asyncio.to_thread(upload_prefix, artifacts, cf)
+        await asyncio.to_thread(artifacts.write_prefix, job.job_id, codes.encode(grid.codes, grid.header))
+    except (OSError, codes.CodesFileError) as exc:
+        log.error("job %s: the kept frames of upload %s cannot be cut (%s)", job.job_id, cf.upload_id, exc)
+        return f"the codes of its upload {cf.upload_id} cannot be read"
+    log.info("job %s: upload %s is ready, %d frames kept", job.job_id, cf.upload_id, grid.frames)
+    return True
+
+
 def _read_codes(artifacts: ArtifactStore, cf: ContinueFrom) -> codes.CodeGrid:
+    assert cf.job_id is not None
     if not artifacts.has(cf.job_id, cf.track_index, "codes"):
         raise FieldError("continue_from.track_index", f"track {cf.track_index} of job {cf.job_id} kept no codes "
                          "(its worker writes none, or it was made before codes were kept)")  # fmt: skip
@@ -122,10 +205,13 @@ async def kept_frames(artifacts: ArtifactStore, job: Job) -> PrefixCodes | None:
     return prefix_codes(grid)
 
 
-def frames_gone(takes: int) -> Callable[[], Awaitable[list[Outcome]]]:
-    """The outcome of an attempt whose kept frames are gone: each take fails, saying so."""
+def frames_gone(takes: int, why: str = "") -> Callable[[], Awaitable[list[Outcome]]]:
+    """The outcome of an attempt whose kept frames are gone: each take fails, saying so (and ``why``)."""
+    said = (
+        f"The kept frames are missing: {why}." if why else "The retake's kept frames are gone from the results folder."
+    )
 
     async def gone() -> list[Outcome]:
-        return [Outcome(OutcomeKind.error, error="The retake's kept frames are gone from the results folder.")] * takes
+        return [Outcome(OutcomeKind.error, error=said)] * takes
 
     return gone

@@ -1,4 +1,4 @@
-"""Retention: finished jobs and their files leave after their TTL, and oldest first over the size cap.
+"""Retention: finished jobs and uploads leave with their files after their TTL, and oldest first over the size cap.
 
 With several dispatchers on one store, one sweeps at a time (the store's ``exclusive`` lock: an
 advisory lock on PostgreSQL). Active jobs are never touched: only jobs the store marks terminal are candidates. Results folders
@@ -31,17 +31,28 @@ class Retention:
         for job_id in await self.store.expired_jobs(now - self.ttl_sec):
             await self._remove(job_id)
             removed += 1
+        for upload_id in await self.store.expired_uploads(now - self.ttl_sec):
+            await self._remove_upload(upload_id)
+            removed += 1
         total = self.artifacts.total_bytes()
         if total > self.max_bytes:
-            for job_id in await self.store.finished_jobs_oldest_first():
-                total -= self.artifacts.job_bytes(job_id)
-                await self._remove(job_id)
+            for kind, item in await self.store.finished_oldest_first():
+                if kind == "upload":
+                    total -= self.artifacts.upload_bytes(item)
+                    await self._remove_upload(item)
+                else:
+                    total -= self.artifacts.job_bytes(item)
+                    await self._remove(item)
                 removed += 1
                 if total <= self.max_bytes:
                     break
         for job_id in self.artifacts.orphans(await self.store.job_ids()):
             log.warning("retention: removing results folder %s, which no job in the store owns", job_id)
             self.artifacts.remove_job(job_id)
+            removed += 1
+        for upload_id in self.artifacts.upload_orphans(await self.store.upload_ids()):
+            log.warning("retention: removing upload folder %s, which no upload in the store owns", upload_id)
+            self.artifacts.remove_upload(upload_id)
             removed += 1
         if removed:
             log.info("retention: removed %d finished jobs or orphaned folders", removed)
@@ -50,3 +61,8 @@ class Retention:
     async def _remove(self, job_id: str) -> None:
         self.artifacts.remove_job(job_id)
         await self.store.delete_job(job_id)
+
+    async def _remove_upload(self, upload_id: str) -> None:
+        """Row first: a reader never finds a ready upload whose codes are gone."""
+        await self.store.delete_upload(upload_id)
+        self.artifacts.remove_upload(upload_id)

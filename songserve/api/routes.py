@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, File, Header, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
@@ -18,6 +18,7 @@ from songserve.schemas import (
     GenerateAccepted,
     GenerateRequest,
     JobView,
+    UploadView,
     UsageView,
     WorkerAnnounced,
     WorkerAnnouncement,
@@ -160,6 +161,32 @@ async def events(job_id: str, request: Request, svc: JobService = Service) -> St
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )
+
+
+@router.post("/uploads", response_model=UploadView)
+async def upload(
+    file: UploadFile = File(description="an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)"),
+    svc: JobService = Service,
+) -> UploadView:
+    """Store a person's own audio and queue its encoding; continue from it with ``continue_from.upload_id``."""
+    return await svc.uploads.create(await file.read(), file.filename or "")
+
+
+@router.get("/uploads/{upload_id}", response_model=UploadView)
+async def upload_view(upload_id: str, svc: JobService = Service) -> UploadView:
+    return await svc.uploads.view(upload_id)
+
+
+@router.get("/uploads/{upload_id}/codes")
+@router.head("/uploads/{upload_id}/codes")
+async def upload_codes(upload_id: str, svc: JobService = Service) -> FileResponse:
+    path = await svc.uploads.codes(upload_id)
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{upload_id}.codes")
+
+
+@router.delete("/uploads/{upload_id}", response_model=UploadView)
+async def upload_delete(upload_id: str, svc: JobService = Service) -> UploadView:
+    return await svc.uploads.delete(upload_id)
 
 
 @router.get("/status")

@@ -35,6 +35,7 @@ from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
+from songserve.api.uploads import UploadService
 from songserve.api.usage import OverLimit, check_request, quota, usage_view
 from songserve.api.views import job_view
 from songserve.api.webhook_events import JobEvents
@@ -84,6 +85,7 @@ class JobService:
         self.announcements = Announcements(s, store, self.dispatcher)  # workers that join and leave
         self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
                                 self.dispatcher.changes)  # fmt: skip
+        self.uploads = UploadService(s, store, artifacts, self.dispatcher)  # a person's own audio (uploads.py)
 
     @property
     def accepting(self) -> bool:
@@ -147,7 +149,9 @@ class JobService:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if req.continue_from is not None and not d.can_continue():
             raise FieldError("continue_from", "no worker here can continue a song (they are all the reference's)")
-        retake = await retakes.resolve(req, self._load, self.artifacts) if req.continue_from is not None else None
+        retake = None
+        if req.continue_from is not None:
+            retake = await retakes.resolve(req, self._load, self.artifacts, self.store.load_upload)
         if retake is not None:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req)
@@ -175,7 +179,7 @@ class JobService:
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
                 caller=caller.name if caller is not None else None,
             )
-            if retake is not None:  # before the row: a queued retake always finds its frames
+            if retake is not None and retake.kept is not None:  # before the row: a queued retake finds its frames
                 blob = codes_file.encode(retake.kept.codes, retake.kept.header)
                 await asyncio.to_thread(self.artifacts.write_prefix, job_id, blob)
             # one transaction (with the key's quota): a failed submit leaves no row behind
@@ -192,7 +196,7 @@ class JobService:
             raise StoreUnavailable(exc) from None
         log.info("job %s: %d tracks, %.2f min, priority %d%s", job_id, req.num_tracks, req.duration, req.priority,
                  f", key {caller.name}" if caller else "")  # fmt: skip
-        if retake is not None:
+        if retake is not None and retake.kept is not None:
             head = retake.kept.header
             log.info("job %s: continues %s from %.2f s (%d frames kept)", job_id, head["origin"], head["at_sec"],
                      retake.kept.frames)  # fmt: skip

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from songserve.api.outbox import Delivery, OutboxStats, WebhookEvent
 from songserve.api.quota import Quota, Usage
 from songserve.api.states import TrackStatus
+from songserve.api.store_uploads import UploadRecord
 from songserve.errors import SongserveError
 from songserve.schemas import GenerateRequest
 
@@ -262,6 +263,33 @@ class JobStore(Protocol):
         one higher than before unless ``owner`` held it unexpired, or None when another holds it."""
 
     async def release_lease(self, owner: str, worker_id: int) -> None: ...
+
+    # uploads (store_uploads.py: the rules)
+    async def insert_upload(self, u: UploadRecord) -> None: ...
+    async def load_upload(self, upload_id: str) -> UploadRecord | None: ...
+    async def queued_uploads(self, limit: int) -> list[UploadRecord]:
+        """The oldest queued uploads first."""
+
+    async def claim_upload(self, upload_id: str, fence: Fence) -> bool:
+        """``queued`` → ``encoding`` on the worker ``fence`` names, while its lease holds; whether it was won."""
+
+    async def finish_upload(self, u: UploadRecord, owner: str) -> bool:
+        """Write ``u``'s end (``ready`` with its frames, or ``failed`` with its error) if ``owner`` still encodes it."""
+
+    async def requeue_upload(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
+        """``encoding`` → ``queued`` if ``owner`` encodes it; ``count`` False: the try is not counted."""
+
+    async def requeue_stale_uploads(self, alive: set[str], me: str, running: set[str]) -> int:
+        """Uploads left ``encoding`` by a dispatcher not in ``alive``, or by ``me`` with no attempt in
+        ``running``, back to the queue; returns how many."""
+
+    async def delete_upload(self, upload_id: str) -> bool: ...
+    async def expired_uploads(self, older_than: float) -> list[str]: ...
+    async def finished_oldest_first(self) -> list[tuple[str, str]]:
+        """Finished jobs and uploads, oldest first: (``job`` or ``upload``, its id)."""
+
+    async def upload_ids(self) -> set[str]: ...
+    async def upload_counts(self) -> dict[str, int]: ...
 
     # events and one-at-a-time work
     def listen(self, on_change: Callable[[str], None]) -> AbstractAsyncContextManager[None]:

@@ -7,7 +7,7 @@ Through psycopg 3 with an async connection pool; every method is one short trans
 - Compare-and-set writes: a track row is written only while its (status, owner) are what the writer
   last saw (``StaleTrack`` otherwise), and, fenced, while the lease it was made under still holds,
   checked in the same statement against the lease row (``LeaseLost`` otherwise; the lease rows and
-  their epochs: ``store_pg_leases.py``, mixed in).
+  their epochs: ``store_pg_leases.py``, mixed in; uploads: ``store_pg_uploads.py``, mixed in).
 - Two pools: one for the routes and one for the background loops and attempts (``BACKGROUND``
   picks), so routes stalled on a locked table cannot take every connection the loops need.
 - Leases and presence are timed on the database's clock, so hosts' clocks need not agree.
@@ -58,6 +58,7 @@ from songserve.api.store import (
 from songserve.api.store_pg_conn import PgConnections, StoreLimits, redact
 from songserve.api.store_pg_leases import PgMembership, lease_cte
 from songserve.api.store_pg_outbox import PgOutbox, check_quota, events_cte
+from songserve.api.store_pg_uploads import PgUploads
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ RUNNING_VALUES = [s.value for s in RUNNING]
 MIGRATION_LIMITS = StoreLimits(statement_timeout_sec=600.0, lock_timeout_sec=120.0)
 
 
-class PgStore(PgMembership, PgOutbox):
+class PgStore(PgMembership, PgOutbox, PgUploads):
     shared = True
 
     def __init__(self, url: str, origin: str, pool_size: int = 10, limits: StoreLimits | None = None) -> None:

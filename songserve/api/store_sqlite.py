@@ -41,6 +41,7 @@ from songserve.api.store import (
     work_ratios,
 )
 from songserve.api.store_sqlite_outbox import SqliteOutbox, check_quota, insert_events
+from songserve.api.store_sqlite_uploads import SqliteUploads
 from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
@@ -48,12 +49,12 @@ RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 
 
-class SqliteStore(SqliteOutbox):
+class SqliteStore(SqliteOutbox, SqliteUploads):
     """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``
     (``store_sqlite_check.py``).
 
     Calls come from the event-loop thread; each is a short local transaction, so they run inline.
-    Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
+    Uploads: ``store_sqlite_uploads.py``, mixed in. Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
     """
 
     shared = False

@@ -21,9 +21,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from songserve.api.outcomes import Outcome, OutcomeKind, WorkerFault
+from songserve.api.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
 from songserve.api.store import Job, Track
-from songserve.schemas import PrefixCodes, TaskState, TaskView, WorkerGenerateRequest, WorkerGenerateResult
+from songserve.schemas import (
+    PrefixCodes,
+    TaskState,
+    TaskView,
+    WorkerEncodeResult,
+    WorkerGenerateRequest,
+    WorkerGenerateResult,
+)
 
 REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the reference dispatcher sends
 # What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
@@ -146,6 +153,23 @@ def read_task(view: TaskView) -> Outcome | None:
         return Outcome(OutcomeKind.cancelled)
     environment = view.error_kind == "environment"
     return Outcome(OutcomeKind.error, error=view.error or "The task failed on the worker.", environment=environment)
+
+
+def read_encode(code: int, body: dict[str, Any]) -> WorkerEncodeResult:
+    """A ``/encode`` answer: the grid, or why not: ``WorkerBusy`` (409, 503: another worker or later),
+    ``EncodeRefused`` (another 4xx: the file itself), ``WorkerFault`` (anything else)."""
+    if code == 200 and body.get("status") == "ok":
+        try:
+            return WorkerEncodeResult.model_validate(body)
+        except ValidationError as exc:
+            raise WorkerFault(f"Worker encoding is not the contract: {_first_error(exc)}.") from None
+    sentence = body.get("error")
+    said = str(sentence) if isinstance(sentence, str) and sentence.strip() else f"Worker answered HTTP {code}."
+    if code in (409, 503):
+        raise WorkerBusy(said)
+    if 400 <= code < 500:
+        raise EncodeRefused(said)
+    raise WorkerFault(f"Worker could not encode ({said})")
 
 
 def result_files(res: WorkerGenerateResult) -> dict[str, str]:

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from songserve.api import to_worker
 from songserve.api.outcomes import Outcome, TaskLost, WorkerFault, WorkerUnreachable
-from songserve.schemas import TaskView, WorkerConfig, WorkerGenerateRequest, WorkerHealth
+from songserve.schemas import TaskView, WorkerConfig, WorkerEncodeResult, WorkerGenerateRequest, WorkerHealth
 
 FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has its own deadline)
 CHUNK = 1 << 16
@@ -101,6 +101,15 @@ class WorkerClient:
         headers = {LEASE_HEADER: lease} if lease else {}
         r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body, headers=headers)
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
+
+    async def encode(self, audio: bytes, task_id: str, timeout: float, lease: str | None = None) -> WorkerEncodeResult:
+        """An upload's file as codes (``POST /encode``, ours only), within ``timeout`` seconds.
+
+        ``BusyAnswer`` when it cannot take it now (busy, draining, no encoder); ``WorkerRefused`` for
+        a 4xx about the file; ``WorkerUnreachable`` / ``WorkerFault`` as for every call."""
+        headers = {"Content-Type": "application/octet-stream", **({LEASE_HEADER: lease} if lease else {})}
+        r = await self._call("POST", "/encode", timeout, params={"task_id": task_id}, content=audio, headers=headers)
+        return to_worker.read_encode(r.status_code, self._json(r))
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
         """Ask the worker to stop ``task_id``; False when it does not know the task (nothing runs).

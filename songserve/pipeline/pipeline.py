@@ -25,18 +25,19 @@ from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.continuation import kept_codes
+from songserve.pipeline.encoding import encode_audio
 from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
 from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.finish import BatchFacts, finish_take
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.preview import Previewer, PreviewStages
-from songserve.pipeline.residency import Residency
+from songserve.pipeline.residency import Residency, mem_available
 from songserve.pipeline.stages.backbone import Backbone, Take
 from songserve.pipeline.stages.length import LengthPlan, plan_length
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.stages.superres import SuperRes
-from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
 CPU_PREVIEW_LEVELS = 16  # PREVIEW_LEVELS' default on the CPU (bench P14)
@@ -94,7 +95,12 @@ class ModelPipeline:
             "checkpoint_layout": self.ckpt.layout,
             "checkpoints": dict(self.ckpt.found),
             "architectures": {n: b.gpt.arch.summary() for n, b in self.residency.backbones.items()},
+            "encoder": self.residency.encoder_error is None,
         }
+
+    def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:
+        """A person's audio as codes (``encoding.py``), the encoder where ``RUNTIME_MODE`` keeps it."""
+        return encode_audio(self.residency, self.s, audio, ctx)
 
     # -- limits, reported in /config ---------------------------------------------------------------
     def min_share(self) -> float:
@@ -132,7 +138,7 @@ class ModelPipeline:
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         else:
-            free = _mem_available()
+            free = mem_available()
         size = max(1, min(n, self.s.max_batch))
         while free and size > 1 and kv_bytes_new(size) > 0.8 * free:
             size -= 1
@@ -333,14 +339,3 @@ class ModelPipeline:
 
 def vocal_lang_of(req: TrackRequest) -> str:
     return req.language if req.superres_text_mode == "full" else ""
-
-
-def _mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

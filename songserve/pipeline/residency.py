@@ -2,7 +2,10 @@
 
 Tokenizer and backbone stay resident. In ``one_shot`` mode super-resolution and decoder are loaded
 for each request and released afterwards; in ``keep_loaded`` mode they stay; in ``park`` mode they
-wait in (pinned, on CUDA) host memory and move to the device only for their stage.
+wait in (pinned, on CUDA) host memory and move to the device only for their stage. The codec's
+encoder (an upload's audio into codes) lives as the decoder does: loaded for each encoding and
+released (one_shot), resident (keep_loaded), or parked and moved in for it (park). A set whose
+decoder file has no encoder still serves songs: ``encoder_error`` says why it cannot encode.
 
 Park mode as a state machine over ``parked`` (the stages whose weights are in host memory now):
 idle and during the backbone ``{superres, decoder}``; during superres ``{decoder}``, during the
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from songserve.errors import ConfigError
+from songserve.errors import ConfigError, UnavailableError
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
@@ -41,6 +44,7 @@ from songserve.pipeline.numbers import CODEBOOK
 from songserve.pipeline.stages import tokenizer as tk
 from songserve.pipeline.stages.backbone import Backbone
 from songserve.pipeline.stages.codec import AudioDecoder, DecoderConfig, load_decoder
+from songserve.pipeline.stages.encoder import AudioEncoder, load_encoder
 from songserve.pipeline.stages.superres import SuperRes
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,8 @@ class Residency:
         self.backbones: dict[str, Backbone] = {}
         self.superres: dict[str, SuperRes] = {}
         self.decoder: AudioDecoder | None = None
+        self.encoder: AudioEncoder | None = None
+        self.encoder_error: str | None = None  # why this set cannot encode (checked at load)
         self.decoder_cfg = DecoderConfig()
         self.load_sec: dict[str, float] = {}
         self.superres_arch: dict[str, GPTArch] = {}
@@ -97,11 +103,13 @@ class Residency:
         assert self.decoder is not None
         self.decoder_cfg = self.decoder.cfg  # rates and frame size, kept when one_shot unloads the decoder
         self.superres_arch = {n: sr.gpt.arch for n, sr in self.superres.items()}
+        self._check_encoder()
         if self.s.runtime_mode == "one_shot":
             self._unload_stage2()
         if self.s.runtime_mode == "park":
             self._park("superres")
             self._park("decoder")
+            self._park("encoder")
             if self.s.park_backbone != "0":
                 self._host_copy("backbone")  # now, at load: parking it later costs nothing
 
@@ -111,6 +119,7 @@ class Residency:
             "backbone_loaded": bool(self.backbones),
             "superres_loaded": bool(self.superres),
             "decoder_loaded": self.decoder is not None,
+            "encoder_loaded": self.encoder is not None,
             "load_sec": dict(self.load_sec),  # the latest load of each stage
         }
         if self.s.runtime_mode == "park":
@@ -136,6 +145,39 @@ class Residency:
                 trust_pickle=self.s.trust_checkpoint_pickle,
             )
             self.load_sec["decoder"] = round(time.perf_counter() - t0, 3)
+
+    # -- one encoding ----------------------------------------------------------------------------
+    def _check_encoder(self) -> None:
+        """Load the encoder once at start-up; a set without one serves songs and says why it cannot encode."""
+        try:
+            self._load_encoder()
+        except ConfigError as exc:
+            self.encoder_error = str(exc)
+            log.warning("no audio encoder: uploads cannot be encoded here (%s)", exc)
+
+    def _load_encoder(self) -> None:
+        if self.encoder is None:
+            self.phase("loading_encoder")
+            t0 = time.perf_counter()
+            self.encoder = load_encoder(self.ckpt.decoder_config, self.ckpt.decoder_checkpoint, self.device,
+                                        trust_pickle=self.s.trust_checkpoint_pickle)  # fmt: skip
+            self.load_sec["encoder"] = round(time.perf_counter() - t0, 3)
+
+    def enter_encoder(self) -> AudioEncoder:
+        """The encoder on the device (one_shot: loaded now)."""
+        if self.encoder_error is not None:
+            raise UnavailableError(f"This worker cannot encode audio: {self.encoder_error}")
+        self._load_encoder()
+        self._unpark("encoder")
+        assert self.encoder is not None
+        return self.encoder
+
+    def end_encode(self) -> None:
+        """After an encoding, however it ended: parked again, or released (one_shot; the caller drops its reference first)."""
+        self._park("encoder")
+        if self.s.runtime_mode == "one_shot":
+            self.encoder = None
+            release_memory(self.device)
 
     def enter_superres(self, superres: SuperRes, takes: int, seq: int) -> None:
         """Before super-resolution: its weights on the device, the backbone's parked if it must be."""
@@ -198,6 +240,8 @@ class Residency:
             return [bb.gpt.model for bb in self.backbones.values()]
         if stage == "superres":
             return [sr.gpt.model for sr in self.superres.values()]
+        if stage == "encoder":
+            return [self.encoder] if self.encoder is not None else []
         return [self.decoder] if self.decoder is not None else []
 
     def _host_copy(self, stage: str) -> None:
@@ -263,5 +307,17 @@ class Residency:
     def _unload_stage2(self) -> None:
         """Drop every reference this object holds, then return the memory (callers drop theirs first)."""
         self.superres.clear()
-        self.superres, self.decoder = {}, None
+        self.superres, self.decoder, self.encoder = {}, None, None
         release_memory(self.device)
+
+
+def mem_available() -> int:
+    """Bytes of host memory available (``MemAvailable``), 0 where ``/proc`` does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -4,7 +4,9 @@ For scheduling and fault tests of the dispatcher (``--pipeline test``): it repor
 the same phases, honours cancellation, and writes real WAV/MP3/JSON files and a codes file: a
 deterministic grid (``(seed + frame + level) mod 1024``) that starts with a request's prefix, so
 retakes can be routed and checked through the dispatcher at tone speed. Its audio stays a tone
-(it has no decoder). Never a substitute for the model pipeline in its own tests.
+(it has no decoder). Its ``encode`` is as deterministic: each frame's codes follow from that frame's
+mean level (``tone_codes``), so uploads can be checked through the dispatcher at tone speed too.
+Never a substitute for the model pipeline in its own tests.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import CODEBOOK, FRAMES_PER_SECOND, HOP, SAMPLE_RATE, SUPERRES_LEVELS
 from songserve.pipeline.stages.export import Mp3Options, write_track
-from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, TrackRequest, TrackResult
 
 PHASES = ("backbone", "superres", "decoding")
 
@@ -36,7 +38,17 @@ class TonePipeline:
         pass
 
     def loaded(self) -> dict[str, bool]:
-        return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True}
+        return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True, "encoder_loaded": True}
+
+    def encode(self, audio: np.ndarray, ctx: TaskContext) -> EncodeResult:
+        """``tone_codes`` of the audio, after a quarter of ``TEST_DELAY_S`` (an encoding is short work)."""
+        steps = max(1, int(self.s.test_delay_s / 0.04))
+        for i in range(steps):
+            ctx.check()
+            ctx.report("encoding", i + 1, steps)
+            if self.s.test_delay_s:
+                time.sleep(self.s.test_delay_s / 4 / steps)
+        return EncodeResult(tone_codes(audio), FRAMES_PER_SECOND, HOP, SAMPLE_RATE, {"encode_sec": 0.0})
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -45,6 +57,7 @@ class TonePipeline:
             "sample_rate": SAMPLE_RATE,
             "frame_rate": round(FRAMES_PER_SECOND, 2),
             "test_pipeline": True,
+            "encoder": True,
         }
 
     def limits(self) -> dict[str, Any]:
@@ -132,3 +145,12 @@ class TonePipeline:
             ctx.live.fail(f"the take ended ({type(exc).__name__})")
             raise
         ctx.live.close_window()
+
+
+def tone_codes(audio: np.ndarray) -> np.ndarray:
+    """(2, n) samples → (64, ⌊n / 2048⌋) int16 codes: level c of a frame is (⌊1000 · its mean |sample|⌋ + 7c) mod 1024."""
+    frames = audio.shape[1] // HOP
+    level = np.abs(audio[:, : frames * HOP]).reshape(audio.shape[0], frames, HOP).mean(axis=(0, 2))
+    codes = (np.floor(level * 1000).astype(np.int64)[None, :] + 7 * np.arange(SUPERRES_LEVELS)[:, None]) % CODEBOOK
+    out: np.ndarray = codes.astype(np.int16)
+    return out

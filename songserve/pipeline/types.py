@@ -76,6 +76,17 @@ class TrackResult:
     codes_filename: str = ""  # the take's code grid (songserve/codes.py), beside its WAV
 
 
+@dataclass
+class EncodeResult:
+    """A person's audio as the codec's code grid (``Pipeline.encode``)."""
+
+    codes: Any  # numpy (levels, frames) int16, in [0, 1024)
+    frame_rate: float
+    hop: int  # samples per frame
+    sample_rate: int
+    timings: dict[str, float] = field(default_factory=dict[str, float])
+
+
 class Pipeline(Protocol):
     """What the worker's runtime drives: the model pipeline or the test tone pipeline.
 
@@ -99,14 +110,20 @@ class Pipeline(Protocol):
         error that concerns them all (an unknown model, takes that differ) raises instead."""
         ...
 
+    def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:
+        """44.1 kHz stereo samples (numpy (2, n) float32 in [-1, 1], ``songserve/audio_in.py``) as the
+        codec's code grid; raises ``UnavailableError`` when this pipeline has no encoder."""
+        ...
+
     def loaded(self) -> dict[str, Any]:
-        """``/health``'s pipeline fields: ``backbone_loaded``, ``superres_loaded``, ``decoder_loaded``,
+        """``/health``'s pipeline fields: ``backbone_loaded``, ``superres_loaded``, ``decoder_loaded``, ``encoder_loaded``,
         and the model pipeline's own (``load_sec``, ``parked``, ``park_backbone``, ``decode_step``)."""
         ...
 
     def describe(self) -> dict[str, Any]:
         """``/config``'s pipeline fields: ``backbone_models``, ``superres_models``, ``sample_rate``,
-        ``frame_rate``, and where known ``channels`` and the checkpoint set's fields."""
+        ``frame_rate``, ``encoder`` (whether ``encode`` works), and where known ``channels`` and the
+        checkpoint set's fields."""
         ...
 
     def limits(self) -> dict[str, Any]:

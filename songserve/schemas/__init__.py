@@ -7,6 +7,7 @@ reference's workers; do not rename them. By concern:
 - ``client``: the dispatcher's client routes (``POST /generate``, the job view);
 - ``continuation``: continuing a song (``ContinueFrom``, and ``PrefixCodes``, the code grid a
   worker continues from);
+- ``uploads``: a person's own audio (``UploadView``, ``UploadStatus``; a worker's ``WorkerEncodeResult``);
 - ``common``: the patterns that bound names and ids, and a percent.
 Everything is re-exported here: importers name ``songserve.schemas`` only.
 """
@@ -36,6 +37,7 @@ from songserve.schemas.common import (
     Percent,
 )
 from songserve.schemas.continuation import CODEBOOK_SIZE, MAX_PREFIX_FRAMES, ContinueFrom, PrefixCodes
+from songserve.schemas.uploads import UploadStatus, UploadView, WorkerEncodeResult
 from songserve.schemas.worker import (
     ErrorKind,
     ResultFile,
@@ -80,11 +82,14 @@ __all__ = [
     "TrackView",
     "UsageView",
     "WebhookEventName",
+    "UploadStatus",
+    "UploadView",
     "WorkerAnnounced",
     "WorkerAnnouncement",
     "WorkerBatchRequest",
     "WorkerBatchResult",
     "WorkerConfig",
+    "WorkerEncodeResult",
     "WorkerGenerateRequest",
     "WorkerGenerateResult",
     "WorkerHealth",

@@ -1,9 +1,9 @@
 """Continuing a song: the client's ``continue_from`` and the code grid a worker continues from.
 
 The two are kept apart on purpose. ``ContinueFrom`` names a finished take (a job, a track, a
-second); the dispatcher resolves it into a ``PrefixCodes``: the kept frames themselves, which is
-all a worker needs. A worker never looks a job up, so any other source of a code grid (a user's
-own audio through the codec's encoder, later) reaches it the same way.
+second) or an upload (a person's own audio, encoded by a worker: ``upload_id``, and a second that
+defaults to its end); the dispatcher resolves it into a ``PrefixCodes``: the kept frames themselves,
+which is all a worker needs. A worker never looks a job or an upload up: both reach it the same way.
 """
 
 from __future__ import annotations
@@ -24,13 +24,30 @@ MAX_PREFIX_CHARS = 4 * math.ceil(MAX_LEVELS * MAX_PREFIX_FRAMES * 2 / 3)  # base
 
 
 class ContinueFrom(BaseModel):
-    """``POST /generate``'s ``continue_from``: keep a take's frames before ``at_sec``, generate the rest."""
+    """``POST /generate``'s ``continue_from``: keep a take's (or an upload's) frames before ``at_sec``,
+    generate the rest. Exactly one of ``job_id`` and ``upload_id``; a take needs ``at_sec``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    job_id: str = Field(max_length=64, pattern=JOB_ID_PATTERN, description="the job of the take to continue")
+    job_id: str | None = Field(
+        None, max_length=64, pattern=JOB_ID_PATTERN, description="the job of the take to continue"
+    )
     track_index: int = Field(0, ge=0, le=1000, description="which of its takes")
-    at_sec: float = Field(gt=0, allow_inf_nan=False, description="seconds into that take: what comes before is kept")
+    upload_id: str | None = Field(
+        None, max_length=64, pattern=JOB_ID_PATTERN, description="or an upload (POST /uploads) to continue"
+    )
+    at_sec: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="seconds into the take or upload: what comes before is kept (an upload: its end if left out)",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ContinueFrom:
+        if (self.job_id is None) == (self.upload_id is None):
+            raise ValueError("name either a take (job_id, track_index, at_sec) or an upload (upload_id)")
+        if self.job_id is not None and self.at_sec is None:
+            raise ValueError("at_sec is needed to continue a take: the second its new part starts at")
+        return self
 
 
 class PrefixCodes(BaseModel):

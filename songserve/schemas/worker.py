@@ -32,6 +32,8 @@ class WorkerPhase(StrEnum):
     superres = "superres"
     loading_decoder = "loading_decoder"
     decoding = "decoding"
+    loading_encoder = "loading_encoder"  # an upload's audio (POST /encode)
+    encoding = "encoding"
 
 
 class WorkerStatus(StrEnum):
@@ -144,6 +146,7 @@ class WorkerHealth(BaseModel):
     backbone_loaded: bool | str | None = False  # the reference worker reports the loaded model's name
     superres_loaded: bool | str | None = False
     decoder_loaded: bool | str | None = False
+    encoder_loaded: bool | None = None  # ext: the codec's encoder (uploads) is in memory now
     load_sec: dict[str, float] | None = None  # ext, model pipeline: seconds of each stage's latest load
     parked: list[str] | None = None  # ext, park mode: the stages whose weights wait in host memory
     park_backbone: str | None = None  # ext, park mode: PARK_BACKBONE
@@ -202,6 +205,7 @@ class WorkerConfig(BaseModel):
     formats: list[str] = Field(default_factory=list)  # the files each track gets besides its JSON
     device: str | None = None
     tiny_checkpoints: bool = False
+    encoder: bool = False  # ext: it encodes a person's audio into codes (POST /encode)
     checkpoint_layout: str | None = None  # what was found where ("own", "release")
     checkpoints: dict[str, str] = Field(default_factory=dict)  # each file or folder it loaded, by role
     architectures: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per backbone: layers, hidden, …

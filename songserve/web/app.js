@@ -1,5 +1,6 @@
 // songserve page: submit a job, follow it over server-sent events, hear each take while it is made,
-// play and download the tracks, and continue a finished track from the player's position.
+// play and download the tracks, continue a finished track from the player's position, and start a
+// song from one's own audio.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -111,9 +112,7 @@ async function refreshStatus() {
   el.title = `From GET /status, asked every ${STATUS_EVERY_MS / 1000} s while this page is open.`;
 }
 
-$("gen-form").addEventListener("submit", async (event) => {
-  event.preventDefault();
-  showError($("form-error"), "");
+function formBody() {
   const instrumental = $("instrumental").checked;
   const body = {
     mode: instrumental ? "instrumental" : "vocal",
@@ -126,6 +125,13 @@ $("gen-form").addEventListener("submit", async (event) => {
     preview: $("live").checked,
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  return body;
+}
+
+$("gen-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  showError($("form-error"), "");
+  const body = formBody();
   $("generate").disabled = true;
   try {
     const accepted = await api("generate", {
@@ -296,6 +302,106 @@ function setupResult(result, jobId, index, audio) {
     }
   });
 }
+
+// ---- one's own audio: upload it (POST /uploads), watch its encoding, continue from a point --------
+// The waveform is drawn from the file in this browser (Web Audio); a click on it moves the player.
+let upload = null;  // {upload_id, duration_sec, status} while a file is chosen
+
+function drawWave(buffer) {
+  const canvas = $("upload-wave");
+  canvas.width = canvas.clientWidth || 600;
+  const g = canvas.getContext("2d");
+  const data = buffer.getChannelData(0);
+  const step = Math.max(1, Math.floor(data.length / canvas.width));
+  g.clearRect(0, 0, canvas.width, canvas.height);
+  g.fillStyle = "#818cf8";
+  for (let x = 0; x < canvas.width; x++) {
+    let lo = 1, hi = -1;
+    for (let i = x * step; i < Math.min(data.length, (x + 1) * step); i++) { lo = Math.min(lo, data[i]); hi = Math.max(hi, data[i]); }
+    const mid = canvas.height / 2;
+    g.fillRect(x, mid - hi * mid, 1, Math.max(1, (hi - lo) * mid));
+  }
+  canvas.dataset.drawn = "1";
+}
+
+function uploadLabel() {
+  const at = $("upload-audio").currentTime;
+  $("upload-continue").textContent = at > 0 ? `Continue from ${clock(at)}` : "Continue from the end";
+}
+
+async function watchUpload(id) {
+  while (upload && upload.upload_id === id) {
+    try {
+      const v = await api(`uploads/${id}`);
+      upload.status = v.status;
+      $("upload-status").textContent = v.status === "failed" ? `failed: ${v.error}` : v.status;
+      $("upload-continue").disabled = v.status === "failed";
+      if (v.status === "ready" || v.status === "failed") return;
+    } catch (e) { showError($("upload-error"), e.message); }
+    await new Promise((r) => setTimeout(r, 700));
+  }
+}
+
+async function chooseFile(file) {
+  if (!file) return;
+  showError($("upload-error"), "");
+  $("upload-box").hidden = false;
+  $("upload-name").textContent = file.name;
+  $("upload-status").textContent = "uploading…";
+  $("upload-audio").src = URL.createObjectURL(file);
+  try {
+    const ctx = new (window.AudioContext || window.webkitAudioContext)();
+    file.arrayBuffer().then((b) => ctx.decodeAudioData(b)).then(drawWave).catch(() => {});
+  } catch (_) { /* no waveform: the player still works */ }
+  const form = new FormData();
+  form.append("file", file, file.name);
+  try {
+    upload = await api("uploads", { method: "POST", body: form });
+    $("upload-status").textContent = `${upload.status} · ${upload.duration_sec.toFixed(1)} s`;
+    $("upload-continue").disabled = false;
+    watchUpload(upload.upload_id);
+  } catch (e) {
+    upload = null;
+    $("upload-status").textContent = "refused";
+    showError($("upload-error"), e.message);
+  }
+}
+
+$("upload-file").addEventListener("change", () => chooseFile($("upload-file").files[0]));
+$("drop").addEventListener("dragover", (e) => { e.preventDefault(); $("drop").classList.add("over"); });
+$("drop").addEventListener("dragleave", () => $("drop").classList.remove("over"));
+$("drop").addEventListener("drop", (e) => {
+  e.preventDefault(); $("drop").classList.remove("over");
+  chooseFile(e.dataTransfer.files[0]);
+});
+$("upload-wave").addEventListener("click", (e) => {
+  const a = $("upload-audio"), rect = e.target.getBoundingClientRect();
+  if (a.duration > 0) a.currentTime = a.duration * (e.clientX - rect.left) / rect.width;
+});
+$("upload-audio").addEventListener("timeupdate", uploadLabel);
+$("upload-audio").addEventListener("seeked", uploadLabel);
+$("upload-clear").addEventListener("click", () => {
+  upload = null; $("upload-box").hidden = true; $("upload-file").value = ""; showError($("upload-error"), "");
+});
+$("upload-continue").addEventListener("click", async () => {
+  if (!upload) return;
+  showError($("upload-error"), "");
+  const at = $("upload-audio").currentTime;
+  const body = formBody();
+  body.continue_from = { upload_id: upload.upload_id, ...(at > 0 ? { at_sec: Number(at.toFixed(3)) } : {}) };
+  $("upload-continue").disabled = true;
+  try {
+    const accepted = await api("generate", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    });
+    const where = at > 0 ? clock(at) : "its end";
+    followJob(accepted.job_id, { tags: `${$("upload-name").textContent} · from ${where}` }, accepted.adjusted, accepted.notes);
+  } catch (e) {
+    showError($("upload-error"), e.message);
+  } finally {
+    $("upload-continue").disabled = false;
+  }
+});
 
 loadTags();
 refreshStatus();

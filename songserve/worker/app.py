@@ -1,8 +1,10 @@
 """The worker's HTTP surface (docs/api.md, "Worker"): thin routes over ``WorkerRuntime``.
 
-``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/tasks`` and ``/cancel`` answer
-models of ``songserve.schemas`` (``/tasks/{id}/stream`` a running take's live audio), serialised by FastAPI; a take's result or failure becomes its
-answer in ``worker/to_pipeline.py``. Errors take the one error body (``http_errors``).
+``/health``, ``/config``, ``/generate``, ``/generate_batch``, ``/encode``, ``/tasks`` and ``/cancel``
+answer models of ``songserve.schemas`` (``/tasks/{id}/stream``: a running take's live audio), serialised
+by FastAPI; a take's result or failure becomes its answer in ``worker/to_pipeline.py``. Errors take the
+one error body (``http_errors``). ``/encode`` takes an audio file as its raw body, up to ``MAX_AUDIO_MB``
+(every other body: ``MAX_BODY_BYTES``), read from memory: nothing of it is written on the worker.
 
 Besides the routes, a small background task sweeps output files past ``OUTPUT_TTL_SEC``; the
 dispatcher removes each task's files with ``DELETE /files/{task_id}`` once it has copied them.
@@ -18,7 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Header, Query
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -32,6 +34,7 @@ from songserve.schemas import (
     WorkerBatchRequest,
     WorkerBatchResult,
     WorkerConfig,
+    WorkerEncodeResult,
     WorkerGenerateRequest,
     WorkerGenerateResult,
     WorkerHealth,
@@ -120,7 +123,9 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     install_error_handlers(app)
     if runtime.s.worker_token:
         app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
-    app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes)
+    audio_bytes = int(runtime.s.max_audio_mb * 2**20)
+    too_large = f"The audio file is larger than MAX_AUDIO_MB ({runtime.s.max_audio_mb:g} MB)."
+    app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes, paths={"/encode": (audio_bytes, too_large)})
     out_dir = runtime.s.output_dir
     fences = LeaseFences()  # a task from a dispatcher whose lease here passed on is refused (fence.py)
     Lease = Header(None, alias=HEADER, max_length=100)
@@ -160,6 +165,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             formats=["wav", "mp3"],
             device=runtime.device.name,
             tiny_checkpoints=d.get("tiny_checkpoints", False),
+            encoder=d.get("encoder", False),
             checkpoint_layout=d.get("checkpoint_layout"),  # extension: what was found where
             checkpoints=d.get("checkpoints", {}),
             architectures=d.get("architectures", {}),
@@ -204,6 +210,18 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
         if isinstance(first, RequestError) and all(r is first for _, r in results):
             raise first
         return batch_result(results)
+
+    @app.post("/encode")
+    async def encode(
+        request: Request,
+        task_id: str = Query("", max_length=64, pattern=ID_PATTERN),
+        lease: str | None = Lease,
+    ) -> WorkerEncodeResult:
+        """An audio file (the raw body: WAV, FLAC, OGG, MP3, …) as the codec's code grid; busy while it runs.
+
+        A file that is not usable audio is a 400 naming the problem; a worker without an encoder 503."""
+        fences.check(lease, [task_id or "(no id)"])
+        return await runtime.encode(await request.body(), task_id)
 
     @app.post("/cancel/{task_id}")
     async def cancel(task_id: str) -> TaskView:

@@ -22,6 +22,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from songserve.audio_in import HOP, SAMPLE_RATE, AudioError, read_audio
 from songserve.errors import (
     BusyError,
     NotFoundError,
@@ -31,11 +32,13 @@ from songserve.errors import (
     UnavailableError,
 )
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.types import Pipeline, TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, Pipeline, TrackRequest, TrackResult
 from songserve.schemas import (
+    MAX_PREFIX_FRAMES,
     ResultFile,
     TaskState,
     TaskView,
+    WorkerEncodeResult,
     WorkerGenerateRequest,
     WorkerGenerateResult,
     WorkerHealth,
@@ -48,7 +51,7 @@ from songserve.worker.failures import ClassifiedTaskError, classify_failure, err
 from songserve.worker.metrics import WorkerMetrics
 from songserve.worker.outputs import disk_report, file_facts, names_from_metadata, remove_output, sweep_outputs
 from songserve.worker.tasks import TaskRegistry
-from songserve.worker.to_pipeline import generate_result, track_request
+from songserve.worker.to_pipeline import encode_result, generate_result, track_request
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +138,13 @@ class WorkerRuntime:
     # -- tasks ----------------------------------------------------------------------------------
     def _claim(self, bodies: list[WorkerGenerateRequest]) -> list[TaskContext]:
         """Register a batch's tasks, or raise why the worker cannot take it now."""
-        if not self.accepting:
-            raise UnavailableError("The worker is shutting down and takes no new task.")
         for body in bodies:
             self.check_model_names(body)
-        ids = [b.task_id or uuid.uuid4().hex[:12] for b in bodies]
+        return self._claim_ids([b.task_id or uuid.uuid4().hex[:12] for b in bodies])
+
+    def _claim_ids(self, ids: list[str]) -> list[TaskContext]:
+        if not self.accepting:
+            raise UnavailableError("The worker is shutting down and takes no new task.")
         if len(set(ids)) != len(ids):
             raise RequestError("The takes of a batch need distinct task_id values.")
         with self._lock:
@@ -201,6 +206,43 @@ class WorkerRuntime:
             (ctx.task_id, self._settle(ctx.task_id, got, t0, files))
             for ctx, got, files in zip(ctxs, raw, facts, strict=True)
         ]
+
+    async def encode(self, data: bytes, task_id: str) -> WorkerEncodeResult:
+        """An audio file's code grid (``POST /encode``): read off the event loop, encoded on the model thread.
+
+        The file is refused (``RequestError``) before the model thread is claimed when it is not
+        audio that can be used; the worker is busy for the encoding, as for a batch of takes."""
+        try:
+            audio, facts = await asyncio.to_thread(read_audio, data, MAX_PREFIX_FRAMES * HOP / SAMPLE_RATE)
+        except AudioError as exc:
+            raise RequestError(f"The audio file {exc}.") from None
+        (ctx,) = self._claim_ids([task_id or uuid.uuid4().hex[:12]])
+        t0 = time.perf_counter()
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(self._executor, self._encode, audio, ctx)
+        except SongserveError as exc:
+            self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.error, error=str(exc)))
+            raise
+        except Exception as exc:
+            log.error("task %s: encoding failed", ctx.task_id, exc_info=exc)
+            kind, message = classify_failure(exc, self.s.output_dir, self.device.is_out_of_memory(exc))
+            self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.error, error=message, error_kind=kind))
+            raise ClassifiedTaskError(message, kind) from None
+        finally:
+            with self._lock:
+                self.tasks.end()
+                self.phase = WorkerPhase.idle.value
+                if self.status is WorkerStatus.busy:
+                    self.status = WorkerStatus.idle
+        self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.done, progress=100))
+        log.info("task %s: encoded %.2f s of %s audio in %.2fs", ctx.task_id, facts.duration_sec, facts.format,
+                 time.perf_counter() - t0)  # fmt: skip
+        return encode_result(ctx.task_id, got, facts)
+
+    def _encode(self, audio: object, ctx: TaskContext) -> EncodeResult:
+        """On the model thread."""
+        with self.device.inference():
+            return self.pipeline.encode(audio, ctx)
 
     def _file_facts(self, raw: list[TrackResult | BaseException]) -> list[dict[str, ResultFile]]:
         """Each finished take's files, sized and checksummed as written (``{}`` for a take that failed)."""

@@ -1,8 +1,9 @@
 """The one translation between the worker's wire models and the pipeline's types, both ways.
 
 In: a ``WorkerGenerateRequest`` (the dispatcher's payload, docs/api.md "Worker") becomes
-the pipeline's ``TrackRequest``. Out: a ``TrackResult`` becomes ``WorkerGenerateResult``, and a
-take that did not finish becomes its wire answer. Nothing else in the worker renames a field; each
+the pipeline's ``TrackRequest``. Out: a ``TrackResult`` becomes ``WorkerGenerateResult``, a take
+that did not finish becomes its wire answer, and an ``EncodeResult`` (an upload's audio as codes)
+becomes ``WorkerEncodeResult``. Nothing else in the worker renames a field; each
 rename below says who needs it. The words differ on purpose: a finished take answers ``"ok"`` (the
 reference dispatcher checks that word) while the task it was is ``done`` (``TaskState``, our word).
 """
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from songserve.audio_in import AudioFacts
 from songserve.errors import SongserveError, TaskCancelled
 from songserve.http_errors import error_response
-from songserve.pipeline.types import Prefix, TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, Prefix, TrackRequest, TrackResult
 from songserve.schemas import (
     PrefixCodes,
     ResultFile,
     WorkerBatchResult,
+    WorkerEncodeResult,
     WorkerGenerateRequest,
     WorkerGenerateResult,
     WorkerTakeFailure,
@@ -119,3 +122,19 @@ def generate_failure(task_id: str, exc: SongserveError) -> WorkerTakeFailure | J
     if exc.detail:
         extra["detail"] = exc.detail
     return error_response(exc.http_status, str(exc), headers=exc.headers, task_id=task_id, **extra)
+
+
+def encode_result(task_id: str, got: EncodeResult, facts: AudioFacts) -> WorkerEncodeResult:
+    """An encoding as the wire has it: the grid as a ``PrefixCodes`` (what a continuation sends back)."""
+    codes = got.codes.astype("<i2", copy=False)
+    grid = PrefixCodes.of(codes.tobytes(), int(codes.shape[0]), int(codes.shape[1]))
+    return WorkerEncodeResult(
+        task_id=task_id,
+        grid=grid,
+        frame_rate=got.frame_rate,
+        hop=got.hop,
+        sample_rate=got.sample_rate,
+        duration_sec=facts.duration_sec,
+        source=facts.describe(),
+        timings=got.timings,
+    )

@@ -26,6 +26,7 @@ from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
 from songserve.api.keys import ApiKeys
 from songserve.api.service import JobService
+from songserve.api.uploads import upload_limit
 from songserve.settings import DispatcherSettings
 
 router = APIRouter()
@@ -75,7 +76,9 @@ def _task_ids(value: Any) -> list[str]:
 @router.post("/release_task")
 async def release_task(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     s, svc = _settings(request), _service(request)
-    body = release_body(request.headers.get("content-type"), await read_bytes(request, s.max_body_bytes))
+    ct = request.headers.get("content-type")
+    multipart = (ct or "").lower().startswith("multipart/")  # may carry a source audio: the upload cap
+    body = release_body(ct, await read_bytes(request, upload_limit(s)[0] if multipart else s.max_body_bytes))
     caller = check_body_or_header(_keys(request), body.fields, authorization)
     ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
@@ -83,7 +86,12 @@ async def release_task(request: Request, authorization: str | None = Authorizati
         task = await continue_from(svc, task)  # our retake of the source take from repainting_start
     elif task.source is not None:
         await source_take(svc, task.source, task.keys["src_audio_path"])
-    accepted = await submit(svc, task, caller)
+    try:
+        accepted = await submit(svc, task, caller)
+    except BaseException:
+        if task.upload_id is not None:  # the repaint's source was stored for it: nothing of a refusal stays
+            await svc.uploads.delete(task.upload_id)
+        raise
     data = {"task_id": accepted.job_id, "status": "queued", "queue_position": max(1, accepted.queue_position)}
     return JSONResponse(wrap(data, extra=task.extra()))
 

@@ -7,7 +7,10 @@ active, else from the store, so any dispatcher of a shared store answers); ``con
 a repaint to the end our retake of a point (``continue_from`` on ``POST /generate``): the source take
 (a ``src_audio_path`` this server returned names its job and take) kept up to ``repainting_start``,
 the rest generated. What the repaint's body sets (caption, lyrics, length, seed, model) applies; what
-it leaves out is the source take's, as for any retake (``songserve/api/retakes.py``).
+it leaves out is the source take's, as for any retake (``songserve/api/retakes.py``). An uploaded
+source (multipart ``src_audio``) becomes one of our uploads (``POST /uploads``: checked, stored,
+encoded by a worker) and the repaint a continuation of it (``continue_from.upload_id``), which waits
+in the queue while the upload encodes; a refused file is a 400 naming the key, storing nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from songserve.api.artifacts import JOB_ID
 from songserve.api.keys import Caller
 from songserve.api.service import JobService
 from songserve.api.store import Job
+from songserve.api.uploads import UploadTooLarge
 from songserve.api.views import job_view
 from songserve.errors import FieldError
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
@@ -90,34 +94,52 @@ async def source_take(svc: JobService, ref: AudioRef, key: str) -> float:
 async def continue_from(svc: JobService, repaint: Repaint) -> Task:
     """A repaint to the end as the task to submit: a retake of the source take from ``start``.
 
-    Everything about the request is checked by now but the source itself; an uploaded source needs
-    the codec's encoder to become codes, so it stays a 400 until the worker has one.
+    Everything about the request is checked by now but the source itself; an uploaded source is
+    stored and queued for encoding first (``UploadService.create``), and ``task.upload_id`` names it,
+    so the caller removes it if the task is refused after all.
     """
     task = repaint.task
-    key = task.keys.get("src_audio_path", "src_audio_path")
-    if isinstance(repaint.source, Upload):
-        raise AceError(400, "Field 'src_audio': a repaint of an uploaded file needs the audio encoder, which "
-                       "this server does not run yet; repaint a file it returned (src_audio_path).")  # fmt: skip
-    source, take = await _source(svc, repaint.source, key)
     start_key = task.keys.get("at_sec", "repainting_start")
-    if repaint.start > take.duration_sec:
-        raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
     if repaint.start <= 0:
         raise field_error(start_key, "must be more than 0 seconds: a repaint keeps the source before it "
                           "(text2music makes a new song)")  # fmt: skip
-    task.request = _retake(task, repaint.source, repaint.start, caption_of(source), key)
+    if isinstance(repaint.source, Upload):
+        return await _from_upload(svc, task, repaint.source, repaint.start, start_key)
+    key = task.keys.get("src_audio_path", "src_audio_path")
+    source, take = await _source(svc, repaint.source, key)
+    if repaint.start > take.duration_sec:
+        raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
+    cf = {"job_id": repaint.source.job_id, "track_index": repaint.source.index, "at_sec": repaint.start}
+    task.request = _retake(task, cf, caption_of(source), key)
     # Our retake's fields under the names the client sent: where the source and the point came from.
     task.keys |= {"continue_from": key, "job_id": key, "track_index": key, "at_sec": start_key}
     return task
 
 
-def _retake(task: Task, ref: AudioRef, start: float, caption: str, key: str) -> GenerateRequest:
-    """Our request for the repaint: only what its body sent, and ``continue_from``; the rest is inherited."""
+async def _from_upload(svc: JobService, task: Task, upload: Upload, start: float, start_key: str) -> Task:
+    """A repaint of an uploaded file: our upload of it, continued from ``start``."""
+    try:
+        view = await svc.uploads.create(upload.data, upload.filename)
+    except FieldError as exc:
+        raise field_error(upload.field, str((exc.detail or [{}])[0].get("msg", exc))) from None
+    except UploadTooLarge as exc:
+        raise AceError(413, str(exc)) from None
+    task.upload_id = view.upload_id
+    if start > view.duration_sec:
+        await svc.uploads.delete(view.upload_id)
+        raise field_error(start_key, f"is past the end of the source ({view.duration_sec:.2f} s)")
+    caption = task.request.acestep.caption if task.request.acestep is not None else ""
+    task.request = _retake(task, {"upload_id": view.upload_id, "at_sec": start}, caption, upload.field)
+    task.keys |= {"continue_from": upload.field, "upload_id": upload.field, "at_sec": start_key}
+    log.info("acestep: repaint of an uploaded %s from %.2f s: upload %s", upload.field, start, view.upload_id)
+    return task
+
+
+def _retake(task: Task, cf: dict[str, Any], caption: str, key: str) -> GenerateRequest:
+    """Our request for the repaint: only what its body sent, and ``continue_from``; the rest is inherited
+    (from a take; an upload has nothing to inherit: the defaults apply)."""
     r, sent = task.request, task.request.body.sent
-    body: dict[str, Any] = {
-        "num_tracks": r.num_tracks,
-        "continue_from": {"job_id": ref.job_id, "track_index": ref.index, "at_sec": start},
-    }
+    body: dict[str, Any] = {"num_tracks": r.num_tracks, "continue_from": cf}
     if "tags" in task.keys:  # a caption (or prompt) was sent
         body |= {"prompt_mode": r.prompt_mode, "tags": r.tags, "prompt": r.prompt}
         caption = r.acestep.caption if r.acestep is not None else caption

@@ -82,6 +82,7 @@ class Task:
     adjusted: dict[str, dict[str, Any]] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
     source: AudioRef | None = None  # a src_audio_path sent with text2music: checked, then ignored
+    upload_id: str | None = None  # a repaint's uploaded source, stored as our upload (removed if refused)
 
     def extra(self) -> dict[str, Any]:
         return {"ignored": self.ignored, "adjusted": self.adjusted, "prompt_mode": self.prompt_mode}

@@ -89,7 +89,12 @@ class DecoderConfig:
         """The project's schema (what the default tiny set writes)."""
         return {
             "sample_rate": self.sample_rate,
-            "encoder": {"n_filters": self.n_filters // 2, "latent_dim": self.latent_dim},
+            "encoder": {
+                "n_filters": self.n_filters // 2,
+                "latent_dim": self.latent_dim,
+                "strides": list(reversed(self.rates)),
+                "input_channel": self.channels,
+            },
             "decoder": {
                 "n_filters": self.n_filters,
                 "upsampling_ratios": list(self.rates),

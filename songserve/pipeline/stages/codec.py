@@ -204,7 +204,7 @@ def weight_norm_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give a meta-built module uninitialised storage (``to_empty`` goes through torch's reference
     ops for meta tensors, which imports sympy: ~1.5 s)."""
     for m in module.modules():
@@ -243,7 +243,7 @@ def load_decoder(
         decoder = AudioDecoder(cfg)
     targets = dict(decoder.state_dict(keep_vars=True))
     sources = plan_sources({k: v.shape for k, v in targets.items()}, state, checkpoint_path, config_path, mapped=mapped)
-    _materialise(decoder, device, dtype)
+    materialise(decoder, device, dtype)
     own = decoder.state_dict(keep_vars=True)
     for name, src in sources.items():
         prepare_destination(own[name].data)

@@ -37,7 +37,9 @@ from songserve.pipeline.stages.codec import DecoderConfig
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = 4  # 4: model_config.json without num_tokens_to_generate (a worker setting)
+TINY_VERSION = (
+    5  # 5: the decoder file holds the codec's encoder (uploads); 4: model_config.json without num_tokens_to_generate
+)
 SEED = 1283
 TEXT_VOCAB = 1024  # the tiny tokenizer's pieces
 
@@ -59,6 +61,7 @@ def _build_into(tmp: Path) -> None:
     from songserve.pipeline.engine.gpt import build_model
     from songserve.pipeline.stages.codec import AudioDecoder, weight_norm_state
     from songserve.pipeline.stages.tokenizer import SentencePieceTokenizer, train_sentencepiece
+    from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes, encoder_state
     from songserve.pipeline.tiny.gpt_write import save_checkpoint
 
     cpu = torch.device("cpu")
@@ -85,6 +88,9 @@ def _build_into(tmp: Path) -> None:
     (tmp / "decoder").mkdir()
     (tmp / "decoder" / "config.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
     state = {f"generator.{k}": v for k, v in weight_norm_state(decoder.state_dict()).items()}
+    sizes = ReleaseDecoderSizes(encoder_filters=cfg.n_filters // 2, strides=tuple(reversed(cfg.rates)),
+                                d_latent=cfg.latent_dim)  # fmt: skip
+    state.update(encoder_state(sizes, torch.Generator().manual_seed(SEED + 3)))  # the codec's encoder (uploads)
     torch.save({"state_dict": state}, tmp / "decoder" / "model.pth")
     (tmp / "MANIFEST.json").write_text(
         json.dumps({"tiny_version": TINY_VERSION, "seed": SEED, "untrained": True, "built_at": time.time()}) + "\n"

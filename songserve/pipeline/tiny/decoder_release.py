@@ -135,6 +135,16 @@ def _decoder_scale(name: str, last: str) -> float:
     return 1.0
 
 
+def encoder_state(s: ReleaseDecoderSizes, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The ``generator.encoder.*`` tensors, weight-normed, drawn from ``gen`` (also the project's tiny set's)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in encoder_shapes(s).items():
+        t = _random(shape, name, gen)
+        parts = _weight_normed(name, t, gen) if name.endswith(".weight") and t.dim() == 3 else {name: t}
+        state.update({f"generator.{k}": v for k, v in parts.items()})
+    return state
+
+
 def generator_state(s: ReleaseDecoderSizes, seed: int) -> dict[str, torch.Tensor]:
     """The ``generator.*`` tensors of a release checkpoint, seeded."""
     gen = torch.Generator().manual_seed(seed)
@@ -146,8 +156,7 @@ def generator_state(s: ReleaseDecoderSizes, seed: int) -> dict[str, torch.Tensor
         else:
             state[f"generator.{name}"] = t
 
-    for name, shape in encoder_shapes(s).items():
-        add(name, _random(shape, name, gen))
+    state.update(encoder_state(s, gen))
     with torch.device("meta"):
         decoder_shapes = {k: tuple(v.shape) for k, v in AudioDecoder(s.decoder_config()).decoder.state_dict().items()}
     for name, shape in decoder_shapes.items():

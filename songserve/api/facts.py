@@ -1,0 +1,26 @@
+"""What the dispatcher tells the job service about a job and about the fleet: plain records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from songserve.api.store import Key
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What a job's view needs from the dispatcher besides the job."""
+
+    positions: Mapping[Key, int]  # 1-based queue positions of the queued tracks (of every job)
+    eta: float | None  # seconds until the job's last track is done (None: finished elsewhere, or no history)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What the workers offer, as they said in their ``/config`` (or health)."""
+
+    backbone_models: list[str]
+    superres_models: list[str]
+    context: tuple[int, int] | None  # (the longest backbone context in tokens, audio tokens per minute)
+    workers: int

@@ -1,0 +1,143 @@
+"""Uploads: a person's own audio, checked, stored and queued for encoding; what the ``/uploads`` routes call.
+
+``create`` reads the whole file before anything is stored (``songserve/audio_in.py``: not audio,
+empty, cut short, less than a frame, longer than the longest song the model can continue: a 422
+naming the field ``file``; over ``UPLOAD_MAX_MB``: 413), then writes it into the results folder
+(``uploads/<id>/source.<ext>``) and its row (``queued``) into the job store, so any dispatcher of a
+shared store answers for it, and asks the dispatcher to look at once: encodings go before tracks
+(``encodings.py``). ``view``, ``codes`` and ``delete`` read the store, not this process's memory.
+Retention removes uploads as it removes jobs (``retention.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from pathlib import Path
+
+from songserve.api.artifacts import JOB_ID, ArtifactStore
+from songserve.api.dispatch import Dispatcher
+from songserve.api.refusals import StoreUnavailable
+from songserve.api.store import JobStore, StoreError
+from songserve.api.store_uploads import UploadRecord
+from songserve.audio_in import HOP, AudioError, read_audio
+from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
+from songserve.logs import safe
+from songserve.schemas import UploadStatus, UploadView
+from songserve.settings import DispatcherSettings
+
+log = logging.getLogger(__name__)
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MULTIPART_SLACK = 64 * 1024  # bytes of a multipart body beyond its file: boundaries, headers, small fields
+
+
+def upload_limit(s: DispatcherSettings) -> tuple[int, str]:
+    """The body limit of a route that takes an audio file (the file's cap and a multipart envelope), and its 413."""
+    said = f"The file is larger than UPLOAD_MAX_MB ({s.upload_max_mb:g} MB); nothing was stored."
+    return int(s.upload_max_mb * 2**20) + MULTIPART_SLACK, said
+
+
+class UploadTooLarge(SongserveError):
+    http_status = 413
+
+
+class UploadService:
+    def __init__(
+        self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, dispatcher: Dispatcher
+    ) -> None:
+        self.s = s
+        self.store = store
+        self.artifacts = artifacts
+        self.dispatcher = dispatcher
+        self.max_bytes = int(s.upload_max_mb * 2**20)
+
+    def max_seconds(self) -> float:
+        """The longest song the model can continue: ``MAX_DURATION``, and the workers' context where they say it."""
+        limit = self.s.max_duration * 60
+        known = self.dispatcher.fleet().context
+        if known is not None:
+            context, per_minute = known
+            limit = min(limit, context / per_minute * 60)
+        return limit
+
+    async def create(self, data: bytes, filename: str) -> UploadView:
+        """Check, store and queue one audio file; nothing is stored when it is refused."""
+        if len(data) > self.max_bytes:
+            raise UploadTooLarge(
+                f"The file is larger than UPLOAD_MAX_MB ({self.s.upload_max_mb:g} MB); nothing was stored."
+            )
+        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
+            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
+                                   "nothing was stored.")  # fmt: skip
+        try:
+            _, facts = await asyncio.to_thread(read_audio, data, self.max_seconds())
+        except AudioError as exc:
+            raise FieldError("file", f"the file {exc}") from None
+        u = UploadRecord(
+            upload_id=secrets.token_hex(8),
+            created_at=time.time(),
+            status=UploadStatus.queued,
+            filename=CONTROL.sub("", filename)[:200],
+            ext=facts.extension,
+            bytes=len(data),
+            duration_sec=facts.duration_sec,
+            frames=facts.samples // HOP,
+            source=facts.describe(),
+        )
+        try:
+            await asyncio.to_thread(self.artifacts.write_upload, u.upload_id, f"source.{u.ext}", data)
+            await self.store.insert_upload(u)
+        except (StoreError, OSError) as exc:
+            self.artifacts.remove_upload(u.upload_id)
+            log.error("upload: the store or the results folder cannot write: %s", exc)
+            raise StoreUnavailable(exc) from None
+        log.info("upload %s: %s, %.2f s (%s, %d Hz, %d channels), %d bytes, queued", u.upload_id, safe(u.filename, 80),
+                 u.duration_sec, facts.format, facts.sample_rate, facts.channels, u.bytes)  # fmt: skip
+        self.dispatcher.kick()
+        return view(u)
+
+    async def load(self, upload_id: str) -> UploadRecord:
+        u = await self.store.load_upload(upload_id) if JOB_ID.match(upload_id) else None
+        if u is None:
+            raise NotFoundError(f"Upload {upload_id[:64]} not found (uploads are kept for RESULT_TTL_SEC).")
+        return u
+
+    async def view(self, upload_id: str) -> UploadView:
+        return view(await self.load(upload_id))
+
+    async def codes(self, upload_id: str) -> Path:
+        """Its ``.codes`` file, once ready."""
+        u = await self.load(upload_id)
+        if u.status is not UploadStatus.ready:
+            raise NotFoundError(f"Upload {upload_id} is {u.status.value}, not ready: it has no codes yet.")
+        path = self.artifacts.upload_path(upload_id, "codes.codes")
+        if not path.is_file():
+            raise NotFoundError(f"The codes of upload {upload_id} are gone; upload the file again.")
+        return path
+
+    async def delete(self, upload_id: str) -> UploadView:
+        """Forget it: its row, then its files (an encoding still running finds it gone and keeps nothing)."""
+        u = await self.load(upload_id)
+        await self.store.delete_upload(upload_id)
+        await asyncio.to_thread(self.artifacts.remove_upload, upload_id)
+        log.info("upload %s: deleted (%s)", upload_id, u.status.value)
+        return view(u)
+
+
+def view(u: UploadRecord) -> UploadView:
+    return UploadView(
+        upload_id=u.upload_id,
+        status=u.status,
+        duration_sec=round(u.duration_sec, 4),
+        frames=u.frames,
+        error=u.error if u.status is UploadStatus.failed else None,
+        filename=u.filename,
+        source=u.source,
+        created_at=u.created_at,
+        finished_at=u.finished_at,
+        attempts=u.attempts,
+        codes=f"/uploads/{u.upload_id}/codes" if u.status is UploadStatus.ready else None,
+    )
