@@ -11,7 +11,8 @@ Quality of the preview against the final take (from a WAV stream of a further ta
 distance in dB (STFT of 2,048 samples) and SNR, once with the request's top-k 10 in
 super-resolution (the preview samples its own levels: a different take of the same coarse codes)
 and once with top-k 1 (greedy: the windows alone differ from the whole song's pass).
-``--preview-levels`` sets the worker's ``PREVIEW_LEVELS`` (a cheaper, coarser preview).
+``--preview-levels`` sets the worker's ``PREVIEW_LEVELS`` (0, the default: auto, 16 levels on the CPU;
+64: every level).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def quality(site: Cluster, seconds: float, top_k_sr: int) -> tuple[float, float]
 
 
 def main() -> None:
-    a = args(__doc__, seconds=60.0, rounds=3, preview_levels=64)
+    a = args(__doc__, seconds=60.0, rounds=3, preview_levels=0)
     seconds, rounds = (6.0, 1) if a.smoke else (a.seconds, a.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         w = start_worker(Path(tmp), "--runtime-mode", "keep_loaded", "--eoa-min-share", "1",
@@ -110,7 +111,7 @@ def main() -> None:
     first = statistics.median(float(g["first"]) for g in heard)  # type: ignore[arg-type]
     report(
         "P14",
-        f"{seconds:.0f}s tiny-set song, PREVIEW_LEVELS {a.preview_levels}, {rounds} rounds: first audio at the listener {first:.2f}s = "
+        f"{seconds:.0f}s tiny-set song, PREVIEW_LEVELS {a.preview_levels or 'auto (16)'}, {rounds} rounds: first audio at the listener {first:.2f}s = "
         f"{first / t_heard:.0%} of the track ({t_heard:.2f}s); track with a listener {t_heard / t_quiet:.2f}x "
         f"without ({t_quiet:.2f}s); preview vs final: LSD {lsd10:.1f} dB, SNR {snr10:.1f} dB (top-k 10), "
         f"LSD {lsd1:.1f} dB, SNR {snr1:.1f} dB (top-k 1)",

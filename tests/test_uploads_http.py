@@ -110,6 +110,7 @@ def test_an_upload_is_stored_encoded_and_serves_the_workers_codes(site):
         (audio(3.0, rate=22050, channels=1, fmt="FLAC"), "FLAC"),
         (audio(3.0, channels=6, fmt="OGG"), "OGG"),
     ],
+    ids=["wav-22k", "wav-48k", "wav-mono", "mp3-48k", "flac-22k-mono", "ogg-6ch"],  # an Ogg's serial is random
 )
 def test_any_rate_channels_and_format_encode(site, data, fmt):
     u = upload(site, data, f"x.{fmt.lower()}")
@@ -138,6 +139,7 @@ def _truncated_wav() -> bytes:
             "The file is larger than UPLOAD_MAX_MB (2 MB); nothing was stored.",
         ),
     ],
+    ids=["text", "empty", "truncated-wav", "too-long", "over-the-cap"],
 )
 def test_what_cannot_be_encoded_is_refused_naming_why_and_nothing_is_stored(site, data, status, says):
     before = stored(site)
