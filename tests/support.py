@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -239,9 +240,20 @@ def mount_tmpfs(where: Path, size: str) -> str | None:
 
 
 def fill_disk(folder: Path, leave_bytes: int = 0) -> Path:
-    """Fill the file system of ``folder`` up to ``leave_bytes`` of free space; returns the filler file."""
+    """Fill the file system of ``folder`` up to ``leave_bytes`` of free space; returns the filler file.
+
+    A server may write there at the same time: the disk filling up before the filler is whole is the
+    state asked for (then the filler gives ``leave_bytes`` back)."""
     st = os.statvfs(folder)
     filler = folder / "filler"
+    want = max(0, st.f_bavail * st.f_frsize - leave_bytes)
     with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave_bytes))
+        try:
+            f.write(b"\0" * want)
+            return filler
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    written = filler.stat().st_size
+    os.truncate(filler, max(0, written - leave_bytes))
     return filler

@@ -601,16 +601,16 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
         h = httpx.get(w.url + "/health", timeout=10).json()
         assert h["runtime_mode"] == "park"
         assert h["park_backbone"] == "1"
-        assert h["parked"] == ["decoder", "superres"]
+        assert h["parked"] == ["decoder", "encoder", "superres"]  # the encoder waits too (issue 29: uploads)
         parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
         assert parked["status"] == "ok"
         # the state each stage ran in: the backbone waited in host memory during superres and decoder
         assert parked["metadata"]["parked"] == {
-            "backbone": ["decoder", "superres"],
-            "superres": ["backbone", "decoder"],
-            "decoder": ["backbone", "superres"],
+            "backbone": ["decoder", "encoder", "superres"],
+            "superres": ["backbone", "decoder", "encoder"],
+            "decoder": ["backbone", "encoder", "superres"],
         }
-        assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
+        assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "encoder", "superres"]
         kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
         assert "parked" not in kept["metadata"]
         assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
@@ -628,7 +628,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
         WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
     )
     pipe.load()
-    assert pipe.residency.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder", "encoder"}  # the encoder only moves for an upload
     seen = {}
     sr = next(iter(pipe.residency.superres.values()))
     real_sr, real_dec = sr.generate_batch, pipe.residency.decoder.decode
@@ -644,8 +644,9 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     monkeypatch.setattr(sr, "generate_batch", spy_sr)
     monkeypatch.setattr(pipe.residency.decoder, "decode", spy_dec)
     pipe.run(TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=1, task_id="pk"), TaskContext("pk"))
-    assert seen == {"superres": {"decoder"}, "decoder": {"superres"}}  # PARK_BACKBONE=auto: never on the CPU
-    assert pipe.residency.parked == {"superres", "decoder"}
+    # PARK_BACKBONE=auto: never on the CPU
+    assert seen == {"superres": {"decoder", "encoder"}, "decoder": {"superres", "encoder"}}
+    assert pipe.residency.parked == {"superres", "decoder", "encoder"}
 
 
 def _park_pipe(tmp_path, megatron_cpu, **kw):
@@ -680,14 +681,14 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     )
     reqs = [TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=s, task_id=f"pb{s}") for s in (1, 2)]
     got = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
-    assert states == [
-        ("backbone", {"superres", "decoder"}),
-        ("superres", {"backbone", "decoder"}),
-        ("decoder", {"backbone", "superres"}),
-        ("decoder", {"backbone", "superres"}),  # one decode per take
+    assert states == [  # the encoder waits in host memory throughout (it moves only for an upload)
+        ("backbone", {"superres", "decoder", "encoder"}),
+        ("superres", {"backbone", "decoder", "encoder"}),
+        ("decoder", {"backbone", "superres", "encoder"}),
+        ("decoder", {"backbone", "superres", "encoder"}),  # one decode per take
     ]
-    assert pipe.residency.parked == {"superres", "decoder"}  # back to idle's state: the backbone is resident again
-    assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder"]
+    assert pipe.residency.parked == {"superres", "decoder", "encoder"}  # idle's state: the backbone resident again
+    assert got[0].metadata["parked"]["superres"] == ["backbone", "decoder", "encoder"]
 
     kept = _park_pipe(tmp_path / "kept", megatron_cpu, runtime_mode="keep_loaded")
     want = kept.run_batch(
@@ -702,7 +703,7 @@ def test_park_backbone_state_sequence_and_outputs_equal_keep_loaded(tiny_dir, me
     monkeypatch.setattr(sr, "generate_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         pipe.run(dataclasses.replace(reqs[0], task_id="pbx"), TaskContext("pbx"))
-    assert pipe.residency.parked == {"superres", "decoder"}
+    assert pipe.residency.parked == {"superres", "decoder", "encoder"}
 
 
 def test_park_backbone_refuses_other_modes_and_auto_parks_when_memory_is_short(
@@ -763,12 +764,12 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     pipe.load()
     req = TrackRequest(lyrics="la", tags="pop", duration=2 / 60, seed=0)
     reqs = [dataclasses.replace(req, seed=i, task_id=f"m{i}") for i in range(3)]
-    monkeypatch.setattr(pl, "_mem_available", lambda: 10**12)
+    monkeypatch.setattr(pl, "mem_available", lambda: 10**12)
     together = pipe.run_batch(reqs, [TaskContext(r.task_id + "b") for r in reqs])
     assert [r.metadata["batch_size"] for r in together] == [3, 3, 3]
     tokens = together[0].metadata["tokens"]
     per_take = next(iter(pipe.residency.backbones.values())).dm.kv_bytes_per_take(tokens["backbone_prompt"] + 2 * 43)
-    monkeypatch.setattr(pl, "_mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
+    monkeypatch.setattr(pl, "mem_available", lambda: int(per_take * 2.4 / 0.8))  # room for two takes' KV
     out = pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
     assert [r.metadata["batch_size"] for r in out] == [2, 2, 1]
     for a, b in zip(out, together, strict=True):  # splitting changes no take's audio

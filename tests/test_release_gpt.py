@@ -357,7 +357,7 @@ def test_worker_serves_the_release_set_with_only_checkpoints_dir(release_dir, tm
     w = start_worker(tmp_path, "--runtime-mode", "one_shot", env={"CHECKPOINTS_DIR": str(release_dir)})
     try:
         health = w.wait_healthy(timeout=300)
-        assert set(health["load_sec"]) == {"backbone", "superres", "decoder"}
+        assert set(health["load_sec"]) == {"backbone", "superres", "decoder", "encoder"}  # the encoder too (uploads)
         assert health["backbone_models"] == ["backbone"]
         assert not health["superres_loaded"]
         cfg = httpx.get(w.url + "/config", timeout=10).json()
@@ -421,4 +421,4 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     r = pipe.run(TrackRequest(lyrics="la", tags="pop", duration=1 / 60, seed=1, task_id="t"), TaskContext("t"))
     assert len(refs) == 2
     assert alive_at_release == [0, 0]
-    assert set(r.metadata["load_sec"]) == {"backbone", "superres", "decoder"}
+    assert set(r.metadata["load_sec"]) == {"backbone", "superres", "decoder", "encoder"}
