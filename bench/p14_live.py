@@ -29,7 +29,7 @@ import numpy as np
 import soundfile as sf
 
 from bench.common import args, report
-from tests.support import Cluster, start_worker
+from tests.support import Cluster, cluster_of, start_worker
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "num_tracks": 1, "seed": 7}
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -92,11 +92,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         w = start_worker(Path(tmp), "--runtime-mode", "keep_loaded", "--eoa-min-share", "1",
                          "--preview-levels", str(a.preview_levels), name="p14")  # fmt: skip
-        site = Cluster.__new__(Cluster)
-        site.tmp, site.api_args, site.workers, site.api = Path(tmp), (), [w], None
+        site: Cluster | None = None
         try:
             w.wait_healthy(timeout=300)
-            site.start_api()
+            site = cluster_of(Path(tmp), [w])
             run(site, seconds, None)  # warm-up: first-use costs are not the listener's
             quiet, heard = [], []
             for _ in range(rounds):  # interleaved: the VM's load drifts between rounds
@@ -105,7 +104,7 @@ def main() -> None:
             lsd10, snr10 = quality(site, seconds, 10)
             lsd1, snr1 = quality(site, seconds, 1)
         finally:
-            site.stop()
+            (site or w).stop()  # a cluster stops its dispatcher and its worker
     t_quiet = statistics.median(float(g["total"]) for g in quiet)  # type: ignore[arg-type]
     t_heard = statistics.median(float(g["total"]) for g in heard)  # type: ignore[arg-type]
     first = statistics.median(float(g["first"]) for g in heard)  # type: ignore[arg-type]

@@ -47,22 +47,32 @@ class BearerAuth:
         self.realm = realm
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] in self.exempt
-            or scope["path"].startswith(self.exempt_prefixes)
-            or scope["method"] == "OPTIONS"
-        ):
+        if asks_no_key(scope, self.exempt, self.exempt_prefixes):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await send_error(
-                send,
-                401,
-                "Missing or wrong credentials: send Authorization: Bearer <key>.",
-                [(b"www-authenticate", f'Bearer realm="{self.realm}"'.encode())],
-            )
+            return await unauthorized(send, self.realm)
         return await self.app(scope, receive, send)
+
+
+def asks_no_key(scope: Scope, exempt: set[str], exempt_prefixes: tuple[str, ...]) -> bool:
+    """Not HTTP, an exempt path or subtree, or a CORS preflight: passed on unchecked."""
+    return (
+        scope["type"] != "http"
+        or scope["path"] in exempt
+        or scope["path"].startswith(exempt_prefixes)
+        or scope["method"] == "OPTIONS"
+    )
+
+
+async def unauthorized(send: Send, realm: str = "songserve") -> None:
+    """The one 401: the error body and a ``WWW-Authenticate`` challenge for the realm."""
+    await send_error(
+        send,
+        401,
+        "Missing or wrong credentials: send Authorization: Bearer <key>.",
+        [(b"www-authenticate", f'Bearer realm="{realm}"'.encode())],
+    )
 
 
 class BodyLimit:

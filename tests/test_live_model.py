@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, start_worker, wait_for
+from tests.support import Cluster, cluster_of, start_worker, wait_for
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "duration": 0.5, "num_tracks": 1, "seed": 21}
 WAIT = 600.0
@@ -28,9 +28,7 @@ def site(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live_model")
     worker = start_worker(tmp, "--preview-chunk-sec", "2", name="tiny")
     worker.wait_healthy(timeout=300)
-    c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, (), [worker], None
-    c.start_api()
+    c = cluster_of(tmp, [worker])
     yield c
     c.stop()
 

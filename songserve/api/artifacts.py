@@ -70,14 +70,7 @@ class ArtifactStore:
 
     def write_prefix(self, job_id: str, data: bytes) -> None:
         """Keep a retake's kept frames in its job's folder (a temporary name, then a rename)."""
-        path = self.prefix_path(job_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _write_atomic(self.prefix_path(job_id), data)
 
     def upload_path(self, upload_id: str, name: str) -> Path:
         """A file of an upload: ``source.<ext>`` or ``codes.codes``, from a checked id and name."""
@@ -87,14 +80,7 @@ class ArtifactStore:
 
     def write_upload(self, upload_id: str, name: str, data: bytes) -> None:
         """One file of an upload, written under a temporary name then renamed."""
-        path = self.upload_path(upload_id, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _write_atomic(self.upload_path(upload_id, name), data)
 
     def remove_upload(self, upload_id: str) -> None:
         if JOB_ID.match(upload_id):
@@ -253,3 +239,14 @@ class ArtifactStore:
         """Every job's and every upload's files."""
         files = [*self.root.glob("*/*"), *self.root.glob(f"{UPLOADS}/*/*")]
         return sum(p.stat().st_size for p in files if p.is_file())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """``data`` as ``path``: written under a temporary name in its folder, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from songserve.errors import ConfigError
-from songserve.http_guard import send_error
+from songserve.http_guard import asks_no_key, unauthorized
 from songserve.schemas import KeyLimits
 
 CALLER = "songserve.caller"  # the scope key routes read the caller from
@@ -114,20 +114,10 @@ class KeyAuth:
         self.app, self.keys, self.exempt, self.exempt_prefixes = app, keys, exempt, exempt_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] in self.exempt
-            or scope["path"].startswith(self.exempt_prefixes)
-            or scope["method"] == "OPTIONS"
-        ):
+        if asks_no_key(scope, self.exempt, self.exempt_prefixes):
             return await self.app(scope, receive, send)
         caller = self.keys.from_bearer(dict(scope["headers"]).get(b"authorization", b""))
         if caller is None:
-            return await send_error(
-                send,
-                401,
-                "Missing or wrong credentials: send Authorization: Bearer <key>.",
-                [(b"www-authenticate", b'Bearer realm="songserve"')],
-            )
+            return await unauthorized(send)
         scope[CALLER] = caller
         return await self.app(scope, receive, send)

@@ -194,18 +194,23 @@ class DecoderConfig:
         )
 
 
-def read_decoder_config(path: Path) -> DecoderConfig:
-    """Read and validate a decoder YAML file (either schema)."""
+def read_decoder_yaml(path: Path) -> Any:
+    """A decoder YAML file's contents (the decoder's and the encoder's config read it), or a
+    ``ConfigError`` naming the path."""
     import yaml
 
     if not path.is_file():
         raise ConfigError(f"Decoder config {path} does not exist.")
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"Decoder config {path} is not valid YAML: {first}") from None
-    return DecoderConfig.from_yaml_dict(raw, str(path))
+
+
+def read_decoder_config(path: Path) -> DecoderConfig:
+    """Read and validate a decoder YAML file (either schema)."""
+    return DecoderConfig.from_yaml_dict(read_decoder_yaml(path), str(path))
 
 
 # ---- ${a.b} interpolation ---------------------------------------------------------------------

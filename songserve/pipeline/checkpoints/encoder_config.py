@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from songserve.errors import ConfigError
-from songserve.pipeline.checkpoints.decoder_config import _Fields, resolve_interpolations
+from songserve.pipeline.checkpoints.decoder_config import _Fields, read_decoder_yaml, resolve_interpolations
 from songserve.pipeline.numbers import CODEBOOK, SAMPLE_RATE, SUPERRES_LEVELS
 
 
@@ -86,13 +86,4 @@ class EncoderConfig:
 
 def read_encoder_config(path: Path) -> EncoderConfig:
     """The encoder's part of a decoder YAML file (either schema); ``ConfigError`` naming the key otherwise."""
-    import yaml
-
-    if not path.is_file():
-        raise ConfigError(f"Decoder config {path} does not exist.")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"Decoder config {path} is not valid YAML: {first}") from None
-    return EncoderConfig.from_yaml_dict(raw, str(path))
+    return EncoderConfig.from_yaml_dict(read_decoder_yaml(path), str(path))
