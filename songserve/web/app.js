@@ -122,7 +122,6 @@ function formBody() {
     lyrics: instrumental ? "" : $("lyrics").value,
     duration: Number($("duration").value),
     num_tracks: Number($("num_tracks").value),
-    preview: $("live").checked,
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   return body;
@@ -137,7 +136,9 @@ $("gen-form").addEventListener("submit", async (event) => {
     const accepted = await api("generate", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
-    followJob(accepted.job_id, body, accepted.adjusted, accepted.notes);
+    // "Listen live" plays take 1's stream; listening is what makes its live audio (not preview: true,
+    // which would make every take's), so only the take heard costs the worker anything.
+    followJob(accepted.job_id, { ...body, live: $("live").checked }, accepted.adjusted, accepted.notes);
   } catch (e) {
     showError($("form-error"), e.message);
   } finally {
@@ -155,7 +156,7 @@ function adjustedNote(adjusted) {
 function followJob(jobId, request, adjusted, notes) {
   const card = $("job-tpl").content.firstElementChild.cloneNode(true);
   card.dataset.jobId = jobId;
-  card.dataset.live = request.preview ? "1" : "";  // asked to be heard while it is made: play take 1 live
+  card.dataset.live = request.live ? "1" : "";  // asked to be heard while it is made: play take 1 live
   const note = card.querySelector(".job-note");
   note.textContent = [adjustedNote(adjusted), ...(notes || [])].filter(Boolean).join(" ");  // the server's notes
   note.hidden = !note.textContent;
