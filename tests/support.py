@@ -83,10 +83,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_worker(tmp: Path, *extra: str, env: dict | None = None, name: str = "worker") -> ServerProcess:
+def start_worker(
+    tmp: Path, *extra: str, env: dict | None = None, name: str = "worker", script: str = "backend_worker.py"
+) -> ServerProcess:
     port = free_port()
     args = [
-        "backend_worker.py",
+        script,
         "--worker-port",
         str(port),
         "--master-port",

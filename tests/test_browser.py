@@ -19,7 +19,8 @@ ARTIFACTS = ROOT / "test-artifacts"
 @pytest.fixture(scope="module")
 def site(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser")
-    w = start_worker(tmp, name="tiny")
+    (tmp / "holds").mkdir()  # the backbone waits at a third of a take while holds/hold-1 exists (held_worker.py)
+    w = start_worker(tmp, name="tiny", script="tests/held_worker.py", env={"SONGSERVE_HOLD_DIR": str(tmp / "holds")})
     w.wait_healthy()
     c = Cluster.__new__(Cluster)
     c.tmp, c.api_args, c.workers, c.api = tmp, (), [w], None
@@ -143,18 +144,23 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     page.fill("#lyrics", "[verse]\nhear it live\nas it is made")
     page.fill("#duration", "1")
     page.fill("#num_tracks", "1")
-    page.click("#generate")
-    card = page.locator(".job").first
-    card.locator(".live .live-badge").wait_for(timeout=60_000)
-    # The live <audio> plays (its clock moves) while the job's status is not terminal yet.
-    seen = page.wait_for_function(
-        """() => { const a = document.querySelector('.job .live audio');
-                   const status = document.querySelector('.job .job-status').textContent;
-                   return a && a.currentTime > 0.5 && !/^(completed|partial|failed|cancelled)/.test(status)
-                     && [a.currentTime, status]; }""",
-        timeout=120_000,
-        polling=100,
-    ).json_value()
+    hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of the take until the page has played
+    hold.touch()
+    try:
+        page.click("#generate")
+        card = page.locator(".job").first
+        card.locator(".live .live-badge").wait_for(timeout=60_000)
+        # The live <audio> plays (its clock moves) while the job's status is not terminal yet.
+        seen = page.wait_for_function(
+            """() => { const a = document.querySelector('.job .live audio');
+                       const status = document.querySelector('.job .job-status').textContent;
+                       return a && a.currentTime > 0.5 && !/^(completed|partial|failed|cancelled)/.test(status)
+                         && [a.currentTime, status]; }""",
+            timeout=120_000,
+            polling=100,
+        ).json_value()
+    finally:
+        hold.unlink()
     assert seen[0] > 0.5
     assert card.locator(".live .live-badge").inner_text() == "LIVE"
     page.wait_for_function(

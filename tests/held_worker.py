@@ -1,0 +1,50 @@
+"""Our real model worker whose backbone a test can hold at fixed points: live audio proofs without a race.
+
+    SONGSERVE_HOLD_DIR=DIR python tests/held_worker.py [any worker flag]
+
+Whether audio reaches a listener *while* the backbone writes depends, on a loaded machine, on how
+the preview thread and the backbone share the cores: the tiny backbone can finish a 30 s take before
+the preview's first window is decoded. This wrapper makes it a fact the test controls: when a take's
+backbone passes a third of its token budget, and again at two thirds, it waits while the file
+``DIR/hold-1`` (then ``DIR/hold-2``) exists. The preview thread runs on meanwhile, so the test hears
+audio, sees the track still generating, and deletes the file to let the backbone go on. Without the
+files nothing waits. The output does not change: the backbone's draws follow from the seed alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HOLD_LIMIT_SEC = 300.0  # a test that never lets go fails on its own timeout, not on a hung worker
+
+
+def hold_backbone_at_thirds(hold_dir: Path) -> None:
+    import torch
+
+    from songserve.pipeline.preview import Previewer
+
+    heard = Previewer.tokens
+
+    def tokens(self: Previewer, take: int, first: int, codes: torch.Tensor) -> None:
+        heard(self, take, first, codes)
+        budget = self.rows[take].flat.shape[0]
+        for k, at in ((1, budget // 3), (2, 2 * budget // 3)):
+            if first < at <= first + int(codes.shape[0]):
+                hold, deadline = hold_dir / f"hold-{k}", time.monotonic() + HOLD_LIMIT_SEC
+                while hold.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+
+    Previewer.tokens = tokens  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing starts spawn-based helpers
+    from songserve.worker.main import main
+
+    hold_backbone_at_thirds(Path(os.environ["SONGSERVE_HOLD_DIR"]))
+    sys.exit(main())
