@@ -80,7 +80,8 @@ class Membership:
     async def wait(self) -> None:
         """Until the next step is due: a third of the lease TTL, or sooner when asked (``soon``)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._soon.wait(), self.ttl / 3)
+            async with asyncio.timeout(self.ttl / 3):  # not wait_for: it can swallow a cancel on 3.11
+                await self._soon.wait()
         self._soon.clear()
 
     async def step(self, first: bool = False) -> None:

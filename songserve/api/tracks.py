@@ -58,8 +58,9 @@ class ChangeFeed:
 
     async def wait(self, since: int, timeout: float) -> int:
         if self.version == since:
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout)
+            try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
             except TimeoutError:
                 pass
         return self.version

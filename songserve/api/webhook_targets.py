@@ -91,9 +91,8 @@ class WebhookPolicy:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout=RESOLVE_TIMEOUT_SEC
-            )
+            async with asyncio.timeout(RESOLVE_TIMEOUT_SEC):  # not wait_for: it can swallow a cancel on 3.11
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError) as exc:
             raise Refused(f"its host {host} cannot be resolved ({exc.strerror or 'no answer'})") from None
         ips = list(dict.fromkeys(ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos))
