@@ -69,9 +69,12 @@ def test_a_signature_verifies_with_the_secret_and_fails_with_another():
         signing_key("whsec_not base64!")
 
 
-def test_retries_wait_from_the_base_doubling_up_to_five_minutes():
-    assert [retry_delay(n, 4.0) for n in range(1, 10)] == [4, 8, 16, 32, 64, 128, 256, 300, 300]
-    assert retry_delay(1, 4.0) <= 5  # the first retry comes within 5 s by default
+def test_retries_wait_from_the_base_doubling_up_to_five_minutes_less_a_jitter():
+    assert [retry_delay(n, 4.0, lambda: 0.0) for n in range(1, 10)] == [4, 8, 16, 32, 64, 128, 256, 300, 300]
+    assert retry_delay(9, 4.0, lambda: 0.999) == pytest.approx(240, abs=0.1)  # at most a fifth less
+    waits = [retry_delay(1, 4.0) for _ in range(200)]
+    assert all(3.2 <= w <= 4 for w in waits)  # the first retry comes within 5 s by default
+    assert len(set(waits)) > 100  # spread: events that failed together retry apart
 
 
 def test_unset_webhook_allow_refuses_loopback_private_and_link_local_addresses():

@@ -20,6 +20,8 @@ written, each after the one before it was delivered or given up.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 EVENT_KINDS = ("start", "progress", "track", "completed")
 DEFAULT_EVENTS = ("completed",)
 MAX_RETRY_SEC = 300.0  # the wait between tries doubles up to this
+JITTER = 0.2  # each wait is cut by up to this share, so events that failed together do not retry together
 PROGRESS_EVENT_SEC = 2.0  # at most one progress event per job in this time
 SWEEP_AFTER_SEC = 3600.0  # delivered and given-up rows are kept this long (to look at), then removed
 
@@ -66,9 +69,11 @@ class OutboxStats:
     oldest: float | None = None
 
 
-def retry_delay(failures: int, base: float) -> float:
-    """Seconds before the next try after ``failures`` failed ones: base, 2 × base, … up to 5 minutes."""
-    return min(MAX_RETRY_SEC, base * 2.0 ** max(0, min(failures - 1, 30)))
+def retry_delay(failures: int, base: float, draw: Callable[[], float] = random.random) -> float:
+    """Seconds before the next try after ``failures`` failed ones: base, 2 × base, … up to 5 minutes,
+    each less up to ``JITTER`` of it (``draw`` in [0, 1)): a receiver that was down for a while does
+    not get every waiting event back in the same second, and no wait exceeds its bound."""
+    return min(MAX_RETRY_SEC, base * 2.0 ** max(0, min(failures - 1, 30))) * (1.0 - JITTER * draw())
 
 
 def event_columns(events: list[WebhookEvent]) -> list[list[object]]:
