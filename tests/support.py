@@ -157,7 +157,10 @@ class Cluster:
         ]
         self.api = ServerProcess(args, port, self.tmp / "api.log")
         self.api.wait_healthy(want=("ok",))
-        wait_for(lambda: httpx.get(self.api.url + "/status").json()["idle_gpus"] == len(self.workers), timeout=30)
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        status = lambda: httpx.get(self.api.url + "/status", headers=auth).json()  # noqa: E731
+        wait_for(lambda: status()["idle_gpus"] == len(self.workers), timeout=30)
         return self.api
 
     @property

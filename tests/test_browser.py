@@ -10,7 +10,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, Cluster, start_worker
+from tests.support import ROOT, Cluster, start_worker, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = ROOT / "test-artifacts"
@@ -202,3 +202,48 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
     assert continued["origin"].startswith("upload/")
     assert continued["frames"] == int(at * 44100 / 2048)
     assert not errors
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """Behind an API key: a dispatcher with ``--api-key`` over a tone worker."""
+    c = Cluster(tmp_path_factory.mktemp("keyed"), workers=1, delay=2.0, api_args=("--api-key", "page-key-1"))
+    yield c
+    c.stop()
+
+
+def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(keyed, page):
+    """The key goes in the Authorization header of the page's calls and, for what cannot send one
+    (<audio>, links, EventSource), in its same-site cookie."""
+    browser = page.context.browser
+    assert browser is not None
+    page = browser.new_page()  # its own listeners and storage
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    asked: list[str] = []
+    page.on("dialog", lambda d: (asked.append(d.message), d.accept("page-key-1")))
+    seen: list[tuple[str, int]] = []
+    page.on("response", lambda r: seen.append((r.url.split("/", 3)[-1], r.status)))
+    page.goto(keyed.url + "/")
+    page.wait_for_selector("#tag-chips button")
+    page.fill("#lyrics", "[verse]\nbehind a key")
+    page.fill("#duration", "0.05")
+    page.fill("#num_tracks", "1")
+    page.click("#generate")
+    card = page.locator(".job").first
+    audio = card.locator(".result audio")
+    audio.wait_for(state="visible", timeout=60_000)
+    played = page.evaluate(
+        """async () => { const a = document.querySelector('.job .result audio'); await a.play();
+             await new Promise(r => setTimeout(r, 700)); return [a.currentTime, a.duration]; }"""
+    )
+    assert played[0] > 0.1
+    assert played[1] > 2
+    assert card.locator(".job-status").inner_text().startswith("completed")
+    assert asked == ["This server needs an API key:"]  # once
+    wait_for(lambda: any(u.endswith("/events") and code == 200 for u, code in seen), timeout=10)  # followed live
+    href = card.locator(".dl-wav").get_attribute("href")
+    assert page.evaluate("(href) => fetch(href).then((r) => r.status)", href) == 200  # no header: the cookie
+    assert [code for _, code in seen].count(401) == 1  # the page's first call, before it had the key
+    assert not errors
+    page.close()

@@ -108,6 +108,30 @@ def test_track_files_reached_through_the_dispatcher_with_the_token(secured):
     assert httpx.get(f"{secured.url}/job/{job_id}/track/0/wav", headers=auth()).status_code == 200
 
 
+def test_a_browsers_reads_may_carry_the_key_in_a_cookie_and_nothing_else_may(secured):
+    """<audio>, links and EventSource cannot send Authorization: GET and HEAD take the page's cookie."""
+    url, cookie = secured.url, {"Cookie": f"theme=dark; songserve_key={KEY.replace('-', '%2D')}"}
+    job = httpx.post(url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
+    job_id = job.json()["job_id"]
+    from tests.support import wait_for
+
+    wait_for(lambda: httpx.get(f"{url}/job/{job_id}", headers=cookie).json()["status"] == "completed", timeout=30)
+    wav = httpx.get(f"{url}/job/{job_id}/track/0/wav", headers=cookie)
+    assert wav.status_code == 200
+    assert wav.content[:4] == b"RIFF"
+    assert httpx.head(f"{url}/job/{job_id}/track/0/mp3", headers=cookie).status_code == 200
+    with httpx.stream("GET", f"{url}/job/{job_id}/events", headers=cookie) as events:
+        assert events.status_code == 200
+    for bad in ({"Cookie": "songserve_key=wrong"}, {"Cookie": f"other_key={KEY}"}):
+        assert httpx.get(f"{url}/job/{job_id}", headers=bad).status_code == 401
+    # A cookie never changes anything: what a cross-site form could send is refused and does nothing.
+    body = {"lyrics": "x", "duration": 0.05, "num_tracks": 1}
+    assert httpx.post(url + "/generate", json=body, headers=cookie).status_code == 401
+    assert httpx.delete(f"{url}/job/{job_id}", headers=cookie).status_code == 401
+    # A wrong header is not rescued by a right cookie.
+    assert httpx.get(f"{url}/job/{job_id}", headers={**cookie, **auth("wrong")}).status_code == 401
+
+
 @pytest.fixture(scope="module")
 def open_cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("open"), workers=1, delay=0.0)

@@ -13,6 +13,11 @@ name (a key being rotated) share their use. A key is compared in constant time a
 
 ``KeyAuth`` is the dispatcher's guard (the worker keeps ``http_guard.BearerAuth``): it answers 401 as
 before and puts the caller it found into the request's scope (``CALLER``) for the routes.
+
+A browser's ``<audio>``, download links and ``EventSource`` cannot send an ``Authorization`` header,
+so a GET or HEAD may carry the key in the cookie ``songserve_key`` instead (the page sets it, with
+``SameSite=Strict``). Only reads: a request that changes anything needs the header, so a cookie
+alone can never submit or cancel work (no cross-site request forgery through it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote_to_bytes
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -31,6 +37,8 @@ from songserve.http_guard import asks_no_key, unauthorized
 from songserve.schemas import KeyLimits
 
 CALLER = "songserve.caller"  # the scope key routes read the caller from
+KEY_COOKIE = "songserve_key"  # a browser's key for reads (see the module docstring)
+READS = frozenset({"GET", "HEAD"})
 DEFAULT_NAME = "default"  # API_KEY's name
 
 
@@ -94,6 +102,15 @@ class ApiKeys:
         return self.identify(key) if scheme == b"Bearer" else None
 
 
+def cookie(header: bytes, name: str) -> bytes:
+    """The value of cookie ``name`` in a ``Cookie`` header (percent-decoded), or b"" when absent."""
+    for part in header.split(b";"):
+        k, eq, v = part.strip().partition(b"=")
+        if eq and k == name.encode():
+            return unquote_to_bytes(v.strip(b'"'))
+    return b""
+
+
 def _why(exc: ValueError) -> str:
     """A file's fault without its keys: the entry is named by its position and name, never by its key."""
     if not isinstance(exc, ValidationError):
@@ -107,8 +124,9 @@ def _why(exc: ValueError) -> str:
 
 
 class KeyAuth:
-    """Requires a known key (``Authorization: Bearer <key>``) except on the exempt paths, and names
-    the caller in the scope (``scope[CALLER]``). The 401 is the one ``BearerAuth`` gave."""
+    """Requires a known key (``Authorization: Bearer <key>``, or for a read the ``songserve_key``
+    cookie) except on the exempt paths, and names the caller in the scope (``scope[CALLER]``). The
+    401 is the one ``BearerAuth`` gave."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, exempt: set[str], exempt_prefixes: tuple[str, ...] = ()) -> None:
         self.app, self.keys, self.exempt, self.exempt_prefixes = app, keys, exempt, exempt_prefixes
@@ -116,7 +134,11 @@ class KeyAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if asks_no_key(scope, self.exempt, self.exempt_prefixes):
             return await self.app(scope, receive, send)
-        caller = self.keys.from_bearer(dict(scope["headers"]).get(b"authorization", b""))
+        headers = dict(scope["headers"])
+        if b"authorization" in headers or scope["method"] not in READS:
+            caller = self.keys.from_bearer(headers.get(b"authorization", b""))
+        else:
+            caller = self.keys.identify(cookie(headers.get(b"cookie", b""), KEY_COOKIE))
         if caller is None:
             return await unauthorized(send)
         scope[CALLER] = caller

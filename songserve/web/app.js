@@ -7,7 +7,16 @@ const $ = (id) => document.getElementById(id);
 const TERMINAL = new Set(["completed", "partial", "failed", "cancelled"]);
 
 // With an API key configured on the server, the key is asked for once and kept in this browser.
+// <audio>, download links and EventSource cannot send an Authorization header: their reads carry the
+// key in a same-site cookie, which the server accepts for GET and HEAD only.
 function apiKey() { return localStorage.getItem("songserve-api-key") || ""; }
+function keyCookie(key) {
+  const folder = location.pathname.replace(/[^/]*$/, "");
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = `songserve_key=${encodeURIComponent(key)}; path=${folder}; SameSite=Strict${secure}`;
+}
+function rememberKey(key) { localStorage.setItem("songserve-api-key", key); keyCookie(key); }
+if (apiKey()) keyCookie(apiKey());
 
 async function api(path, options = {}, retried = false) {
   const headers = { ...(options.headers || {}) };
@@ -15,7 +24,7 @@ async function api(path, options = {}, retried = false) {
   const response = await fetch(path, { ...options, headers });
   if (response.status === 401 && !retried) {
     const key = window.prompt("This server needs an API key:");
-    if (key) { localStorage.setItem("songserve-api-key", key.trim()); return api(path, options, true); }
+    if (key) { rememberKey(key.trim()); return api(path, options, true); }
   }
   let body = null;
   try { body = await response.json(); } catch (_) { /* not JSON */ }
@@ -168,9 +177,7 @@ function followJob(jobId, request, adjusted, notes) {
   $("jobs").prepend(card);
 
   let closed = false;
-  // EventSource cannot send an Authorization header: with an API key, poll instead.
-  const source = apiKey() ? { close() {}, addEventListener() {} } : new EventSource(`job/${jobId}/events`);
-  if (apiKey()) setTimeout(() => source.onerror(), 0);
+  const source = new EventSource(`job/${jobId}/events`);  // with an API key, its cookie goes along
   source.addEventListener("job", (event) => {
     const job = JSON.parse(event.data);
     render(card, job);
