@@ -3,11 +3,16 @@
 ``API_KEYS_FILE`` is a JSON object keyed by the key itself::
 
     {"<key>": {"name": "studio", "tracks_per_hour": 100, "concurrent_jobs": 4, "max_duration": 10,
-               "max_priority": 5}}
+               "max_priority": 5, "sees": "own"}}
 
 Every limit is optional (absent or null: unlimited); a key without a name is named
 ``key-<first 8 hex digits of its SHA-256>``. The single ``API_KEY`` still works beside it, as a key
-named ``default`` with no limits. Use is counted per name (``jobs.caller``), so two keys with one
+named ``default`` with no limits that sees everything.
+
+What a key sees (``sees``): ``own`` (the default for a file's keys) is the jobs and uploads made with
+its name only: any other answers 404, as one that does not exist (reading, files, live audio,
+events, cancelling, deleting, continuing from it, and the same on the ACE-Step port); ``all`` sees
+every one, as an operator's key or a single shared ``API_KEY`` does. Without keys nothing is scoped. Use is counted per name (``jobs.caller``), so two keys with one
 name (a key being rotated) share their use. A key is compared in constant time against every key
 (no early exit) and never logged or answered; the name is what logs, ``/usage`` and the store see.
 
@@ -27,6 +32,7 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import unquote_to_bytes
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,6 +52,7 @@ class KeyEntry(KeyLimits):
     """One key's entry in the file: its name and its limits."""
 
     name: str | None = Field(None, min_length=1, max_length=100, pattern=r"^[\w .@:+-]+$")
+    sees: Literal["own", "all"] = "own"  # whose jobs and uploads it may read and act on
 
 
 class _KeysFile(BaseModel):
@@ -55,10 +62,20 @@ class _KeysFile(BaseModel):
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: the key's name and its limits."""
+    """Who sent a request: the key's name, its limits, and whether it sees what other keys made."""
 
     name: str
     limits: KeyLimits
+    sees_all: bool = False
+
+    def sees(self, owner: str | None) -> bool:
+        """Whether this key may read and act on a job or upload made with the key named ``owner``."""
+        return self.sees_all or owner == self.name
+
+
+def may_see(caller: Caller | None, owner: str | None) -> bool:
+    """``caller`` (None: the dispatcher has no keys) may see what ``owner``'s key made."""
+    return caller is None or caller.sees(owner)
 
 
 class ApiKeys:
@@ -72,7 +89,7 @@ class ApiKeys:
     @classmethod
     def load(cls, api_key: str, path: Path | None) -> ApiKeys:
         """``API_KEY`` and the file's keys; a file that cannot be read raises ``ConfigError`` in one line."""
-        entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits()))] if api_key else []
+        entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits(), sees_all=True))] if api_key else []
         if path is None:
             return cls(entries)
         try:
@@ -85,7 +102,8 @@ class ApiKeys:
             if not key or key != key.strip() or any(c.isspace() for c in key):
                 raise ConfigError(f"Setting api_keys_file: {path} has a key that is empty or holds spaces.")
             name = entry.name or f"key-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-            entries.append((key, Caller(name, KeyLimits(**entry.model_dump(exclude={"name"})))))
+            limits = KeyLimits(**entry.model_dump(exclude={"name", "sees"}))
+            entries.append((key, Caller(name, limits, sees_all=entry.sees == "all")))
         return cls(entries)
 
     def identify(self, given: bytes) -> Caller | None:

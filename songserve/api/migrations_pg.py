@@ -141,6 +141,11 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX uploads_status ON uploads(status, created_at)",
         ),
     ),
+    (
+        7,
+        "the API key an upload came with: a key sees its own uploads only (keys.py)",
+        ("ALTER TABLE uploads ADD COLUMN caller TEXT",),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

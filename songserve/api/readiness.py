@@ -1,4 +1,4 @@
-"""What the dispatcher answers ``/status`` and ``/ready``: the states of its parts, read in one place.
+"""What the dispatcher answers ``/status``, ``/ready`` and ``/config``: the states of its parts, read in one place.
 
 Why a module of its own: readiness is the sum of faults that live in different parts, and each must
 be named where a load balancer or an operator reads it: shutting down (the dispatcher), the job store
@@ -16,8 +16,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from songserve import __version__
 from songserve.api.attempts import Attempts
 from songserve.api.encodings import Encodings
+from songserve.api.facts import Fleet
 from songserve.api.loops import LoopHealth
 from songserve.api.membership import Membership
 from songserve.api.pool import WorkerPool
@@ -25,6 +27,7 @@ from songserve.api.results_folder import ResultsFolder
 from songserve.api.store import JobStore
 from songserve.api.store_probe import StoreProbe
 from songserve.api.tracks import TrackBook
+from songserve.settings import DispatcherSettings
 
 
 class DispatcherParts(Protocol):
@@ -95,3 +98,22 @@ def ready(d: DispatcherParts) -> tuple[bool, str]:
 def workers_ready(pool: WorkerPool) -> int:
     """Workers that are idle or busy (not offline, loading, stalled, degraded or in error)."""
     return sum(w.view.value in ("idle", "busy") for w in pool.workers)
+
+
+def config(s: DispatcherSettings, fleet: Fleet) -> dict[str, object]:
+    """``/config``: the models the workers offer, the request limits and defaults, the version."""
+    return {
+        "backbone_models": fleet.backbone_models,
+        "superres_models": fleet.superres_models,
+        "limits": {
+            "duration_min": s.min_duration,
+            "duration_max": s.max_duration,
+            "max_tracks": s.max_tracks,
+            "max_queue": s.max_queue,
+            "max_lyrics_chars": s.max_lyrics_chars,
+            "priority": [0, 9],
+        },
+        "defaults": {"num_tracks": 2, "duration": 3, "top_k_bb": 80, "temperature": 1.0, "top_k_sr": 10},
+        "workers": fleet.workers,
+        "version": __version__,
+    }

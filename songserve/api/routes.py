@@ -42,6 +42,16 @@ def caller(request: Request) -> Caller | None:
     return found
 
 
+async def visible_job(job_id: str, request: Request, svc: JobService = Service) -> None:
+    """A job another API key made is not found here, as one that does not exist (``keys.py``: ``sees``)."""
+    who = caller(request)
+    if who is not None and not who.sees_all:
+        await svc.visible(job_id, who)
+
+
+OwnJob = [Depends(visible_job)]  # on every /job/{job_id} route
+
+
 # A fixed ASCII text: the names themselves are in the body's ``ignored`` (a header cannot carry them safely).
 IGNORED_WARNING = '299 songserve "unknown fields were ignored; the answer lists them in ignored"'
 MAX_WAIT_SEC = 60
@@ -86,19 +96,19 @@ async def usage(request: Request, svc: JobService = Service) -> UsageView:
     return await svc.usage(caller(request))
 
 
-@router.get("/job/{job_id}", response_model=JobView)
+@router.get("/job/{job_id}", response_model=JobView, dependencies=OwnJob)
 async def job(job_id: str, svc: JobService = Service) -> JobView:
     return await svc.view(job_id)
 
 
-@router.delete("/job/{job_id}", response_model=JobView)
+@router.delete("/job/{job_id}", response_model=JobView, dependencies=OwnJob)
 async def cancel(job_id: str, svc: JobService = Service) -> JobView:
     return await svc.cancel(job_id)
 
 
 # GET and HEAD as two routes each: one route with both methods gives both one OpenAPI operation id (a warning).
-@router.get("/job/{job_id}/track/{idx}/render")
-@router.head("/job/{job_id}/track/{idx}/render")
+@router.get("/job/{job_id}/track/{idx}/render", dependencies=OwnJob)
+@router.head("/job/{job_id}/track/{idx}/render", dependencies=OwnJob)
 async def render(
     job_id: str,
     idx: int,
@@ -115,7 +125,7 @@ async def render(
     )
 
 
-@router.head("/job/{job_id}/track/{idx}/stream")
+@router.head("/job/{job_id}/track/{idx}/stream", dependencies=OwnJob)
 async def stream_head(
     job_id: str, idx: int, format: str = Query("mp3", max_length=8), svc: JobService = Service
 ) -> Response:
@@ -128,7 +138,7 @@ async def stream_head(
     return Response(media_type=got[0], headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/job/{job_id}/track/{idx}/stream")
+@router.get("/job/{job_id}/track/{idx}/stream", dependencies=OwnJob)
 async def stream(
     job_id: str,
     idx: int,
@@ -146,14 +156,14 @@ async def stream(
     )
 
 
-@router.get("/job/{job_id}/track/{idx}/{kind}")
-@router.head("/job/{job_id}/track/{idx}/{kind}")
+@router.get("/job/{job_id}/track/{idx}/{kind}", dependencies=OwnJob)
+@router.head("/job/{job_id}/track/{idx}/{kind}", dependencies=OwnJob)
 async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
     f = await svc.track_file(job_id, idx, kind)
     return FileResponse(f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition)
 
 
-@router.get("/job/{job_id}/events")
+@router.get("/job/{job_id}/events", dependencies=OwnJob)
 async def events(job_id: str, request: Request, svc: JobService = Service) -> StreamingResponse:
     await svc.view(job_id)  # 404 before the stream starts
     return StreamingResponse(
@@ -165,28 +175,29 @@ async def events(job_id: str, request: Request, svc: JobService = Service) -> St
 
 @router.post("/uploads", response_model=UploadView)
 async def upload(
+    request: Request,
     file: UploadFile = File(description="an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)"),
     svc: JobService = Service,
 ) -> UploadView:
     """Store a person's own audio and queue its encoding; continue from it with ``continue_from.upload_id``."""
-    return await svc.uploads.create(await file.read(), file.filename or "")
+    return await svc.uploads.create(await file.read(), file.filename or "", caller(request))
 
 
 @router.get("/uploads/{upload_id}", response_model=UploadView)
-async def upload_view(upload_id: str, svc: JobService = Service) -> UploadView:
-    return await svc.uploads.view(upload_id)
+async def upload_view(upload_id: str, request: Request, svc: JobService = Service) -> UploadView:
+    return await svc.uploads.view(upload_id, caller(request))
 
 
 @router.get("/uploads/{upload_id}/codes")
 @router.head("/uploads/{upload_id}/codes")
-async def upload_codes(upload_id: str, svc: JobService = Service) -> FileResponse:
-    path = await svc.uploads.codes(upload_id)
+async def upload_codes(upload_id: str, request: Request, svc: JobService = Service) -> FileResponse:
+    path = await svc.uploads.codes(upload_id, caller(request))
     return FileResponse(path, media_type="application/octet-stream", filename=f"{upload_id}.codes")
 
 
 @router.delete("/uploads/{upload_id}", response_model=UploadView)
-async def upload_delete(upload_id: str, svc: JobService = Service) -> UploadView:
-    return await svc.uploads.delete(upload_id)
+async def upload_delete(upload_id: str, request: Request, svc: JobService = Service) -> UploadView:
+    return await svc.uploads.delete(upload_id, caller(request))
 
 
 @router.get("/status")

@@ -11,6 +11,7 @@ for any job: what is not in its memory is read from the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import secrets
@@ -21,13 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from songserve import __version__
 from songserve import codes as codes_file
-from songserve.api import render, retakes
+from songserve.api import readiness, render, retakes
 from songserve.api.announcements import Announcements
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
-from songserve.api.keys import Caller
+from songserve.api.keys import Caller, may_see
 from songserve.api.live import LiveStreams, NoAudio
 from songserve.api.quota import WINDOW_SEC, OverQuota
 from songserve.api.refusals import GoneError, QueueFull, StoreUnavailable
@@ -151,7 +151,9 @@ class JobService:
             raise FieldError("continue_from", "no worker here can continue a song (they are all the reference's)")
         retake = None
         if req.continue_from is not None:
-            retake = await retakes.resolve(req, self._load, self.artifacts, self.store.load_upload)
+            own_job = functools.partial(self.visible, caller=caller)  # another key's take: "not known here"
+            own_upload = functools.partial(self.uploads.find, caller=caller)
+            retake = await retakes.resolve(req, own_job, self.artifacts, own_upload)
         if retake is not None:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req)
@@ -160,7 +162,7 @@ class JobService:
         if req.webhook:
             await self._check_webhook(req.webhook)
         if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
-            return await self._existing(existing, req, norm)
+            return await self._existing(existing, req, norm, caller)
         queued = d.queue_length()
         if queued + req.num_tracks > self.s.max_queue:
             retry = max(1, int(d.queue_wait()))
@@ -189,7 +191,7 @@ class JobService:
             raise OverLimit(caller.name if caller else "", over) from None
         except DuplicateKey as dup:  # the same key just now, at this or another dispatcher
             self.artifacts.remove_job(job_id)
-            return await self._existing(dup.job_id, req, norm)
+            return await self._existing(dup.job_id, req, norm, caller)
         except (StoreError, OSError) as exc:
             self.artifacts.remove_job(job_id)
             log.error("submit: the store or the results folder cannot write: %s", exc)
@@ -229,10 +231,14 @@ class JobService:
         except Refused as exc:
             raise FieldError("webhook", str(exc)) from None
 
-    async def _existing(self, job_id: str, req: GenerateRequest, norm: NormalizedRequest) -> GenerateAccepted:
-        """The answer to a repeated Idempotency-Key: the job it made, if the body is the same."""
-        fields = set(GenerateRequest.model_fields)
-        if (await self._load(job_id)).request.model_dump(include=fields) != req.model_dump(include=fields):
+    async def _existing(
+        self, job_id: str, req: GenerateRequest, norm: NormalizedRequest, caller: Caller | None
+    ) -> GenerateAccepted:
+        """The answer to a repeated Idempotency-Key: the job it made, if the body (and the key) is the same."""
+        fields, job = set(GenerateRequest.model_fields), await self._load(job_id)
+        if not may_see(caller, job.caller):
+            raise FieldError("Idempotency-Key", "was already used by another API key; choose another")
+        if job.request.model_dump(include=fields) != req.model_dump(include=fields):
             raise FieldError("Idempotency-Key", "was already used with a different request body")
         view = await self.view(job_id)
         return GenerateAccepted(
@@ -251,6 +257,13 @@ class JobService:
         if job is None and JOB_ID.match(job_id):
             job = await self.store.load_job(job_id)
         if job is None:
+            raise NotFoundError(f"Job {job_id} not found.")
+        return job
+
+    async def visible(self, job_id: str, caller: Caller | None) -> Job:
+        """The job, if ``caller``'s key may see it (``keys.py``: ``sees``); another key's is not found either."""
+        job = await self._load(job_id)
+        if not may_see(caller, job.caller):
             raise NotFoundError(f"Job {job_id} not found.")
         return job
 
@@ -367,22 +380,7 @@ class JobService:
         return self.dispatcher.metrics.render()
 
     def config(self) -> dict[str, object]:
-        s, fleet = self.s, self.dispatcher.fleet()
-        return {
-            "backbone_models": fleet.backbone_models,
-            "superres_models": fleet.superres_models,
-            "limits": {
-                "duration_min": s.min_duration,
-                "duration_max": s.max_duration,
-                "max_tracks": s.max_tracks,
-                "max_queue": s.max_queue,
-                "max_lyrics_chars": s.max_lyrics_chars,
-                "priority": [0, 9],
-            },
-            "defaults": {"num_tracks": 2, "duration": 3, "top_k_bb": 80, "temperature": 1.0, "top_k_sr": 10},
-            "workers": fleet.workers,
-            "version": __version__,
-        }
+        return readiness.config(self.s, self.dispatcher.fleet())
 
 
 def _ended(view: JobView) -> bool:

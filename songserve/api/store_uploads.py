@@ -1,6 +1,6 @@
 """An upload as the job store keeps it, so that any dispatcher of a shared store answers for it.
 
-One row per upload (table ``uploads``, schema version 4 of both engines). Its states are
+One row per upload (table ``uploads``, schema version 6 of both engines, its key since 7). Its states are
 ``UploadStatus``'s: ``queued → encoding → ready | failed``, and ``encoding → queued`` when an attempt
 ends without an answer (its worker went away or was busy, its dispatcher died: ``requeue``). The
 rules both engines keep, as for tracks:
@@ -24,7 +24,7 @@ from songserve.schemas import UploadStatus
 
 UPLOAD_COLUMNS = (
     "upload_id", "created_at", "status", "filename", "ext", "bytes", "duration_sec", "frames", "source", "error",
-    "attempts", "owner", "worker_id", "started_at", "finished_at",
+    "attempts", "owner", "worker_id", "started_at", "finished_at", "caller",
 )  # fmt: skip
 
 
@@ -45,6 +45,7 @@ class UploadRecord:
     worker_id: int = -1
     started_at: float | None = None
     finished_at: float | None = None
+    caller: str | None = None  # the name of the API key that sent it (None: no key)
 
     def values(self) -> list[object]:
         """The row's values in ``UPLOAD_COLUMNS`` order, as both engines store them."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
+from songserve.api.keys import Caller, may_see
 from songserve.api.refusals import StoreUnavailable
 from songserve.api.store import JobStore, StoreError
 from songserve.api.store_uploads import UploadRecord
@@ -63,8 +64,9 @@ class UploadService:
             limit = min(limit, context / per_minute * 60)
         return limit
 
-    async def create(self, data: bytes, filename: str) -> UploadView:
-        """Check, store and queue one audio file; nothing is stored when it is refused."""
+    async def create(self, data: bytes, filename: str, caller: Caller | None = None) -> UploadView:
+        """Check, store and queue one audio file (``caller``: the key that sent it, the only one that
+        sees it unless another sees all); nothing is stored when it is refused."""
         if len(data) > self.max_bytes:
             raise UploadTooLarge(
                 f"The file is larger than UPLOAD_MAX_MB ({self.s.upload_max_mb:g} MB); nothing was stored."
@@ -86,6 +88,7 @@ class UploadService:
             duration_sec=facts.duration_sec,
             frames=facts.samples // HOP,
             source=facts.describe(),
+            caller=caller.name if caller is not None else None,
         )
         try:
             await asyncio.to_thread(self.artifacts.write_upload, u.upload_id, f"source.{u.ext}", data)
@@ -99,18 +102,22 @@ class UploadService:
         self.dispatcher.kick()
         return view(u)
 
-    async def load(self, upload_id: str) -> UploadRecord:
+    async def find(self, upload_id: str, caller: Caller | None = None) -> UploadRecord | None:
+        """The upload, or None when there is none ``caller``'s key may see (``keys.py``: ``sees``)."""
         u = await self.store.load_upload(upload_id) if JOB_ID.match(upload_id) else None
-        if u is None:
+        return u if u is not None and may_see(caller, u.caller) else None
+
+    async def load(self, upload_id: str, caller: Caller | None = None) -> UploadRecord:
+        if (u := await self.find(upload_id, caller)) is None:
             raise NotFoundError(f"Upload {upload_id[:64]} not found (uploads are kept for RESULT_TTL_SEC).")
         return u
 
-    async def view(self, upload_id: str) -> UploadView:
-        return view(await self.load(upload_id))
+    async def view(self, upload_id: str, caller: Caller | None = None) -> UploadView:
+        return view(await self.load(upload_id, caller))
 
-    async def codes(self, upload_id: str) -> Path:
+    async def codes(self, upload_id: str, caller: Caller | None = None) -> Path:
         """Its ``.codes`` file, once ready."""
-        u = await self.load(upload_id)
+        u = await self.load(upload_id, caller)
         if u.status is not UploadStatus.ready:
             raise NotFoundError(f"Upload {upload_id} is {u.status.value}, not ready: it has no codes yet.")
         path = self.artifacts.upload_path(upload_id, "codes.codes")
@@ -118,9 +125,9 @@ class UploadService:
             raise NotFoundError(f"The codes of upload {upload_id} are gone; upload the file again.")
         return path
 
-    async def delete(self, upload_id: str) -> UploadView:
+    async def delete(self, upload_id: str, caller: Caller | None = None) -> UploadView:
         """Forget it: its row, then its files (an encoding still running finds it gone and keeps nothing)."""
-        u = await self.load(upload_id)
+        u = await self.load(upload_id, caller)
         await self.store.delete_upload(upload_id)
         await asyncio.to_thread(self.artifacts.remove_upload, upload_id)
         log.info("upload %s: deleted (%s)", upload_id, u.status.value)

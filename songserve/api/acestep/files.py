@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 import soundfile as sf
 
 from songserve.api.acestep.failures import AceError
+from songserve.api.keys import Caller
 from songserve.api.service import JobService
 from songserve.errors import SongserveError
 
@@ -70,12 +71,14 @@ def parse_source(value: str) -> AudioRef | None:
     return parse_id(given[0]) if len(given) == 1 else None
 
 
-async def audio_file(svc: JobService, path: str) -> tuple[Path, str]:
-    """The file and media type of ``/v1/audio?path=``; 403 for what is not an id, 404 for no such take."""
+async def audio_file(svc: JobService, path: str, caller: Caller | None = None) -> tuple[Path, str]:
+    """The file and media type of ``/v1/audio?path=``; 403 for what is not an id, 404 for no such take
+    (or one of a job another key made, ``keys.py``)."""
     ref = parse_id(path)
     if ref is None:
         raise AceError(403, "Access denied: path is not an audio file this server returned.")
     try:
+        await svc.visible(ref.job_id, caller)
         f = await svc.track_file(ref.job_id, ref.index, "wav" if ref.fmt == "flac" else ref.fmt)
     except SongserveError:
         raise AceError(404, "Audio file not found") from None

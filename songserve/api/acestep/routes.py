@@ -24,7 +24,7 @@ from songserve.api.acestep.stats import JobTally
 from songserve.api.acestep.tasks import continue_from, find, source_take, submit
 from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
-from songserve.api.keys import ApiKeys
+from songserve.api.keys import ApiKeys, Caller
 from songserve.api.service import JobService
 from songserve.api.uploads import upload_limit
 from songserve.settings import DispatcherSettings
@@ -54,11 +54,10 @@ def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
     return tags
 
 
-async def _small(request: Request, authorization: str | None) -> Body:
+async def _small(request: Request, authorization: str | None) -> tuple[Body, Caller | None]:
     s = _settings(request)
     body = small_body(request.headers.get("content-type"), await read_bytes(request, s.max_body_bytes))
-    check_body_or_header(_keys(request), body.fields, authorization)
-    return body
+    return body, check_body_or_header(_keys(request), body.fields, authorization)
 
 
 def _task_ids(value: Any) -> list[str]:
@@ -83,9 +82,9 @@ async def release_task(request: Request, authorization: str | None = Authorizati
     ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
-        task = await continue_from(svc, task)  # our retake of the source take from repainting_start
+        task = await continue_from(svc, task, caller)  # our retake of the source take from repainting_start
     elif task.source is not None:
-        await source_take(svc, task.source, task.keys["src_audio_path"])
+        await source_take(svc, task.source, task.keys["src_audio_path"], caller)
     try:
         accepted = await submit(svc, task, caller)
     except BaseException:
@@ -98,11 +97,11 @@ async def release_task(request: Request, authorization: str | None = Authorizati
 
 @router.post("/query_result")
 async def query_result(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body = await _small(request, authorization)
+    body, caller = await _small(request, authorization)
     svc = _service(request)
     items = []
     for task_id in _task_ids(body.fields.get("task_id_list", [])):
-        found = await find(svc, task_id)
+        found = await find(svc, task_id, caller)  # another key's task is unknown here
         items.append(query_item(task_id, *found) if found else unknown_item(task_id))
     return JSONResponse(wrap(items))
 
@@ -130,13 +129,13 @@ async def models(request: Request, authorization: str | None = Authorization) ->
 
 @router.post("/create_random_sample")
 async def create_random_sample(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body = await _small(request, authorization)
+    body, _ = await _small(request, authorization)
     return JSONResponse(wrap(random_sample(str(body.fields.get("sample_type") or ""))))
 
 
 @router.post("/format_input")
 async def format_input_route(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body = await _small(request, authorization)
+    body, _ = await _small(request, authorization)
     s = _settings(request)
     return JSONResponse(wrap(format_input(body.fields, _catalogue(request), s.lyrics_cleaning)))
 
@@ -145,6 +144,6 @@ async def format_input_route(request: Request, authorization: str | None = Autho
 async def audio(
     request: Request, path: str = Query(..., max_length=200), authorization: str | None = Authorization
 ) -> FileResponse:
-    check_header(_keys(request), authorization)
-    file, media = await audio_file(_service(request), path)
+    caller = check_header(_keys(request), authorization)
+    file, media = await audio_file(_service(request), path, caller)
     return FileResponse(file, media_type=media)

@@ -26,7 +26,7 @@ from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
 from songserve.api.artifacts import JOB_ID
-from songserve.api.keys import Caller
+from songserve.api.keys import Caller, may_see
 from songserve.api.service import JobService
 from songserve.api.store import Job
 from songserve.api.uploads import UploadTooLarge
@@ -65,20 +65,20 @@ async def submit(svc: JobService, task: Task, caller: Caller | None = None) -> G
     return accepted
 
 
-async def find(svc: JobService, task_id: str) -> tuple[Job, JobView] | None:
-    """The job of a task id and its view, or None for an id no job has."""
+async def find(svc: JobService, task_id: str, caller: Caller | None = None) -> tuple[Job, JobView] | None:
+    """The job of a task id and its view, or None for an id no job has (or one another key made)."""
     job = svc.dispatcher.active_job(task_id)
     if job is None and JOB_ID.match(task_id):
         job = await svc.store.load_job(task_id)
-    if job is None:
+    if job is None or not may_see(caller, job.caller):
         return None
     facts = svc.dispatcher.facts(job)
     return job, job_view(job, facts.positions, facts.eta)
 
 
-async def _source(svc: JobService, ref: AudioRef, key: str) -> tuple[Job, TrackView]:
+async def _source(svc: JobService, ref: AudioRef, key: str, caller: Caller | None) -> tuple[Job, TrackView]:
     """The job and the finished take a ``src_audio_path`` names, or a 400 naming the key."""
-    found = await find(svc, ref.job_id)
+    found = await find(svc, ref.job_id, caller)
     tracks = found[1].tracks if found else []
     take = tracks[ref.index] if ref.index < len(tracks) else None
     if found is None or take is None or take.status != "done":
@@ -86,12 +86,12 @@ async def _source(svc: JobService, ref: AudioRef, key: str) -> tuple[Job, TrackV
     return found[0], take
 
 
-async def source_take(svc: JobService, ref: AudioRef, key: str) -> float:
+async def source_take(svc: JobService, ref: AudioRef, key: str, caller: Caller | None = None) -> float:
     """The seconds of the finished take a ``src_audio_path`` names, or a 400 naming the key."""
-    return (await _source(svc, ref, key))[1].duration_sec
+    return (await _source(svc, ref, key, caller))[1].duration_sec
 
 
-async def continue_from(svc: JobService, repaint: Repaint) -> Task:
+async def continue_from(svc: JobService, repaint: Repaint, caller: Caller | None = None) -> Task:
     """A repaint to the end as the task to submit: a retake of the source take from ``start``.
 
     Everything about the request is checked by now but the source itself; an uploaded source is
@@ -104,9 +104,9 @@ async def continue_from(svc: JobService, repaint: Repaint) -> Task:
         raise field_error(start_key, "must be more than 0 seconds: a repaint keeps the source before it "
                           "(text2music makes a new song)")  # fmt: skip
     if isinstance(repaint.source, Upload):
-        return await _from_upload(svc, task, repaint.source, repaint.start, start_key)
+        return await _from_upload(svc, task, repaint.source, repaint.start, start_key, caller)
     key = task.keys.get("src_audio_path", "src_audio_path")
-    source, take = await _source(svc, repaint.source, key)
+    source, take = await _source(svc, repaint.source, key, caller)
     if repaint.start > take.duration_sec:
         raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
     cf = {"job_id": repaint.source.job_id, "track_index": repaint.source.index, "at_sec": repaint.start}
@@ -116,10 +116,12 @@ async def continue_from(svc: JobService, repaint: Repaint) -> Task:
     return task
 
 
-async def _from_upload(svc: JobService, task: Task, upload: Upload, start: float, start_key: str) -> Task:
-    """A repaint of an uploaded file: our upload of it, continued from ``start``."""
+async def _from_upload(
+    svc: JobService, task: Task, upload: Upload, start: float, start_key: str, caller: Caller | None
+) -> Task:
+    """A repaint of an uploaded file: our upload of it (``caller``'s), continued from ``start``."""
     try:
-        view = await svc.uploads.create(upload.data, upload.filename)
+        view = await svc.uploads.create(upload.data, upload.filename, caller)
     except FieldError as exc:
         raise field_error(upload.field, str((exc.detail or [{}])[0].get("msg", exc))) from None
     except UploadTooLarge as exc:

@@ -1,0 +1,142 @@
+"""What each API key sees (``keys.py``: ``sees``), through a real dispatcher, a tone worker and both ports.
+
+A key of ``API_KEYS_FILE`` sees the jobs and uploads made with its own name only; another key's
+answer 404 as ones that do not exist, on every route that reads, streams, cancels, deletes or
+continues them, and on the ACE-Step port. A key with ``"sees": "all"`` (an operator's) and the single
+``API_KEY`` see everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from songserve.api.keys import ApiKeys
+from songserve.errors import ConfigError
+from tests.support import ServerProcess, free_port, start_worker, wait_for
+
+KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}, "k-ops": {"name": "ops", "sees": "all"}}
+BODY = {"lyrics": "[verse]\nmine alone", "duration": 0.05, "num_tracks": 1, "seed": 5}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+ALICE, BOB, OPS = bearer("k-alice"), bearer("k-bob"), bearer("k-ops")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("key_scopes")
+    (tmp / "keys.json").write_text(json.dumps(KEYS))
+    worker = start_worker(tmp, "--pipeline", "test", "--test-delay-s", "0.3")
+    worker.wait_healthy()
+    port, ace = free_port(), free_port()
+    api = ServerProcess(
+        ["backend_api.py", "--port", str(port), "--state-dir", str(tmp / "state"), "--worker-urls", worker.url,
+         "--health-interval", "0.2", "--api-keys-file", str(tmp / "keys.json"), "--acestep-port", str(ace)],
+        port, tmp / "api.log",
+    )  # fmt: skip
+    api.wait_healthy(want=("ok",))
+    wait_for(lambda: httpx.get(api.url + "/status", headers=OPS).json()["idle_gpus"] == 1, timeout=30)
+    api.ace = f"http://127.0.0.1:{ace}"  # type: ignore[attr-defined]
+    yield api
+    api.stop()
+    worker.stop()
+
+
+def finished_job(site, headers: dict[str, str]) -> str:
+    r = httpx.post(site.url + "/generate", json=BODY, headers={**headers, "Prefer": "wait=30"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "completed"
+    return str(r.json()["job_id"])
+
+
+def test_another_keys_job_is_not_found_on_any_route_and_nothing_is_done_to_it(site):
+    job = finished_job(site, ALICE)
+    base = f"{site.url}/job/{job}"
+    reads = ["", "/events", "/track/0/wav", "/track/0/mp3", "/track/0/codes", "/track/0/render?format=wav",
+             "/track/0/stream?format=wav"]  # fmt: skip
+    for path in reads:
+        for method in ("GET", "HEAD") if path.startswith("/track") else ("GET",):
+            r = httpx.request(method, base + path, headers=BOB, timeout=10)
+            assert r.status_code == 404, (method, path, r.status_code)
+            if method == "GET":
+                assert r.json()["error"] == f"Job {job} not found.", path  # as one that does not exist
+        assert httpx.get(base + path, headers=ALICE, timeout=30).status_code == 200, path
+        assert httpx.get(base + path, headers=OPS, timeout=30).status_code == 200, path  # sees all
+    assert httpx.delete(base, headers=BOB).status_code == 404
+
+    # Continuing it, or reusing its Idempotency-Key: refused, naming the field, as for an unknown job.
+    retake = {**BODY, "continue_from": {"job_id": job, "track_index": 0, "at_sec": 1.0}}
+    r = httpx.post(site.url + "/generate", json=retake, headers=BOB)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "continue_from", "job_id"]
+    assert "not known here" in r.json()["error"]
+    assert httpx.post(site.url + "/generate", json=retake, headers=ALICE).status_code == 200
+
+    first = httpx.post(site.url + "/generate", json=BODY, headers={**ALICE, "Idempotency-Key": "nightly-1"})
+    assert first.status_code == 200
+    r = httpx.post(site.url + "/generate", json=BODY, headers={**BOB, "Idempotency-Key": "nightly-1"})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "Idempotency-Key"]
+    assert "another API key" in r.json()["error"]
+    again = httpx.post(site.url + "/generate", json=BODY, headers={**ALICE, "Idempotency-Key": "nightly-1"})
+    assert again.json()["job_id"] == first.json()["job_id"]
+
+
+def test_another_keys_upload_is_not_found_and_cannot_be_continued_or_deleted(site):
+    t = np.arange(2 * 44100) / 44100
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([0.3 * np.sin(2 * math.pi * 220 * t)] * 2, 1), 44100, format="WAV")
+    up = httpx.post(site.url + "/uploads", files={"file": ("demo.wav", buf.getvalue())}, headers=ALICE, timeout=30)
+    assert up.status_code == 200, up.text
+    upload = up.json()["upload_id"]
+    wait_for(lambda: httpx.get(f"{site.url}/uploads/{upload}", headers=ALICE).json()["status"] == "ready", 60)
+    for path in ("", "/codes"):
+        assert httpx.get(f"{site.url}/uploads/{upload}{path}", headers=BOB).status_code == 404
+        assert httpx.get(f"{site.url}/uploads/{upload}{path}", headers=ALICE).status_code == 200
+        assert httpx.get(f"{site.url}/uploads/{upload}{path}", headers=OPS).status_code == 200
+    body = {**BODY, "continue_from": {"upload_id": upload}}
+    r = httpx.post(site.url + "/generate", json=body, headers=BOB)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "continue_from", "upload_id"]
+    assert httpx.delete(f"{site.url}/uploads/{upload}", headers=BOB).status_code == 404
+    assert httpx.get(f"{site.url}/uploads/{upload}", headers=ALICE).json()["status"] == "ready"  # still there
+    assert httpx.post(site.url + "/generate", json=body, headers=ALICE).status_code == 200
+
+
+def test_on_the_acestep_port_another_keys_task_is_unknown_and_its_audio_not_found(site):
+    job = finished_job(site, ALICE)
+
+    def query(key: str) -> dict:
+        r = httpx.post(site.ace + "/query_result", json={"ai_token": key, "task_id_list": [job]}, timeout=10)
+        return r.json()["data"][0]
+
+    assert "not known here" in query("k-bob")["error"]
+    mine = json.loads(query("k-alice")["result"])
+    assert mine[0]["file"]
+    audio = site.ace + mine[0]["file"] if mine[0]["file"].startswith("/") else mine[0]["file"]
+    assert httpx.get(audio, headers={"Authorization": "k-alice"}, timeout=30).status_code == 200
+    assert httpx.get(audio, headers={"Authorization": "k-bob"}, timeout=30).status_code == 404
+    assert httpx.get(audio, headers={"Authorization": "k-ops"}, timeout=30).status_code == 200
+
+
+def test_sees_is_read_from_the_keys_file_and_a_bad_value_names_the_field(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({**KEYS, "k-anon": {}}))
+    keys = ApiKeys.load("single", path)
+    seen = {c.name: c.sees_all for c in (keys.identify(k.encode()) for k in [*KEYS, "k-anon", "single"]) if c}
+    anon = "key-" + hashlib.sha256(b"k-anon").hexdigest()[:8]
+    assert seen == {"alice": False, "bob": False, "ops": True, anon: False, "default": True}
+    path.write_text(json.dumps({"k-x": {"sees": "everyone"}}))
+    with pytest.raises(ConfigError, match="an entry's sees"):
+        ApiKeys.load("", path)
