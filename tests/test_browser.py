@@ -29,6 +29,15 @@ def site(tiny_dir, tmp_path_factory):
     c.stop()
 
 
+def open_song(page, url: str, lyrics: str, duration: str) -> None:
+    """The page at ``url`` with its tag catalogue loaded, and a one-take song filled in (not submitted)."""
+    page.goto(url + "/")
+    page.wait_for_selector("#tag-chips button")
+    page.fill("#lyrics", lyrics)
+    page.fill("#duration", duration)
+    page.fill("#num_tracks", "1")
+
+
 @pytest.fixture(scope="module")
 def page():
     if CHROMIUM is None:
@@ -97,11 +106,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
 def test_continue_from_here_and_downloads_in_other_formats(site, page):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(site.url + "/")
-    page.wait_for_selector("#tag-chips button")
-    page.fill("#lyrics", "[verse]\nkeep this part\nthen something new")
-    page.fill("#duration", "0.05")
-    page.fill("#num_tracks", "1")
+    open_song(page, site.url, "[verse]\nkeep this part\nthen something new", "0.05")
     page.click("#generate")
     card = page.locator(".job").first
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
@@ -138,12 +143,8 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     """ "Listen live" is on by default: the first take's stream plays while the job is still running."""
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(site.url + "/")
-    page.wait_for_selector("#tag-chips button")
+    open_song(page, site.url, "[verse]\nhear it live\nas it is made", "1")
     assert page.is_checked("#live")
-    page.fill("#lyrics", "[verse]\nhear it live\nas it is made")
-    page.fill("#duration", "1")
-    page.fill("#num_tracks", "1")
     hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of the take until the page has played
     hold.touch()
     try:
@@ -177,11 +178,7 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
     t = np.arange(2 * 48000) / 48000
     demo = tmp_path / "demo.wav"
     sf.write(demo, np.stack([0.3 * np.sin(2 * np.pi * 330 * t) * np.minimum(1, 4 * t)] * 2, 1), 48000)
-    page.goto(site.url + "/")
-    page.wait_for_selector("#tag-chips button")
-    page.fill("#lyrics", "[verse]\nmy own start\nand what follows")
-    page.fill("#duration", "0.05")
-    page.fill("#num_tracks", "1")
+    open_song(page, site.url, "[verse]\nmy own start\nand what follows", "0.05")
     page.set_input_files("#upload-file", str(demo))
     page.wait_for_function("document.getElementById('upload-status').textContent === 'ready'", timeout=120_000)
     page.wait_for_function("document.getElementById('upload-wave').dataset.drawn === '1'", timeout=20_000)
@@ -224,11 +221,7 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     page.on("dialog", lambda d: (asked.append(d.message), d.accept("page-key-1")))
     seen: list[tuple[str, int]] = []
     page.on("response", lambda r: seen.append((r.url.split("/", 3)[-1], r.status)))
-    page.goto(keyed.url + "/")
-    page.wait_for_selector("#tag-chips button")
-    page.fill("#lyrics", "[verse]\nbehind a key")
-    page.fill("#duration", "0.05")
-    page.fill("#num_tracks", "1")
+    open_song(page, keyed.url, "[verse]\nbehind a key", "0.05")
     page.click("#generate")
     card = page.locator(".job").first
     audio = card.locator(".result audio")
