@@ -140,3 +140,39 @@ def test_sees_is_read_from_the_keys_file_and_a_bad_value_names_the_field(tmp_pat
     path.write_text(json.dumps({"k-x": {"sees": "everyone"}}))
     with pytest.raises(ConfigError, match="an entry's sees"):
         ApiKeys.load("", path)
+
+
+def test_the_keys_file_is_read_again_when_it_changes_and_a_bad_one_changes_nothing(tmp_path):
+    path = tmp_path / "keys.json"
+
+    def write(text: str) -> None:  # as an operator's editor or deploy does: a new file renamed over the old
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    def status(key: str) -> int:
+        return httpx.get(api.url + "/usage", headers=bearer(key) if key else {}, timeout=10).status_code
+
+    write(json.dumps({"k-alice": {"name": "alice"}}))
+    port = free_port()
+    api = ServerProcess(["backend_api.py", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+                         "--num-workers", "0", "--api-keys-file", str(path)], port, tmp_path / "api.log")  # fmt: skip
+    try:
+        api.wait_healthy(want=("ok", "degraded", "unavailable"))
+        assert (status("k-alice"), status("k-carol")) == (200, 401)
+        write(json.dumps({"k-alice": {"name": "alice"}, "k-carol": {"name": "carol", "tracks_per_hour": 3}}))
+        wait_for(lambda: status("k-carol") == 200, timeout=20)  # a new key, without a restart
+        assert httpx.get(api.url + "/usage", headers=bearer("k-carol")).json()["limits"]["tracks_per_hour"] == 3
+
+        write("{not json")
+        wait_for(lambda: "cannot be used (not JSON" in api.log_path.read_text(), timeout=20)
+        write("{}")
+        wait_for(lambda: "now holds no key" in api.log_path.read_text(), timeout=20)
+        assert (status("k-alice"), status("k-carol"), status("")) == (200, 200, 401)  # as they were
+
+        write(json.dumps({"k-carol": {"name": "carol"}}))
+        wait_for(lambda: status("k-alice") == 401, timeout=20)  # a key removed
+        assert status("k-carol") == 200
+        assert "k-alice" not in api.log_path.read_text() and "k-carol" not in api.log_path.read_text()  # never logged
+    finally:
+        api.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -55,10 +56,13 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             store = await open_store(s)
             app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
             app.state.service = svc = JobService(s, store, ArtifactStore(s.results_path()), http)
+            watch = asyncio.create_task(keys.watch()) if s.api_keys_file else None  # keys change without a restart
             try:
                 await svc.start()
                 yield
             finally:
+                if watch is not None:
+                    watch.cancel()
                 await svc.drain(s.drain_timeout_sec)
                 await svc.stop()
                 await store.close()
@@ -79,7 +83,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         expose_headers=["Preference-Applied", "Retry-After"],
     )
     app.state.keys = keys  # the ACE-Step dialect checks the same keys
-    if keys.enabled:
+    if keys.enabled or s.api_keys_file:  # a keys file may gain its first key later (ApiKeys.watch)
         app.add_middleware(
             KeyAuth,
             keys=keys,

@@ -27,9 +27,11 @@ alone can never submit or cancel work (no cross-site request forgery through it)
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,6 +44,8 @@ from songserve.errors import ConfigError
 from songserve.http_guard import asks_no_key, unauthorized
 from songserve.schemas import KeyLimits
 
+log = logging.getLogger(__name__)
+RELOAD_SEC = 2.0  # how often the keys file is looked at for changes
 CALLER = "songserve.caller"  # the scope key routes read the caller from
 KEY_COOKIE = "songserve_key"  # a browser's key for reads (see the module docstring)
 READS = frozenset({"GET", "HEAD"})
@@ -79,32 +83,52 @@ def may_see(caller: Caller | None, owner: str | None) -> bool:
 
 
 class ApiKeys:
-    """The keys this dispatcher knows; ``enabled`` when any (then every request needs one)."""
+    """The keys this dispatcher knows; ``enabled`` when any (then every request needs one).
 
-    def __init__(self, entries: list[tuple[str, Caller]]) -> None:
-        self._entries = [(key.encode(), caller) for key, caller in entries]
+    The file is read again when it changes (``watch``): a key added, removed or given other limits
+    applies within ``RELOAD_SEC`` without a restart. A file that cannot be used then, or one that
+    would leave no key at all (every request would pass), changes nothing: the keys stay as they
+    were and the log says why, once per version of the file."""
+
+    def __init__(self, entries: list[tuple[str, Caller]], api_key: str = "", path: Path | None = None) -> None:
+        self.api_key, self.path = api_key, path
+        self._stamp = _stamp(path)
+        self._use(entries)
+
+    def _use(self, entries: list[tuple[str, Caller]]) -> None:
+        self._entries = [(key.encode(), caller) for key, caller in entries]  # one assignment: readers see old or new
         self.enabled = bool(entries)
         self.names = sorted({caller.name for _, caller in entries})  # what a log may say of them
 
     @classmethod
     def load(cls, api_key: str, path: Path | None) -> ApiKeys:
         """``API_KEY`` and the file's keys; a file that cannot be read raises ``ConfigError`` in one line."""
-        entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits(), sees_all=True))] if api_key else []
-        if path is None:
-            return cls(entries)
+        return cls(_entries(api_key, path), api_key, path)
+
+    def reload_if_changed(self) -> bool:
+        """Read the file again if it changed since last read; True when the keys changed."""
+        stamp = _stamp(self.path)
+        if self.path is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
         try:
-            raw = json.loads(path.read_text())
-            parsed = _KeysFile.model_validate({"keys": raw})
-        except (OSError, ValueError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else _why(exc)
-            raise ConfigError(f"Setting api_keys_file: {path} cannot be used ({why}).") from None
-        for key, entry in parsed.keys.items():
-            if not key or key != key.strip() or any(c.isspace() for c in key):
-                raise ConfigError(f"Setting api_keys_file: {path} has a key that is empty or holds spaces.")
-            name = entry.name or f"key-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-            limits = KeyLimits(**entry.model_dump(exclude={"name", "sees"}))
-            entries.append((key, Caller(name, limits, sees_all=entry.sees == "all")))
-        return cls(entries)
+            entries = _entries(self.api_key, self.path)
+        except ConfigError as exc:
+            log.error("%s The %d keys in use stay as they were.", exc, len(self._entries))
+            return False
+        if not entries and self.enabled:
+            log.error("Setting api_keys_file: %s now holds no key, which would let every request in; the %d keys "
+                      "in use stay as they were.", self.path, len(self._entries))  # fmt: skip
+            return False
+        self._use(entries)
+        log.info("keys file %s read again: %d keys (%s)", self.path, len(entries), ", ".join(self.names))
+        return True
+
+    async def watch(self, every: float = RELOAD_SEC) -> None:
+        """Until cancelled: look at the file every ``every`` seconds (off the event loop)."""
+        while True:
+            await asyncio.sleep(every)
+            await asyncio.to_thread(self.reload_if_changed)
 
     def identify(self, given: bytes) -> Caller | None:
         """The caller whose key ``given`` is, comparing with every key (the time says nothing of which)."""
@@ -129,6 +153,35 @@ def cookie(header: bytes, name: str) -> bytes:
     return b""
 
 
+def _entries(api_key: str, path: Path | None) -> list[tuple[str, Caller]]:
+    """``API_KEY``'s entry and the file's, or ``ConfigError`` naming the file and its fault (never a key)."""
+    entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits(), sees_all=True))] if api_key else []
+    if path is None:
+        return entries
+    try:
+        raw = json.loads(path.read_text())
+        parsed = _KeysFile.model_validate({"keys": raw})
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else _why(exc)
+        raise ConfigError(f"Setting api_keys_file: {path} cannot be used ({why}).") from None
+    for key, entry in parsed.keys.items():
+        if not key or key != key.strip() or any(c.isspace() for c in key):
+            raise ConfigError(f"Setting api_keys_file: {path} has a key that is empty or holds spaces.")
+        name = entry.name or f"key-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+        limits = KeyLimits(**entry.model_dump(exclude={"name", "sees"}))
+        entries.append((key, Caller(name, limits, sees_all=entry.sees == "all")))
+    return entries
+
+
+def _stamp(path: Path | None) -> tuple[int, int, int] | None:
+    """What tells a changed file (replaced, rewritten or touched); None when absent or unset."""
+    try:
+        st = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
+
+
 def _why(exc: ValueError) -> str:
     """A file's fault without its keys: the entry is named by its position and name, never by its key."""
     if not isinstance(exc, ValidationError):
@@ -150,7 +203,7 @@ class KeyAuth:
         self.app, self.keys, self.exempt, self.exempt_prefixes = app, keys, exempt, exempt_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if asks_no_key(scope, self.exempt, self.exempt_prefixes):
+        if not self.keys.enabled or asks_no_key(scope, self.exempt, self.exempt_prefixes):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if b"authorization" in headers or scope["method"] not in READS:
