@@ -82,8 +82,6 @@ def stop_all(*procs: ServerProcess) -> None:
 
 def test_a_job_submitted_at_one_dispatcher_is_polled_and_streamed_at_another(tmp_path, pg_url):
     workers = tone_workers(tmp_path, 3, delay=3.0)  # B sees the tracks generating even on a loaded machine
-        tmp_path, 3, delay=3.0
-    )  # long enough that B sees the tracks generating even on a loaded machine
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     b = start_dispatcher(tmp_path, "B", pg_url, workers)
     try:
