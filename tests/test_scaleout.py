@@ -197,9 +197,9 @@ def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, p
 
 
 def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(tmp_path, pg_url):
-    # Each track takes 8 s: B's start-up and the checks before the kill must fit in the first round
-    # (on a loaded 2-core machine a dispatcher's start alone took over 3 s, the old track time).
-    workers = tone_workers(tmp_path, 3, delay=8.0)
+    # Each track takes 15 s: B's start-up and the checks before the kill must fit in the first round
+    # (on a loaded 2-core machine a dispatcher's start took over 3 s, and once over 8 s).
+    workers = tone_workers(tmp_path, 3, delay=15.0)
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     b = None
     try:
