@@ -77,7 +77,8 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
             assert "Authorization" in r.json()["error"]
     for path in ("/health", "/", "/tags", "/app.js"):
         assert httpx.get(url + path).status_code == 200, path
-    assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] == "idle"  # token works
+    # The key works (and the dispatcher reaches the worker with the token); the job above may still run.
+    assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] in ("idle", "busy")
 
 
 def test_workers_refuse_calls_without_the_token(secured):
