@@ -12,8 +12,10 @@ named ``default`` with no limits that sees everything.
 What a key sees (``sees``): ``own`` (the default for a file's keys) is the jobs and uploads made with
 its name only: any other answers 404, as one that does not exist (reading, files, live audio,
 events, cancelling, deleting, continuing from it, and the same on the ACE-Step port); ``all`` sees
-every one, as an operator's key or a single shared ``API_KEY`` does. Without keys nothing is scoped. Use is counted per name (``jobs.caller``), so two keys with one
-name (a key being rotated) share their use. A key is compared in constant time against every key
+every one, as an operator's key or a single shared ``API_KEY`` does. Without keys nothing is scoped.
+
+Use is counted per name (``jobs.caller``), so two keys with one name (a key being rotated) share
+their use. A key is compared in constant time against every key
 (no early exit) and never logged or answered; the name is what logs, ``/usage`` and the store see.
 
 ``KeyAuth`` is the dispatcher's guard (the worker keeps ``http_guard.BearerAuth``): it answers 401 as

@@ -1,4 +1,4 @@
-"""What the dispatcher answers ``/status``, ``/ready`` and ``/config``: the states of its parts, read in one place.
+"""What the dispatcher answers ``/status``, ``/ready`` and ``/config``: its parts' states, read in one place.
 
 Why a module of its own: readiness is the sum of faults that live in different parts, and each must
 be named where a load balancer or an operator reads it: shutting down (the dispatcher), the job store

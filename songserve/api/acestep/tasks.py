@@ -25,13 +25,12 @@ from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
-from songserve.api.artifacts import JOB_ID
-from songserve.api.keys import Caller, may_see
+from songserve.api.keys import Caller
 from songserve.api.service import JobService
 from songserve.api.store import Job
 from songserve.api.uploads import UploadTooLarge
 from songserve.api.views import job_view
-from songserve.errors import FieldError
+from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,9 @@ async def submit(svc: JobService, task: Task, caller: Caller | None = None) -> G
 
 async def find(svc: JobService, task_id: str, caller: Caller | None = None) -> tuple[Job, JobView] | None:
     """The job of a task id and its view, or None for an id no job has (or one another key made)."""
-    job = svc.dispatcher.active_job(task_id)
-    if job is None and JOB_ID.match(task_id):
-        job = await svc.store.load_job(task_id)
-    if job is None or not may_see(caller, job.caller):
+    try:
+        job = await svc.visible(task_id, caller)
+    except NotFoundError:
         return None
     facts = svc.dispatcher.facts(job)
     return job, job_view(job, facts.positions, facts.eta)
