@@ -159,8 +159,8 @@ class Cluster:
         self.api.wait_healthy(want=("ok",))
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         auth = {"Authorization": f"Bearer {key}"} if key else {}
-        status = lambda: httpx.get(self.api.url + "/status", headers=auth).json()  # noqa: E731
-        wait_for(lambda: status()["idle_gpus"] == len(self.workers), timeout=30)
+        url = self.api.url + "/status"
+        wait_for(lambda: httpx.get(url, headers=auth).json()["idle_gpus"] == len(self.workers), timeout=30)
         return self.api
 
     @property
