@@ -9,6 +9,7 @@
     ├── BusyError                  the worker already runs a task (HTTP 409)
     ├── TaskCancelled              a task stopped at a cancellation point (not asyncio.CancelledError)
     └── TaskError                  a task failed inside the model or the export (reported, not retried)
+        └── WorkerStateError       it failed because of the worker's own state, not the input (retried elsewhere)
 
 Every message is one sentence for a person; tracebacks go to the log, never to a client.
 """
@@ -66,3 +67,8 @@ class TaskCancelled(SongserveError):
 
 class TaskError(SongserveError):
     http_status = 500
+
+
+class WorkerStateError(TaskError):
+    """A task failed because of state its worker keeps (a cache it had to drop), not its input: another
+    worker may succeed (``ErrorKind.environment``)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from songserve.errors import RequestError, TaskError
+from songserve.errors import RequestError, TaskError, WorkerStateError
 from songserve.schemas import ErrorKind
 
 
@@ -29,6 +29,8 @@ def error_kind_of(exc: BaseException) -> ErrorKind | None:
         return exc.kind
     if isinstance(exc, RequestError):
         return ErrorKind.request
+    if isinstance(exc, WorkerStateError):
+        return ErrorKind.environment
     if isinstance(exc, TaskError):
         return ErrorKind.model
     return None

@@ -21,6 +21,11 @@ Keys are the model's name and the ids themselves (the prompt and the prefix's to
 different prompt, model or prefix never matches. Snapshots are taken and restored only for takes
 that continue a prefix: a take from the prompt alone is computed exactly as before them. Saved
 and restored on the model thread; ``describe`` runs on the event loop (``/health``), hence the lock.
+
+Slots are compared by identity: a slot is found, moved and dropped as the object it is. (With a
+dataclass's field equality, moving a slot that was not first compared the ids and KV tensors of
+the slots before it, which raised, and kept raising for every later retake on that worker.) The
+cache is an optimisation, so its callers treat any fault in it as a miss (``stages/backbone.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from songserve.pipeline.engine.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: ``==`` on the fields would compare tensors (issue 35)
 class Snapshot:
     model: str
     ids: torch.Tensor  # (N,) long, on the CPU
@@ -73,6 +78,7 @@ class KVSnapshots:
         self._slots: list[Snapshot] = []
         self._lock = threading.Lock()
         self.restored_total = 0  # positions restored instead of prefilled, since start
+        self.faults = 0  # faults inside the cache (each one a miss, never a failed take), since start
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +95,40 @@ class KVSnapshots:
                     best, usable = s, n
         return best, usable
 
-    def restore(self, model: str, ids: torch.Tensor, row0: KVCache) -> tuple[int, str, torch.Tensor | None]:
+    def restore(
+        self, model: str, ids: torch.Tensor, row0: KVCache, task: str = ""
+    ) -> tuple[int, str, torch.Tensor | None]:
         """Copy the longest usable prefix into ``row0`` (positions [0, n)); returns n, its origin and,
-        when all of ``ids`` were restored, the hidden state (1, H) of their last position."""
+        when all of ``ids`` were restored, the hidden state (1, H) of their last position.
+
+        A fault inside the cache is a miss (0, "", None): it is logged, counted and the slots are
+        dropped (what they hold is suspect); the caller prefills from position 0, which overwrites
+        whatever a failed copy left in ``row0``."""
+        try:
+            return self._restore(model, ids, row0)
+        except Exception as exc:
+            self._fault("restore", task, exc)
+            return 0, "", None
+
+    def save(
+        self, model: str, ids: torch.Tensor, row0: KVCache, origin: str, h: torch.Tensor | None = None, task: str = ""
+    ) -> bool:
+        """Keep row 0's KV for positions [0, len(ids)), and ``h`` (1, H) at the last one, unless a slot
+        already covers these ids. A fault inside the cache is logged and counted; nothing is kept."""
+        try:
+            return self._save(model, ids, row0, origin, h)
+        except Exception as exc:
+            self._fault("save", task, exc)
+            return False
+
+    def _fault(self, what: str, task: str, exc: Exception) -> None:
+        log.error("task %s: kv snapshot %s failed; the slots are dropped and the prefix is prefilled", task or "-",
+                  what, exc_info=exc)  # fmt: skip
+        with self._lock:
+            self.faults += 1
+            self._slots.clear()
+
+    def _restore(self, model: str, ids: torch.Tensor, row0: KVCache) -> tuple[int, str, torch.Tensor | None]:
         with self._lock:
             snap, n = self._best(model, ids)
             if snap is None or n <= 0:
@@ -105,9 +142,7 @@ class KVSnapshots:
         h = snap.h.to(row0.k[0].device, non_blocking=True) if n == int(ids.shape[0]) and snap.h is not None else None
         return n, snap.origin, h
 
-    def save(self, model: str, ids: torch.Tensor, row0: KVCache, origin: str, h: torch.Tensor | None = None) -> bool:
-        """Keep row 0's KV for positions [0, len(ids)), and ``h`` (1, H) at the last one, unless a slot
-        already covers these ids."""
+    def _save(self, model: str, ids: torch.Tensor, row0: KVCache, origin: str, h: torch.Tensor | None) -> bool:
         n = int(ids.shape[0])
         per_position = sum(t[0, :, :1].numel() * t.element_size() for t in (*row0.k, *row0.v))
         need = n * per_position
@@ -162,4 +197,5 @@ class KVSnapshots:
             "capacity_bytes": self.capacity,
             "memory": self.memory,
             "restored_tokens": self.restored_total,
+            "faults": self.faults,
         }

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from songserve.errors import RequestError, TaskCancelled
+from songserve.errors import RequestError, TaskCancelled, WorkerStateError
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.compiled_step import CompiledStep
 from songserve.pipeline.engine.gpt import AcousticGPT
@@ -143,18 +143,25 @@ class Backbone:
         t0 = time.perf_counter()
         snaps = self.snapshots if continues else None
         ids_t = torch.tensor(ids, dtype=torch.long)
-        restored, h = 0, None
-        if snaps is not None:
-            restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1))
+        restored, h, task = 0, None, ctxs[0].task_id
+        faults = snaps.faults if snaps is not None else 0
+        if snaps is not None:  # a fault inside the cache is a miss: the whole prefix is prefilled
+            restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1), task)
             if restored:
-                log.info("task %s: %d of %d prefix tokens restored from a KV snapshot (%s)", ctxs[0].task_id,
+                log.info("task %s: %d of %d prefix tokens restored from a KV snapshot (%s)", task,
                          restored, len(ids), came_from or "no origin")  # fmt: skip
         if h is None:
-            h = self.prefill(ids, cache, ctxs, start=restored)
+            try:
+                h = self.prefill(ids, cache, ctxs, start=restored)
+            except Exception as exc:
+                if isinstance(exc, TaskCancelled) or snaps is None or snaps.faults == faults:
+                    raise
+                # after a fault in this worker's own cache, its state (the device's too) is suspect, not the take
+                raise WorkerStateError(f"Task {task} failed on this worker after a fault in its KV snapshots.") from exc
         else:  # all of it, and its last hidden state: nothing to prefill
             cache.broadcast_row0(len(ids))
         if snaps is not None:
-            snaps.save(self.name, ids_t, cache.rows(0, 1), origin, h)
+            snaps.save(self.name, ids_t, cache.rows(0, 1), origin, h, task)
         if self.dm.device.type == "cuda":
             torch.cuda.synchronize(self.dm.device)  # the seconds below are the prefill's, not its launch's
         return {"h": h, "tokens": len(ids), "restored": restored, "sec": round(time.perf_counter() - t0, 6)}
