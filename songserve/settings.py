@@ -316,6 +316,12 @@ class DispatcherSettings(BaseSettings):
         "reference", description="reference = the reference backend's cleaning; preserve-scripts keeps non-Latin words"
     )
     tags_file: Path | None = Field(None, description="JSON tag catalogue served at /tags; unset = the built-in one")
+    render_concurrency: int = Field(
+        2, ge=1, le=64, description="renders (GET /job/{id}/track/{i}/render) made at once, on threads of their own"
+    )
+    render_queue: int = Field(
+        16, ge=0, le=10_000, description="different renders that may wait for a thread; beyond, 429 with Retry-After"
+    )
     header_timeout_sec: float = Field(
         10.0, gt=0, description="a connection that has not sent its request headers in this time is closed"
     )

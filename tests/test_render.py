@@ -122,3 +122,16 @@ def test_a_track_that_is_not_there_has_no_render(site, job_id):
     assert get(site, job_id.replace(job_id[0], "f" if job_id[0] != "f" else "e"), format="flac").status_code == 404
     r = httpx.get(f"{site.url}/job/{job_id}/track/3/render", timeout=10)
     assert r.status_code == 400
+
+
+@pytest.mark.parametrize("lyrics", ["", "[inst]"])
+def test_an_instrumental_take_renders_in_every_format_without_a_lyrics_comment(site, lyrics):
+    """Issue 35: an empty comment tag was libsndfile's "bad string" in every format, a 500."""
+    job = site.submit(tags="ambient", lyrics=lyrics, mode="instrumental", duration=0.05, num_tracks=1)
+    assert site.wait_job(job["job_id"])["status"] == "completed"
+    for fmt in render.FORMATS:
+        r = get(site, job["job_id"], format=fmt, loudness=-18)
+        assert r.status_code == 200, (fmt, r.text)
+        tags = sf.SoundFile(io.BytesIO(r.content)).copy_metadata()
+        assert tags["title"] == "ambient (take 1)"
+        assert not tags.get("comment"), (fmt, tags)

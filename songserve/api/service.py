@@ -81,7 +81,7 @@ class JobService:
         self.webhooks = WebhookSender(s, store, self.dispatcher.me, self.dispatcher.metrics, events)
         self.webhook_policy = WebhookPolicy(s.webhook_allow)
         self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
-        self.renders = render.Renders(artifacts)
+        self.renders = render.Renders(artifacts, s.render_concurrency, s.render_queue)
         self.announcements = Announcements(s, store, self.dispatcher)  # workers that join and leave
         self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
                                 self.dispatcher.changes)  # fmt: skip
@@ -110,6 +110,7 @@ class JobService:
     async def stop(self) -> None:
         await self.dispatcher.stop()
         await self.webhooks.stop()
+        self.renders.close()
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
@@ -322,12 +323,10 @@ class JobService:
         await self.track_file(job_id, idx, "wav")  # done, present, of its recorded size
         job = await self._load(job_id)
         spec = render.parse(fmt, loudness, start, end, job.tracks[idx].duration_sec)
-        got = self.renders.cached(job_id, idx, spec)
-        if got is None:
-            r = job.request
-            style = (r.prompt if r.prompt_mode == "natural" else r.tags).strip()
-            title = f"{style[:80]} (take {idx + 1})" if style else f"songserve {job_id} take {idx + 1}"
-            got = await asyncio.to_thread(self.renders.make, job_id, idx, spec, title, job.cleaned_lyrics)
+        r = job.request
+        style = (r.prompt if r.prompt_mode == "natural" else r.tags).strip()
+        title = f"{style[:80]} (take {idx + 1})" if style else f"songserve {job_id} take {idx + 1}"
+        got = await self.renders.get(job_id, idx, spec, title, job.cleaned_lyrics)  # cached, shared or bounded
         name = f"{job_id}_track{idx}.{spec.format}"
         return TrackFile(got.path, got.media_type, name, "attachment"), got.headers()
 
