@@ -261,7 +261,13 @@ def test_status_tags_metrics_config_docs(one):
     assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in m
     assert httpx.get(one.url + "/config").json()["backbone_models"] == ["default_backbone"]
     assert httpx.get(one.url + "/ready").status_code == 200
-    assert httpx.get(one.url + "/docs").status_code == 200
+    docs = httpx.get(one.url + "/docs")
+    assert docs.status_code == 200
+    assert "cdn." not in docs.text  # Swagger UI from the dispatcher itself (api_docs.py): works offline
+    for asset in ("docs/assets/swagger-ui-bundle.js", "docs/assets/swagger-ui.css"):
+        assert f'"{asset}"' in docs.text
+        assert len(httpx.get(f"{one.url}/{asset}").content) > 100_000
+    assert httpx.get(one.url + "/docs/assets/..%2Fswagger-ui.js").status_code == 404  # named files only
     assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
 
 
