@@ -267,7 +267,10 @@ def test_status_tags_metrics_config_docs(one):
     for asset in ("docs/assets/swagger-ui-bundle.js", "docs/assets/swagger-ui.css"):
         assert f'"{asset}"' in docs.text
         assert len(httpx.get(f"{one.url}/{asset}").content) > 100_000
-    assert httpx.get(one.url + "/docs/assets/..%2Fswagger-ui.js").status_code == 404  # named files only
+    assert httpx.get(one.url + "/docs/assets/..%2Fcore.py").status_code == 404  # named files only
+    redoc = httpx.get(one.url + "/redoc")
+    assert '"docs/assets/redoc.standalone.js"' in redoc.text
+    assert "googleapis" not in redoc.text
     assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
 
 

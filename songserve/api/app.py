@@ -73,8 +73,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         version=__version__,
         lifespan=lifespan,
         description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.",
-        docs_url=None,  # served by api_docs.py from a package, not a CDN: it works offline
-        redoc_url=None,  # ReDoc has no offline bundle here; /docs is the one API page
+        docs_url=None,  # /docs and /redoc: api_docs.py, from a package's files, not a CDN (they work offline)
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.add_middleware(
