@@ -224,6 +224,7 @@ def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, 
     assert listed.locator(".job-title").inner_text().startswith("Mandopop")
     assert listed.locator(".job-status").inner_text() == "completed"
     assert listed.locator(".result audio").count() == 2
+    assert page.locator("#older").is_hidden()  # one page holds every job here
     for i in (1, 2):
         sel = f'.job[data-job-id="{job_id}"] .track:nth-child({i}) .result audio'
         page.evaluate("(sel) => document.querySelector(sel).play()", sel)
@@ -233,6 +234,8 @@ def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, 
     assert listed.locator(".figures summary").first.inner_text() == "details"
     assert "Done" in listed.locator(".figures-text").first.text_content()  # the pipeline's line, one click away
     page.evaluate("() => document.querySelectorAll('audio').forEach((a) => a.pause())")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "page-reloaded.png"), full_page=True)
     assert not errors
 
 
