@@ -311,3 +311,12 @@ def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_fou
         assert job["status"] == "completed"
         assert {t["metadata"]["worker_id"] for t in job["tracks"]} == {0, 1, 2, 3}
         assert all("batch of 1" in w.log_tail(100_000) for w in c.workers)
+
+
+def test_the_dispatchers_config_counts_workers_that_say_they_run_an_untrained_set(tmp_path):
+    args = ("--pipeline", "test", "--test-untrained", "true")
+    with Cluster(tmp_path, workers=1, worker_args=args) as c:
+        assert httpx.get(c.workers[0].url + "/config").json()["untrained"] is True
+        # read when the worker comes online, in the poll that saw it idle: wait for it, not for /status
+        config = wait_for(lambda: (got := httpx.get(c.url + "/config").json())["untrained_workers"] == 1 and got)
+        assert config["notice"].startswith("Tiny test model: the audio is noise of the right length.")
