@@ -78,25 +78,33 @@ function followJob(jobId, request, adjusted, notes) {
 
 function jobEnded(job) { return TERMINAL.has(job.status) && job.tracks.every((t) => ENDED.has(t.status)); }
 
-// The job's server-sent events (with an API key, its cookie goes along); polling if the stream breaks.
+// The job's server-sent events (with an API key, its cookie goes along); polling if the stream breaks,
+// or when MAX_STREAMS jobs already hold one: a browser keeps six connections to a server, and the
+// players' live audio needs some of them too (a reloaded page may follow many running jobs).
+const MAX_STREAMS = 3;
+let streams = 0;
+
 function follow(card, jobId) {
+  const poll = async () => {
+    try {
+      const job = await api(`job/${jobId}`);
+      render(card, job);
+      if (!jobEnded(job)) setTimeout(poll, 1000);
+    } catch (e) { showError(card.querySelector(".job-error"), e.message); setTimeout(poll, 3000); }
+  };
+  if (streams >= MAX_STREAMS) { poll(); return; }
+  streams += 1;
   let closed = false;
   const source = new EventSource(`job/${jobId}/events`);
+  const close = () => { if (!closed) { closed = true; streams -= 1; source.close(); } };
   source.addEventListener("job", (event) => {
     const job = JSON.parse(event.data);
     render(card, job);
-    if (jobEnded(job)) { closed = true; source.close(); }
+    if (jobEnded(job)) close();
   });
   source.onerror = () => {
     if (closed) return;
-    source.close();
-    const poll = async () => {
-      try {
-        const job = await api(`job/${jobId}`);
-        render(card, job);
-        if (!jobEnded(job)) setTimeout(poll, 1000);
-      } catch (e) { showError(card.querySelector(".job-error"), e.message); setTimeout(poll, 3000); }
-    };
+    close();
     poll();
   };
 }
