@@ -40,6 +40,15 @@ def open_song(page, url: str, lyrics: str, duration: str) -> None:
     page.fill("#num_tracks", "1")
 
 
+def submitted(page, button: str = "#generate"):
+    """Click ``button`` and return the card of the job it made (pinned by id: the list holds older ones)."""
+    before = page.locator(".job").count()
+    page.click(button)
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length > n", arg=before)
+    job_id = page.locator(".job").first.get_attribute("data-job-id")
+    return page.locator(f'.job[data-job-id="{job_id}"]')
+
+
 @pytest.fixture(scope="module")
 def page():
     if CHROMIUM is None:
@@ -66,8 +75,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     page.fill("#lyrics", "[verse]\nhello browser\nsecond line")
     page.fill("#duration", "0.05")
     page.fill("#num_tracks", "1")
-    page.click("#generate")
-    card = page.locator(".job").first
+    card = submitted(page)
     card.locator(".track .phase").wait_for()
     audio = card.locator(".result audio")
     audio.wait_for(state="visible", timeout=120_000)
@@ -112,8 +120,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     page.on("pageerror", lambda e: errors.append(str(e)))
     open_song(page, site.url, "[verse]\nkeep this part\nthen something new", "0.05")
     before = page.locator(".job").count()
-    page.click("#generate")
-    card = page.locator(".job").first
+    card = submitted(page)
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     original = card.get_attribute("data-job-id")
     flac = card.locator(".dl-flac")
@@ -153,8 +160,7 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of the take until the page has played
     hold.touch()
     try:
-        page.click("#generate")
-        card = page.locator(".job").first
+        card = submitted(page)
         card.locator(".live .live-badge").wait_for(timeout=60_000)
         # The live <audio> plays (its clock moves) while the job's status is not terminal yet.
         seen = page.wait_for_function(
@@ -195,8 +201,7 @@ def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, 
     hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of a take: both takes still run
     hold.touch()
     try:
-        page.click("#generate")
-        card = page.locator(".job").first
+        card = submitted(page)
         one, two = card.locator(".track >> nth=0"), card.locator(".track >> nth=1")
         page.wait_for_function(PLAYING, arg=".job .track:nth-child(1) .live audio", timeout=120_000)
         two.locator(".listen").wait_for(state="visible", timeout=60_000)
@@ -290,8 +295,7 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
         """() => { const c = document.getElementById('upload-wave');
                    return c.dataset.marked === document.getElementById('upload-audio').currentTime.toFixed(2); }"""
     )
-    page.click("#upload-continue")
-    card = page.locator(".job").first
+    card = submitted(page, "#upload-continue")
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert card.locator(".job-title").inner_text().startswith("demo.wav · from 0:0")
     job = httpx.get(f"{site.url}/job/{card.get_attribute('data-job-id')}", timeout=10).json()
@@ -322,8 +326,7 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     seen: list[tuple[str, int]] = []
     page.on("response", lambda r: seen.append((r.url.split("/", 3)[-1], r.status)))
     open_song(page, keyed.url, "[verse]\nbehind a key", "0.05")
-    page.click("#generate")
-    card = page.locator(".job").first
+    card = submitted(page)
     audio = card.locator(".result audio")
     audio.wait_for(state="visible", timeout=60_000)
     played = page.evaluate(
