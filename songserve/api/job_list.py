@@ -39,7 +39,7 @@ async def list_jobs(
         try:
             job = await load(job_id)  # an active job from memory, a finished one from the store
         except NotFoundError:
-            continue  # removed (retention, a DELETE) since the ids were read
+            continue  # removed by retention since the ids were read
         f = facts(job)
         items.append(JobListItem(**job_view(job, f.positions, f.eta).model_dump(), asked=asked(job)))
     more = len(rows) > limit
