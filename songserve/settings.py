@@ -148,6 +148,9 @@ class WorkerSettings(BaseSettings):
     test_max_audio_sec: float = Field(
         0.0, ge=0.0, description="test pipeline: the longest tone written, in seconds; 0 = the requested length"
     )
+    test_untrained: bool = Field(
+        False, description="test pipeline: /config says it runs an untrained set, as a tiny-set worker does"
+    )
 
     @field_validator("announce")
     @classmethod

@@ -30,12 +30,23 @@ def site(tiny_dir, tmp_path_factory):
 
 
 def open_song(page, url: str, lyrics: str, duration: str) -> None:
-    """The page at ``url`` with its tag catalogue loaded, and a one-take song filled in (not submitted)."""
+    """The page at ``url`` with its tag catalogue and earlier jobs loaded, and a one-take song filled in
+    (not submitted)."""
     page.goto(url + "/")
     page.wait_for_selector("#tag-chips button")
+    page.wait_for_selector("#jobs[data-listed]", state="attached")
     page.fill("#lyrics", lyrics)
     page.fill("#duration", duration)
     page.fill("#num_tracks", "1")
+
+
+def submitted(page, button: str = "#generate"):
+    """Click ``button`` and return the card of the job it made (pinned by id: the list holds older ones)."""
+    before = page.locator(".job").count()
+    page.click(button)
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length > n", arg=before)
+    job_id = page.locator(".job").first.get_attribute("data-job-id")
+    return page.locator(f'.job[data-job-id="{job_id}"]')
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +68,14 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(site.url + "/")
     page.wait_for_selector("#tag-chips button")  # the tag catalogue loaded
+    page.wait_for_selector("#jobs[data-listed]", state="attached")  # and the jobs made before
+    before = page.locator(".job").count()
     assert page.input_value("#tags").startswith("Mandopop, Female Vocals")  # the reference's default selections
     page.click("#tag-chips button >> nth=0")
     page.fill("#lyrics", "[verse]\nhello browser\nsecond line")
     page.fill("#duration", "0.05")
     page.fill("#num_tracks", "1")
-    page.click("#generate")
-    card = page.locator(".job").first
+    card = submitted(page)
     card.locator(".track .phase").wait_for()
     audio = card.locator(".result audio")
     audio.wait_for(state="visible", timeout=120_000)
@@ -82,7 +94,7 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     # A second, long job: cancel it from its card.
     page.fill("#duration", "50")  # read as 10 minutes, as the reference reads it, and said so on the card
     page.click("#generate")
-    page.wait_for_function("document.querySelectorAll('.job').length === 2")
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 2)
     long_card = page.locator(".job").first
     assert long_card.locator(".job-note").inner_text() == "Adjusted: duration 50 → 10"
     long_card.locator(".track .phase").wait_for()
@@ -107,8 +119,8 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     open_song(page, site.url, "[verse]\nkeep this part\nthen something new", "0.05")
-    page.click("#generate")
-    card = page.locator(".job").first
+    before = page.locator(".job").count()
+    card = submitted(page)
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     original = card.get_attribute("data-job-id")
     flac = card.locator(".dl-flac")
@@ -127,7 +139,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     button = card.locator("button.continue")
     assert button.inner_text() == "Continue from 0:01.5"
     button.click()
-    page.wait_for_function("document.querySelectorAll('.job').length === 2")
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 2)
     retake = page.locator(".job").first
     retake.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert retake.locator(".job-title").inner_text().startswith("Mandopop")
@@ -148,8 +160,7 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of the take until the page has played
     hold.touch()
     try:
-        page.click("#generate")
-        card = page.locator(".job").first
+        card = submitted(page)
         card.locator(".live .live-badge").wait_for(timeout=60_000)
         # The live <audio> plays (its clock moves) while the job's status is not terminal yet.
         seen = page.wait_for_function(
@@ -167,7 +178,97 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     page.wait_for_function(
         "document.querySelector('.job .job-status').textContent.startsWith('completed')", timeout=300_000
     )
-    assert card.locator(".live .live-badge").inner_text() == "DONE"
+    # Done: the final player took the live one's place; the take has one player.
+    card.locator(".result audio").wait_for(state="visible")
+    assert card.locator(".live").is_hidden()
+    assert card.locator(".track audio:visible").count() == 1
+
+
+PLAYING = "(sel) => { const a = document.querySelector(sel); return a && !a.paused && a.currentTime > 0.2; }"
+
+
+def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, page):
+    """Take 2's "Listen live" pauses take 1; a take nobody hears says how to; done, each take has one
+    player; reloaded, the page lists the job with both takes, and each plays. The tiny set's banner."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    open_song(page, site.url, "[verse]\ntwo takes\none at a time", "0.5")
+    notice = page.locator("#notice")
+    notice.wait_for(state="visible", timeout=30_000)  # the tiny set's workers: the listener is told first
+    assert notice.inner_text().startswith("Tiny test model: the audio is noise of the right length.")
+    assert httpx.get(site.url + "/config", timeout=10).json()["untrained_workers"] == 1
+    page.fill("#num_tracks", "2")
+    hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of a take: both takes still run
+    hold.touch()
+    try:
+        card = submitted(page)
+        one, two = card.locator(".track >> nth=0"), card.locator(".track >> nth=1")
+        page.wait_for_function(PLAYING, arg=".job .track:nth-child(1) .live audio", timeout=120_000)
+        two.locator(".listen").wait_for(state="visible", timeout=60_000)
+        assert "press Listen live" in two.locator(".live-sec").inner_text()  # nobody listens: it says how
+        two.locator(".listen").click()
+        page.wait_for_function(
+            """() => { const [a, b] = document.querySelectorAll('.job .live audio');
+                       return a.paused && !b.paused; }""",
+            timeout=30_000,
+        )
+    finally:
+        hold.unlink()
+    page.wait_for_function(
+        "document.querySelector('.job .job-status').textContent.startsWith('completed')", timeout=300_000
+    )
+    for take in (one, two):
+        take.locator(".result audio").wait_for(state="visible")
+        assert take.locator("audio:visible").count() == 1  # the final player replaced the live one
+        assert take.locator(".phase").inner_text() == "ready"
+    job_id = card.get_attribute("data-job-id")
+
+    page.reload()
+    page.wait_for_selector("#jobs[data-listed]", state="attached")
+    listed = page.locator(f'.job[data-job-id="{job_id}"]')
+    assert listed.locator(".job-title").inner_text().startswith("Mandopop")
+    assert listed.locator(".job-status").inner_text() == "completed"
+    assert listed.locator(".result audio").count() == 2
+    assert page.locator("#older").is_hidden()  # one page holds every job here
+    for i in (1, 2):
+        sel = f'.job[data-job-id="{job_id}"] .track:nth-child({i}) .result audio'
+        page.evaluate("(sel) => document.querySelector(sel).play()", sel)
+        page.wait_for_function(PLAYING, arg=sel, timeout=30_000)
+    first = f'.job[data-job-id="{job_id}"] .track:nth-child(1) .result audio'
+    assert page.evaluate("(sel) => document.querySelector(sel).paused", first)  # take 2 paused it
+    assert listed.locator(".figures summary").first.inner_text() == "details"
+    assert "Done" in listed.locator(".figures-text").first.text_content()  # the pipeline's line, one click away
+    page.evaluate("() => document.querySelectorAll('audio').forEach((a) => a.pause())")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "page-reloaded.png"), full_page=True)
+    assert not errors
+
+
+def test_docs_render_with_the_network_off(site, page):
+    """Swagger UI from the dispatcher itself: every request off this machine is refused, the page renders."""
+    browser = page.context.browser
+    assert browser is not None
+    context = browser.new_context()
+    outside: list[str] = []
+
+    def local_only(route):
+        if route.request.url.startswith(site.url):
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort("internetdisconnected")
+
+    context.route("**/*", local_only)
+    docs = context.new_page()
+    docs.goto(site.url + "/docs")
+    docs.wait_for_selector(".swagger-ui .opblock-summary-path", timeout=60_000)
+    paths = docs.locator(".opblock-summary-path").all_inner_texts()
+    assert "/generate" in paths
+    assert "/jobs" in paths
+    ARTIFACTS.mkdir(exist_ok=True)
+    docs.screenshot(path=str(ARTIFACTS / "docs-offline.png"), full_page=True)
+    assert (ARTIFACTS / "docs-offline.png").stat().st_size > 10_000
+    assert outside == []
+    context.close()
 
 
 def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(site, page, tmp_path):
@@ -190,8 +291,11 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
     page.wait_for_function("document.getElementById('upload-continue').textContent.startsWith('Continue from 0:0')")
     at = round(page.evaluate("document.getElementById('upload-audio').currentTime"), 3)
     assert 0.9 < at < 1.1
-    page.click("#upload-continue")
-    card = page.locator(".job").first
+    page.wait_for_function(  # the chosen point is marked on the waveform
+        """() => { const c = document.getElementById('upload-wave');
+                   return c.dataset.marked === document.getElementById('upload-audio').currentTime.toFixed(2); }"""
+    )
+    card = submitted(page, "#upload-continue")
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert card.locator(".job-title").inner_text().startswith("demo.wav · from 0:0")
     job = httpx.get(f"{site.url}/job/{card.get_attribute('data-job-id')}", timeout=10).json()
@@ -222,8 +326,7 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     seen: list[tuple[str, int]] = []
     page.on("response", lambda r: seen.append((r.url.split("/", 3)[-1], r.status)))
     open_song(page, keyed.url, "[verse]\nbehind a key", "0.05")
-    page.click("#generate")
-    card = page.locator(".job").first
+    card = submitted(page)
     audio = card.locator(".result audio")
     audio.wait_for(state="visible", timeout=60_000)
     played = page.evaluate(
@@ -238,5 +341,8 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     href = card.locator(".dl-wav").get_attribute("href")
     assert page.evaluate("(href) => fetch(href).then((r) => r.status)", href) == 200  # no header: the cookie
     assert [code for _, code in seen].count(401) == 1  # the page's first call, before it had the key
+    assert keyed.workers  # tone workers, which do not say they run an untrained set: no banner
+    assert page.locator("#notice").is_hidden()
+    assert httpx.get(keyed.url + "/config", headers={"Authorization": "Bearer page-key-1"}).json()["notice"] is None
     assert not errors
     page.close()

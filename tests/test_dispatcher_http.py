@@ -261,7 +261,16 @@ def test_status_tags_metrics_config_docs(one):
     assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in m
     assert httpx.get(one.url + "/config").json()["backbone_models"] == ["default_backbone"]
     assert httpx.get(one.url + "/ready").status_code == 200
-    assert httpx.get(one.url + "/docs").status_code == 200
+    docs = httpx.get(one.url + "/docs")
+    assert docs.status_code == 200
+    assert "cdn." not in docs.text  # Swagger UI from the dispatcher itself (api_docs.py): works offline
+    for asset in ("docs/assets/swagger-ui-bundle.js", "docs/assets/swagger-ui.css"):
+        assert f'"{asset}"' in docs.text
+        assert len(httpx.get(f"{one.url}/{asset}").content) > 100_000
+    assert httpx.get(one.url + "/docs/assets/..%2Fcore.py").status_code == 404  # named files only
+    redoc = httpx.get(one.url + "/redoc")
+    assert '"docs/assets/redoc.standalone.js"' in redoc.text
+    assert "googleapis" not in redoc.text
     assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
 
 
@@ -302,3 +311,12 @@ def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_fou
         assert job["status"] == "completed"
         assert {t["metadata"]["worker_id"] for t in job["tracks"]} == {0, 1, 2, 3}
         assert all("batch of 1" in w.log_tail(100_000) for w in c.workers)
+
+
+def test_the_dispatchers_config_counts_workers_that_say_they_run_an_untrained_set(tmp_path):
+    args = ("--pipeline", "test", "--test-untrained", "true")
+    with Cluster(tmp_path, workers=1, worker_args=args) as c:
+        assert httpx.get(c.workers[0].url + "/config").json()["untrained"] is True
+        # read when the worker comes online, in the poll that saw it idle: wait for it, not for /status
+        config = wait_for(lambda: (got := httpx.get(c.url + "/config").json())["untrained_workers"] == 1 and got)
+        assert config["notice"].startswith("Tiny test model: the audio is noise of the right length.")

@@ -212,3 +212,20 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
         assert not (tmp_path / "results" / ids[0]).exists()
 
     asyncio.run(go())
+
+
+def test_config_says_when_the_workers_run_an_untrained_set():
+    from songserve.api.facts import Fleet
+    from songserve.api.readiness import config
+
+    s = DispatcherSettings()
+    trained = config(s, Fleet(["b"], ["s"], None, 2, untrained=0))
+    assert (trained["untrained_workers"], trained["notice"]) == (0, None)
+    tiny = config(s, Fleet(["b"], ["s"], None, 1, untrained=1))
+    assert tiny["notice"] == (
+        "Tiny test model: the audio is noise of the right length. Set CHECKPOINTS_DIR to a trained set to hear music."
+    )
+    mixed = config(s, Fleet(["b"], ["s"], None, 3, untrained=1))
+    assert mixed["notice"] == (
+        "1 of 3 workers run the tiny test model: the audio is noise of the right length; a take they make is not music."
+    )

@@ -93,6 +93,33 @@ def test_another_keys_job_is_not_found_on_any_route_and_nothing_is_done_to_it(si
     assert again.json()["job_id"] == first.json()["job_id"]
 
 
+def test_a_key_lists_its_own_jobs_and_an_operators_key_lists_every_one(site):
+    mine = [finished_job(site, ALICE), finished_job(site, ALICE)]
+    theirs = finished_job(site, BOB)
+
+    def listed(headers: dict[str, str], **query: str | int) -> dict:
+        r = httpx.get(site.url + "/jobs", params={"limit": 100, **query}, headers=headers, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    alice = [j["job_id"] for j in listed(ALICE)["jobs"]]
+    assert alice[:2] == mine[::-1]  # newest first
+    assert theirs not in alice
+    assert theirs in [j["job_id"] for j in listed(BOB)["jobs"]]
+    assert not set(mine) & {j["job_id"] for j in listed(BOB)["jobs"]}
+    every = [j["job_id"] for j in listed(OPS)["jobs"]]
+    assert every[:3] == [theirs, *mine[::-1]]  # sees all: every key's jobs
+    # One page at a time, each below the last: the same jobs, in the same order, ending with no cursor.
+    paged, cursor = [], None
+    while True:
+        page = listed(ALICE, limit=1, **({"cursor": cursor} if cursor else {}))
+        paged += [j["job_id"] for j in page["jobs"]]
+        if (cursor := page["next_cursor"]) is None:
+            break
+    assert paged == alice
+    assert httpx.get(site.url + "/jobs", timeout=10).status_code == 401  # no key: no list
+
+
 def test_another_keys_upload_is_not_found_and_cannot_be_continued_or_deleted(site):
     t = np.arange(2 * 44100) / 44100
     buf = io.BytesIO()

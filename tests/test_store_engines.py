@@ -166,6 +166,24 @@ def test_an_idempotency_key_names_one_job_across_dispatchers(engine: str) -> Non
     run(go)
 
 
+def test_jobs_are_listed_newest_first_per_key_and_paged_below_a_sequence(engine: str) -> None:
+    async def go() -> None:
+        async with two_stores(engine) as s:
+            for i, (store, caller) in enumerate([(s.a, "ann"), (s.b, "ben"), (s.a, "ann"), (s.b, None), (s.a, "ann")]):
+                job = dataclasses.replace(new_job(f"cccc00000000000{i}", tracks=1), caller=caller)
+                await store.insert_job(job)
+            every = await s.b.jobs_newest_first(None, None, 10)
+            assert [j for j, _ in every] == [f"cccc00000000000{i}" for i in (4, 3, 2, 1, 0)]
+            assert [seq for _, seq in every] == sorted((seq for _, seq in every), reverse=True)
+            ann = await s.b.jobs_newest_first("ann", None, 2)
+            assert [j for j, _ in ann] == ["cccc000000000004", "cccc000000000002"]
+            rest = await s.a.jobs_newest_first("ann", ann[-1][1], 2)  # the page below the last one seen
+            assert [j for j, _ in rest] == ["cccc000000000000"]
+            assert await s.a.jobs_newest_first("nobody", None, 5) == []
+
+    run(go)
+
+
 def test_worker_leases_are_exclusive_renewed_and_expire(engine: str) -> None:
     async def go() -> None:
         async with two_stores(engine) as s:

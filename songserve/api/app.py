@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from songserve import __version__
+from songserve.api.api_docs import docs_router
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.keys import ApiKeys, KeyAuth
 from songserve.api.page import FILES, page_router
@@ -72,6 +73,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         version=__version__,
         lifespan=lifespan,
         description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.",
+        docs_url=None,  # /docs and /redoc: api_docs.py, from a package's files, not a CDN (they work offline)
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.add_middleware(
@@ -93,4 +96,5 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
     app.include_router(router)
     app.include_router(page_router())
+    app.include_router(docs_router(app.title))
     return app

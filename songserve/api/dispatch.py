@@ -331,7 +331,8 @@ class Dispatcher:
 
     def fleet(self) -> Fleet:
         pool = self.pool
-        return Fleet(pool.models("backbone"), pool.models("superres"), pool.context_minutes(), len(pool.workers))
+        models = pool.models("backbone"), pool.models("superres")
+        return Fleet(*models, pool.context_minutes(), len(pool.workers), pool.untrained())
 
     def kick(self) -> None:
         """Something may start now (an upload was stored): the dispatch loop looks at once."""

@@ -24,3 +24,4 @@ class Fleet:
     superres_models: list[str]
     context: tuple[int, int] | None  # (the longest backbone context in tokens, audio tokens per minute)
     workers: int
+    untrained: int = 0  # workers running an untrained set (their /config says so): what they make is noise

@@ -1,4 +1,4 @@
-"""The page's three files (``songserve/web/``) as routes of their own, GET and HEAD.
+"""The page's files (``songserve/web/``) as routes of their own, GET and HEAD.
 
 Why not a static-files mount at ``/``: a mount there matches every path and every method, so it
 answered ``GET /generate`` with its own 404 (and ``PUT /job/{id}`` with its 405 naming GET and
@@ -16,7 +16,13 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
-FILES = {"/": "index.html", "/index.html": "index.html", "/app.js": "app.js", "/style.css": "style.css"}
+FILES = {
+    "/": "index.html",
+    "/index.html": "index.html",
+    "/app.js": "app.js",
+    "/jobs.js": "jobs.js",
+    "/style.css": "style.css",
+}
 MEDIA = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",

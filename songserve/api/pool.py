@@ -304,6 +304,10 @@ class WorkerPool:
         ]
         return max(known) if known else None
 
+    def untrained(self) -> int:
+        """Workers whose ``/config`` says they run an untrained set (the tiny set: noise of the right length)."""
+        return sum(w.config is not None and w.config.untrained for w in self.workers)
+
     def models(self, kind: str) -> list[str]:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""
         names: list[str] = []

@@ -115,5 +115,21 @@ def config(s: DispatcherSettings, fleet: Fleet) -> dict[str, object]:
         },
         "defaults": {"num_tracks": 2, "duration": 3, "top_k_bb": 80, "temperature": 1.0, "top_k_sr": 10},
         "workers": fleet.workers,
+        # workers whose /config says they run an untrained set, and the sentence the page shows then
+        "untrained_workers": fleet.untrained,
+        "notice": untrained_notice(fleet),
         "version": __version__,
     }
+
+
+UNTRAINED = "tiny test model: the audio is noise of the right length"
+
+
+def untrained_notice(fleet: Fleet) -> str | None:
+    """What a listener must know before pressing Generate: the workers make noise (None: they do not say so)."""
+    if not fleet.untrained:
+        return None
+    if fleet.untrained >= fleet.workers:
+        return f"{UNTRAINED[0].upper()}{UNTRAINED[1:]}. Set CHECKPOINTS_DIR to a trained set to hear music."
+    return (f"{fleet.untrained} of {fleet.workers} workers run the {UNTRAINED}; "
+            "a take they make is not music.")  # fmt: skip

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, File, Header, Query, Request, UploadFile
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
-from songserve.api import metrics
+from songserve.api import job_list, metrics
 from songserve.api.keys import CALLER, Caller
 from songserve.api.live import LiveResponse
 from songserve.api.service import JobService, TrackFile
@@ -17,6 +17,7 @@ from songserve.http_errors import error_response
 from songserve.schemas import (
     GenerateAccepted,
     GenerateRequest,
+    JobList,
     JobView,
     UploadView,
     UsageView,
@@ -94,6 +95,17 @@ async def generate(
 async def usage(request: Request, svc: JobService = Service) -> UsageView:
     """The caller's key: its limits and its use (the last hour's tracks, its unfinished jobs)."""
     return await svc.usage(caller(request))
+
+
+@router.get("/jobs", response_model=JobList)
+async def jobs(
+    request: Request,
+    limit: int = Query(job_list.DEFAULT_LIMIT, ge=1, le=job_list.MAX_LIMIT, description="jobs in one page"),
+    cursor: str | None = Query(None, pattern=job_list.CURSOR_PATTERN, description="a page's next_cursor: older jobs"),
+    svc: JobService = Service,
+) -> JobList:
+    """The caller's jobs, newest first: its key's own, or every job for a key that sees all (or no keys)."""
+    return await svc.jobs(caller(request), limit, cursor)
 
 
 @router.get("/job/{job_id}", response_model=JobView, dependencies=OwnJob)

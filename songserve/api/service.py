@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from songserve import codes as codes_file
-from songserve.api import readiness, render, retakes
+from songserve.api import job_list, readiness, render, retakes
 from songserve.api.announcements import Announcements
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
@@ -47,6 +47,7 @@ from songserve.logs import safe
 from songserve.schemas import (
     GenerateAccepted,
     GenerateRequest,
+    JobList,
     JobView,
     UsageView,
 )
@@ -272,6 +273,10 @@ class JobService:
         job = await self._load(job_id)
         facts = self.dispatcher.facts(job)
         return job_view(job, facts.positions, facts.eta)
+
+    async def jobs(self, caller: Caller | None, limit: int, cursor: str | None) -> JobList:
+        """``GET /jobs``: the jobs ``caller`` may see, newest first (``job_list.py``)."""
+        return await job_list.list_jobs(self.store, self._load, self.dispatcher.facts, caller, limit, cursor)
 
     async def cancel(self, job_id: str) -> JobView:
         job = await self._load(job_id)

@@ -295,6 +295,14 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
     async def job_ids(self) -> set[str]:
         return {r["job_id"] for r in await self.db.read("SELECT job_id FROM jobs")}
 
+    async def jobs_newest_first(self, caller: str | None, below: int | None, limit: int) -> list[tuple[str, int]]:
+        rows = await self.db.read(
+            "SELECT job_id, seq FROM jobs WHERE (%s::bigint IS NULL OR seq < %s) AND (%s::text IS NULL OR caller = %s)"
+            " ORDER BY seq DESC LIMIT %s",
+            (below, below, caller, caller, limit),
+        )
+        return [(r["job_id"], int(r["seq"])) for r in rows]
+
     async def delete_job(self, job_id: str) -> None:
         await self._job_write("DELETE FROM jobs WHERE job_id=%s", (job_id,))
 

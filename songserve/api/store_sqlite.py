@@ -240,6 +240,14 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
     async def job_ids(self) -> set[str]:
         return {r[0] for r in self.db.execute("SELECT job_id FROM jobs").fetchall()}
 
+    async def jobs_newest_first(self, caller: str | None, below: int | None, limit: int) -> list[tuple[str, int]]:
+        rows = self.db.execute(
+            "SELECT job_id, seq FROM jobs WHERE (? IS NULL OR seq < ?) AND (? IS NULL OR caller = ?)"
+            " ORDER BY seq DESC LIMIT ?",
+            (below, below, caller, caller, limit),
+        ).fetchall()
+        return [(r[0], int(r[1])) for r in rows]
+
     async def delete_job(self, job_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))

@@ -92,6 +92,7 @@ class ModelPipeline:
             "frame_rate": round(cfg.frame_rate, 2),
             "channels": cfg.channels,
             "tiny_checkpoints": self.ckpt.tiny,
+            "untrained": self.ckpt.untrained,  # seeded random weights: noise of the right length
             "checkpoint_layout": self.ckpt.layout,
             "checkpoints": dict(self.ckpt.found),
             "architectures": {n: b.gpt.arch.summary() for n, b in self.residency.backbones.items()},

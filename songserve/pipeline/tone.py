@@ -58,6 +58,7 @@ class TonePipeline:
             "frame_rate": round(FRAMES_PER_SECOND, 2),
             "test_pipeline": True,
             "encoder": True,
+            "untrained": self.s.test_untrained,  # the page's banner, testable at tone speed
         }
 
     def limits(self) -> dict[str, Any]:

@@ -190,3 +190,27 @@ class JobView(BaseModel):
     eta_sec: float | None = None
     priority: int = 0
     tracks: list[TrackView]
+
+
+class JobAsked(BaseModel):
+    """What a listed job was asked for, as served (``GET /jobs``): enough for a page to name it again."""
+
+    mode: str
+    prompt_mode: str
+    prompt: str
+    tags: str
+    duration: float = Field(description="minutes")
+    continue_from: ContinueFrom | None = None
+
+
+class JobListItem(JobView):
+    """A job of ``GET /jobs``: its view (``GET /job/{id}``'s body) and what it was asked for."""
+
+    asked: JobAsked
+
+
+class JobList(BaseModel):
+    """``GET /jobs``: the caller's jobs, newest first, one page of them."""
+
+    jobs: list[JobListItem]
+    next_cursor: str | None = Field(description="send as cursor for the next page, older jobs; null: no more")

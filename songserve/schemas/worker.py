@@ -205,6 +205,9 @@ class WorkerConfig(BaseModel):
     formats: list[str] = Field(default_factory=list)  # the files each track gets besides its JSON
     device: str | None = None
     tiny_checkpoints: bool = False
+    # ext: seeded random weights (any set pipeline/tiny/ built, its MANIFEST.json says so): the audio is noise
+    # of the right length; the dispatcher's /config counts such workers (untrained_workers) for the page's banner
+    untrained: bool = False
     encoder: bool = False  # ext: it encodes a person's audio into codes (POST /encode)
     checkpoint_layout: str | None = None  # what was found where ("own", "release")
     checkpoints: dict[str, str] = Field(default_factory=dict)  # each file or folder it loaded, by role

@@ -1,10 +1,8 @@
-// songserve page: submit a job, follow it over server-sent events, hear each take while it is made,
-// play and download the tracks, continue a finished track from the player's position, and start a
-// song from one's own audio.
+// songserve page: the form (style, lyrics, length), the fleet's state and what it runs, and starting a
+// song from one's own audio; the job cards, their players and the list of one's jobs are in jobs.js.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const TERMINAL = new Set(["completed", "partial", "failed", "cancelled"]);
 
 // With an API key configured on the server, the key is asked for once and kept in this browser.
 // <audio>, download links and EventSource cannot send an Authorization header: their reads carry the
@@ -20,9 +18,11 @@ if (apiKey()) keyCookie(apiKey());
 
 async function api(path, options = {}, retried = false) {
   const headers = { ...(options.headers || {}) };
-  if (apiKey()) headers.Authorization = `Bearer ${apiKey()}`;
+  const used = apiKey();
+  if (used) headers.Authorization = `Bearer ${used}`;
   const response = await fetch(path, { ...options, headers });
   if (response.status === 401 && !retried) {
+    if (apiKey() && apiKey() !== used) return api(path, options, true);  // given meanwhile, for another call
     const key = window.prompt("This server needs an API key:");
     if (key) { rememberKey(key.trim()); return api(path, options, true); }
   }
@@ -121,6 +121,15 @@ async function refreshStatus() {
   el.title = `From GET /status, asked every ${STATUS_EVERY_MS / 1000} s while this page is open.`;
 }
 
+// The banner: what the workers run, when it is not music (GET /config's notice: an untrained set).
+async function refreshConfig() {
+  try {
+    const config = await api("config");
+    $("notice").textContent = config.notice || "";
+    $("notice").hidden = !config.notice;
+  } catch (_) { /* the header says when the server cannot be reached */ }
+}
+
 function formBody() {
   const instrumental = $("instrumental").checked;
   const body = {
@@ -155,186 +164,55 @@ $("gen-form").addEventListener("submit", async (event) => {
   }
 });
 
-// ---- a job card --------------------------------------------------------------------------------
-// What the server read differently from what was sent (out-of-range values, as the reference reads them).
-function adjustedNote(adjusted) {
-  const parts = Object.entries(adjusted || {}).map(([field, c]) => `${field} ${JSON.stringify(c.from)} → ${JSON.stringify(c.to)}`);
-  return parts.length ? `Adjusted: ${parts.join(", ")}` : "";
-}
-
-function followJob(jobId, request, adjusted, notes) {
-  const card = $("job-tpl").content.firstElementChild.cloneNode(true);
-  card.dataset.jobId = jobId;
-  card.dataset.live = request.live ? "1" : "";  // asked to be heard while it is made: play take 1 live
-  const note = card.querySelector(".job-note");
-  note.textContent = [adjustedNote(adjusted), ...(notes || [])].filter(Boolean).join(" ");  // the server's notes
-  note.hidden = !note.textContent;
-  card.querySelector(".job-title").textContent = (request.tags || request.prompt || "Untitled") + ` · ${jobId.slice(0, 8)}`;
-  card.querySelector(".cancel").addEventListener("click", async () => {
-    try { render(card, await api(`job/${jobId}`, { method: "DELETE" })); }
-    catch (e) { showError(card.querySelector(".job-error"), e.message); }
-  });
-  $("jobs").prepend(card);
-
-  let closed = false;
-  const source = new EventSource(`job/${jobId}/events`);  // with an API key, its cookie goes along
-  source.addEventListener("job", (event) => {
-    const job = JSON.parse(event.data);
-    render(card, job);
-    if (TERMINAL.has(job.status) && job.tracks.every((t) => ["done", "error", "cancelled"].includes(t.status))) {
-      closed = true; source.close();
-    }
-  });
-  source.onerror = () => {  // fall back to polling if the stream breaks
-    if (closed) return;
-    source.close();
-    const poll = async () => {
-      try {
-        const job = await api(`job/${jobId}`);
-        render(card, job);
-        if (!TERMINAL.has(job.status)) setTimeout(poll, 1000);
-      } catch (e) { showError(card.querySelector(".job-error"), e.message); setTimeout(poll, 3000); }
-    };
-    poll();
-  };
-}
-
-function render(card, job) {
-  const eta = job.eta_sec && !TERMINAL.has(job.status) ? ` · about ${Math.round(job.eta_sec)} s left` : "";
-  card.querySelector(".job-status").textContent = job.status + eta;
-  card.querySelector(".cancel").hidden = TERMINAL.has(job.status);
-  const box = card.querySelector(".tracks");
-  job.tracks.forEach((t) => {
-    let el = box.querySelector(`[data-index="${t.index}"]`);
-    if (!el) {
-      el = $("track-tpl").content.firstElementChild.cloneNode(true);
-      el.dataset.index = t.index;
-      el.querySelector(".track-name").textContent = `Track ${t.index + 1}`;
-      box.appendChild(el);
-    }
-    el.dataset.status = t.status;
-    el.querySelector(".phase").textContent = t.phase_display;
-    el.querySelector("progress").value = t.progress;
-    showError(el.querySelector(".track-error"), t.error);
-    renderLive(card, el, t);
-    if (t.status === "done" && t.files) {
-      const result = el.querySelector(".result");
-      const audio = result.querySelector("audio");
-      if (!audio.getAttribute("src")) {
-        audio.src = t.files.mp3.replace(/^\//, "");
-        result.querySelector(".dl-mp3").href = t.files.mp3.replace(/^\//, "");
-        result.querySelector(".dl-wav").href = t.files.wav.replace(/^\//, "");
-        setupResult(result, card.dataset.jobId, t.index, audio);
-      }
-      result.hidden = false;
-    }
-  });
-}
-
-// ---- live audio: a take heard while it is made (GET …/stream, MP3 as it arrives) ------------------
-// "Listen live" (or the form's box, for the first take) plays the stream; it runs on to the take's end
-// and then the final players appear below. The badge says LIVE until the track is done.
-function renderLive(card, el, t) {
-  const live = el.querySelector(".live");
-  const audio = live.querySelector("audio");
-  const ended = ["done", "error", "cancelled"].includes(t.status);
-  if (!t.stream_url || (ended && !audio.getAttribute("src"))) { live.hidden = true; return; }
-  live.hidden = false;
-  if (ended) {
-    live.dataset.final = "";
-    live.querySelector(".live-badge").textContent = t.status === "done" ? "DONE" : t.status.toUpperCase();
-    live.querySelector(".live-sec").textContent = "";
-    live.querySelector(".listen").hidden = true;
-    return;
-  }
-  live.querySelector(".live-sec").textContent = t.preview_sec > 0 ? `${clock(t.preview_sec)} made so far`
-    : t.status === "queued" ? "starts when the track does" : "the first seconds are on their way";
-  const listen = live.querySelector(".listen");
-  const play = () => {
-    if (audio.getAttribute("src")) return;
-    audio.src = t.stream_url.replace(/^\//, "");
-    audio.play().catch(() => {});  // a browser that wants a click first shows the play button
-    listen.hidden = true;
-  };
-  if (!listen.dataset.ready) { listen.dataset.ready = "1"; listen.addEventListener("click", play); }
-  if (card.dataset.live === "1" && t.index === 0) play();
-}
-
-// ---- a finished track: other formats, and "continue from here" --------------------------------
-// FLAC and Opus are rendered by the server from the stored WAV (GET …/render), at a loudness if chosen.
-function renderLinks(result, jobId, index) {
-  const loudness = result.querySelector(".loudness").value;
-  for (const format of ["flac", "opus"]) {
-    const query = new URLSearchParams({ format });
-    if (loudness) query.set("loudness", loudness);
-    result.querySelector(`.dl-${format}`).href = `job/${jobId}/track/${index}/render?${query}`;
-  }
-}
-
 function clock(sec) {
   const m = Math.floor(sec / 60);
   return `${m}:${(sec - 60 * m).toFixed(1).padStart(4, "0")}`;
 }
 
-// A retake: the server keeps this track's audio before the player's position and generates the
-// rest again (POST /generate with continue_from); style, lyrics and length stay the original's.
-function setupResult(result, jobId, index, audio) {
-  renderLinks(result, jobId, index);
-  result.querySelector(".loudness").addEventListener("change", () => renderLinks(result, jobId, index));
-  const button = result.querySelector(".continue");
-  const label = () => {
-    button.textContent = audio.currentTime > 0 ? `Continue from ${clock(audio.currentTime)}` : "Continue from here";
-  };
-  audio.addEventListener("timeupdate", label);
-  audio.addEventListener("seeked", label);
-  const card = result.closest(".job");
-  button.addEventListener("click", async () => {
-    const error = card.querySelector(".job-error");
-    const at = audio.currentTime;
-    if (!(at > 0)) { showError(error, "Play the track and pause where its new part should start."); return; }
-    showError(error, "");
-    const body = { continue_from: { job_id: jobId, track_index: index, at_sec: Number(at.toFixed(3)) },
-                   num_tracks: Number($("num_tracks").value) };
-    if ($("seed").value !== "") body.seed = Number($("seed").value);
-    button.disabled = true;
-    try {
-      const accepted = await api("generate", {
-        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-      });
-      const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · from ${clock(at)}`;
-      followJob(accepted.job_id, { tags: title }, accepted.adjusted);
-    } catch (e) {
-      showError(error, e.message);
-    } finally {
-      button.disabled = false;
-    }
-  });
-}
-
 // ---- one's own audio: upload it (POST /uploads), watch its encoding, continue from a point --------
-// The waveform is drawn from the file in this browser (Web Audio); a click on it moves the player.
 let upload = null;  // {upload_id, duration_sec, status} while a file is chosen
+
+// The waveform is drawn from the file in this browser (Web Audio); a click on it moves the player, and
+// the chosen point (the player's position: where the new part starts) is marked on it.
+let wavePeaks = null;  // per pixel column: [lowest, highest] sample of the first channel
 
 function drawWave(buffer) {
   const canvas = $("upload-wave");
   canvas.width = canvas.clientWidth || 600;
-  const g = canvas.getContext("2d");
   const data = buffer.getChannelData(0);
   const step = Math.max(1, Math.floor(data.length / canvas.width));
-  g.clearRect(0, 0, canvas.width, canvas.height);
-  g.fillStyle = "#818cf8";
+  wavePeaks = [];
   for (let x = 0; x < canvas.width; x++) {
     let lo = 1, hi = -1;
     for (let i = x * step; i < Math.min(data.length, (x + 1) * step); i++) { lo = Math.min(lo, data[i]); hi = Math.max(hi, data[i]); }
-    const mid = canvas.height / 2;
-    g.fillRect(x, mid - hi * mid, 1, Math.max(1, (hi - lo) * mid));
+    wavePeaks.push([lo, hi]);
   }
+  paintWave();
   canvas.dataset.drawn = "1";
+}
+
+function paintWave() {
+  const canvas = $("upload-wave"), a = $("upload-audio");
+  if (!wavePeaks) return;
+  const g = canvas.getContext("2d"), mid = canvas.height / 2;
+  const at = a.duration > 0 && a.currentTime > 0 ? a.currentTime / a.duration : null;
+  const split = at === null ? canvas.width : Math.round(at * canvas.width);
+  g.clearRect(0, 0, canvas.width, canvas.height);
+  wavePeaks.forEach(([lo, hi], x) => {
+    g.fillStyle = x < split ? "#818cf8" : "#c7d2fe";  // kept, then what the new part replaces
+    g.fillRect(x, mid - hi * mid, 1, Math.max(1, (hi - lo) * mid));
+  });
+  if (at !== null) {
+    g.fillStyle = "#b91c1c";
+    g.fillRect(Math.min(split, canvas.width - 2), 0, 2, canvas.height);
+  }
+  canvas.dataset.marked = at === null ? "" : a.currentTime.toFixed(2);  // what the marker shows, for tests
 }
 
 function uploadLabel() {
   const at = $("upload-audio").currentTime;
   $("upload-continue").textContent = at > 0 ? `Continue from ${clock(at)}` : "Continue from the end";
+  paintWave();
 }
 
 async function watchUpload(id) {
@@ -354,6 +232,7 @@ async function chooseFile(file) {
   if (!file) return;
   showError($("upload-error"), "");
   $("upload-box").hidden = false;
+  wavePeaks = null;
   $("upload-name").textContent = file.name;
   $("upload-status").textContent = "uploading…";
   $("upload-audio").src = URL.createObjectURL(file);
@@ -389,7 +268,8 @@ $("upload-wave").addEventListener("click", (e) => {
 $("upload-audio").addEventListener("timeupdate", uploadLabel);
 $("upload-audio").addEventListener("seeked", uploadLabel);
 $("upload-clear").addEventListener("click", () => {
-  upload = null; $("upload-box").hidden = true; $("upload-file").value = ""; showError($("upload-error"), "");
+  upload = null; wavePeaks = null; $("upload-box").hidden = true; $("upload-file").value = "";
+  showError($("upload-error"), "");
 });
 $("upload-continue").addEventListener("click", async () => {
   if (!upload) return;
@@ -411,6 +291,13 @@ $("upload-continue").addEventListener("click", async () => {
   }
 });
 
-loadTags();
-refreshStatus();
-setInterval(refreshStatus, STATUS_EVERY_MS);
+$("older").addEventListener("click", () => loadJobs(olderCursor));
+
+// One call after another at first: behind an API key the first one asks for it, the others use it.
+(async () => {
+  loadTags();
+  await refreshStatus();
+  await refreshConfig();
+  await loadJobs();
+  setInterval(() => { refreshStatus(); refreshConfig(); }, STATUS_EVERY_MS);
+})();

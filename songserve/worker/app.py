@@ -165,6 +165,7 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
             formats=["wav", "mp3"],
             device=runtime.device.name,
             tiny_checkpoints=d.get("tiny_checkpoints", False),
+            untrained=d.get("untrained", False),
             encoder=d.get("encoder", False),
             checkpoint_layout=d.get("checkpoint_layout"),  # extension: what was found where
             checkpoints=d.get("checkpoints", {}),
