@@ -45,6 +45,37 @@ say() { echo "run_backend: $*"; }
 die() { echo "run_backend: $*" >&2; exit 1; }
 full() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 TOKEN_FILE="$LOG_DIR/worker_token"
+NONCE_FILE="$LOG_DIR/launch_nonce"
+
+# ---- ports: free before anything starts; a child is known by the nonce its /health echoes ------
+NONCE=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+
+check_ports() {  # one line naming the port and the setting that moves it, or nothing
+  local specs=() i host=${API_HOST:-127.0.0.1} problem
+  if [ $API = 1 ]; then
+    specs+=("$host" "$API_PORT" "the dispatcher" API_PORT)
+    [ -z "$ACESTEP_PORT" ] || specs+=("$host" "$ACESTEP_PORT" "ACE-Step's API" "ACESTEP_PORT (--acestep-port)")
+  fi
+  if [ $WORKERS = 1 ]; then
+    for i in "${!GPU_IDS[@]}"; do
+      specs+=("$WORKER_HOST" $((WORKER_BASE_PORT + i)) "worker $i" WORKER_BASE_PORT)
+      [ "${BASE_MASTER_PORT:-0}" = 0 ] || specs+=("${MASTER_ADDR:-127.0.0.1}" $((BASE_MASTER_PORT + i)) \
+        "worker $i's process group" "BASE_MASTER_PORT (or unset it: no port)")
+    done
+  fi
+  problem=$($PY -m songserve.launcher_probe ports "${specs[@]}") || die "${problem:-checking the ports failed}"
+}
+
+launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_FILE (if one did)?
+  local nonce env
+  nonce=$(cat "$NONCE_FILE" 2>/dev/null) || return 0   # pid files from before nonces: the command line decides
+  env=$(tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null) || return 1
+  [ -z "$env" ] || grep -qx "LAUNCH_NONCE=$nonce-[a-z0-9]*" <<<"$env"   # empty: exiting, as in ours()
+}
+
+health_word() {  # url nonce: ready, starting, other (not the child given that nonce) or none
+  $PY -m songserve.launcher_probe health "$1" "$2" 2>/dev/null || echo none
+}
 
 # ---- stop -------------------------------------------------------------------------------------
 ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused by something else is not)?
@@ -56,7 +87,7 @@ ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused 
   cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
   # an exiting process gives up its memory, and with it its command line, some time before it is
   # gone: an empty command line is still ours (else stop would return while it closes its files)
-  [ -z "$cmd" ] || grep -qE 'backend_(api|worker)\.py' <<<"$cmd"
+  [ -z "$cmd" ] || { grep -qE 'backend_(api|worker)\.py' <<<"$cmd" && launched_here "$pid"; }
 }
 
 wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
@@ -85,34 +116,11 @@ stop_all() {
     fi
     rm -f "$f"
   done
-  rm -f "$TOKEN_FILE"
+  rm -f "$TOKEN_FILE" "$NONCE_FILE"
   say "stopped $stopped processes"
 }
 
 if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
-
-# ---- ports: free before anything starts; a child is known by the nonce its /health echoes ------
-NONCE=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
-
-check_ports() {  # one line naming the port and the setting that moves it, or nothing
-  local specs=() i host=${API_HOST:-127.0.0.1} problem
-  if [ $API = 1 ]; then
-    specs+=("$host" "$API_PORT" "the dispatcher" API_PORT)
-    [ -z "$ACESTEP_PORT" ] || specs+=("$host" "$ACESTEP_PORT" "ACE-Step's API" "ACESTEP_PORT (--acestep-port)")
-  fi
-  if [ $WORKERS = 1 ]; then
-    for i in "${!GPU_IDS[@]}"; do
-      specs+=("$WORKER_HOST" $((WORKER_BASE_PORT + i)) "worker $i" WORKER_BASE_PORT)
-      [ "${BASE_MASTER_PORT:-0}" = 0 ] || specs+=("${MASTER_ADDR:-127.0.0.1}" $((BASE_MASTER_PORT + i)) \
-        "worker $i's process group" "BASE_MASTER_PORT (or unset it: no port)")
-    done
-  fi
-  problem=$($PY -m songserve.launcher_probe ports "${specs[@]}") || die "${problem:-checking the ports failed}"
-}
-
-health_word() {  # url nonce: ready, starting, other (not the child given that nonce) or none
-  $PY -m songserve.launcher_probe health "$1" "$2" 2>/dev/null || echo none
-}
 
 # ---- arguments --------------------------------------------------------------------------------
 GPUS=0; MODE=one_shot; FOLLOW=1; WORKERS=1; API=1; WORKER_URLS=""; ANNOUNCE=${ANNOUNCE:-}
@@ -155,6 +163,7 @@ done
 # ---- set-up (first run only) ------------------------------------------------------------------
 bash scripts/setup
 check_ports
+printf '%s\n' "$NONCE" >"$NONCE_FILE"   # stop knows this launch's processes by it
 if [ "${WORKER_TOKEN+set}" = set ] && { [ -z "$WORKER_TOKEN" ] || [ "$WORKER_TOKEN" = off ]; }; then
   WORKER_TOKEN=""  # a foreign dispatcher that sends no token (the reference one) can drive the workers
   say "WORKER_TOKEN is off: anyone who can reach the workers can use them; use this on a trusted network only"

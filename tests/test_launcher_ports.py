@@ -5,7 +5,10 @@ taken for that child only if it echoes the nonce the launcher gave it; nothing i
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -131,3 +134,35 @@ def test_a_worker_port_answering_with_another_nonce_is_not_taken_for_ours(tiny_d
     assert f"run_backend: port {port} answers for another process, not the worker 0 started here" in text
     assert "set WORKER_BASE_PORT to a free port" in text
     wait_for(lambda: left_behind(env) == [], timeout=60)  # the worker it started is stopped, not orphaned
+
+
+@pytest.mark.parametrize(("its_nonce", "stopped"), [("aaaa1111-worker0", True), ("bbbb2222-worker0", False)])
+def test_stop_ends_only_the_processes_its_own_launch_started(env, its_nonce, stopped):
+    logs = Path(env["LOG_DIR"])
+    logs.mkdir()
+    (logs / "launch_nonce").write_text("aaaa1111\n")  # the launch that wrote these pid files
+    code = "import time; print('up', flush=True); time.sleep(120)"
+    proc = subprocess.Popen(  # its command line names backend_worker.py, as every one of ours does
+        [sys.executable, "-c", code, "backend_worker.py"],
+        env={**os.environ, "LAUNCH_NONCE": its_nonce},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "up\n"
+        (logs / "worker_0.pid").write_text(f"{proc.pid}\n")  # a stale pid another launch's worker now has
+        out = subprocess.run(
+            ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert ("removing stale pid file" in out.stdout) is not stopped, out.stdout
+        if stopped:
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+        else:
+            assert proc.poll() is None  # another launch's process is left running
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
