@@ -8,11 +8,11 @@
 #   bash run_backend.sh --acestep-port 8011                also serve ACE-Step 1.5's API on that port
 #   bash run_backend.sh stop                               stop everything this launcher started
 #
-# Environment: API_PORT (8889), ACESTEP_PORT (unset: not served), WORKER_BASE_PORT (8001),
-# BASE_MASTER_PORT (8791), BASE_SEED (1283), MEGATRON_ARGS, WORKER_HOST (127.0.0.1), LOG_DIR (logs),
-# STATE_DIR (state), HEALTH_TIMEOUT (600 s), STOP_TIMEOUT (40 s), WORKER_TOKEN (generated when unset;
-# "off" or empty = no token, for a dispatcher that sends none, such as the reference one, on a
-# trusted network), and the checkpoint settings the worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH,
+# Environment: API_PORT (8889), ACESTEP_PORT (unset: not served), WORKER_BASE_PORT (8001), BASE_SEED (1283),
+# BASE_MASTER_PORT (unset: no port; N: worker i's process group listens on N+i), MEGATRON_ARGS, WORKER_HOST
+# (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s), STOP_TIMEOUT (40 s), WORKER_TOKEN
+# (generated when unset; "off" or empty = no token, for a dispatcher that sends none, such as the reference
+# one, on a trusted network), and the checkpoint settings the worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH,
 # BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 # Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
@@ -31,7 +31,7 @@ done
 API_PORT=${API_PORT:-8889}
 ACESTEP_PORT=${ACESTEP_PORT:-}
 WORKER_BASE_PORT=${WORKER_BASE_PORT:-8001}
-BASE_MASTER_PORT=${BASE_MASTER_PORT:-8791}
+BASE_MASTER_PORT=${BASE_MASTER_PORT:-}  # unset: each worker's process group lives in the process, no port
 BASE_SEED=${BASE_SEED:-1283}
 MEGATRON_ARGS=${MEGATRON_ARGS:-}
 WORKER_HOST=${WORKER_HOST:-127.0.0.1}
@@ -45,6 +45,37 @@ say() { echo "run_backend: $*"; }
 die() { echo "run_backend: $*" >&2; exit 1; }
 full() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 TOKEN_FILE="$LOG_DIR/worker_token"
+NONCE_FILE="$LOG_DIR/launch_nonce"
+
+# ---- ports: free before anything starts; a child is known by the nonce its /health echoes ------
+NONCE=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+
+check_ports() {  # one line naming the port and the setting that moves it, or nothing
+  local specs=() i host=${API_HOST:-127.0.0.1} problem
+  if [ $API = 1 ]; then
+    specs+=("$host" "$API_PORT" "the dispatcher" API_PORT)
+    [ -z "$ACESTEP_PORT" ] || specs+=("$host" "$ACESTEP_PORT" "ACE-Step's API" "ACESTEP_PORT (--acestep-port)")
+  fi
+  if [ $WORKERS = 1 ]; then
+    for i in "${!GPU_IDS[@]}"; do
+      specs+=("$WORKER_HOST" $((WORKER_BASE_PORT + i)) "worker $i" WORKER_BASE_PORT)
+      [ "${BASE_MASTER_PORT:-0}" = 0 ] || specs+=("${MASTER_ADDR:-127.0.0.1}" $((BASE_MASTER_PORT + i)) \
+        "worker $i's process group" "BASE_MASTER_PORT (or unset it: no port)")
+    done
+  fi
+  problem=$($PY -m songserve.launcher_probe ports "${specs[@]}") || die "${problem:-checking the ports failed}"
+}
+
+launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_FILE (if one did)?
+  local nonce env
+  nonce=$(cat "$NONCE_FILE" 2>/dev/null) || return 0   # pid files from before nonces: the command line decides
+  env=$(tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null) || return 1
+  [ -z "$env" ] || grep -qx "LAUNCH_NONCE=$nonce-[a-z0-9]*" <<<"$env"   # empty: exiting, as in ours()
+}
+
+health_word() {  # url nonce: ready, starting, other (not the child given that nonce) or none
+  $PY -m songserve.launcher_probe health "$1" "$2" 2>/dev/null || echo none
+}
 
 # ---- stop -------------------------------------------------------------------------------------
 ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused by something else is not)?
@@ -56,7 +87,7 @@ ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused 
   cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
   # an exiting process gives up its memory, and with it its command line, some time before it is
   # gone: an empty command line is still ours (else stop would return while it closes its files)
-  [ -z "$cmd" ] || grep -qE 'backend_(api|worker)\.py' <<<"$cmd"
+  [ -z "$cmd" ] || { grep -qE 'backend_(api|worker)\.py' <<<"$cmd" && launched_here "$pid"; }
 }
 
 wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
@@ -85,7 +116,7 @@ stop_all() {
     fi
     rm -f "$f"
   done
-  rm -f "$TOKEN_FILE"
+  rm -f "$TOKEN_FILE" "$NONCE_FILE"
   say "stopped $stopped processes"
 }
 
@@ -119,6 +150,7 @@ done
 [ $WORKERS = 1 ] || [ $API = 1 ] || die "--workers-only and --api-only together start nothing"
 [ -z "$ANNOUNCE" ] || [ $WORKERS = 1 ] || die "--announce is a worker setting; --api-only starts no worker"
 [ -z "$ACESTEP_PORT" ] || [[ "$ACESTEP_PORT" =~ ^[0-9]+$ ]] || die "--acestep-port must be a port number; got '$ACESTEP_PORT'"
+[[ "$BASE_MASTER_PORT" =~ ^[0-9]*$ ]] || die "BASE_MASTER_PORT must be a port number or unset (no port); got '$BASE_MASTER_PORT'"
 [ -z "$ACESTEP_PORT" ] || [ $API = 1 ] || die "--acestep-port is a dispatcher setting; --workers-only starts none"
 [ -z "$ANNOUNCE" ] || { [ -n "${WORKER_TOKEN:-}" ] && [ "$WORKER_TOKEN" != off ]; } \
   || die "--announce needs WORKER_TOKEN set to the dispatchers' worker token"
@@ -130,6 +162,8 @@ done
 
 # ---- set-up (first run only) ------------------------------------------------------------------
 bash scripts/setup
+check_ports
+printf '%s\n' "$NONCE" >"$NONCE_FILE"   # stop knows this launch's processes by it
 if [ "${WORKER_TOKEN+set}" = set ] && { [ -z "$WORKER_TOKEN" ] || [ "$WORKER_TOKEN" = off ]; }; then
   WORKER_TOKEN=""  # a foreign dispatcher that sends no token (the reference one) can drive the workers
   say "WORKER_TOKEN is off: anyone who can reach the workers can use them; use this on a trusted network only"
@@ -167,23 +201,20 @@ fi
 STARTED=()
 on_failure() { say "stopping what was started"; stop_all >/dev/null; exit 1; }
 
-wait_health() {  # name url pid log
-  local name=$1 url=$2 pid=$3 log=$4 deadline=$((SECONDS + HEALTH_TIMEOUT)) state
+wait_health() {  # name url pid log nonce setting (what moves its port)
+  local name=$1 url=$2 pid=$3 log=$4 nonce=$5 setting=$6 deadline=$((SECONDS + HEALTH_TIMEOUT)) state
   while [ $SECONDS -lt $deadline ]; do
     if ! kill -0 "$pid" 2>/dev/null; then
       echo "run_backend: $name failed to start; last lines of $log:" >&2
       tail -n 5 "$log" | sed 's/^/  | /' >&2
       on_failure
     fi
-    state=$($PY - "$url" <<'PYEOF' 2>/dev/null || true
-import json, sys, urllib.request
-try:
-    print(json.load(urllib.request.urlopen(sys.argv[1] + "/health", timeout=2)).get("status", ""))
-except Exception:
-    print("")
-PYEOF
-)
-    case "$state" in idle|ok|busy) say "$name is up at $url"; return 0 ;; esac
+    state=$(health_word "$url" "$nonce")
+    case "$state" in
+      ready) say "$name is up at $url"; return 0 ;;
+      other) echo "run_backend: port ${url##*:} answers for another process, not the $name started here (pid $pid);" \
+        "set $setting to a free port" >&2; on_failure ;;
+    esac
     sleep 0.5
   done
   echo "run_backend: $name did not become healthy in ${HEALTH_TIMEOUT}s; see $log" >&2
@@ -196,14 +227,15 @@ if [ $WORKERS = 1 ]; then
     port=$((WORKER_BASE_PORT + i)); log="$LOG_DIR/worker_$i.log"
     if [ "$CUDA_COUNT" = 0 ]; then where="the CPU"; else where="GPU ${GPU_IDS[$i]}"; fi
     say "starting worker $i on $where (port $port, $MODE)"
-    CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i nohup $PY backend_worker.py \
+    CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i LAUNCH_NONCE="$NONCE-worker$i" nohup $PY backend_worker.py \
       --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
       --master-port $(( BASE_MASTER_PORT == 0 ? 0 : BASE_MASTER_PORT + i )) --seed $((BASE_SEED + i * 1000)) \
       --megatron-args "$MEGATRON_ARGS" ${ANNOUNCE:+--announce "$ANNOUNCE"} >>"$log" 2>&1 </dev/null &
     echo $! >"$LOG_DIR/worker_$i.pid"; STARTED+=("$log")
   done
   for i in "${!GPU_IDS[@]}"; do
-    wait_health "worker $i" "http://127.0.0.1:$((WORKER_BASE_PORT + i))" "$(cat "$LOG_DIR/worker_$i.pid")" "$LOG_DIR/worker_$i.log"
+    wait_health "worker $i" "http://127.0.0.1:$((WORKER_BASE_PORT + i))" "$(cat "$LOG_DIR/worker_$i.pid")" \
+      "$LOG_DIR/worker_$i.log" "$NONCE-worker$i" WORKER_BASE_PORT
   done
 fi
 
@@ -217,9 +249,9 @@ if [ $API = 1 ]; then
   if [ -n "$WORKER_URLS" ]; then args+=(--worker-urls "$WORKER_URLS")
   else args+=(--num-workers "${#GPU_IDS[@]}" --worker-base-port "$WORKER_BASE_PORT" --worker-host 127.0.0.1); fi
   say "starting the dispatcher on port $API_PORT"
-  nohup $PY backend_api.py "${args[@]}" >>"$LOG_DIR/api.log" 2>&1 </dev/null &
+  LAUNCH_NONCE="$NONCE-api" nohup $PY backend_api.py "${args[@]}" >>"$LOG_DIR/api.log" 2>&1 </dev/null &
   echo $! >"$LOG_DIR/api.pid"; STARTED+=("$LOG_DIR/api.log")
-  wait_health "dispatcher" "http://127.0.0.1:$API_PORT" "$(cat "$LOG_DIR/api.pid")" "$LOG_DIR/api.log"
+  wait_health "dispatcher" "http://127.0.0.1:$API_PORT" "$(cat "$LOG_DIR/api.pid")" "$LOG_DIR/api.log" "$NONCE-api" API_PORT
   say "ready: http://127.0.0.1:$API_PORT/ (page), /docs (API); stop with: bash run_backend.sh stop"
   [ -z "$ACESTEP_PORT" ] || say "ACE-Step's API: http://127.0.0.1:$ACESTEP_PORT (its clients' base URL)"
 fi

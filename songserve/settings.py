@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)
 SECRET_WORDS = ("token", "key", "secret")
+LAUNCH_NONCE = "set by run_backend.sh, echoed by /health: how it tells its own child from another process on the port"
 
 
 class WorkerSettings(BaseSettings):
@@ -44,7 +45,15 @@ class WorkerSettings(BaseSettings):
     seed: int = Field(1283, ge=0, description="base seed for requests without seed_override")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     gpu_id: int = Field(0, ge=0, description="reported GPU id (the launcher sets CUDA_VISIBLE_DEVICES)")
-    master_port: int = Field(8791, ge=0, le=65535, description="Megatron process group port; 0 = free port")
+    master_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Megatron's process group: 0 = an in-process store, no port; a port = a "
+        "TCP store on MASTER_ADDR:port (the reference's launcher sets both)",
+    )
+    master_addr: str = Field("127.0.0.1", min_length=1, description="where that store listens (MASTER_PORT set)")
+    launch_nonce: str = Field("", max_length=64, description=LAUNCH_NONCE)
     checkpoints_dir: Path | None = Field(None, description="folder of the checkpoint set; unset = tiny set")
     tokenizer_path: Path | None = None
     backbone_models: str = Field("", description="name=path,… or JSON; default default_backbone=<dir>/backbone")
@@ -227,6 +236,7 @@ class DispatcherSettings(BaseSettings):
     worker_host: str = "127.0.0.1"
     worker_base_port: int = Field(8001, ge=1, le=65535)
     worker_urls: str = Field("", description="comma-separated worker URLs (other hosts); replaces num_workers")
+    launch_nonce: str = Field("", max_length=64, description=LAUNCH_NONCE)
     health_interval: float = Field(1.0, gt=0, description="seconds between worker health polls")
     state_dir: Path = Field(ROOT / "state", description="job database and results")
     max_queue: int = Field(200, ge=1, description="queued tracks before POST /generate answers 429")

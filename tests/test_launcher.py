@@ -23,7 +23,7 @@ def launcher_env(tmp: Path, **extra: str) -> dict:
         **os.environ,
         "API_PORT": str(free_port()),
         "WORKER_BASE_PORT": str(free_port()),
-        "BASE_MASTER_PORT": "0",  # each worker binds a free one (base+i may be taken)
+        "BASE_MASTER_PORT": "0",  # no port for the process groups (also the default now)
         "LOG_DIR": str(tmp / "logs"),
         "STATE_DIR": str(tmp / "state"),
         "HEALTH_TIMEOUT": "180",
@@ -100,7 +100,7 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
             assert sf.info(tmp_path / f"t{i}.mp3").duration > 2.5
         for name in ("api.log", "worker_0.log", "worker_1.log"):
             assert (tmp_path / "logs" / name).stat().st_size > 0
-        # Worker i: seed BASE_SEED + i*1000, master port base + i.
+        # Worker i: seed BASE_SEED + i*1000.
         w1 = httpx.get(st["workers"][1]["url"] + "/health", headers={"Authorization": "Bearer x"}).json()
         assert w1["seed"] == 1283 + 1000
         stop = subprocess.run(

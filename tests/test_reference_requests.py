@@ -302,7 +302,7 @@ def test_launcher_starts_workers_without_a_token_for_a_foreign_dispatcher(tmp_pa
         "PIPELINE": "test",
         "CHECKPOINTS_DIR": str(tmp_path),  # configured, so the launcher skips the tiny-set check (unused by a tone)
         "WORKER_BASE_PORT": str(base),
-        "BASE_MASTER_PORT": "0",  # each worker binds a free one (base+i may be taken)
+        "BASE_MASTER_PORT": "0",  # no port for the process groups (also the default now)
         "LOG_DIR": str(tmp_path / "logs"),
         "OUTPUT_DIR": str(tmp_path / "audio"),
         "HEALTH_TIMEOUT": "120",

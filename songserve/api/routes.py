@@ -225,7 +225,8 @@ async def tags(request: Request) -> dict[str, dict[str, object]]:
 
 @router.get("/health")
 async def health(svc: JobService = Service) -> dict[str, object]:
-    return {"status": "ok", "version": __version__, "accepting": svc.accepting}
+    nonce = {"launch_nonce": svc.s.launch_nonce} if svc.s.launch_nonce else {}  # run_backend.sh's id for us
+    return {"status": "ok", "version": __version__, "accepting": svc.accepting, **nonce}
 
 
 @router.get("/ready")

@@ -167,6 +167,7 @@ class WorkerHealth(BaseModel):
     tasks: list[TakeHealth] = Field(default_factory=list)  # ext: the takes of the running batch
     cuda_allocated_mb: float | None = None  # ext, on CUDA: memory torch holds on the device
     kv_snapshots: dict[str, Any] | None = None  # ext, model pipeline: the backbone's kept prefixes (slots, bytes)
+    launch_nonce: str | None = None  # ext: the id run_backend.sh gave this process (LAUNCH_NONCE), if any
 
     def take(self, task_id: str) -> TakeHealth | None:
         """The progress of one running take: its own entry, or the whole worker's for a single task."""

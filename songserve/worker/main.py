@@ -46,7 +46,7 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
     if device.type == "cpu":
         log.info("CUDA is not available or not asked for: running on the CPU")
     ckpt = resolve(s)
-    init_megatron(device, s.master_port, s.seed)
+    init_megatron(device, s.master_port, s.seed, s.master_addr)
     return WorkerRuntime(s, ModelPipeline(s, ckpt, device), TorchDevice(device, s.torch_threads))
 
 

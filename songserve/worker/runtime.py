@@ -371,4 +371,5 @@ class WorkerRuntime:
             batch_size=len(batch),
             tasks=self.tasks.take_health(),  # per take of the running batch
             **self.device.memory_mb(),  # cuda_allocated_mb on CUDA
+            **({"launch_nonce": self.s.launch_nonce} if self.s.launch_nonce else {}),
         )

@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import os
-import socket
 from collections.abc import Iterator, Sequence
 from functools import reduce
 
@@ -42,27 +40,21 @@ class _CpuMemoryBuffer:
         return buf[:n].view(*tensor_shape)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0) -> None:
+def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0, master_addr: str = "127.0.0.1") -> None:
     """Start a world of one (gloo on CPU, nccl on CUDA) and megatron's parallel state; idempotent.
 
-    ``master_port`` 0 picks a free port (tests and tools); workers pass BASE_MASTER_PORT + index.
+    ``master_port`` 0 (tests, tools, workers by default) = no port: an in-process store; a port
+    (MASTER_PORT) = a TCP store on ``master_addr`` only (process_group.py says why).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    from songserve.pipeline.checkpoints.process_group import start_world_of_one
+
     if not dist.is_initialized():
-        port = master_port or _free_port()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        log.info("process group: %s on master port %d", backend, port)
+        where = start_world_of_one(backend, master_addr, master_port)
+        log.info("process group: %s, a world of one on %s", backend, where)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.type == "cuda":
