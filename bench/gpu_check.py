@@ -90,7 +90,7 @@ def tokens_per_s(bb, dev: torch.device, batch: int, tokens: int) -> float:
 
 
 def decode_speed(bb, dev: torch.device, tokens: int) -> None:
-    from songserve.pipeline.engine.graphed_step import GraphedStep
+    from songserve.pipeline.engine.decode_step import DecodeStep
 
     sizes = (1, 2, 4)
     eager = {b: tokens_per_s(bb, dev, b, tokens) for b in sizes}
@@ -100,7 +100,7 @@ def decode_speed(bb, dev: torch.device, tokens: int) -> None:
     )
     if dev.type == "cuda":
         t0 = time.perf_counter()
-        step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+        step = DecodeStep(bb.dm, "graphs", bb.gpt.arch.max_sequence_length)
         step.warm(list(sizes), [1024])
         bb.compiled = step
         warm = time.perf_counter() - t0

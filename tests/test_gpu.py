@@ -7,7 +7,7 @@ import torch
 
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.engine.decode_step import DecodeStep
 from songserve.pipeline.engine.oracle import causal_mask, megatron_forward
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.stages.backbone import Backbone, Take
@@ -52,7 +52,7 @@ def test_bf16_step_matches_megatron_forward(tiny_dir, cuda):
 def test_graphs_capture_and_draw_the_eager_tokens_in_fp32(tiny_dir, cuda):
     bb = _backbone(tiny_dir, cuda, torch.float32)
     eager = _run(bb, [1, 2])
-    step = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+    step = DecodeStep(bb.dm, "graphs", bb.gpt.arch.max_sequence_length)
     bb.compiled = step
     got = _run(bb, [1, 2])
     assert step.failed is None, step.describe()
@@ -63,7 +63,7 @@ def test_graphs_capture_and_draw_the_eager_tokens_in_fp32(tiny_dir, cuda):
 
 def test_no_host_sync_inside_the_decode_loop(tiny_dir, cuda):
     bb = _backbone(tiny_dir, cuda, torch.bfloat16)
-    bb.compiled = GraphedStep(bb.dm, bb.gpt.arch.max_sequence_length)
+    bb.compiled = DecodeStep(bb.dm, "graphs", bb.gpt.arch.max_sequence_length)
     _run(bb, [1], frames=20)  # capture first
     bb.check_every = 10_000  # one sync, at the end
     torch.cuda.set_sync_debug_mode("warn")
