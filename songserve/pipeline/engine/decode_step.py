@@ -172,7 +172,7 @@ class DecodeStep:
                 out.copy_(self.fn(st, sp, k, v, kv_len, True))
 
             return _Graph(replay, st, sp, out)
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles (compiled), autotunes / JITs (fused) outside the capture

@@ -12,7 +12,9 @@ visible keys are exactly the cache prefix, and every architecture choice (norm a
 zero-centred gamma, biases, gated MLP and its activation, GQA, RoPE or learned positions, softmax
 scale) is read from the model's own ``TransformerConfig`` and rotary module, so any GPTModel the
 checkpoint loader builds runs here unchanged. The step runs as it is (eager), compiled
-(``compiled_step.py``) or captured in CUDA graphs (``graphed_step.py``); the cache it writes is
+or captured in CUDA graphs (``decode_step.py``'s modes; ``fused_step.py`` is the same step over
+Triton kernels); its per-token form is written for fusion (q and k rotated in one pass, K/V written
+straight from the qkv layout: tests/test_decode_modes.py counts inductor's kernels); the cache it writes is
 ``kv_cache.py``'s.
 """
 
