@@ -39,6 +39,8 @@ class FusedStep:
 
     def __init__(self, dm: DecodeModel) -> None:
         why = unsupported(dm)
+        if dm.device.type != "cuda" and not K.INTERPRETED:
+            why = "the fused step on the CPU runs under Triton's interpreter: start with TRITON_INTERPRET=1"
         if why:
             raise ValueError(why)
         self.dm = dm

@@ -20,16 +20,20 @@ eager code. The interpreter has no bf16: the CPU tests run fp32.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+# Triton fixes the mode when it is first imported: once imported without the variable (megatron-core
+# imports it), the kernels cannot run on CPU tensors in this process (``FusedStep`` refuses).
+_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "") in ("", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")  # numpy: wide blocks are cheaper
+INTERPRETED = not _LATE and os.environ.get("TRITON_INTERPRET", "") not in ("", "0")  # numpy: wide blocks are cheaper
 
 
 def _pow2(n: int) -> int:
