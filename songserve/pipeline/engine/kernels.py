@@ -30,8 +30,8 @@ _LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "") in ("
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton
-import triton.language as tl
+import triton  # noqa: E402  (after TRITON_INTERPRET: read when the kernels below are decorated)
+import triton.language as tl  # noqa: E402
 
 INTERPRETED = not _LATE and os.environ.get("TRITON_INTERPRET", "") not in ("", "0")  # numpy: wide blocks are cheaper
 
