@@ -185,3 +185,30 @@ def test_every_mode_draws_the_eager_tokens(backbone, monkeypatch, mode):
         assert (step.sampler is not None) == (mode == "fused")
         for a, b in zip(eager, got, strict=True):
             assert torch.equal(a, b), (mode, seeds)
+
+
+# ---- the worker's setting ------------------------------------------------------------------------
+
+
+def test_a_worker_with_decode_mode_graphs_serves_through_its_captured_step(tiny_dir, tmp_path):
+    """DECODE_MODE reaches the worker: /health says which step runs and what it prepared at load
+    (batch 1 and MAX_BATCH at the first KV bucket), and a batch of takes is served through it."""
+    import httpx
+
+    from tests.support import start_worker
+
+    w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", env={"DECODE_MODE": "graphs"}, name="graphs")
+    try:
+        w.wait_healthy()
+        step = httpx.get(w.url + "/health", timeout=10).json()["decode_step"]
+        assert step["mode"] == "graphs", step
+        assert step["fallback"] is None, step
+        assert {"1x256", "4x256"} <= set(step["graphs"]), step
+        assert step["kv_rows"] == 4, step  # one persistent cache of MAX_BATCH rows, taken at load
+        body = {"lyrics": "[verse]\nhello", "tags": "pop", "duration": 3 / 60, "job_id": "jg"}
+        takes = [{**body, "seed_override": 80 + i, "task_id": f"g{i}", "track_index": i} for i in range(2)]
+        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [x["status"] for x in r.json()["results"]] == ["ok", "ok"]
+    finally:
+        w.stop()
