@@ -31,6 +31,9 @@ if [ $fetch = 1 ]; then
   mkdir -p .whl
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>"$(git rev-parse --git-path info/exclude)"
   for p in "${NEEDED[@]}"; do
+    # the versions this checkout's venv runs (pydantic pins its pydantic-core exactly)
+    [[ "$p" == *==* ]] || p="$p==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$p'))" 2>/dev/null)"
+    p=${p%==}
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$p" || echo "fetch: $p: no wheel for the GPU image's Python 3.12"
