@@ -248,7 +248,7 @@ def project_sample(
     M, H = hidden.shape
     N = codebook + (eod is not None)
     logits = torch.empty(M, N, dtype=torch.float32, device=hidden.device)
-    bn = 256 if INTERPRETED else 64
+    bn = 256 if INTERPRETED else 16  # a GPU: 65 programs over the window, not 17
     _project[(triton.cdiv(N, bn),)](hidden, weight, logits, M, N, H, start, eod if eod is not None else start,
                                     codebook, max(temperature, 1e-5), SCALE=temperature != 1.0, BM=_pow2(M),
                                     BN=bn, BK=min(64, _pow2(H)))  # fmt: skip
