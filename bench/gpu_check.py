@@ -11,9 +11,9 @@ their values). For each mode (``decode_step.MODES``) at batch 1, 2 and 4:
   window) over the step's time, against a device-to-device copy measured in the same run;
 - kernels/step: kernel launches the profiler sees in one step.
 
-Then, in the fastest mode that draws eager's tokens: a 3-minute song (3,876 frames) per stage —
-backbone, super-resolution, decoder — with seconds, real-time factor and peak memory, at 1 take
-and 4 takes. The table goes to ``OUT/gpu_check.md`` (and ``.json``); each row is printed as it
+Then (eager, graphs and fused measured first; compiled after the songs), in the fastest mode that
+draws eager's tokens, a 3-minute song (3,876 frames) per stage — backbone, super-resolution,
+decoder — with seconds, real-time factor and peak memory, at 1 take and 4 takes. The table goes to ``OUT/gpu_check.md`` (and ``.json``); each row is printed as it
 comes, so a run cut short still says what it measured.
 
 ``--smoke``: the same code at tiny shapes on the CPU in CI (fp32; Triton's interpreter for the fused
