@@ -16,7 +16,7 @@ from bench.common import args, report
 def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int, compiled: bool = False) -> float:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.engine.arch import GPTArch
-    from songserve.pipeline.engine.compiled_step import CompiledStep
+    from songserve.pipeline.engine.decode_step import DecodeStep
     from songserve.pipeline.engine.gpt import AcousticGPT, build_model
     from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK
     from songserve.pipeline.stages.backbone import Backbone
@@ -25,7 +25,7 @@ def ours_tokens_per_s(layers: int, hidden: int, heads: int, vocab: int, new: int
     arch = GPTArch("backbone", layers, hidden, heads, 4 * hidden, text, vocab, new + 64, 64)
     bb = Backbone(AcousticGPT(arch, build_model(arch, torch.device("cpu"), torch.float32)), eod_id=1)
     if compiled:  # one KV bucket covering the whole song: one compile, a masked tail
-        bb.compiled, bb.bucket = CompiledStep(bb.dm), new + 64
+        bb.compiled, bb.bucket = DecodeStep(bb.dm, "compiled", new + 64), new + 64
     prompt = list(range(2, 34))
     bb.generate(
         prompt, new // 2, top_k=50, temperature=1.0, generator=torch.Generator().manual_seed(0), ctx=TaskContext()

@@ -89,6 +89,11 @@ class WorkerSettings(BaseSettings):
     compile: Literal["auto", "0", "1"] = Field(
         "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
     )
+    decode_mode: Literal["auto", "eager", "compiled", "graphs", "fused"] = Field(
+        "auto",
+        description="the backbone's decode step: eager, compiled (torch.compile), graphs (CUDA graphs), "
+        "fused (Triton kernels, captured on CUDA); auto = what COMPILE says (CUDA graphs on CUDA)",
+    )
     max_batch: int = Field(4, ge=1, le=64, description="most takes of one request run as one batch")
     park_backbone: Literal["auto", "0", "1"] = Field(
         "auto",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -29,11 +30,28 @@ def test_benchmark_smoke(script, tiny_dir):
     assert line.startswith(script.split("_")[0].upper() + " ")
 
 
-def test_gpu_check_smoke_runs_its_figures_on_this_device():
-    """bench/gpu_check.py runs only on the rare GPU machine; --smoke runs its code here at small shapes."""
+def test_gpu_check_smoke_runs_its_table_on_this_device(tmp_path):
+    """bench/gpu_check.sh runs only on the rare GPU machine; --smoke runs the same script here at tiny
+    shapes: every decode mode at batch 1, 2 and 4 draws eager's tokens (bitwise on the CPU), and the
+    song rows come out, in one table under OUT."""
+    import importlib.util
+    import json
+
+    env = {**os.environ, "OUT": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_check", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        ["bash", "bench/gpu_check.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line.split()[0] for line in out.stdout.splitlines() if line.startswith("GPU")]
-    assert lines == ["GPU-build", "GPU-decode", "GPU-track"], out.stdout
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "setup: python" in out.stdout
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {(r["mode"], r["batch"]): r for r in result["modes"]}
+    assert set(rows) == {(m, b) for m in ("eager", "compiled", "graphs", "fused") for b in (1, 2, 4)}
+    no_triton = importlib.util.find_spec("triton") is None  # then the fused rows say so and run eager
+    for key, row in rows.items():
+        assert row["tokens"] == 1.0, row
+        assert row["ms_step"] > 0, row
+        if key[0] != "eager" and not (key[0] == "fused" and no_triton):
+            assert row["fallback"] is None, row
+    assert [(s["takes"], "error" in s) for s in result["songs"]] == [(1, False), (4, False)]
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.count("\n| fused |") == 3

@@ -12,7 +12,7 @@ import torch
 from songserve.errors import TaskCancelled
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.compiled_step import CompiledStep
+from songserve.pipeline.engine.decode_step import DecodeStep
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.oracle import causal_mask, megatron_forward, new_kv_context
 from songserve.pipeline.engine.sampling import sample
@@ -198,7 +198,7 @@ def test_compiled_step_has_no_graph_breaks_and_draws_the_eager_tokens(backbone, 
     eager, _ = _run(backbone, [5, 6], frames=40)
     # aot_eager: dynamo's full graph through AOT autograd, without inductor's C++ build (minutes
     # on these CPUs); the inductor path is exercised by bench P5 and gpu_check.sh
-    compiled = CompiledStep(dm, backend="aot_eager")
+    compiled = DecodeStep(dm, "compiled", backbone.gpt.arch.context_length, backend="aot_eager")
     monkeypatch.setattr(backbone, "compiled", compiled)
     monkeypatch.setattr(backbone, "bucket", 64)
     got, _ = _run(backbone, [5, 6], frames=40)
@@ -325,15 +325,15 @@ class _CountingBackend:
         return gm.forward
 
 
-def _compiled(backbone, monkeypatch, bucket: int) -> tuple[CompiledStep, _CountingBackend, list[int]]:
+def _compiled(backbone, monkeypatch, bucket: int) -> tuple[DecodeStep, _CountingBackend, list[int]]:
     """The backbone with a compiled step (counting backend); returns the step, its backend, the batch of each call."""
     torch._dynamo.reset()  # no graph of another test's backend is reused
     counter = _CountingBackend()
-    step = CompiledStep(backbone.dm, backend=counter)
+    step = DecodeStep(backbone.dm, "compiled", backbone.gpt.arch.context_length, backend=counter)
     batches: list[int] = []
-    real_call = CompiledStep.__call__
+    real_call = DecodeStep.__call__
     monkeypatch.setattr(
-        CompiledStep, "__call__", lambda self, tok, *a: batches.append(tok.shape[0]) or real_call(self, tok, *a)
+        DecodeStep, "__call__", lambda self, tok, *a: batches.append(tok.shape[0]) or real_call(self, tok, *a)
     )
     monkeypatch.setattr(backbone, "compiled", step)
     monkeypatch.setattr(backbone, "bucket", bucket)
@@ -436,14 +436,11 @@ def test_kv_bytes_per_take(backbone):
 def test_kv_memory_a_batch_newly_takes_in_each_mode(backbone, monkeypatch):
     """What the worker's split-don't-OOM check counts: eager, the request's length; the compiled
     step, the full context; CUDA graphs, nothing where their persistent cache holds the rows."""
-    from songserve.pipeline.engine.compiled_step import CompiledStep
-    from songserve.pipeline.engine.graphed_step import GraphedStep
-
     dm, ctx = backbone.dm, backbone.gpt.arch.context_length
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(100)
-    monkeypatch.setattr(backbone, "compiled", CompiledStep(dm))  # built, not compiled: nothing runs
+    monkeypatch.setattr(backbone, "compiled", DecodeStep(dm, "compiled", ctx))  # built, not compiled: nothing runs
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(ctx)
-    graphs = GraphedStep(dm, ctx)  # on the CPU only its cache bookkeeping is exercised (no capture)
+    graphs = DecodeStep(dm, "graphs", ctx)  # on the CPU only its cache bookkeeping is exercised (no capture)
     monkeypatch.setattr(backbone, "compiled", graphs)
     assert backbone.kv_bytes_new(2, 100) == 2 * dm.kv_bytes_per_take(ctx)
     two = graphs.cache_for(2, 100)

@@ -26,8 +26,7 @@ from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.continuation import kept_codes
 from songserve.pipeline.encoding import encode_audio
-from songserve.pipeline.engine.compiled_step import CompiledStep, want_compile
-from songserve.pipeline.engine.graphed_step import GraphedStep
+from songserve.pipeline.engine.decode_step import DecodeStep, choose_mode
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.finish import BatchFacts, finish_take
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
@@ -64,22 +63,21 @@ class ModelPipeline:
         for name, bb in self.residency.backbones.items():
             bb.name = name
             bb.snapshots = self.snapshots if self.snapshots.capacity > 0 else None
-        if want_compile(self.s.compile, self.device):
+        mode = choose_mode(self.s.decode_mode, self.s.compile, self.device)
+        if mode != "eager":
             self.phase_hook("compiling")
             for bb in self.residency.backbones.values():
-                step: CompiledStep | GraphedStep
-                if self.device.type == "cuda":  # CUDA graphs captured by hand over the step
-                    step = GraphedStep(bb.dm, bb.gpt.arch.context_length)
-                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket])
-                else:  # the backbone decodes into caches of its full context (static shapes)
-                    step = CompiledStep(bb.dm)
-                    step.warm(sorted({1, self.s.max_batch}), [bb.bucket], bb.gpt.arch.context_length)
+                context = bb.gpt.arch.context_length  # the step's static cache length
+                step = DecodeStep(bb.dm, mode, context)
+                step.warm(sorted({1, self.s.max_batch}), [bb.bucket], context)
                 bb.compiled = None if step.failed else step
 
     def loaded(self) -> dict[str, Any]:
         out = self.residency.status()
         compiled = [bb.compiled.describe() for bb in self.residency.backbones.values() if bb.compiled is not None]
-        out["decode_step"] = compiled[0] if compiled else {"compiled": False, "cuda_graphs": False, "graphs": []}
+        out["decode_step"] = (
+            compiled[0] if compiled else {"mode": "eager", "compiled": False, "cuda_graphs": False, "graphs": []}
+        )
         out["kv_snapshots"] = self.snapshots.describe()
         return out
 

@@ -39,7 +39,6 @@ from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.engine.gpt import AcousticGPT
-from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.numbers import CODEBOOK
 from songserve.pipeline.stages import tokenizer as tk
 from songserve.pipeline.stages.backbone import Backbone
@@ -284,7 +283,7 @@ class Residency:
                 if bb.dm._rope_cos is not None and bb.dm._rope_sin is not None:
                     bb.dm._rope_cos = bb.dm._rope_cos.to(device)
                     bb.dm._rope_sin = bb.dm._rope_sin.to(device)
-                if isinstance(bb.compiled, GraphedStep):
+                if bb.compiled is not None:
                     bb.compiled.reset()  # its graphs and persistent cache hold the old addresses
 
     # -- loading and releasing --------------------------------------------------------------------

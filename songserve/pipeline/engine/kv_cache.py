@@ -5,7 +5,7 @@ reads without a transpose; prefill writes a prefix, the step writes one column i
 tensors (not one stacked buffer) matter under ``torch.compile``: an in-place write into a graph
 input is kept in place, where a write into a view of one big input is functionalised into a copy
 of the whole cache on every token. What serving decodes into (``transformer.DecodeModel.new_cache``,
-or ``graphed_step.GraphedStep``'s persistent cache on CUDA).
+or ``decode_step.DecodeStep``'s persistent cache under CUDA graphs).
 """
 
 from __future__ import annotations

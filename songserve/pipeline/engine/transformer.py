@@ -12,7 +12,9 @@ visible keys are exactly the cache prefix, and every architecture choice (norm a
 zero-centred gamma, biases, gated MLP and its activation, GQA, RoPE or learned positions, softmax
 scale) is read from the model's own ``TransformerConfig`` and rotary module, so any GPTModel the
 checkpoint loader builds runs here unchanged. The step runs as it is (eager), compiled
-(``compiled_step.py``) or captured in CUDA graphs (``graphed_step.py``); the cache it writes is
+or captured in CUDA graphs (``decode_step.py``'s modes; ``fused_step.py`` is the same step over
+Triton kernels); its per-token form is written for fusion (q and k rotated in one pass, K/V written
+straight from the qkv layout: tests/test_decode_modes.py counts inductor's kernels); the cache it writes is
 ``kv_cache.py``'s.
 """
 
@@ -243,6 +245,29 @@ class DecodeModel:
         t1 = t1 * cos + _rotate_half(t1, self.spec.rotary_interleaved) * sin
         return torch.cat((t1, t2), dim=-1) if t2.shape[-1] else t1
 
+    def _rope_sign(self) -> torch.Tensor:
+        """+1/−1 per rotary channel: ``_rotate_half``'s negated half, as a factor of sin."""
+        rot = self._rope_cos.shape[-1] if self._rope_cos is not None else 0
+        neg = (
+            torch.arange(rot, device=self.device) % 2 == 0
+            if self.spec.rotary_interleaved
+            else torch.arange(rot, device=self.device) < rot // 2
+        )
+        return 1.0 - 2.0 * neg.to(self.dtype)
+
+    def _rope_fused(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``_rope`` with the partner channel read in place (a roll, or a swap of pairs) instead of a
+        concatenation, and ``sin`` already signed: bitwise the same values (``x·(−s) = −(x·s)``), one
+        pointwise pass that the compiler fuses."""
+        rot = cos.shape[-1]
+        t1 = t[..., :rot]
+        if self.spec.rotary_interleaved:
+            partner = t1.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
+        else:
+            partner = t1.roll(rot // 2, -1)
+        r = t1 * cos + partner * sin
+        return torch.cat((r, t[..., rot:]), dim=-1) if rot < t.shape[-1] else r
+
     def _finish_layer(
         self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor, linear: Linear = F.linear
     ) -> torch.Tensor:
@@ -333,16 +358,20 @@ class DecodeModel:
         cos = sin = None
         if self._rope_cos is not None and self._rope_sin is not None:
             cos = self._rope_cos.index_select(0, pos)  # (1, rot)
-            sin = self._rope_sin.index_select(0, pos)
+            sin = self._rope_sin.index_select(0, pos) * self._rope_sign()  # rotate-half's minus folded in
         mask = None
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
+        per, D = s.heads // s.groups, s.head_dim
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, linear)  # q (B, heads, 1, D), k/v (B, G, 1, D)
-            if cos is not None and sin is not None:
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            k_cache[i].index_copy_(2, pos, k)
-            v_cache[i].index_copy_(2, pos, v)
+            mixed = linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
+            mixed = mixed.view(B, s.groups, per + 2, D)  # megatron's layout: per group, its q heads, k, v
+            qk = mixed[:, :, : per + 1]
+            if cos is not None and sin is not None:  # q and k of every group rotated in one pass
+                qk = self._rope_fused(qk, cos, sin)
+            q = qk[:, :, :per].reshape(B, s.heads, 1, D)
+            k_cache[i].index_copy_(2, pos, qk[:, :, per : per + 1])
+            v_cache[i].index_copy_(2, pos, mixed[:, :, per + 1 :])
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )

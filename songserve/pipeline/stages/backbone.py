@@ -39,9 +39,8 @@ import torch
 
 from songserve.errors import RequestError, TaskCancelled, WorkerStateError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.engine.compiled_step import CompiledStep
+from songserve.pipeline.engine.decode_step import DecodeStep
 from songserve.pipeline.engine.gpt import AcousticGPT
-from songserve.pipeline.engine.graphed_step import GraphedStep
 from songserve.pipeline.engine.kv_cache import KVCache
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.engine.sampling import sample_rows
@@ -89,7 +88,7 @@ class Backbone:
         self.dm = DecodeModel(gpt.model, gpt.output_weight)
         self.prefill_chunk = prefill_chunk
         self.check_every = check_every
-        self.compiled: CompiledStep | GraphedStep | None = None  # set at load when COMPILE is on
+        self.compiled: DecodeStep | None = None  # set at load for a mode other than eager (DECODE_MODE)
         self.bucket = 256  # compiled step: KV lengths round up to a power of two ≥ this
         self.name = ""  # the model's name: the KV snapshots' key (set by the residency)
         self.snapshots: KVSnapshots | None = None  # retakes' prefixes (KV_SNAPSHOT_MB > 0)
@@ -102,7 +101,7 @@ class Backbone:
     def kv_bytes_new(self, batch: int, length: int) -> int:
         """Memory a batch of ``batch`` takes decoding ``length`` positions newly takes for its KV
         cache (the worker splits a batch that would not fit)."""
-        if isinstance(self.compiled, GraphedStep):
+        if self.compiled is not None and self.compiled.persistent:
             return self.compiled.kv_bytes_new(batch, length)
         return batch * self.dm.kv_bytes_per_take(self._cache_len(length))
 
@@ -226,7 +225,7 @@ class Backbone:
                 f"The kept part ({t_first // 2} frames) leaves nothing to generate within the song's "
                 f"{total // 2} frames; ask for a longer duration or continue from an earlier point."
             )
-        if isinstance(self.compiled, GraphedStep):  # CUDA graphs read the captured cache's addresses
+        if self.compiled is not None and self.compiled.persistent:  # graphs read the captured cache's addresses
             cache = self.compiled.cache_for(B, P + total)
         else:
             cache = dm.new_cache(B, self._cache_len(P + total))
@@ -251,6 +250,7 @@ class Backbone:
         saved: dict[int, list[torch.Tensor]] = {}  # step → generator states after an end-of-audio-able draw
         last_check, t0 = t_first, time.perf_counter()
         step_fn: StepFn = self.compiled or dm.step
+        sampler = self.compiled.sampler if self.compiled is not None and top_p is None else None
 
         def finish(i: int, n_codes: int, stopped_by: str) -> None:
             if listener is not None:
@@ -265,12 +265,15 @@ class Backbone:
             start = self.text_vocab + level * CODEBOOK
             full = len(slots) == h.shape[0]
             hs = h if full else h.index_select(0, slots_t)
-            logits = self.gpt.project(hs, start, start + CODEBOOK)
             eod_allowed = level == 0 and t // 2 >= plan.min_frames
-            if eod_allowed:
-                logits = torch.cat([logits, self.gpt.project(hs, self.eod_id, self.eod_id + 1)], dim=-1)
             gens = [takes[r].generator for r in rows]
-            code = sample_rows(logits, top_k, gens, temperature, top_p)  # (b,) on the device
+            if sampler is not None:  # fused: projection, top-k and the draw in one kernel
+                code = sampler(hs, start, self.eod_id if eod_allowed else None, top_k, gens, temperature)
+            else:
+                logits = self.gpt.project(hs, start, start + CODEBOOK)
+                if eod_allowed:
+                    logits = torch.cat([logits, self.gpt.project(hs, self.eod_id, self.eod_id + 1)], dim=-1)
+                code = sample_rows(logits, top_k, gens, temperature, top_p)  # (b,) on the device
             buf[t].index_copy_(0, rows_t, code)
             if eod_allowed:
                 saved[t] = [g.get_state() for g in gens]
@@ -369,9 +372,7 @@ class Backbone:
         bucket already (a smaller batch is a new shape). CUDA graphs: never (see the module docstring)."""
         if self.compiled is None:
             return True
-        if isinstance(self.compiled, CompiledStep):
-            return (rows, self._kv_len(end, cache_len)[0]) in self.compiled.graphs
-        return False
+        return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0])
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
