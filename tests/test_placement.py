@@ -9,7 +9,7 @@ import pytest
 from songserve.api.placement import pick
 from songserve.api.pool import WorkerHandle
 from songserve.api.store import Job, Track
-from songserve.api.worker_client import REFERENCE, WorkerClient
+from songserve.api.worker_client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
 
 pytestmark = pytest.mark.quick
@@ -17,7 +17,7 @@ ORIGINAL = "0123456789abcdef"
 
 
 def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = False) -> WorkerHandle:
-    client = WorkerClient(httpx.AsyncClient(), f"http://w{worker_id}")
+    client = WorkerClient(WorkerHttp.shared(httpx.AsyncClient()), f"http://w{worker_id}")
     if reference:
         client.kind = REFERENCE
     slots = [{"model": "default_backbone", "origin": o, "tokens": 900, "bytes": 1} for o in origins]
