@@ -255,8 +255,8 @@ class Dispatcher:
                 missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
                 if missing is None:
                     continue
-                # Elsewhere after an environment failure if it can; a retake to a worker that can continue it.
-                w = pick(free, job, t)
+                # Not back to the worker it just failed on while another can take it; a retake to one that can continue it.
+                w = pick(free, job, t, self.pool.workers)
                 if w is None:
                     continue
                 tracks = [
