@@ -8,6 +8,7 @@ workers' health polls have connections of their own). Each test prints what it m
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import struct
@@ -163,9 +164,10 @@ def test_two_hundred_listeners_on_a_running_track_cost_it_nothing(tmp_path: Path
         before = peak = rss_mib(pid)
         crowd = Crowd(f"{c.url}/job/{job}/track/0/stream", 200)
         slowest = 0.0
+        health = httpx.Client(timeout=60)  # one client: a new one costs the test process ~0.2 s here
         while crowd.listening:
             started = time.monotonic()
-            assert httpx.get(c.url + "/health", timeout=60).status_code == 200
+            assert health.get(c.url + "/health").status_code == 200
             slowest = max(slowest, time.monotonic() - started)
             peak = max(peak, rss_mib(pid))
             time.sleep(0.2)
@@ -185,3 +187,29 @@ def test_two_hundred_listeners_on_a_running_track_cost_it_nothing(tmp_path: Path
         assert peak - before < 300
         assert statuses == [200] * 200
         assert crowd.whole() == 200
+
+
+def test_listeners_past_the_caps_get_a_503_with_retry_after_and_their_places_come_back(tmp_path: Path) -> None:
+    caps = ("--live-listeners-per-track", "2", "--live-listeners-max", "3")
+    with Cluster(tmp_path, workers=1, delay=20.0, api_args=caps) as c, httpx.Client(timeout=10) as http:
+        a, b = (c.submit(**LONG, seed=seed)["job_id"] for seed in (1, 2))  # b waits in the queue: still listenable
+        url_a, url_b = (f"{c.url}/job/{j}/track/0/stream" for j in (a, b))
+        with contextlib.ExitStack() as held:
+            for url, cap in ((url_a, ""), (url_a, ""), (url_a, "LIVE_LISTENERS_PER_TRACK"), (url_b, ""),
+                             (url_b, "LIVE_LISTENERS_MAX")):  # fmt: skip
+                r = held.enter_context(http.stream("GET", url))
+                if not cap:
+                    assert r.status_code == 200
+                    continue
+                r.read()
+                assert (r.status_code, r.headers.get("retry-after")) == (503, "5"), r.text
+                assert cap in r.json()["error"]
+
+        def listens(url: str) -> bool:
+            with http.stream("GET", url) as r:
+                return r.status_code == 200
+
+        wait_for(lambda: listens(url_a), timeout=30)  # the places come back as their listeners go
+        assert http.head(url_a).status_code == 200  # HEAD takes no place
+        for j in (a, b):
+            assert http.delete(f"{c.url}/job/{j}").status_code == 200

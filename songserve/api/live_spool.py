@@ -83,11 +83,23 @@ class Spool:
                 return b""
             await self._grew.wait()
         if self._tail and offset >= self._tail[0][0]:
-            for start, piece in self._tail:
-                if offset < start + len(piece):
-                    return piece[offset - start : offset - start + READ_BYTES]
+            return self._from_tail(offset)
         data: bytes = await self._on_file(os.pread, self._fd, min(READ_BYTES, self.size - offset), offset)
         return data
+
+    def _from_tail(self, offset: int) -> bytes:
+        """Up to ``READ_BYTES`` from the pieces in memory, joined (fewer, larger sends to a listener)."""
+        out, want = [], READ_BYTES
+        for start, piece in self._tail:
+            end = start + len(piece)
+            if offset >= end:
+                continue
+            part = piece[offset - start : offset - start + want]
+            out.append(part)
+            offset, want = offset + len(part), want - len(part)
+            if not want:
+                break
+        return b"".join(out)
 
     async def _on_file(self, call: Callable[..., Any], *args: object) -> Any:
         """``call(*args)`` on the file, off the loop; the file is closed only once no call is in flight
