@@ -187,6 +187,11 @@ class LiveStreams:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    async def close(self) -> None:
+        """Shutting down: every relay stops (its listeners' streams end incomplete)."""
+        feeds, self.feeds = list(self.feeds.values()), {}
+        await asyncio.gather(*(f.close() for f in feeds), *self._closing, return_exceptions=True)
+
     async def _pcm(self, job_id: str, idx: int) -> AsyncIterator[bytes]:
         """Whole sample frames from wherever the track's audio is, continuing at the same sample."""
         sent = 0  # bytes of PCM given so far (whole frames)

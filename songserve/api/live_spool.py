@@ -75,7 +75,10 @@ class Spool:
     async def read(self, offset: int) -> bytes:
         """The bytes at ``offset`` (up to ``READ_BYTES``), waiting for them; b"" at the end.
 
-        ``StreamCut`` when the stream was cut, once every byte written before the cut was read."""
+        ``StreamCut`` when the stream was cut, once every byte written before the cut was read, and
+        at once when the spool is closed (its file may be gone)."""
+        if self._closed:
+            raise StreamCut(self.cut or "closed")
         while offset >= self.size:
             if self.ended:
                 if self.cut is not None:

@@ -106,6 +106,7 @@ class JobService:
         await self.dispatcher.drain(timeout)
 
     async def stop(self) -> None:
+        await self.live.close()
         await self.dispatcher.stop()
         await self.webhooks.stop()
 
