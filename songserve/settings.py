@@ -292,7 +292,19 @@ class DispatcherSettings(BaseSettings):
     download_timeout_sec: float = Field(
         45.0, gt=0, description="copying one track's files from its worker: the whole copy, not one read"
     )
+    download_floor_kb_per_sec: float = Field(
+        256.0,
+        ge=0,
+        description="a result copy that moves fewer KB (1000 bytes) a second than this over its last 5 s is cut and "
+        "charged to the worker, before DOWNLOAD_TIMEOUT_SEC; 0 = no floor",
+    )
     max_result_mb: float = Field(128.0, gt=0, description="largest result file copied from a worker")
+    live_listeners_per_track: int = Field(
+        256, ge=1, description="live listeners of one track on this dispatcher; more get 503 with Retry-After"
+    )
+    live_listeners_max: int = Field(
+        1024, ge=1, description="live listeners of all tracks on this dispatcher; more get 503 with Retry-After"
+    )
     pack_tracks: Literal["auto", "always", "never"] = Field(
         "auto",
         description="run a job's tracks as one batch on a worker: auto = when more are queued than workers are free",

@@ -9,7 +9,7 @@ that, by ``MODE``, breaks one part of the contract the way a broken or hostile w
     garbage    ``/generate`` and ``/generate_batch`` answer protocol garbage and run nothing: in turn a
                body that is not JSON, a JSON list, ``{"status": "ok"}`` (a 200 without the fields),
                a result with wrong types, an unknown status
-    drip       result downloads send one byte every half second, for ever
+    drip       result downloads send one byte every half second (``--drip-sec``), for ever
     oversize   the WAV download is the file, then zeros without end (no Content-Length)
     truncate   the WAV download is the first half of the file (a consistent HTTP answer; the result's
                sizes and checksums are those of the whole file)
@@ -63,8 +63,8 @@ GARBAGE: list[tuple[int, bytes]] = [
 
 
 class Misbehave:
-    def __init__(self, app: App, out_dir: Path, mode: str) -> None:
-        self.app, self.out_dir, self.mode = app, out_dir, mode
+    def __init__(self, app: App, out_dir: Path, mode: str, drip_sec: float = 0.5) -> None:
+        self.app, self.out_dir, self.mode, self.drip_sec = app, out_dir, mode, drip_sec
         self.task_calls = 0
         self.streams: list[float] = []
 
@@ -117,7 +117,7 @@ class Misbehave:
         try:
             for byte in file.read_bytes():
                 yield bytes([byte])
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(self.drip_sec)
         finally:
             self.streams.append(round(time.monotonic() - started, 2))
 
@@ -161,11 +161,12 @@ class Misbehave:
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--mode", choices=MODES, default="none")
+    p.add_argument("--drip-sec", type=float, default=0.5, help="seconds between two bytes of a drip")
     own, rest = p.parse_known_args()
     setup_logging(f"bad-worker[{own.mode}]")
     s = load_settings(WorkerSettings, ["--pipeline", "test", *rest])
     runtime = build_runtime(s)
-    app = Misbehave(create_app(runtime), s.output_dir, own.mode)
+    app = Misbehave(create_app(runtime), s.output_dir, own.mode, own.drip_sec)
     uvicorn.run(app, host="127.0.0.1", port=s.worker_port, log_level="warning")
 
 

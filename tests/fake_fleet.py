@@ -26,6 +26,7 @@ import httpx
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService
 from songserve.api.store_sqlite import SqliteStore
+from songserve.api.worker_client import WorkerHttp
 from songserve.schemas import JobView
 from songserve.settings import DispatcherSettings
 
@@ -235,7 +236,7 @@ class FakeFleet:
 
     def new_service(self) -> JobService:
         store = SqliteStore(self.tmp / "jobs.sqlite3")
-        return JobService(self.settings, store, ArtifactStore(self.tmp / "results"), self.http)
+        return JobService(self.settings, store, ArtifactStore(self.tmp / "results"), WorkerHttp.shared(self.http))
 
     async def __aenter__(self) -> FakeFleet:
         await self.svc.start()

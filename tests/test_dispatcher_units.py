@@ -15,6 +15,7 @@ from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, chec
 from songserve.api.store import Job, Track
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.views import job_view
+from songserve.api.worker_client import WorkerHttp
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
@@ -154,7 +155,9 @@ def service(tmp_path):
     async def make(**settings):
         s = DispatcherSettings(state_dir=tmp_path, num_workers=0, **settings)
         client = httpx.AsyncClient()
-        svc = JobService(s, SqliteStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), client)
+        svc = JobService(
+            s, SqliteStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), WorkerHttp.shared(client)
+        )
         return svc
 
     return make

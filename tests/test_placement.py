@@ -9,7 +9,7 @@ import pytest
 from songserve.api.placement import pick
 from songserve.api.pool import WorkerHandle
 from songserve.api.store import Job, Track
-from songserve.api.worker_client import REFERENCE, WorkerClient
+from songserve.api.worker_client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
 
 pytestmark = pytest.mark.quick
@@ -17,7 +17,7 @@ ORIGINAL = "0123456789abcdef"
 
 
 def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = False) -> WorkerHandle:
-    client = WorkerClient(httpx.AsyncClient(), f"http://w{worker_id}")
+    client = WorkerClient(WorkerHttp.shared(httpx.AsyncClient()), f"http://w{worker_id}")
     if reference:
         client.kind = REFERENCE
     slots = [{"model": "default_backbone", "origin": o, "tokens": 900, "bytes": 1} for o in origins]
@@ -52,3 +52,27 @@ def test_other_tracks_keep_the_pool_order_and_avoid_the_worker_they_just_failed_
     assert pick(free, j, j.tracks[0]) is free[0]
     j.tracks[0].avoid_worker = 0
     assert pick(free, j, j.tracks[0]) is free[1]
+
+
+def test_a_retry_waits_for_another_worker_rather_than_going_back_to_the_one_that_failed_it():
+    failed, busy = handle(0), handle(1)
+    failed.leased = busy.leased = True
+    busy.assigned["other-task"] = ("0000000000000000", 0)
+    j = job(retake=False)
+    j.tracks[0].avoid_worker = 0
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is None  # only the failed one is free: wait
+    assert pick([failed], j, j.tracks[0], [failed]) is failed  # no other worker: it may go back
+    busy.benched_until, busy.bench_reason = (
+        1e18,
+        "benched",
+    )  # out of rotation: it cannot take the track, so waiting would be for ever
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is failed
+    busy.benched_until, busy.online = 0.0, False
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is failed  # nor an offline one
+
+
+def test_a_retake_that_failed_on_the_snapshots_holder_goes_to_another_of_our_workers():
+    holder, other = handle(0, (f"{ORIGINAL}/0",)), handle(1)
+    j = job(retake=True)
+    j.tracks[0].avoid_worker = 0
+    assert pick([holder, other], j, j.tracks[0]) is other

@@ -21,7 +21,7 @@ from songserve.api.outcomes import OutcomeKind, WorkerFault
 from songserve.api.pool import WorkerHandle, WorkerPool
 from songserve.api.result_check import Copied, check_copy, read_wav_header
 from songserve.api.to_worker import read_answer, read_batch
-from songserve.api.worker_client import WorkerClient
+from songserve.api.worker_client import WorkerClient, WorkerHttp
 from songserve.schemas import ResultFile, WorkerHealth
 from tests.fake_fleet import FakeFleet, Plan, until
 from tests.test_dispatch_states import aio, body, run_job
@@ -121,7 +121,7 @@ def test_a_damaged_copy_is_the_workers_fault(tmp_path, damage, said_whole, match
 
 # ---- the breaker ------------------------------------------------------------------------------------
 def handle(worker_id: int = 0) -> WorkerHandle:
-    return WorkerHandle(worker_id, WorkerClient(httpx.AsyncClient(), f"http://w{worker_id}.test"))
+    return WorkerHandle(worker_id, WorkerClient(WorkerHttp.shared(httpx.AsyncClient()), f"http://w{worker_id}.test"))
 
 
 def test_a_worker_is_benched_after_its_faults_then_again_at_once_each_time_for_longer():
@@ -148,7 +148,7 @@ def test_a_worker_with_recent_faults_is_offered_after_the_healthy_ones():
         async def nothing(w: WorkerHandle, before: object) -> None:
             pass
 
-        pool = WorkerPool(httpx.AsyncClient(), 1.0, 2, nothing)
+        pool = WorkerPool(WorkerHttp.shared(httpx.AsyncClient()), 1.0, 2, nothing)
         pool.sync([])
         for i in range(3):
             w = pool._by_id[i] = handle(i)

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -21,6 +20,7 @@ from songserve.api.store import JobStore
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
 from songserve.api.uploads import upload_limit
+from songserve.api.worker_client import WorkerHttp
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
@@ -52,8 +52,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50, keepalive_expiry=CLIENT_KEEPALIVE_SEC)
-        async with httpx.AsyncClient(headers=headers, limits=limits) as http:
+        async with WorkerHttp.open(headers, s.live_listeners_max, CLIENT_KEEPALIVE_SEC) as http:
             store = await open_store(s)
             app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
             app.state.service = svc = JobService(s, store, ArtifactStore(s.results_path()), http)

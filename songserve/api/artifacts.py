@@ -1,7 +1,9 @@
 """Artifacts on disk: each finished track's WAV, MP3, code grid and JSON, copied from its worker and checked.
 
 Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>``: every file of
-a track first under a temporary name, within one deadline for the whole copy and a size cap per
+a track first under a temporary name, within one deadline for the whole copy, a floor on its rate
+(a copy that crawls is cut after ``FLOOR_WINDOW_SEC`` instead of waiting out the deadline: issue 35
+saw a worker that dripped a byte a second hold each track for the whole 45 s) and a size cap per
 file, then checked against what the worker said it wrote (``result_check.py``), and only then all
 renamed into place, so a track is never completed with a short or damaged file, and results survive
 a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault`` is the worker's
@@ -28,6 +30,7 @@ import re
 import secrets
 import shutil
 import time
+from collections import deque
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +51,7 @@ RENDER_KEY = re.compile(r"^[a-f0-9]{16}$")
 RENDER_EXTS = ("flac", "opus", "mp3", "wav", "json")  # a render, and the JSON beside it
 UPLOADS = "uploads"  # the folder of uploads inside the results folder (not a job id: retention's job sweep skips it)
 UPLOAD_FILE = re.compile(r"^(source\.[a-z0-9]{1,8}|codes\.codes)$")
+FLOOR_WINDOW_SEC = 5  # a copy's rate is judged over its last this many seconds
 
 
 class ArtifactStore:
@@ -113,7 +117,14 @@ class ArtifactStore:
         return p.is_file() and not p.is_symlink()
 
     async def collect(
-        self, worker: WorkerClient, res: WorkerGenerateResult, job_id: str, index: int, max_bytes: int, deadline: float
+        self,
+        worker: WorkerClient,
+        res: WorkerGenerateResult,
+        job_id: str,
+        index: int,
+        max_bytes: int,
+        deadline: float,
+        floor: float = 0.0,
     ) -> int:
         """``fetch``, waiting while the results folder cannot be written: the track is held (its worker
         keeps the files) and the copy starts again once the folder's probe passes. Raises only
@@ -124,16 +135,24 @@ class ArtifactStore:
                             self.folder.problem)  # fmt: skip
             await self.folder.wait_writable()
             try:
-                return await self.fetch(worker, res, job_id, index, max_bytes, deadline)
+                return await self.fetch(worker, res, job_id, index, max_bytes, deadline, floor)
             except ResultsUnwritable as exc:
                 log.warning("track %s/%d: its files could not be stored (%s)", job_id, index, exc)
 
     async def fetch(
-        self, worker: WorkerClient, res: WorkerGenerateResult, job_id: str, index: int, max_bytes: int, deadline: float
+        self,
+        worker: WorkerClient,
+        res: WorkerGenerateResult,
+        job_id: str,
+        index: int,
+        max_bytes: int,
+        deadline: float,
+        floor: float = 0.0,
     ) -> int:
         """Copy, check and put in place the files of one finished track; returns the bytes copied.
 
-        ``deadline``: seconds for the whole copy (every file, concurrently); ``max_bytes``: per file.
+        ``deadline``: seconds for the whole copy (every file, concurrently); ``max_bytes``: per file;
+        ``floor``: bytes a second the copy must move over each ``FLOOR_WINDOW_SEC`` (0: no floor).
         Raises ``WorkerFault`` or ``ResultsUnwritable`` (after marking the folder unwritable); on
         either, nothing of the copy stays behind.
         """
@@ -147,7 +166,7 @@ class ArtifactStore:
                 self.path(job_id, index, "wav").parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise unwritable(f"the folder {job_id}", exc, need) from None
-            copies = await self._copy_all(worker, names, finals, tmps, max_bytes, deadline, need)
+            copies = await self._copy_all(worker, names, finals, tmps, max_bytes, (deadline, floor), need)
             for kind, name in names.items():
                 check_copy(name, kind, copies[kind], said[kind], res.duration_sec)
             for kind in names:
@@ -171,16 +190,21 @@ class ArtifactStore:
         finals: dict[str, Path],
         tmps: dict[str, Path],
         max_bytes: int,
-        deadline: float,
+        limits: tuple[float, float],
         need: int,
     ) -> dict[str, Copied]:
-        """Every file of the track into its temporary name, concurrently, within ``deadline`` seconds."""
+        """Every file of the track into its temporary name, concurrently, within ``limits``: the deadline
+        (seconds) and the floor (bytes a second over each ``FLOOR_WINDOW_SEC``; 0: none)."""
+        deadline, floor = limits
+        moved = [0]  # bytes of every file so far
         try:
             async with asyncio.timeout(deadline), asyncio.TaskGroup() as group:
                 tasks = {
-                    kind: group.create_task(self._copy(worker, name, finals[kind], tmps[kind], max_bytes, need))
+                    kind: group.create_task(self._copy(worker, name, finals[kind], tmps[kind], max_bytes, need, moved))
                     for kind, name in names.items()
                 }
+                if floor > 0:
+                    group.create_task(_keep_floor(worker, list(tasks.values()), moved, floor))
         except TimeoutError:
             raise WorkerFault(
                 f"Worker {worker.url} did not deliver the track's files within {deadline:.0f}s."
@@ -192,8 +216,10 @@ class ArtifactStore:
         return {kind: task.result() for kind, task in tasks.items()}
 
     @staticmethod
-    async def _copy(worker: WorkerClient, name: str, final: Path, tmp: Path, max_bytes: int, need: int) -> Copied:
-        """One file into ``tmp`` (``final`` names it in errors), hashed as it arrives."""
+    async def _copy(
+        worker: WorkerClient, name: str, final: Path, tmp: Path, max_bytes: int, need: int, moved: list[int]
+    ) -> Copied:
+        """One file into ``tmp`` (``final`` names it in errors), hashed as it arrives (counted in ``moved``)."""
         digest, size = hashlib.sha256(), 0
         try:
             with open(tmp, "wb") as f:
@@ -201,6 +227,7 @@ class ArtifactStore:
                     async for chunk in chunks:
                         digest.update(chunk)
                         size += len(chunk)
+                        moved[0] += len(chunk)
                         f.write(chunk)
         except OSError as exc:  # the network's errors arrive as WorkerFault: an OSError here is our disk's
             raise unwritable(final.name, exc, max(need, size)) from None
@@ -239,6 +266,22 @@ class ArtifactStore:
         """Every job's and every upload's files."""
         files = [*self.root.glob("*/*"), *self.root.glob(f"{UPLOADS}/*/*")]
         return sum(p.stat().st_size for p in files if p.is_file())
+
+
+async def _keep_floor(worker: WorkerClient, copies: list[asyncio.Task[Copied]], moved: list[int], floor: float) -> None:
+    """Ends with the copies; raises ``WorkerFault`` (which stops them) when they moved fewer than
+    ``floor`` × ``FLOOR_WINDOW_SEC`` bytes over the last ``FLOOR_WINDOW_SEC`` seconds."""
+    marks = deque([0], maxlen=FLOOR_WINDOW_SEC + 1)  # ``moved`` at each second of the copy
+    while True:
+        finished, _ = await asyncio.wait(copies, timeout=1.0)  # back at once when all are done
+        if len(finished) == len(copies):
+            return
+        marks.append(moved[0])
+        if len(marks) == marks.maxlen and marks[-1] - marks[0] < floor * FLOOR_WINDOW_SEC:
+            raise WorkerFault(
+                f"Worker {worker.url} sent {marks[-1] - marks[0]} bytes of the track's files in {FLOOR_WINDOW_SEC} s, "
+                f"under the floor of {floor / 1000:.0f} KB/s (DOWNLOAD_FLOOR_KB_PER_SEC)."
+            )
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

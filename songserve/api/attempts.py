@@ -306,7 +306,7 @@ class Attempts(AttemptStops, AttemptFences):
             self._collecting.add(t.key)  # held while the results folder cannot be written: nobody is charged
             try:
                 await self.artifacts.collect(w.client, res, job.job_id, t.index, int(s.max_result_mb * 2**20),
-                                             s.download_timeout_sec)  # fmt: skip
+                                             s.download_timeout_sec, s.download_floor_kb_per_sec * 1000)  # fmt: skip
             except WorkerFault as exc:
                 raise self._charge(w, f"the files of task {task_id}: {exc}") from None
             except asyncio.CancelledError:  # stopped while copying or held: the user cancelled
@@ -356,8 +356,9 @@ class Attempts(AttemptStops, AttemptFences):
 
     async def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: RetryTrack) -> None:
         count = exc.count
+        t.avoid_worker = w.worker_id  # not back there while another worker can take it (``placement.pick``)
         if exc.environment:
-            t.avoid_worker, t.env_failures = w.worker_id, t.env_failures + 1
+            t.env_failures += 1
             # Past every worker's share of tries they count again: a fleet that all misbehaves ends the track.
             count = t.env_failures >= self.s.max_attempts * max(1, len(self.pool.workers))
         await self.book.retry(job, t, str(exc), count, fence=self._fences.get(t.key))

@@ -27,8 +27,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-import httpx
-
 from songserve.api import readiness
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.attempt_stops import USER_CANCEL
@@ -46,7 +44,7 @@ from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError
 from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.api.webhook_events import JobEvents
-from songserve.api.worker_client import WorkerClient
+from songserve.api.worker_client import WorkerClient, WorkerHttp
 from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
@@ -59,7 +57,7 @@ class Dispatcher:
         s: DispatcherSettings,
         store: JobStore,
         artifacts: ArtifactStore,
-        http: httpx.AsyncClient,
+        http: WorkerHttp,
         events: JobEvents | None = None,
     ) -> None:
         self.s = s
@@ -257,8 +255,8 @@ class Dispatcher:
                 missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
                 if missing is None:
                     continue
-                # Elsewhere after an environment failure if it can; a retake to a worker that can continue it.
-                w = pick(free, job, t)
+                # Not back to the worker it just failed on while another can take it; a retake to one that can continue it.
+                w = pick(free, job, t, self.pool.workers)
                 if w is None:
                     continue
                 tracks = [

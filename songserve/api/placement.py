@@ -1,7 +1,9 @@
 """Which of the free workers a queued track goes to, and which more takes of its job go with it.
 
-Most tracks take the first free worker (in the pool's order), avoiding the one a track just
-failed on for an environment reason. A retake is pickier: only our workers can continue a song
+Most tracks take the first free worker (in the pool's order). A retried track does not go back to
+the worker its last attempt failed on (``Track.avoid_worker``) while another worker can take it: it
+waits for that one, even when the worker that failed it is the only one free (issue 35: a retry sent
+straight back to a worker whose downloads dripped waited out a second 45 s deadline). A retake is pickier: only our workers can continue a song
 (a reference worker knows nothing of a prefix), and among them one whose ``/health`` lists a KV
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
@@ -13,6 +15,8 @@ together, so the prefix is prefilled once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from songserve.api.pool import WorkerHandle
 from songserve.api.retakes import origin_of
@@ -26,17 +30,33 @@ def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
     return any(isinstance(s, dict) and s.get("origin") == origin for s in slots)
 
 
-def pick(free: list[WorkerHandle], job: Job, t: Track) -> WorkerHandle | None:
-    """The worker for ``t`` among ``free`` (non-empty), or None when none of them can run it."""
+def could_take(w: WorkerHandle, job: Job) -> bool:
+    """``w`` takes tracks of ``job`` from this dispatcher, now or once its current work ends: online, leased
+    here, in rotation (not benched, draining, in error or stalled), and able to run it."""
+    if not (w.online and w.leased and not w.handing_back and not w.degraded_reason and not w.stalled):
+        return False
+    if w.health.status in ("error", "stalled") or not w.health.accepting:
+        return False
+    return job.request.continue_from is None or not w.client.reference
+
+
+def pick(free: list[WorkerHandle], job: Job, t: Track, fleet: Sequence[WorkerHandle] = ()) -> WorkerHandle | None:
+    """The worker for ``t`` among ``free`` (non-empty), or None when none of them can run it, or when only
+    the worker ``t`` last failed on is free and another of ``fleet`` (the pool) could take it later."""
     candidates = free
     cf = job.request.continue_from
     if cf is not None:
         candidates = [w for w in free if not w.client.reference]
         holders = [w for w in candidates if holds_snapshot(w, origin_of(cf))]
-        candidates = holders or candidates
+        candidates = holders + [w for w in candidates if w not in holders]
         if not candidates:
             return None
-    return next((w for w in candidates if w.worker_id != t.avoid_worker), candidates[0])
+    chosen = next((w for w in candidates if w.worker_id != t.avoid_worker), None)
+    if chosen is not None:
+        return chosen
+    if any(w.worker_id != t.avoid_worker and could_take(w, job) for w in fleet):
+        return None  # wait for that one
+    return candidates[0]
 
 
 def pack(job: Job, w: WorkerHandle, mode: str, queued_after: int, free_after: int, taken: set[Key]) -> list[Track]:

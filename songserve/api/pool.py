@@ -36,11 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import httpx
-
 from songserve.api.outcomes import WorkerUnreachable
 from songserve.api.store import Key, WorkerRow
-from songserve.api.worker_client import WorkerClient
+from songserve.api.worker_client import WorkerClient, WorkerHttp
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)
@@ -246,7 +244,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: WorkerHttp,
         interval: float,
         offline_after: int,
         on_change: Callable[[WorkerHandle, WorkerView], Awaitable[None]],

@@ -142,7 +142,7 @@ async def stream_head(
     job_id: str, idx: int, format: str = Query("mp3", max_length=8), svc: JobService = Service
 ) -> Response:
     """What GET would answer, without the body (a live stream's generator is made, never started)."""
-    got = await svc.stream(job_id, idx, format)
+    got = await svc.stream(job_id, idx, format, listen=False)
     if isinstance(got, TrackFile):
         return FileResponse(
             got.path, media_type=got.media_type, filename=got.filename, content_disposition_type="inline"
@@ -162,10 +162,10 @@ async def stream(
     if isinstance(got, TrackFile):
         return FileResponse(got.path, media_type=got.media_type, filename=got.filename,
                             content_disposition_type="inline")  # fmt: skip
-    media, chunks = got
-    return LiveResponse(
-        chunks, media_type=media, headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
-    )
+    media, listening = got
+    assert listening is not None
+    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+    return LiveResponse(listening.chunks(), listening.leave, media_type=media, headers=headers)
 
 
 @router.get("/job/{job_id}/track/{idx}/{kind}", dependencies=OwnJob)

@@ -20,15 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from songserve import codes as codes_file
 from songserve.api import job_list, readiness, render, retakes
 from songserve.api.announcements import Announcements
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
 from songserve.api.keys import Caller, may_see
-from songserve.api.live import LiveStreams, NoAudio
+from songserve.api.live import Listening, LiveStreams, NoAudio
 from songserve.api.quota import WINDOW_SEC, OverQuota
 from songserve.api.refusals import GoneError, QueueFull, StoreUnavailable
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
@@ -41,6 +39,7 @@ from songserve.api.views import job_view
 from songserve.api.webhook_events import JobEvents
 from songserve.api.webhook_sender import WebhookSender
 from songserve.api.webhook_targets import Refused, WebhookPolicy
+from songserve.api.worker_client import WorkerHttp
 from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
 from songserve.logs import safe
@@ -71,9 +70,7 @@ class TrackFile:
 
 
 class JobService:
-    def __init__(
-        self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: httpx.AsyncClient
-    ) -> None:
+    def __init__(self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: WorkerHttp) -> None:
         self.s = s
         self.store = store
         self.artifacts = artifacts
@@ -85,7 +82,8 @@ class JobService:
         self.renders = render.Renders(artifacts, s.render_concurrency, s.render_queue)
         self.announcements = Announcements(s, store, self.dispatcher)  # workers that join and leave
         self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
-                                self.dispatcher.changes)  # fmt: skip
+                                self.dispatcher.changes, s.state_dir / "live", s.live_listeners_per_track,
+                                s.live_listeners_max)  # fmt: skip
         self.uploads = UploadService(s, store, artifacts, self.dispatcher)  # a person's own audio (uploads.py)
 
     @property
@@ -109,6 +107,7 @@ class JobService:
         await self.dispatcher.drain(timeout)
 
     async def stop(self) -> None:
+        await self.live.close()
         await self.dispatcher.stop()
         await self.webhooks.stop()
         self.renders.close()
@@ -306,9 +305,11 @@ class JobService:
         media, disposition = MEDIA[kind]
         return TrackFile(self.artifacts.path(job_id, idx, kind), media, f"{job_id}_track{idx}.{kind}", disposition)
 
-    async def stream(self, job_id: str, idx: int, fmt: str) -> TrackFile | tuple[str, AsyncIterator[bytes]]:
-        """A track's audio as it is made (``live.py``); a finished track's final file; 409 for one that
-        ended without audio."""
+    async def stream(
+        self, job_id: str, idx: int, fmt: str, listen: bool = True
+    ) -> TrackFile | tuple[str, Listening | None]:
+        """A track's audio as it is made (``live.py``: a listener's place, or None without ``listen``, for
+        HEAD); a finished track's final file; 409 for one that ended without audio, 503 past the caps."""
         media = self.live.media_type(fmt)
         view = await self.view(job_id)
         if not 0 <= idx < len(view.tracks):
@@ -319,7 +320,7 @@ class JobService:
         if TrackStatus(track.status).terminal:
             raise NoAudio(f"Track {idx} of job {job_id} is {track.status}: it has no audio"
                           f"{' (' + track.error + ')' if track.error else ''}.")  # fmt: skip
-        return media, self.live.chunks(job_id, idx, fmt)
+        return media, self.live.listen(job_id, idx, fmt) if listen else None
 
     async def render(
         self, job_id: str, idx: int, fmt: str, loudness: float | None, start: float | None, end: float | None

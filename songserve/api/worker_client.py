@@ -1,6 +1,11 @@
 """The dispatcher's only way to talk to a worker: typed calls in, typed answers out.
 
-Every worker URL is formed here, and every call goes over the dispatcher's one HTTP client. The
+Every worker URL is formed here. The calls go over three HTTP clients by purpose (``WorkerHttp``),
+so that one kind of traffic can never take the connections another needs: ``control`` (health,
+config, task views, cancels, file removal: short calls whose silence marks a worker offline),
+``work`` (tasks held while they run, encodings, result downloads) and ``live`` (the live-audio
+relays, one per live track, ``live_feed.py``). Issue 35 saw 200 listeners fill one shared pool of
+200: the health polls waited for a connection, timed out, and both workers were judged offline. The
 bodies sent and the answers read are translated in ``to_worker.py`` (the one place that renames a
 field for a worker); here, transport failures raise ``WorkerUnreachable``, answers that are not the
 contract (not a JSON object, wrong fields, a file it cannot serve or that outgrows the cap) raise
@@ -18,7 +23,9 @@ Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -38,8 +45,39 @@ SONGSERVE, REFERENCE = "songserve", "reference"
 LEASE_HEADER = "Songserve-Lease"  # worker/fence.py reads it
 
 
+@dataclass(frozen=True)
+class WorkerHttp:
+    """The dispatcher's HTTP clients to its workers, one per kind of traffic (see the module docstring)."""
+
+    control: httpx.AsyncClient
+    work: httpx.AsyncClient
+    live: httpx.AsyncClient
+
+    @classmethod
+    def shared(cls, http: httpx.AsyncClient) -> WorkerHttp:
+        """One client for everything (tests that inject a transport)."""
+        return cls(http, http, http)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, headers: dict[str, str], live_connections: int, keepalive_sec: float
+    ) -> AsyncIterator[WorkerHttp]:
+        """The three clients, closed at the end. ``control`` and ``work`` have no cap on connections: what
+        they carry is bounded by the fleet (a health poll and a few task calls per worker, a task and its
+        file copies per running track), so a call never waits for a connection of our own; ``live`` is
+        capped at ``live_connections`` (one per live track, each with at least one listener)."""
+        free = httpx.Limits(max_connections=None, max_keepalive_connections=50, keepalive_expiry=keepalive_sec)
+        live = httpx.Limits(max_connections=live_connections, max_keepalive_connections=0)
+        async with AsyncExitStack() as stack:
+            clients = [httpx.AsyncClient(headers=headers, limits=limits) for limits in (free, free, live)]
+            for client in clients:
+                await stack.enter_async_context(client)
+            yield cls(*clients)
+
+
 class WorkerClient:
-    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+    def __init__(self, http: WorkerHttp, url: str) -> None:
         self.http = http
         self.url = url.rstrip("/")
         self.kind = SONGSERVE  # updated from every health answer
@@ -48,9 +86,13 @@ class WorkerClient:
     def reference(self) -> bool:
         return self.kind == REFERENCE
 
-    async def _call(self, method: str, path: str, timeout: httpx.Timeout | float, **kw: object) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, timeout: httpx.Timeout | float, work: bool = False, **kw: object
+    ) -> httpx.Response:
+        """One call on the control client (``work``: on the work client)."""
+        http = self.http.work if work else self.http.control
         try:
-            return await self.http.request(method, self.url + path, timeout=timeout, **kw)  # type: ignore[arg-type]
+            return await http.request(method, self.url + path, timeout=timeout, **kw)  # type: ignore[arg-type]
         except httpx.HTTPError as exc:
             raise WorkerUnreachable(f"Worker {self.url} did not answer ({type(exc).__name__}).") from exc
 
@@ -90,7 +132,7 @@ class WorkerClient:
         ``lease``: ``<store id> <epoch>`` the task is sent under (our worker refuses a stale one, 409)."""
         body = to_worker.generate_body(req, self.reference)
         headers = {LEASE_HEADER: lease} if lease else {}
-        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), json=body, headers=headers)
+        r = await self._call("POST", "/generate", httpx.Timeout(10, read=None), True, json=body, headers=headers)
         return to_worker.read_answer(r.status_code, self._json(r), self.reference)
 
     async def generate_batch(self, reqs: list[WorkerGenerateRequest], lease: str | None = None) -> list[Outcome]:
@@ -99,7 +141,8 @@ class WorkerClient:
             return [await self.generate(reqs[0], lease)]
         body = to_worker.batch_body(reqs)
         headers = {LEASE_HEADER: lease} if lease else {}
-        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body, headers=headers)
+        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), True, json=body,
+                             headers=headers)  # fmt: skip
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
 
     async def encode(self, audio: bytes, task_id: str, timeout: float, lease: str | None = None) -> WorkerEncodeResult:
@@ -108,7 +151,8 @@ class WorkerClient:
         ``BusyAnswer`` when it cannot take it now (busy, draining, no encoder); ``WorkerRefused`` for
         a 4xx about the file; ``WorkerUnreachable`` / ``WorkerFault`` as for every call."""
         headers = {"Content-Type": "application/octet-stream", **({LEASE_HEADER: lease} if lease else {})}
-        r = await self._call("POST", "/encode", timeout, params={"task_id": task_id}, content=audio, headers=headers)
+        r = await self._call("POST", "/encode", timeout, True, params={"task_id": task_id}, content=audio,
+                             headers=headers)  # fmt: skip
         return to_worker.read_encode(r.status_code, self._json(r))
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
@@ -155,7 +199,7 @@ class WorkerClient:
         url = f"{self.url}/tasks/{task_id}/stream"
         timeout = httpx.Timeout(CONTROL_TIMEOUT, read=LIVE_READ_TIMEOUT)
         try:
-            async with self.http.stream("GET", url, params={"start": start}, timeout=timeout) as r:
+            async with self.http.live.stream("GET", url, params={"start": start}, timeout=timeout) as r:
                 if r.status_code != 200:
                     return
                 async for chunk in r.aiter_raw(CHUNK):
@@ -173,7 +217,7 @@ class WorkerClient:
         """
         url = f"{self.url}/download/{filename}"
         try:
-            async with self.http.stream("GET", url, timeout=FILE_TIMEOUT) as r:
+            async with self.http.work.stream("GET", url, timeout=FILE_TIMEOUT) as r:
                 # The reference worker answers a missing file with 200 and a JSON error body.
                 json_error = r.headers.get("content-type", "").startswith("application/json")
                 if r.status_code != 200 or (json_error and not filename.endswith(".json")):
