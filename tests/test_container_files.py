@@ -18,7 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.quick
 
 # Read by the entry point, libpq or the launcher's conventions rather than by a settings class.
-NOT_SETTINGS = {"SONGSERVE_ROLE", "WORKER_INDEX", "PGPASSWORD", "HEALTHCHECK_KEY", "STORE_WAIT_SEC"}
+NOT_SETTINGS = {
+    "SONGSERVE_ROLE",
+    "WORKER_INDEX",
+    "PGPASSWORD",
+    "HEALTHCHECK_KEY",
+    "STORE_WAIT_SEC",
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+}
 
 
 def env_names(cls: type) -> set[str]:
