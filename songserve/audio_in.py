@@ -35,7 +35,7 @@ import io
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import IO
 
 import numpy as np
 
@@ -79,7 +79,7 @@ class AudioFacts:
                 "channels": self.channels, "frames": self.source_frames}  # fmt: skip
 
 
-Source = bytes | BinaryIO  # the file's bytes, or an open binary file positioned anywhere (read from its start)
+Source = bytes | IO[bytes]  # the file's bytes, or an open binary file positioned anywhere (read from its start)
 
 
 def read_audio(source: Source, max_sec: float | None = None) -> tuple[np.ndarray, AudioFacts]:
@@ -137,7 +137,7 @@ class _Samples:
 def _decode(source: Source, max_sec: float | None, out: _Samples | None) -> AudioFacts:
     import soundfile as sf
 
-    f_in: BinaryIO = io.BytesIO(source) if isinstance(source, bytes) else source
+    f_in: IO[bytes] = io.BytesIO(source) if isinstance(source, bytes) else source
     size = _size(f_in)
     if size == 0:
         raise AudioError("is empty")
@@ -241,12 +241,12 @@ def downmix(x: np.ndarray) -> np.ndarray:
     return mixed
 
 
-def _size(f: BinaryIO) -> int:
+def _size(f: IO[bytes]) -> int:
     f.seek(0, io.SEEK_END)
     return f.tell()
 
 
-def _check_wav_data_chunk(f: BinaryIO, size: int) -> None:
+def _check_wav_data_chunk(f: IO[bytes], size: int) -> None:
     """A RIFF WAV whose ``data`` chunk says more bytes than follow it is cut short (libsndfile reads what
     is there without a word). Sizes 0 and 0xFFFFFFFF mean "unknown" (streamed files) and are not checked.
     Reads chunk headers only; the file's position is left where libsndfile had it."""

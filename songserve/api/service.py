@@ -110,6 +110,7 @@ class JobService:
     async def stop(self) -> None:
         await self.dispatcher.stop()
         await self.webhooks.stop()
+        self.uploads.gate.close()
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
