@@ -18,7 +18,7 @@ Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -102,7 +102,9 @@ class WorkerClient:
         r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), json=body, headers=headers)
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
 
-    async def encode(self, audio: bytes, task_id: str, timeout: float, lease: str | None = None) -> WorkerEncodeResult:
+    async def encode(
+        self, audio: bytes | AsyncIterator[bytes], task_id: str, timeout: float, lease: str | None = None
+    ) -> WorkerEncodeResult:
         """An upload's file as codes (``POST /encode``, ours only), within ``timeout`` seconds.
 
         ``BusyAnswer`` when it cannot take it now (busy, draining, no encoder); ``WorkerRefused`` for
