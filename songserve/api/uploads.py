@@ -86,6 +86,8 @@ class UploadGate:
     async def ticket(self) -> AsyncIterator[None]:
         """One upload's place in line; ``UploadsBusy`` when there is none (nothing read yet)."""
         if self.inside >= self.limit:
+            log.warning("upload refused: %d uploads in flight, the most UPLOAD_CONCURRENCY + UPLOAD_QUEUE allow (503)",
+                        self.inside)  # fmt: skip
             raise UploadsBusy(self.inside, self.s)
         self.inside += 1
         try:
@@ -131,6 +133,7 @@ class UploadService:
         async with self.gate.ticket():
             if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
                 raise FieldError("file", "is required: send the audio as a multipart/form-data field named file")
+            self._check_encoders()  # before a byte is read
             body, too_large = upload_limit(self.s)
             limits = FormLimits(body, self.s.max_body_bytes, self.max_bytes, too_large)
             form = await read_form(request.stream(), request.headers["content-type"], limits)  # FormError: 400/413
@@ -140,7 +143,7 @@ class UploadService:
                     raise FieldError("file", "is required: send the audio as a multipart/form-data field named file")
                 return await self._create(part.file, part.filename, caller)
             finally:
-                await asyncio.get_running_loop().run_in_executor(self.gate.executor, form.close)
+                form.close()  # its spooled files: already unlinked, closing frees them
 
     async def create(self, data: bytes | IO[bytes], filename: str, caller: Caller | None = None) -> UploadView:
         """Check, store and queue one audio file (``caller``: the key that sent it, the only one that
@@ -154,9 +157,7 @@ class UploadService:
             raise UploadTooLarge(
                 f"The file is larger than UPLOAD_MAX_MB ({self.s.upload_max_mb:g} MB); nothing was stored."
             )
-        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
-            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
-                                   "nothing was stored.")  # fmt: skip
+        self._check_encoders()
         run = self.gate.run
         async with self.gate.slot():
             try:
@@ -186,6 +187,11 @@ class UploadService:
                  u.duration_sec, facts.format, facts.sample_rate, facts.channels, u.bytes)  # fmt: skip
         self.dispatcher.kick()
         return view(u)
+
+    def _check_encoders(self) -> None:
+        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
+            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
+                                   "nothing was stored.")  # fmt: skip
 
     async def find(self, upload_id: str, caller: Caller | None = None) -> UploadRecord | None:
         """The upload, or None when there is none ``caller``'s key may see (``keys.py``: ``sees``)."""
