@@ -20,7 +20,9 @@ routes). Fields are UTF-8 unless the part names another charset; a file part is 
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +37,20 @@ FEED_BYTES = 1 << 20  # body bytes gathered before one hand-over to the executor
 SPOOL_BYTES = 1 << 20  # a file part (or a spooled body) up to this stays in memory, past it on disk
 MAX_PARTS = 256  # ACE-Step's /release_task reads about 60 fields; a form has no use for thousands
 MAX_FILES = 4  # ACE-Step's task takes two audio files at most (src_audio, reference_audio), ours one
-EXECUTOR = ThreadPoolExecutor(max_workers=2, thread_name_prefix="form")  # parsing only: short steps
+BACKGROUND_NICE = 10  # how much less CPU time the body and upload threads get than the event loop's thread
+
+
+def background_thread() -> None:
+    """A thread initializer: this thread yields the CPU to the event loop's (Linux schedules threads
+    one by one), so ``/health`` and every other answer keep their latency while bodies are read and
+    files decoded on a busy machine. Where it cannot be done, nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
+EXECUTOR = ThreadPoolExecutor(2, thread_name_prefix="form", initializer=background_thread)  # parsing: short steps
 
 
 class FormError(RequestError):

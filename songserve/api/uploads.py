@@ -39,7 +39,7 @@ from songserve.api.store import JobStore, StoreError
 from songserve.api.store_uploads import UploadRecord
 from songserve.audio_in import HOP, AudioError, AudioFacts, check_audio
 from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
-from songserve.forms import FormLimits, read_form
+from songserve.forms import FormLimits, background_thread, read_form
 from songserve.logs import safe
 from songserve.schemas import UploadStatus, UploadView
 from songserve.settings import DispatcherSettings
@@ -80,7 +80,9 @@ class UploadGate:
         self.limit = s.upload_concurrency + s.upload_queue
         self.inside = 0  # uploads between their ticket and their answer
         self._slots = asyncio.Semaphore(s.upload_concurrency)
-        self.executor = ThreadPoolExecutor(s.upload_concurrency, thread_name_prefix="upload")
+        self.executor = ThreadPoolExecutor(
+            s.upload_concurrency, thread_name_prefix="upload", initializer=background_thread
+        )
 
     @asynccontextmanager
     async def ticket(self) -> AsyncIterator[None]:
