@@ -7,7 +7,8 @@
 - Twenty 40 MB WAV uploads at once: the bodies go to spooled files as they arrive and at most
   ``UPLOAD_CONCURRENCY`` are decoded at once, keeping no samples, so the dispatcher's peak grows by
   much less than the bytes in flight (before: 4.3 × them) and ``/health`` answers throughout.
-- One upload past ``UPLOAD_CONCURRENCY`` + ``UPLOAD_QUEUE`` is a 503 with ``Retry-After``, its body unread.
+- One upload past ``UPLOAD_CONCURRENCY`` + ``UPLOAD_QUEUE`` is a 503 with ``Retry-After``, its body unread (on
+  ACE-Step's port too, for a multipart task).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import soundfile as sf
 
 from tests.load_probe import HealthWatch, peak_mib, raw_request
-from tests.support import Cluster, wait_for
+from tests.support import Cluster, free_port, wait_for
 
 pytestmark = pytest.mark.process
 MIB = 2**20
@@ -97,7 +98,8 @@ def test_twenty_40mb_uploads_at_once_cost_less_than_their_bytes_and_health_answe
 
 
 def test_an_upload_past_the_line_is_503_with_retry_after_before_its_body_is_read(tmp_path):
-    args = ("--upload-concurrency", "1", "--upload-queue", "0")
+    ace = free_port()
+    args = ("--upload-concurrency", "1", "--upload-queue", "0", "--acestep-port", str(ace))
     with Cluster(tmp_path, workers=0, api_args=args) as site:
         assert site.api is not None
         port = site.api.port
@@ -120,6 +122,15 @@ def test_an_upload_past_the_line_is_503_with_retry_after_before_its_body_is_read
         )
         assert refused.headers["retry-after"] == "5"
         assert "UPLOAD_CONCURRENCY 1 + UPLOAD_QUEUE 0" in refused.json()["error"]
+        repaint = httpx.post(  # ACE-Step's multipart may carry a source audio: the same line
+            f"http://127.0.0.1:{ace}/release_task",
+            data={"task_type": "repaint", "repainting_start": "1"},
+            files={"src_audio": ("mine.wav", small, "audio/wav")},
+            timeout=30,
+        )
+        assert (repaint.status_code, repaint.headers.get("retry-after")) == (503, "5"), repaint.text
+        plain = httpx.post(f"http://127.0.0.1:{ace}/release_task", json={"prompt": "x"}, timeout=30)
+        assert plain.status_code == 200, plain.text  # a task without a file waits in no line
         release.set()
         first.join(60)
         assert holder["first"][0] == 200, holder

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, TypeVar
 
@@ -69,6 +70,7 @@ class UploadsBusy(UnavailableError):
 
 
 RETRY_AFTER_SEC = 5
+_HOLDS_TICKET: ContextVar[bool] = ContextVar("upload_ticket", default=False)  # this request has its place
 T = TypeVar("T")
 
 
@@ -86,15 +88,21 @@ class UploadGate:
 
     @asynccontextmanager
     async def ticket(self) -> AsyncIterator[None]:
-        """One upload's place in line; ``UploadsBusy`` when there is none (nothing read yet)."""
+        """One upload's place in line; ``UploadsBusy`` when there is none (nothing read yet). A request
+        holds one place: taken again within it (ACE-Step's route, then ``create``), it is the same."""
+        if _HOLDS_TICKET.get():
+            yield
+            return
         if self.inside >= self.limit:
             log.warning("upload refused: %d uploads in flight, the most UPLOAD_CONCURRENCY + UPLOAD_QUEUE allow (503)",
                         self.inside)  # fmt: skip
             raise UploadsBusy(self.inside, self.s)
         self.inside += 1
+        held = _HOLDS_TICKET.set(True)
         try:
             yield
         finally:
+            _HOLDS_TICKET.reset(held)
             self.inside -= 1
 
     @asynccontextmanager

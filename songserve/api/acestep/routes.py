@@ -7,6 +7,7 @@ against ACE-Step. docs/api.md ("ACE-Step's dialect") lists the routes and what e
 from __future__ import annotations
 
 import json
+from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -55,10 +56,14 @@ def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
     return tags
 
 
-async def _authorized(request: Request, authorization: str | None, files: bool) -> tuple[Body, Caller | None]:
+async def _authorized(
+    request: Request, authorization: str | None, files: bool, line: AsyncExitStack | None = None
+) -> tuple[Body, Caller | None]:
     """The body and its caller, the key checked before the body is read: a key in the header lets a
     multipart body of ``/release_task`` (``files``) up to the upload cap in; without one, the body may
-    still carry ``ai_token``, so it is read only up to ``MAX_BODY_BYTES`` (a longer one is a 401 unread)."""
+    still carry ``ai_token``, so it is read only up to ``MAX_BODY_BYTES`` (a longer one is a 401 unread).
+    A multipart body for ``line`` takes its place in the uploads' line (``UploadGate``) once the header
+    passed and before a byte is read, held until ``line`` closes (503 with ``Retry-After`` when full)."""
     s, keys = _settings(request), _keys(request)
     ct = request.headers.get("content-type")
     small = s.max_body_bytes
@@ -69,6 +74,8 @@ async def _authorized(request: Request, authorization: str | None, files: bool) 
     try:
         if not trusted and declared.isdigit() and int(declared) > small:
             raise _Unread
+        if line is not None and is_multipart(ct):
+            await line.enter_async_context(_service(request).uploads.gate.ticket())
         if is_multipart(ct):
             form = FormLimits(limit, small, int(s.upload_max_mb * 2**20), too_large if trusted else "")
             body = await stream_multipart(request, form)
@@ -117,11 +124,12 @@ def _task_ids(value: Any) -> list[str]:
 @router.post("/release_task")
 async def release_task(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     s, svc = _settings(request), _service(request)
-    body, caller = await _authorized(request, authorization, files=True)  # multipart may carry a source audio
-    try:
-        return await _release(svc, s, request, body, caller)
-    finally:
-        body.close()
+    async with AsyncExitStack() as line:  # a multipart body may carry a source audio: a place in the uploads' line
+        body, caller = await _authorized(request, authorization, files=True, line=line)
+        try:
+            return await _release(svc, s, request, body, caller)
+        finally:
+            body.close()
 
 
 async def _release(
