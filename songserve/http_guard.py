@@ -76,10 +76,12 @@ async def unauthorized(send: Send, realm: str = "songserve") -> None:
 
 
 class BodyLimit:
-    """Rejects request bodies over ``max_bytes`` (by Content-Length, and while streaming).
+    """Rejects request bodies over ``max_bytes``: by Content-Length before a byte is read, and without
+    one (chunked) as the app reads, never holding the body itself.
 
     ``paths`` gives routes that take files their own limit and sentence (exact path → (bytes, what
-    to say)): an upload's audio is larger than any JSON body, and the answer names the setting."""
+    to say)): an upload's audio is larger than any JSON body, and the answer names the setting.
+    Put it inside the key check (added before it), so no body is read for a caller without a key."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
@@ -95,21 +97,29 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > limit:
             return await send_error(send, 413, too_large)
         if length is not None or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
-            return await self.app(scope, receive, send)
-        # No Content-Length (chunked): read up to the limit here, then replay it to the app.
-        chunks, size, more = [], 0, True
-        while more:
+            return await self.app(scope, receive, send)  # the server reads no more than Content-Length
+        size, refused, started = 0, False, False
+
+        async def counted() -> Message:
+            nonlocal size, refused
             message = await receive()
-            if message["type"] != "http.request":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > limit:
-                return await send_error(send, 413, too_large)
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit and not refused:
+                    refused = True
+                    if not started:
+                        await send_error(send, 413, too_large)
+                    return {"type": "http.disconnect"}  # the app stops reading: its answer is ours
+            return message
 
-        async def replay_receive() -> Message:
-            return replay.pop() if replay else await receive()
+        async def answered(message: Message) -> None:
+            nonlocal started
+            if not refused:
+                started = started or message["type"] == "http.response.start"
+                await send(message)
 
-        await self.app(scope, replay_receive, send)
+        try:
+            await self.app(scope, counted, answered)
+        except Exception:
+            if not refused:  # the app's own failure; one that came of the cut body was answered with the 413
+                raise

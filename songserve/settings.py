@@ -339,6 +339,12 @@ class DispatcherSettings(BaseSettings):
     upload_max_mb: float = Field(
         128.0, gt=0, description="largest audio file POST /uploads takes (and an ACE-Step multipart body)"
     )
+    upload_concurrency: int = Field(
+        2, ge=1, le=64, description="uploads decoded and stored at once, on their own threads (each costs a CPU core)"
+    )
+    upload_queue: int = Field(
+        32, ge=0, le=10_000, description="uploads waiting beyond those (bodies on disk); past that 503 with Retry-After"
+    )
     strict_requests: bool = Field(
         False, description="422 for out-of-range values instead of reading them as the reference backend does"
     )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from songserve.audio_in import SAMPLE_RATE, AudioError, downmix, read_audio
+from songserve.audio_in import SAMPLE_RATE, AudioError, _Samples, check_audio, downmix, read_audio
 
 
 def tone(seconds: float, rate: int, channels: int = 2, level: float = 0.4) -> np.ndarray:
@@ -111,3 +111,47 @@ def test_too_long_is_refused_from_the_header_before_decoding():
     ):
         read_audio(encoded(tone(3.0, 22050), 22050), max_sec=2.5)
     assert read_audio(encoded(tone(2.0, 22050), 22050), max_sec=2.5)[1].duration_sec == pytest.approx(2.0, abs=1e-4)
+
+
+def test_a_header_promising_more_to_decode_than_the_length_allows_is_refused_naming_it():
+    data = encoded(np.zeros((int(0.4 * 384_000), 8)), 384_000, "FLAC")  # 0.4 s: 1.2 M samples for a 0.5 s cap
+    with pytest.raises(AudioError) as err:
+        read_audio(data, max_sec=0.5)
+    assert str(err.value) == (
+        "would decode to 1,228,800 samples (0.4 s at 384000 Hz in 8 channels), more than the 768,000 an upload "
+        "of at most 0.5 s may decode to (192000 Hz in 8 channels)"
+    )
+    assert read_audio(data, max_sec=1.0)[1].channels == 8  # within the cap for a longer length: decoded
+
+
+def test_a_file_object_and_check_audio_read_as_the_bytes_do():
+    data = encoded(tone(1.5, 48000, channels=6), 48000, "FLAC")
+    pcm, facts = read_audio(data)
+    f = io.BytesIO(data)
+    f.seek(123)  # read from the start wherever it stands
+    again, facts_again = read_audio(f)
+    assert np.array_equal(pcm, again)
+    assert facts == facts_again == check_audio(io.BytesIO(data))
+
+
+def test_samples_are_kept_right_when_the_header_promised_more_or_fewer_frames():
+    def block(start: int) -> np.ndarray:  # (10 frames, 2): left counts up from start, right down
+        up = np.arange(start, start + 10, dtype=np.float32)
+        return np.stack([up, -up], 1)
+
+    fewer = _Samples()
+    fewer.reserve(25)  # promised 25, holds 20: compacted in place
+    fewer.add(block(0))
+    fewer.add(block(10))
+    out = fewer.result()
+    assert out.shape == (2, 20)
+    assert out.flags["C_CONTIGUOUS"]
+    assert np.array_equal(out[0], np.arange(20))
+    assert np.array_equal(out[1], -np.arange(20))
+    more = _Samples()
+    more.reserve(15)  # promised 15, holds 20: the rest kept apart, joined at the end
+    more.add(block(0))
+    more.add(block(10))
+    out = more.result()
+    assert np.array_equal(out[0], np.arange(20))
+    assert np.array_equal(out[1], -np.arange(20))

@@ -85,6 +85,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         expose_headers=["Preference-Applied", "Retry-After"],
     )
     app.state.keys = keys  # the ACE-Step dialect checks the same keys
+    # The body limit inside the key check: a caller without a key gets its 401 before a byte is read.
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
     if keys.enabled or s.api_keys_file:  # a keys file may gain its first key later (ApiKeys.watch)
         app.add_middleware(
             KeyAuth,
@@ -92,7 +94,6 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             exempt={"/health", *(PAGE if s.public_page else ())},
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
     app.include_router(router)
     app.include_router(page_router())
     app.include_router(docs_router(app.title))

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from songserve.api.outcomes import WorkerFault
 from songserve.api.result_check import Copied, check_copy
@@ -82,8 +82,9 @@ class ArtifactStore:
             raise ValueError("invalid upload address")
         return self.root / UPLOADS / upload_id / name
 
-    def write_upload(self, upload_id: str, name: str, data: bytes) -> None:
-        """One file of an upload, written under a temporary name then renamed."""
+    def write_upload(self, upload_id: str, name: str, data: bytes | IO[bytes]) -> None:
+        """One file of an upload (its bytes, or an open file copied from its start in blocks), written
+        under a temporary name then renamed."""
         _write_atomic(self.upload_path(upload_id, name), data)
 
     def remove_upload(self, upload_id: str) -> None:
@@ -284,12 +285,17 @@ async def _keep_floor(worker: WorkerClient, copies: list[asyncio.Task[Copied]], 
             )
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | IO[bytes]) -> None:
     """``data`` as ``path``: written under a temporary name in its folder, then renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(3)}.tmp")
     try:
-        tmp.write_bytes(data)
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            data.seek(0)
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(data, out, 1 << 20)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

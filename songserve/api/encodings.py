@@ -4,7 +4,7 @@ Short work, served before generation: each dispatch pass offers its free workers
 with an encoder: ``WorkerHandle.can_encode``) to the oldest queued uploads first (``start``), and
 only what is left to tracks. Each upload is claimed in the store under the worker's lease
 (``claim_upload``: one dispatcher encodes it), and one asyncio task runs the attempt (``_run``):
-1. the file as it was uploaded, read from the results folder, sent to the worker (``POST /encode``,
+1. the file as it was uploaded, read from the results folder a block at a time as it is sent to the worker (``POST /encode``,
    with the lease header tracks carry), within ``DEADLINE_BASE_SEC`` + the audio's length;
 2. the answer checked (the codec's 64 levels of codes in range; the worker's frame count is the one kept);
 3. the grid written as ``codes.codes`` (``songserve/codes.py``, the format of a take's codes) and the
@@ -24,7 +24,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import BinaryIO
 
 import numpy as np
 
@@ -105,16 +106,19 @@ class Encodings:
 
     async def _run(self, u: UploadRecord, w: WorkerHandle, fence: Fence) -> None:
         answered = False
+        source: BinaryIO | None = None
         try:
             try:
                 path = self.artifacts.upload_path(u.upload_id, f"source.{u.ext}")
-                data = await asyncio.to_thread(path.read_bytes)
+                source = await asyncio.to_thread(path.open, "rb")
             except OSError:
                 await self._finish(u, error="its file is gone from the results folder")
                 return
             timeout = self.s.deadline_base_sec + u.duration_sec
             try:
-                res = await w.client.encode(data, f"upload-{u.upload_id}", timeout, self.fences.lease_header(fence))
+                res = await w.client.encode(
+                    _blocks(source), f"upload-{u.upload_id}", timeout, self.fences.lease_header(fence)
+                )
                 answered = True
                 grid = self._check(res)
             except WorkerBusy as exc:
@@ -142,6 +146,8 @@ class Encodings:
         except StoreError as exc:  # reconcile re-queues it (its owner, this dispatcher, runs no attempt then)
             log.warning("upload %s: its state could not be stored (%s)", u.upload_id, exc)
         finally:
+            if source is not None:
+                source.close()
             w.encoded(u.upload_id, answered)
             self.kick()
 
@@ -201,3 +207,9 @@ class Encodings:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _blocks(f: BinaryIO, size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """An upload's file sent as it is read, a block at a time off the event loop (never whole in memory)."""
+    while block := await asyncio.to_thread(f.read, size):
+        yield block

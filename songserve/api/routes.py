@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fastapi import APIRouter, Depends, File, Header, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
@@ -185,14 +185,17 @@ async def events(job_id: str, request: Request, svc: JobService = Service) -> St
     )
 
 
-@router.post("/uploads", response_model=UploadView)
-async def upload(
-    request: Request,
-    file: UploadFile = File(description="an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)"),
-    svc: JobService = Service,
-) -> UploadView:
+UPLOAD_FORM = {"content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file"],
+    "properties": {"file": {"type": "string", "format": "binary",
+                            "description": "an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)"}},
+}}}, "required": True}  # fmt: skip  # the form is read as it streams (UploadService.receive), not by FastAPI
+
+
+@router.post("/uploads", response_model=UploadView, openapi_extra={"requestBody": UPLOAD_FORM})
+async def upload(request: Request, svc: JobService = Service) -> UploadView:
     """Store a person's own audio and queue its encoding; continue from it with ``continue_from.upload_id``."""
-    return await svc.uploads.create(await file.read(), file.filename or "", caller(request))
+    return await svc.uploads.receive(request, caller(request))
 
 
 @router.get("/uploads/{upload_id}", response_model=UploadView)

@@ -111,6 +111,7 @@ class JobService:
         await self.dispatcher.stop()
         await self.webhooks.stop()
         self.renders.close()
+        self.uploads.gate.close()
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest) -> NormalizedRequest:

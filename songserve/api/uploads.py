@@ -1,22 +1,36 @@
 """Uploads: a person's own audio, checked, stored and queued for encoding; what the ``/uploads`` routes call.
 
-``create`` reads the whole file before anything is stored (``songserve/audio_in.py``: not audio,
-empty, cut short, less than a frame, longer than the longest song the model can continue: a 422
-naming the field ``file``; over ``UPLOAD_MAX_MB``: 413), then writes it into the results folder
-(``uploads/<id>/source.<ext>``) and its row (``queued``) into the job store, so any dispatcher of a
-shared store answers for it, and asks the dispatcher to look at once: encodings go before tracks
-(``encodings.py``). ``view``, ``codes`` and ``delete`` read the store, not this process's memory.
-Retention removes uploads as it removes jobs (``retention.py``).
+``receive`` reads ``POST /uploads``'s multipart body as it arrives into a spooled temporary file
+(``songserve/forms.py``), never whole into memory. ``create`` decodes the whole file before anything is
+stored (``songserve/audio_in.py``'s ``check_audio``, block by block, keeping no samples: not audio,
+empty, cut short, less than a frame, longer than the longest song the model can continue, more to
+decode than that length allows: a 422 naming the field ``file``; over ``UPLOAD_MAX_MB``: 413), then
+copies it into the results folder (``uploads/<id>/source.<ext>``) and its row (``queued``) into the
+job store, so any dispatcher of a shared store answers for it, and asks the dispatcher to look at
+once: encodings go before tracks (``encodings.py``). ``view``, ``codes`` and ``delete`` read the
+store, not this process's memory. Retention removes uploads as it removes jobs (``retention.py``).
+
+At most ``UPLOAD_CONCURRENCY`` uploads are decoded and copied at once, on their own threads (so
+renders, live audio and file relays keep theirs); up to ``UPLOAD_QUEUE`` more wait in line (their
+bodies on disk meanwhile), and one past those is a 503 with ``Retry-After`` before its body is read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import IO, TypeVar
+
+from starlette.requests import Request
 
 from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
@@ -24,8 +38,9 @@ from songserve.api.keys import Caller, may_see
 from songserve.api.refusals import StoreUnavailable
 from songserve.api.store import JobStore, StoreError
 from songserve.api.store_uploads import UploadRecord
-from songserve.audio_in import HOP, AudioError, read_audio
+from songserve.audio_in import HOP, AudioError, AudioFacts, check_audio
 from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
+from songserve.forms import FormLimits, background_thread, read_form
 from songserve.logs import safe
 from songserve.schemas import UploadStatus, UploadView
 from songserve.settings import DispatcherSettings
@@ -45,6 +60,64 @@ class UploadTooLarge(SongserveError):
     http_status = 413
 
 
+class UploadsBusy(UnavailableError):
+    """As many uploads as may be in flight are: a 503 with ``Retry-After``, before the body is read."""
+
+    def __init__(self, inside: int, s: DispatcherSettings) -> None:
+        super().__init__(f"{inside} uploads are being checked or waiting (UPLOAD_CONCURRENCY {s.upload_concurrency} "
+                         f"+ UPLOAD_QUEUE {s.upload_queue}); nothing was stored, try again shortly.")  # fmt: skip
+        self.headers = {"Retry-After": str(RETRY_AFTER_SEC)}
+
+
+RETRY_AFTER_SEC = 5
+_HOLDS_TICKET: ContextVar[bool] = ContextVar("upload_ticket", default=False)  # this request has its place
+T = TypeVar("T")
+
+
+class UploadGate:
+    """``running`` uploads decoded and copied at once on their own threads, ``waiting`` more in line."""
+
+    def __init__(self, s: DispatcherSettings) -> None:
+        self.s = s
+        self.limit = s.upload_concurrency + s.upload_queue
+        self.inside = 0  # uploads between their ticket and their answer
+        self._slots = asyncio.Semaphore(s.upload_concurrency)
+        self.executor = ThreadPoolExecutor(
+            s.upload_concurrency, thread_name_prefix="upload", initializer=background_thread
+        )
+
+    @asynccontextmanager
+    async def ticket(self) -> AsyncIterator[None]:
+        """One upload's place in line; ``UploadsBusy`` when there is none (nothing read yet). A request
+        holds one place: taken again within it (ACE-Step's route, then ``create``), it is the same."""
+        if _HOLDS_TICKET.get():
+            yield
+            return
+        if self.inside >= self.limit:
+            log.warning("upload refused: %d uploads in flight, the most UPLOAD_CONCURRENCY + UPLOAD_QUEUE allow (503)",
+                        self.inside)  # fmt: skip
+            raise UploadsBusy(self.inside, self.s)
+        self.inside += 1
+        held = _HOLDS_TICKET.set(True)
+        try:
+            yield
+        finally:
+            _HOLDS_TICKET.reset(held)
+            self.inside -= 1
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """One of the ``running`` places, for the steps that ``run`` on the uploads' threads."""
+        async with self._slots:
+            yield
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
 class UploadService:
     def __init__(
         self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, dispatcher: Dispatcher
@@ -54,6 +127,7 @@ class UploadService:
         self.artifacts = artifacts
         self.dispatcher = dispatcher
         self.max_bytes = int(s.upload_max_mb * 2**20)
+        self.gate = UploadGate(s)
 
     def max_seconds(self) -> float:
         """The longest song the model can continue: ``MAX_DURATION``, and the workers' context where they say it."""
@@ -64,43 +138,70 @@ class UploadService:
             limit = min(limit, context / per_minute * 60)
         return limit
 
-    async def create(self, data: bytes, filename: str, caller: Caller | None = None) -> UploadView:
+    async def receive(self, request: Request, caller: Caller | None = None) -> UploadView:
+        """``POST /uploads``: a place in line first, then the multipart body (its ``file`` spooled), then ``create``."""
+        async with self.gate.ticket():
+            if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
+                raise FieldError("file", "is required: send the audio as a multipart/form-data field named file")
+            self._check_encoders()  # before a byte is read
+            body, too_large = upload_limit(self.s)
+            limits = FormLimits(body, self.s.max_body_bytes, self.max_bytes, too_large)
+            form = await read_form(request.stream(), request.headers["content-type"], limits)  # FormError: 400/413
+            try:
+                part = form.files.get("file")
+                if part is None:
+                    raise FieldError("file", "is required: send the audio as a multipart/form-data field named file")
+                return await self._create(part.file, part.filename, caller)
+            finally:
+                form.close()  # its spooled files: already unlinked, closing frees them
+
+    async def create(self, data: bytes | IO[bytes], filename: str, caller: Caller | None = None) -> UploadView:
         """Check, store and queue one audio file (``caller``: the key that sent it, the only one that
         sees it unless another sees all); nothing is stored when it is refused."""
-        if len(data) > self.max_bytes:
+        async with self.gate.ticket():
+            return await self._create(io.BytesIO(data) if isinstance(data, bytes) else data, filename, caller)
+
+    async def _create(self, file: IO[bytes], filename: str, caller: Caller | None) -> UploadView:
+        size = file.seek(0, io.SEEK_END)
+        if size > self.max_bytes:
             raise UploadTooLarge(
                 f"The file is larger than UPLOAD_MAX_MB ({self.s.upload_max_mb:g} MB); nothing was stored."
             )
-        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
-            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
-                                   "nothing was stored.")  # fmt: skip
-        try:
-            _, facts = await asyncio.to_thread(read_audio, data, self.max_seconds())
-        except AudioError as exc:
-            raise FieldError("file", f"the file {exc}") from None
-        u = UploadRecord(
-            upload_id=secrets.token_hex(8),
-            created_at=time.time(),
-            status=UploadStatus.queued,
-            filename=CONTROL.sub("", filename)[:200],
-            ext=facts.extension,
-            bytes=len(data),
-            duration_sec=facts.duration_sec,
-            frames=facts.samples // HOP,
-            source=facts.describe(),
-            caller=caller.name if caller is not None else None,
-        )
-        try:
-            await asyncio.to_thread(self.artifacts.write_upload, u.upload_id, f"source.{u.ext}", data)
-            await self.store.insert_upload(u)
-        except (StoreError, OSError) as exc:
-            self.artifacts.remove_upload(u.upload_id)
-            log.error("upload: the store or the results folder cannot write: %s", exc)
-            raise StoreUnavailable(exc) from None
+        self._check_encoders()
+        run = self.gate.run
+        async with self.gate.slot():
+            try:
+                facts: AudioFacts = await run(check_audio, file, self.max_seconds())
+            except AudioError as exc:
+                raise FieldError("file", f"the file {exc}") from None
+            u = UploadRecord(
+                upload_id=secrets.token_hex(8),
+                created_at=time.time(),
+                status=UploadStatus.queued,
+                filename=CONTROL.sub("", filename)[:200],
+                ext=facts.extension,
+                bytes=size,
+                duration_sec=facts.duration_sec,
+                frames=facts.samples // HOP,
+                source=facts.describe(),
+                caller=caller.name if caller is not None else None,
+            )
+            try:
+                await run(self.artifacts.write_upload, u.upload_id, f"source.{u.ext}", file)
+                await self.store.insert_upload(u)
+            except (StoreError, OSError) as exc:
+                self.artifacts.remove_upload(u.upload_id)
+                log.error("upload: the store or the results folder cannot write: %s", exc)
+                raise StoreUnavailable(exc) from None
         log.info("upload %s: %s, %.2f s (%s, %d Hz, %d channels), %d bytes, queued", u.upload_id, safe(u.filename, 80),
                  u.duration_sec, facts.format, facts.sample_rate, facts.channels, u.bytes)  # fmt: skip
         self.dispatcher.kick()
         return view(u)
+
+    def _check_encoders(self) -> None:
+        if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
+            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
+                                   "nothing was stored.")  # fmt: skip
 
     async def find(self, upload_id: str, caller: Caller | None = None) -> UploadRecord | None:
         """The upload, or None when there is none ``caller``'s key may see (``keys.py``: ``sees``)."""

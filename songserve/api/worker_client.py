@@ -145,7 +145,9 @@ class WorkerClient:
                              headers=headers)  # fmt: skip
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
 
-    async def encode(self, audio: bytes, task_id: str, timeout: float, lease: str | None = None) -> WorkerEncodeResult:
+    async def encode(
+        self, audio: bytes | AsyncIterator[bytes], task_id: str, timeout: float, lease: str | None = None
+    ) -> WorkerEncodeResult:
         """An upload's file as codes (``POST /encode``, ours only), within ``timeout`` seconds.
 
         ``BusyAnswer`` when it cannot take it now (busy, draining, no encoder); ``WorkerRefused`` for

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from songserve import __version__
 from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError
+from songserve.forms import spool
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BearerAuth, BodyLimit
 from songserve.schemas import (
@@ -121,11 +122,11 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
 
     app = FastAPI(title="songserve worker", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    if runtime.s.worker_token:
-        app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
     audio_bytes = int(runtime.s.max_audio_mb * 2**20)
     too_large = f"The audio file is larger than MAX_AUDIO_MB ({runtime.s.max_audio_mb:g} MB)."
     app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes, paths={"/encode": (audio_bytes, too_large)})
+    if runtime.s.worker_token:  # outside the body limit: no body is read before the token is checked
+        app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
     out_dir = runtime.s.output_dir
     fences = LeaseFences()  # a task from a dispatcher whose lease here passed on is refused (fence.py)
     Lease = Header(None, alias=HEADER, max_length=100)
@@ -222,7 +223,11 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
 
         A file that is not usable audio is a 400 naming the problem; a worker without an encoder 503."""
         fences.check(lease, [task_id or "(no id)"])
-        return await runtime.encode(await request.body(), task_id)
+        body = await spool(request.stream(), audio_bytes, too_large)  # on disk past a megabyte, never whole in memory
+        try:
+            return await runtime.encode(body, task_id)
+        finally:
+            body.close()
 
     @app.post("/cancel/{task_id}")
     async def cancel(task_id: str) -> TaskView:

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO
 
 from songserve.audio_in import HOP, SAMPLE_RATE, AudioError, read_audio
 from songserve.errors import (
@@ -207,7 +208,7 @@ class WorkerRuntime:
             for ctx, got, files in zip(ctxs, raw, facts, strict=True)
         ]
 
-    async def encode(self, data: bytes, task_id: str) -> WorkerEncodeResult:
+    async def encode(self, data: bytes | IO[bytes], task_id: str) -> WorkerEncodeResult:
         """An audio file's code grid (``POST /encode``): read off the event loop, encoded on the model thread.
 
         The file is refused (``RequestError``) before the model thread is claimed when it is not

@@ -10,41 +10,39 @@ with ``{`` or ``[``, a query string if it holds ``=``, else 415. ``/query_result
 At ACE-Step f30aee4c every form branch of ``/release_task`` answers a plain-text 500 (a keyword
 passed twice); the intent is plain, so here they work: values are strings, as in any form, and
 ``Params`` coerces them. Invalid JSON is a 400 naming the reason (ACE-Step: a plain-text 500 under
-``application/json``). The body is read up to ``MAX_BODY_BYTES`` (413 past it); multipart is parsed
-by the standard library's MIME parser, which is enough for bodies of that size.
+``application/json``). A JSON or urlencoded body is read up to ``MAX_BODY_BYTES`` (413 past it);
+multipart goes through the streaming form reader (``songserve/forms.py``: off the event loop, its
+files spooled to temporary files, caps on parts, fields and sizes), with the upload cap for
+``/release_task``'s files. Who may send a body that large is the routes' business (``routes.py``:
+the key is checked before the body is read).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from email import errors, policy
-from email.message import EmailMessage
-from email.parser import BytesParser
 from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.requests import Request
 
 from songserve.api.acestep.failures import AceError
+from songserve.forms import FilePart, Form, FormError, FormLimits, FormReader, read_form
 
 MISSING_TYPE = "(missing)"
 
 
-@dataclass(frozen=True)
-class Upload:
-    """A file field of a multipart body."""
-
-    field: str
-    filename: str
-    content_type: str
-    data: bytes
+Upload = FilePart  # a file field of a multipart body: its bytes in a spooled temporary file
 
 
 @dataclass
 class Body:
     fields: dict[str, Any]
     uploads: dict[str, Upload] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for u in self.uploads.values():
+            u.file.close()
 
 
 async def read_bytes(request: Request, max_bytes: int) -> bytes:
@@ -80,38 +78,39 @@ def _query_string(raw: bytes, first: bool) -> dict[str, Any]:
     return out
 
 
-def _multipart(content_type: str, raw: bytes) -> Body:
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1", "replace")
-    msg = BytesParser(policy=policy.HTTP).parsebytes(head + raw)
-    if (
-        not isinstance(msg, EmailMessage)
-        or not msg.is_multipart()
-        or any(isinstance(d, errors.StartBoundaryNotFoundDefect) for d in msg.defects)
-    ):
-        raise AceError(400, "The multipart/form-data body cannot be read (check its boundary).")
-    body = Body({})
-    for part in msg.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if not isinstance(name, str) or not name:
-            continue
-        data = part.get_payload(decode=True)
-        data = data if isinstance(data, bytes) else b""
-        filename = part.get_filename()
-        if filename is not None:
-            body.uploads[name] = Upload(name, filename, part.get_content_type(), data)
-        else:
-            body.fields[name] = data.decode(part.get_content_charset() or "utf-8", errors="replace")
-    return body
+def read_multipart(content_type: str, raw: bytes, limits: FormLimits) -> Body:
+    """A multipart body already in memory (the same reader the routes stream through)."""
+    reader = FormReader(content_type, limits)
+    try:
+        reader.feed(raw)
+        return as_body(reader.finish())
+    except FormError as exc:
+        reader.close()
+        raise AceError(exc.status, str(exc)) from None
+
+
+async def stream_multipart(request: Request, limits: FormLimits) -> Body:
+    """The request's multipart body, read as it arrives (``forms.read_form``)."""
+    try:
+        return as_body(await read_form(request.stream(), request.headers.get("content-type", ""), limits))
+    except FormError as exc:
+        raise AceError(exc.status, str(exc)) from None
+
+
+def as_body(form: Form) -> Body:
+    return Body(dict(form.fields), dict(form.files))
+
+
+def is_multipart(content_type: str | None) -> bool:
+    return (content_type or "").strip().lower().startswith("multipart/form-data")
 
 
 def release_body(content_type: str | None, raw: bytes) -> Body:
-    """The body of ``POST /release_task``, by ACE-Step's branch order."""
+    """The body of ``POST /release_task`` but multipart (``stream_multipart``), by ACE-Step's branch order."""
     ct = (content_type or "").strip()
     low = ct.lower()
     if low.startswith("application/json") or low.endswith("+json"):
         return Body(_json_object(raw))
-    if low.startswith("multipart/form-data"):
-        return _multipart(ct, raw)
     if low.startswith("application/x-www-form-urlencoded"):
         return Body(_query_string(raw, first=False))
     text = raw.lstrip()
@@ -127,11 +126,9 @@ def release_body(content_type: str | None, raw: bytes) -> Body:
 
 
 def small_body(content_type: str | None, raw: bytes) -> Body:
-    """The body of the other POST routes: JSON when the type says json, else a form (empty is ``{}``)."""
+    """The body of the other POST routes but multipart: JSON when the type says json, else a form (empty is ``{}``)."""
     ct = (content_type or "").strip()
     low = ct.lower()
     if "json" in low:
         return Body(_json_object(raw))
-    if low.startswith("multipart/form-data"):
-        return _multipart(ct, raw)
     return Body(_query_string(raw, first=False)) if raw.strip() else Body({})

@@ -1,4 +1,4 @@
-"""The dialect's routes: each reads its body as ACE-Step does, checks the key, calls one function, wraps.
+"""The dialect's routes: each checks the key, reads its body as ACE-Step does, calls one function, wraps.
 
 Served at the root of ``ACESTEP_PORT``, so a client configured with ``http://host:PORT`` works as
 against ACE-Step. docs/api.md ("ACE-Step's dialect") lists the routes and what each answers.
@@ -7,6 +7,7 @@ against ACE-Step. docs/api.md ("ACE-Step's dialect") lists the routes and what e
 from __future__ import annotations
 
 import json
+from contextlib import AsyncExitStack
 from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
@@ -14,9 +15,9 @@ from fastapi.responses import FileResponse, JSONResponse
 
 from songserve import __version__
 from songserve.api.acestep.answers import query_item, unknown_item
-from songserve.api.acestep.auth import check_body_or_header, check_header
-from songserve.api.acestep.bodies import Body, read_bytes, release_body, small_body
-from songserve.api.acestep.failures import field_error
+from songserve.api.acestep.auth import check_body_or_header, check_header, header_caller
+from songserve.api.acestep.bodies import Body, is_multipart, read_bytes, release_body, small_body, stream_multipart
+from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import audio_file
 from songserve.api.acestep.params import Params
 from songserve.api.acestep.samples import format_input, random_sample
@@ -27,6 +28,7 @@ from songserve.api.acestep.wrapper import wrap
 from songserve.api.keys import ApiKeys, Caller
 from songserve.api.service import JobService
 from songserve.api.uploads import upload_limit
+from songserve.forms import FormLimits
 from songserve.settings import DispatcherSettings
 
 router = APIRouter()
@@ -54,10 +56,57 @@ def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
     return tags
 
 
-async def _small(request: Request, authorization: str | None) -> tuple[Body, Caller | None]:
-    s = _settings(request)
-    body = small_body(request.headers.get("content-type"), await read_bytes(request, s.max_body_bytes))
-    return body, check_body_or_header(_keys(request), body.fields, authorization)
+async def _authorized(
+    request: Request, authorization: str | None, files: bool, line: AsyncExitStack | None = None
+) -> tuple[Body, Caller | None]:
+    """The body and its caller, the key checked before the body is read: a key in the header lets a
+    multipart body of ``/release_task`` (``files``) up to the upload cap in; without one, the body may
+    still carry ``ai_token``, so it is read only up to ``MAX_BODY_BYTES`` (a longer one is a 401 unread).
+    A multipart body for ``line`` takes its place in the uploads' line (``UploadGate``) once the header
+    passed and before a byte is read, held until ``line`` closes (503 with ``Retry-After`` when full)."""
+    s, keys = _settings(request), _keys(request)
+    ct = request.headers.get("content-type")
+    small = s.max_body_bytes
+    large, too_large = upload_limit(s) if files and is_multipart(ct) else (small, "")
+    trusted = not keys.enabled or header_caller(keys, authorization) is not None
+    limit = large if trusted else small
+    declared = request.headers.get("content-length", "")
+    try:
+        if not trusted and declared.isdigit() and int(declared) > small:
+            raise _Unread
+        if line is not None and is_multipart(ct):
+            await line.enter_async_context(_service(request).uploads.gate.ticket())
+        if is_multipart(ct):
+            form = FormLimits(limit, small, int(s.upload_max_mb * 2**20), too_large if trusted else "")
+            body = await stream_multipart(request, form)
+        else:
+            raw = await read_bytes(request, limit)
+            body = release_body(ct, raw) if files else small_body(ct, raw)
+    except (_Unread, AceError) as exc:
+        if not trusted and (isinstance(exc, _Unread) or exc.http_status == 413):
+            raise _unread_refusal(keys, authorization, small) from None
+        raise
+    if not files:
+        body.close()  # the other routes take no file: a file part sent to them is dropped at once
+    try:
+        return body, check_body_or_header(keys, body.fields, authorization)
+    except BaseException:
+        body.close()
+        raise
+
+
+def _unread_refusal(keys: ApiKeys, authorization: str | None, small: int) -> AceError:
+    """ACE-Step's 401 for the header as sent, saying why the body's ``ai_token`` was not looked at."""
+    try:
+        check_body_or_header(keys, {}, authorization)
+    except AceError as exc:
+        return AceError(401, f"{exc} (a body over MAX_BODY_BYTES, {small} bytes, is read only with a key in the "
+                             "Authorization header)")  # fmt: skip
+    return AceError(401, "Missing or wrong Authorization header")
+
+
+class _Unread(Exception):
+    """A body too large to be read without a key in the header."""
 
 
 def _task_ids(value: Any) -> list[str]:
@@ -75,10 +124,17 @@ def _task_ids(value: Any) -> list[str]:
 @router.post("/release_task")
 async def release_task(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     s, svc = _settings(request), _service(request)
-    ct = request.headers.get("content-type")
-    multipart = (ct or "").lower().startswith("multipart/")  # may carry a source audio: the upload cap
-    body = release_body(ct, await read_bytes(request, upload_limit(s)[0] if multipart else s.max_body_bytes))
-    caller = check_body_or_header(_keys(request), body.fields, authorization)
+    async with AsyncExitStack() as line:  # a multipart body may carry a source audio: a place in the uploads' line
+        body, caller = await _authorized(request, authorization, files=True, line=line)
+        try:
+            return await _release(svc, s, request, body, caller)
+        finally:
+            body.close()
+
+
+async def _release(
+    svc: JobService, s: DispatcherSettings, request: Request, body: Body, caller: Caller | None
+) -> JSONResponse:
     ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
@@ -97,7 +153,7 @@ async def release_task(request: Request, authorization: str | None = Authorizati
 
 @router.post("/query_result")
 async def query_result(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body, caller = await _small(request, authorization)
+    body, caller = await _authorized(request, authorization, files=False)
     svc = _service(request)
     items = []
     for task_id in _task_ids(body.fields.get("task_id_list", [])):
@@ -129,13 +185,13 @@ async def models(request: Request, authorization: str | None = Authorization) ->
 
 @router.post("/create_random_sample")
 async def create_random_sample(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body, _ = await _small(request, authorization)
+    body, _ = await _authorized(request, authorization, files=False)
     return JSONResponse(wrap(random_sample(str(body.fields.get("sample_type") or ""))))
 
 
 @router.post("/format_input")
 async def format_input_route(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    body, _ = await _small(request, authorization)
+    body, _ = await _authorized(request, authorization, files=False)
     s = _settings(request)
     return JSONResponse(wrap(format_input(body.fields, _catalogue(request), s.lyrics_cleaning)))
 

@@ -119,7 +119,7 @@ async def _from_upload(
 ) -> Task:
     """A repaint of an uploaded file: our upload of it (``caller``'s), continued from ``start``."""
     try:
-        view = await svc.uploads.create(upload.data, upload.filename, caller)
+        view = await svc.uploads.create(upload.file, upload.filename, caller)
     except FieldError as exc:
         raise field_error(upload.field, str((exc.detail or [{}])[0].get("msg", exc))) from None
     except UploadTooLarge as exc:
