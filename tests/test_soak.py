@@ -30,7 +30,7 @@ from tests.support import Cluster, free_port, start_worker, wait_for
 from tests.test_encoder import music, wav_bytes
 
 SEED = 20261203
-STEPS = 36
+STEPS = 48
 THREADS = 4
 WAIT = 900.0  # seconds for the whole fleet to go quiet: generous, CI machines are shared
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
