@@ -18,12 +18,15 @@
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 # Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
 # dispatcher), RESULTS_DIR (shared storage the dispatchers all mount), DISPATCHER_ID (<hostname>:<port>).
-# A relative path you give (CHECKPOINTS_DIR, LOG_DIR, STATE_DIR, RESULTS_DIR, OUTPUT_DIR, TAGS_FILE) is
-# taken from the directory you run this in; the defaults live in the repository. LOG_LEVEL=debug also
-# shows the libraries' start-up warnings.
+# A relative path you give (CHECKPOINTS_DIR, LOG_DIR, STATE_DIR, RESULTS_DIR, OUTPUT_DIR, TAGS_FILE,
+# API_KEYS_FILE, any path setting) is taken from the directory you run this in; the defaults live in
+# the repository. LOG_LEVEL=debug also shows the libraries' start-up warnings.
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")"
+# Every other relative path setting (API_KEYS_FILE, …) is resolved by the services against this folder
+# (songserve/settings.py, caller_path), so it too is the caller's, whichever setting it is.
+export SONGSERVE_CALLER_DIR=$CALLER_DIR
 for name in CHECKPOINTS_DIR LOG_DIR STATE_DIR RESULTS_DIR OUTPUT_DIR TAGS_FILE; do
   value=${!name:-}
   if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then printf -v "$name" '%s' "$CALLER_DIR/$value"; fi
@@ -37,7 +40,7 @@ BASE_SEED=${BASE_SEED:-1283}
 MEGATRON_ARGS=${MEGATRON_ARGS:-}
 WORKER_HOST=${WORKER_HOST:-127.0.0.1}
 LOG_DIR=${LOG_DIR:-logs}
-STATE_DIR=${STATE_DIR:-state}
+STATE_DIR=${STATE_DIR:-$PWD/state}   # the default lives in the repository, whoever runs this
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-600}
 STOP_TIMEOUT=${STOP_TIMEOUT:-40}
 PY=.venv/bin/python

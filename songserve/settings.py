@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,17 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)
 SECRET_WORDS = ("token", "key", "secret")
+CALLER_DIR_ENV = "SONGSERVE_CALLER_DIR"  # the folder run_backend.sh was run in (it cds to the repository)
+
+
+def caller_path(value: Any) -> Any:
+    """A relative path setting is the caller's: taken from the folder the launcher was run in
+    (``SONGSERVE_CALLER_DIR``), else this process's working folder, never the repository's; and made
+    absolute here, so every message about it prints the whole path. Empty stays empty (unset)."""
+    if isinstance(value, str | Path) and str(value).strip():
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else Path(os.environ.get(CALLER_DIR_ENV) or os.getcwd()) / path
+    return value
 
 
 class WorkerSettings(BaseSettings):
@@ -148,6 +160,9 @@ class WorkerSettings(BaseSettings):
     test_max_audio_sec: float = Field(
         0.0, ge=0.0, description="test pipeline: the longest tone written, in seconds; 0 = the requested length"
     )
+
+    # TOKENIZER_PATH and DECODER_*_PATH are not here: a relative one is under CHECKPOINTS_DIR (layout.py).
+    _caller_paths = field_validator("checkpoints_dir", "output_dir", mode="before")(caller_path)
 
     @field_validator("announce")
     @classmethod
@@ -325,6 +340,8 @@ class DispatcherSettings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
+
+    _caller_paths = field_validator("state_dir", "results_dir", "api_keys_file", "tags_file")(caller_path)
 
     @field_validator("acestep_port")
     @classmethod
