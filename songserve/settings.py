@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
+from songserve.http_errors import clean_msg
 from songserve.schemas import WorkerAnnouncement
 from songserve.urls import default_public_url, dispatcher_urls
 
@@ -191,7 +192,7 @@ class WorkerSettings(BaseSettings):
         try:
             return WorkerAnnouncement(url=value.strip()).url
         except ValidationError as exc:
-            raise PydanticCustomError("public_url", exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+            raise PydanticCustomError("public_url", clean_msg(exc.errors()[0]["msg"])) from None
 
 
 def _flag(name: str) -> str:
@@ -212,7 +213,7 @@ def load_settings(cls: type[S], argv: Sequence[str] | None = None, **overrides: 
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else ""
         got = "***" if any(w in name for w in SECRET_WORDS) else repr(err.get("input"))  # a secret stays unsaid
-        raise ConfigError(f"Setting {name}: {err['msg']} (got {got}).") from None
+        raise ConfigError(f"Setting {name}: {clean_msg(err['msg'])} (got {got}).") from None
 
 
 def log_non_default(settings: BaseSettings) -> None:
