@@ -74,8 +74,11 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
             assert r.status_code == 401, (method, path)
             assert r.json()["status"] == "error"
             assert "Authorization" in r.json()["error"]
-    for path in ("/health", "/", "/tags", "/app.js"):
+    for path in ("/health", "/", "/tags", "/app.js", "/favicon.ico"):
         assert httpx.get(url + path).status_code == 200, path
+    icon = httpx.get(url + "/favicon.ico")  # every browser asks for it: no console error per load
+    assert icon.headers["content-type"] == "image/svg+xml"
+    assert icon.content.startswith(b"<svg")
     # The key works (and the dispatcher reaches the worker with the token); the job above may still run.
     assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] in ("idle", "busy")
 

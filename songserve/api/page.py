@@ -1,4 +1,4 @@
-"""The page's three files (``songserve/web/``) as routes of their own, GET and HEAD.
+"""The page's files (``songserve/web/``) as routes of their own, GET and HEAD.
 
 Why not a static-files mount at ``/``: a mount there matches every path and every method, so it
 answered ``GET /generate`` with its own 404 (and ``PUT /job/{id}`` with its 405 naming GET and
@@ -16,11 +16,20 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
-FILES = {"/": "index.html", "/index.html": "index.html", "/app.js": "app.js", "/style.css": "style.css"}
+# /favicon.ico: every browser asks for it; without it each load logged two console errors. An SVG
+# under that name, with its own media type, which browsers draw.
+FILES = {
+    "/": "index.html",
+    "/index.html": "index.html",
+    "/app.js": "app.js",
+    "/style.css": "style.css",
+    "/favicon.ico": "favicon.svg",
+}
 MEDIA = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
 
 
