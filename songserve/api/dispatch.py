@@ -101,8 +101,9 @@ class Dispatcher:
         book.reorder()
         await self._membership_step(first=True)
         await self._reconcile_step()
-        log.info("dispatcher %s: %d active jobs (%d tracks queued), %d workers (%d leased here)", self.me,
-                 len(book.jobs), len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
+        active = sum(any(t.status.running for t in j.tracks) for j in book.jobs.values())  # as /status counts
+        log.info("dispatcher %s: %d unfinished jobs (%d active, %d tracks queued), %d workers (%d leased here)", self.me,
+                 len(book.jobs), active, len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
