@@ -10,19 +10,23 @@
 #
 # Environment: API_PORT (8889), ACESTEP_PORT (unset: not served), WORKER_BASE_PORT (8001), BASE_SEED (1283),
 # BASE_MASTER_PORT (unset: no port; N: worker i's process group listens on N+i), MEGATRON_ARGS, WORKER_HOST
-# (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s), STOP_TIMEOUT (40 s), WORKER_TOKEN
+# (127.0.0.1), LOG_DIR (logs), STATE_DIR (state), HEALTH_TIMEOUT (600 s), STOP_TIMEOUT (40 s, per stage of a
+# stop: the dispatcher, then the workers; DRAIN_TIMEOUT_SEC, 30 s, is the dispatcher's part of it), WORKER_TOKEN
 # (generated when unset; "off" or empty = no token, for a dispatcher that sends none, such as the reference
 # one, on a trusted network), and the checkpoint settings the worker reads (CHECKPOINTS_DIR, TOKENIZER_PATH,
 # BACKBONE_MODELS, SUPERRES_MODELS, DECODER_*_PATH).
 # --announce (or ANNOUNCE) needs WORKER_TOKEN: the dispatchers' worker token.
 # Several dispatchers: STORE_URL=postgresql://user:pass@host/db (empty = SQLite in STATE_DIR, one
 # dispatcher), RESULTS_DIR (shared storage the dispatchers all mount), DISPATCHER_ID (<hostname>:<port>).
-# A relative path you give (CHECKPOINTS_DIR, LOG_DIR, STATE_DIR, RESULTS_DIR, OUTPUT_DIR, TAGS_FILE) is
-# taken from the directory you run this in; the defaults live in the repository. LOG_LEVEL=debug also
-# shows the libraries' start-up warnings.
+# A relative path you give (CHECKPOINTS_DIR, LOG_DIR, STATE_DIR, RESULTS_DIR, OUTPUT_DIR, TAGS_FILE,
+# API_KEYS_FILE, any path setting) is taken from the directory you run this in; the defaults live in
+# the repository. LOG_LEVEL=debug also shows the libraries' start-up warnings.
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")"
+# Every other relative path setting (API_KEYS_FILE, …) is resolved by the services against this folder
+# (songserve/settings.py, caller_path), so it too is the caller's, whichever setting it is.
+export SONGSERVE_CALLER_DIR=$CALLER_DIR
 for name in CHECKPOINTS_DIR LOG_DIR STATE_DIR RESULTS_DIR OUTPUT_DIR TAGS_FILE; do
   value=${!name:-}
   if [ -n "$value" ] && [ "${value#/}" = "$value" ]; then printf -v "$name" '%s' "$CALLER_DIR/$value"; fi
@@ -36,7 +40,7 @@ BASE_SEED=${BASE_SEED:-1283}
 MEGATRON_ARGS=${MEGATRON_ARGS:-}
 WORKER_HOST=${WORKER_HOST:-127.0.0.1}
 LOG_DIR=${LOG_DIR:-logs}
-STATE_DIR=${STATE_DIR:-state}
+STATE_DIR=${STATE_DIR:-$PWD/state}   # the default lives in the repository, whoever runs this
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-600}
 STOP_TIMEOUT=${STOP_TIMEOUT:-40}
 PY=.venv/bin/python
@@ -94,31 +98,91 @@ wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
   while ours "$1" && [ $SECONDS -lt "$2" ]; do sleep 0.2; done
 }
 
-stop_all() {
-  local pidfiles=() pid f stopped=0
-  shopt -s nullglob
-  pidfiles=("$LOG_DIR"/api[.]pid "$LOG_DIR"/worker_*.pid)   # [.]: a pattern, so a missing file drops out
-  shopt -u nullglob
-  [ ${#pidfiles[@]} -eq 0 ] && { say "nothing to stop (no pid files in $LOG_DIR/)"; return 0; }
-  for f in "${pidfiles[@]}"; do   # dispatcher first: it drains, then the workers
-    pid=$(cat "$f" 2>/dev/null || true)
-    if ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; stopped=$((stopped + 1))
+# ---- stop, narrated ----------------------------------------------------------------------------
+# Ctrl-C (or `bash run_backend.sh stop`) says in one line what it waits for. The dispatcher goes
+# first and alone: it lets its running tracks finish (DRAIN_TIMEOUT_SEC) and collects their files,
+# deleting them on the workers; only then are the workers stopped, so a take finished during the
+# drain is never left behind on a worker that exited first. A second Ctrl-C stops at once: each
+# process is signalled again (a second signal ends it without waiting), and what was running is
+# picked up again at the next start.
+STOP_NOW=0
+STOPPED=0
+DRAIN_SEC=${DRAIN_TIMEOUT_SEC:-30}
+
+stop_at_once() {
+  [ "$STOP_NOW" = 1 ] && return 0
+  STOP_NOW=1
+  say "stopping at once: unfinished tracks stay in the job store and run again at the next start"
+}
+
+stop_plan() {  # the one line: what stopping waits for, and how to stop at once
+  local api=$1 workers=$2 what=()
+  [ "$api" = 1 ] && what+=("the dispatcher to finish its running tracks and collect their files (up to ${DRAIN_SEC}s)")
+  [ "$workers" -gt 0 ] && what+=("$workers worker(s) to stop")
+  local line
+  line=$(printf '%s, then ' "${what[@]}")
+  say "stopping: waiting for ${line%, then }; press Ctrl-C again to stop at once"
+}
+
+# A Ctrl-C reaches the launcher's own helpers too (the terminal signals its whole process group): a
+# check killed by it reads as "gone", and a sleep killed by it fails (set -e). While stopping, the
+# check is asked twice (one Ctrl-C cannot kill both) and the sleep may fail.
+still_ours() { ours "$1" || ours "$1"; }
+
+pidof_file() { pid=""; read -r pid <"$1" 2>/dev/null || true; }  # a builtin: no helper a Ctrl-C could kill
+
+stop_group() {  # deadline pidfile…: SIGTERM each, wait until gone (a second Ctrl-C: signal again), else SIGKILL
+  local deadline=$1 f g pid resent=0
+  shift
+  for f in "$@"; do
+    pidof_file "$f"
+    if ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; STOPPED=$((STOPPED + 1))
     else say "removing stale pid file $f"; rm -f "$f"; fi
   done
-  local deadline=$((SECONDS + STOP_TIMEOUT))
-  for f in "${pidfiles[@]}"; do
+  for f in "$@"; do
     [ -f "$f" ] || continue
-    pid=$(cat "$f" 2>/dev/null || true)
-    wait_gone "$pid" $deadline
-    if ours "$pid"; then
-      say "$(basename "$f" .pid) did not stop in ${STOP_TIMEOUT}s: killing"; kill -KILL "$pid" 2>/dev/null || true
+    pidof_file "$f"
+    while still_ours "$pid" && [ $SECONDS -lt "$deadline" ]; do
+      if [ "$STOP_NOW" = 1 ] && [ $resent = 0 ]; then
+        resent=1; deadline=$((SECONDS + 10))
+        for g in "$@"; do pidof_file "$g"; ! still_ours "$pid" || kill -TERM "$pid" 2>/dev/null || true; done
+        pidof_file "$f"
+      fi
+      sleep 0.2 || true
+    done
+    if still_ours "$pid"; then
+      say "$(basename "$f" .pid) did not stop in $([ $resent = 1 ] && echo 10 || echo "$STOP_TIMEOUT")s: killing"
+      kill -KILL "$pid" 2>/dev/null || true
       wait_gone "$pid" $((SECONDS + 10))
     fi
     rm -f "$f"
   done
-  rm -f "$TOKEN_FILE" "$NONCE_FILE"
-  say "stopped $stopped processes"
 }
+
+stop_all() {  # [quiet]: no plan line (a failed start cleaning up)
+  local api=() workers=() t0=$SECONDS
+  shopt -s nullglob
+  api=("$LOG_DIR"/api[.]pid)   # [.]: a pattern, so a missing file drops out
+  workers=("$LOG_DIR"/worker_*.pid)
+  shopt -u nullglob
+  [ $((${#api[@]} + ${#workers[@]})) -eq 0 ] && { say "nothing to stop (no pid files in $LOG_DIR/)"; return 0; }
+  trap stop_at_once INT   # before the line that tells a person to press it
+  [ -n "${1:-}" ] || stop_plan ${#api[@]} ${#workers[@]}
+  STOPPED=0
+  [ ${#api[@]} -eq 0 ] || stop_group $((SECONDS + STOP_TIMEOUT)) "${api[@]}"
+  [ ${#workers[@]} -eq 0 ] || stop_group $((SECONDS + STOP_TIMEOUT)) "${workers[@]}"
+  rm -f "$TOKEN_FILE" "$NONCE_FILE"
+  say "stopped $STOPPED processes in $((SECONDS - t0))s"
+}
+
+fresh_log() {  # the log of this run alone: the previous run's is kept as <log>.1 (one generation)
+  [ ! -s "$1" ] || mv -f "$1" "$1.1"
+  : >"$1"
+}
+
+# Children get their own session: a terminal's Ctrl-C reaches the launcher only, which stops them in
+# order (the dispatcher before the workers), instead of every process at the same moment.
+DETACH=(); command -v setsid >/dev/null 2>&1 && DETACH=(setsid)
 
 if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
 
@@ -139,7 +203,7 @@ while [ $# -gt 0 ]; do
     --acestep-port) ACESTEP_PORT=${2:-}; shift 2 ;;
     --acestep-port=*) ACESTEP_PORT=${1#*=}; shift ;;
     --no-follow) FOLLOW=0; shift ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -199,7 +263,7 @@ if [ $WORKERS = 1 ]; then
 fi
 
 STARTED=()
-on_failure() { say "stopping what was started"; stop_all >/dev/null; exit 1; }
+on_failure() { say "stopping what was started"; stop_all quiet >/dev/null; exit 1; }
 
 wait_health() {  # name url pid log nonce setting (what moves its port)
   local name=$1 url=$2 pid=$3 log=$4 nonce=$5 setting=$6 deadline=$((SECONDS + HEALTH_TIMEOUT)) state
@@ -227,7 +291,8 @@ if [ $WORKERS = 1 ]; then
     port=$((WORKER_BASE_PORT + i)); log="$LOG_DIR/worker_$i.log"
     if [ "$CUDA_COUNT" = 0 ]; then where="the CPU"; else where="GPU ${GPU_IDS[$i]}"; fi
     say "starting worker $i on $where (port $port, $MODE)"
-    CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i LAUNCH_NONCE="$NONCE-worker$i" nohup $PY backend_worker.py \
+    fresh_log "$log"
+    CUDA_VISIBLE_DEVICES=${GPU_IDS[$i]} WORKER_INDEX=$i LAUNCH_NONCE="$NONCE-worker$i" nohup "${DETACH[@]}" $PY backend_worker.py \
       --worker-port "$port" --host "$WORKER_HOST" --runtime-mode "$MODE" --gpu-id "${GPU_IDS[$i]}" \
       --master-port $(( BASE_MASTER_PORT == 0 ? 0 : BASE_MASTER_PORT + i )) --seed $((BASE_SEED + i * 1000)) \
       --megatron-args "$MEGATRON_ARGS" ${ANNOUNCE:+--announce "$ANNOUNCE"} >>"$log" 2>&1 </dev/null &
@@ -249,7 +314,8 @@ if [ $API = 1 ]; then
   if [ -n "$WORKER_URLS" ]; then args+=(--worker-urls "$WORKER_URLS")
   else args+=(--num-workers "${#GPU_IDS[@]}" --worker-base-port "$WORKER_BASE_PORT" --worker-host 127.0.0.1); fi
   say "starting the dispatcher on port $API_PORT"
-  LAUNCH_NONCE="$NONCE-api" nohup $PY backend_api.py "${args[@]}" >>"$LOG_DIR/api.log" 2>&1 </dev/null &
+  fresh_log "$LOG_DIR/api.log"
+  LAUNCH_NONCE="$NONCE-api" nohup "${DETACH[@]}" $PY backend_api.py "${args[@]}" >>"$LOG_DIR/api.log" 2>&1 </dev/null &
   echo $! >"$LOG_DIR/api.pid"; STARTED+=("$LOG_DIR/api.log")
   wait_health "dispatcher" "http://127.0.0.1:$API_PORT" "$(cat "$LOG_DIR/api.pid")" "$LOG_DIR/api.log" "$NONCE-api" API_PORT
   say "ready: http://127.0.0.1:$API_PORT/ (page), /docs (API); stop with: bash run_backend.sh stop"
@@ -258,7 +324,10 @@ fi
 [ $FOLLOW = 1 ] || exit 0
 
 # ---- follow the logs until stopped --------------------------------------------------------------
-trap 'echo; stop_all; exit 0' INT TERM
+# stop_all narrates, and a second Ctrl-C inside it stops at once. tail, a background job, ignores
+# SIGINT: it is ended here, else it would go on printing into the terminal after the launcher.
+TAIL=""
+trap 'echo; stop_all; [ -z "$TAIL" ] || kill "$TAIL" 2>/dev/null || true; exit 0' INT TERM
 tail -n 0 -F "${STARTED[@]}" &
 TAIL=$!
 while :; do

@@ -1,9 +1,14 @@
-"""The command-line client: ``python -m songserve generate …`` and ``python -m songserve status``.
+"""The command-line client: ``songserve generate …`` and ``songserve status``.
 
-    python -m songserve generate --lyrics-file song.txt --tags "pop, piano" --duration 0.1 --tracks 2 --out songs/
-    python -m songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
-    python -m songserve generate --continue-audio demo.mp3@42.5 --tags "rock" --lyrics-file rest.txt --duration 3
-    python -m songserve status
+``scripts/setup`` installs the project into ``.venv``, so with the environment active ``songserve``
+works from any folder (``python -m songserve`` is the same program).
+
+    songserve generate --lyrics-file song.txt --tags "pop, piano" --duration 0.1 --tracks 2 --out songs/
+    songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
+    songserve generate --continue-audio demo.mp3@42.5 --tags "rock" --lyrics-file rest.txt --duration 3
+    songserve status
+
+Without ``--duration`` the song has the server's default length (``POST /generate``: 3 minutes).
 
 ``--continue JOB:TRACK@SEC`` retakes a finished take from SEC seconds on: what comes before is kept,
 and whatever is not given on the command line (style, lyrics, duration) stays the original's.
@@ -13,9 +18,10 @@ without ``--duration`` the song is the upload plus 30 s (at least a minute).
 ``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
 ``--listen FILE`` writes the first take to FILE as it is made (``.wav``: 16-bit PCM, else MP3), from
 its first seconds to its end; ``--listen -`` writes it to standard output (progress goes to
-standard error), e.g. ``python -m songserve generate --listen - … | mpv -``.
+standard error), e.g. ``songserve generate --listen - … | mpv -``.
 
-Talks to the dispatcher over HTTP (``--server``, default ``$SONGSERVE_URL`` or http://127.0.0.1:8889).
+Talks to the dispatcher over HTTP (``--server``, default ``$SONGSERVE_URL`` or http://127.0.0.1:8889), with
+``--api-key`` (default ``$SONGSERVE_API_KEY``) as ``Authorization: Bearer``.
 Exits non-zero with the server's error sentence when something fails.
 """
 
@@ -111,8 +117,8 @@ def request_body(args: argparse.Namespace, upload: dict[str, Any] | None = None)
         body["mode"] = "instrumental" if args.instrumental else "vocal"
     if args.tags is not None or not retake:
         body["tags"] = args.tags or ""
-    if args.duration is not None or not retake:
-        body["duration"] = 1.0 if args.duration is None else args.duration
+    if args.duration is not None:  # else the server's default (a retake: the original's length)
+        body["duration"] = args.duration
     if args.prompt:
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
@@ -208,7 +214,8 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
             print(f"track {t['index']}: {t['status']}: {t.get('error') or ''}".rstrip(": "), file=out)
             continue
         for kind in args.formats.split(","):
-            dest = out_dir / f"{job_id}_track{t['index']}.{kind}"
+            at = f"_{round(args.loudness, 1):g}LUFS" if kind not in STORED and args.loudness is not None else ""
+            dest = out_dir / f"{job_id}_track{t['index']}{at}.{kind}"  # as the server names the render
             url, params = _file_url(job_id, t, kind, args.loudness)
             with client.stream("GET", url, params=params, timeout=300) as r:
                 if r.status_code >= 400:
@@ -238,30 +245,65 @@ def status(_: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m songserve", description="songserve command-line client")
-    ap.add_argument("--server", default=os.environ.get("SONGSERVE_URL", "http://127.0.0.1:8889"))
-    ap.add_argument("--api-key", default=os.environ.get("SONGSERVE_API_KEY"))
-    sub = ap.add_subparsers(dest="command", required=True)
+DEFAULT_SERVER = "http://127.0.0.1:8889"
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every option with its help; ``songserve --help`` and ``songserve generate --help`` print them."""
+    ap = argparse.ArgumentParser(
+        prog="songserve",
+        description="songserve command-line client (also: python -m songserve). Talks to a running dispatcher.",
+        epilog="Environment: SONGSERVE_URL (the dispatcher, instead of --server), "
+        "SONGSERVE_API_KEY (its API key, instead of --api-key).",
+    )
+    ap.add_argument(
+        "--server",
+        default=os.environ.get("SONGSERVE_URL", DEFAULT_SERVER),
+        help=f"the dispatcher's URL (default: $SONGSERVE_URL, else {DEFAULT_SERVER})",
+    )
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("SONGSERVE_API_KEY"),
+        help="sent as Authorization: Bearer <key> (default: $SONGSERVE_API_KEY; none when unset)",
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,status}", help="what to do")
     g = sub.add_parser("generate", help="submit a job, show progress, download the files")
-    g.add_argument("--lyrics-file")
-    g.add_argument("--lyrics")
-    g.add_argument("--tags")
+    g.add_argument("--lyrics-file", metavar="FILE", help="read the lyrics from FILE (UTF-8; [verse], [chorus] …)")
+    g.add_argument("--lyrics", metavar="TEXT", help="the lyrics on the command line (instead of --lyrics-file)")
+    g.add_argument("--tags", help='the style as tags, e.g. "pop, piano" (see GET /tags)')
     g.add_argument("--prompt", help="a description instead of tags")
-    g.add_argument("--instrumental", action="store_true")
-    g.add_argument("--duration", type=float, help="minutes (default 1; a retake: the original's)")
-    g.add_argument("--tracks", type=int, default=2)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--out", default="songs")
-    g.add_argument("--formats", default="mp3,wav", help="of mp3, wav, codes, flac, opus")
+    g.add_argument("--instrumental", action="store_true", help="no vocals (lyrics are not sung)")
+    g.add_argument(
+        "--duration",
+        type=float,
+        metavar="MINUTES",
+        help="song length in minutes (default: the server's, 3; a retake: the original's; "
+        "a continued upload: its length plus 30 s, at least 1)",
+    )
+    g.add_argument("--tracks", type=int, default=2, metavar="N", help="takes of the song to make (default 2)")
+    g.add_argument("--seed", type=int, help="seed of take 0 (take i uses seed + i); default: the server picks")
+    g.add_argument("--out", default="songs", metavar="DIR", help="folder the files are saved in (default songs/)")
+    g.add_argument(
+        "--formats",
+        default="mp3,wav",
+        metavar="LIST",
+        help="comma-separated, of mp3, wav, codes, flac, opus (default mp3,wav)",
+    )
     g.add_argument("--loudness", type=float, help="LUFS for the flac/opus downloads (EBU R128); unset: as made")
     g.add_argument("--continue", dest="cont", metavar="JOB:TRACK@SEC", help="retake a finished take from SEC on")
     g.add_argument(
         "--continue-audio", dest="cont_audio", metavar="FILE[@SEC]", help="upload your audio, continue it from SEC on"
     )
     g.add_argument("--listen", metavar="FILE", help="write take 0 to FILE as it is made (.wav or MP3; - = stdout)")
-    g.add_argument("--poll", type=float, default=0.5)
-    sub.add_parser("status", help="show the worker table")
+    g.add_argument(
+        "--poll", type=float, default=0.5, metavar="SEC", help="seconds between progress checks (default 0.5)"
+    )
+    sub.add_parser("status", help="show the workers and the queue")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:

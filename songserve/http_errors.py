@@ -35,9 +35,20 @@ def _field(loc: tuple[object, ...]) -> str:
     return ".".join(parts) or "body"
 
 
+PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def clean_msg(msg: object) -> str:
+    """pydantic's message without the "Value error, " it puts before a validator's own sentence."""
+    text = str(msg)
+    for prefix in PYDANTIC_PREFIXES:
+        text = text.removeprefix(prefix)
+    return text
+
+
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
     first = errors[0]
-    msg = str(first.get("msg", "is invalid")).rstrip(".")
+    msg = clean_msg(first.get("msg", "is invalid")).rstrip(".")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"Field '{_field(tuple(first.get('loc', ())))}': {msg}{more}."
 
@@ -82,7 +93,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message, entry = bad_json
             return error_response(422, message, detail=[entry])
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))} for e in raw
+            {"loc": list(e.get("loc", ())), "msg": clean_msg(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in raw
         ]
         return error_response(422, validation_message(errors), detail=errors)
 

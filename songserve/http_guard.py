@@ -39,8 +39,10 @@ class BearerAuth:
         exempt: set[str],
         exempt_prefixes: tuple[str, ...] = (),
         realm: str = "songserve",
+        refusal: str = "",
     ) -> None:
         self.app = app
+        self.refusal = refusal  # the 401's sentence; unset: the API key's
         self.expected = f"Bearer {token}".encode()
         self.exempt = exempt
         self.exempt_prefixes = exempt_prefixes
@@ -51,7 +53,7 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await unauthorized(send, self.realm)
+            return await unauthorized(send, self.realm, self.refusal)
         return await self.app(scope, receive, send)
 
 
@@ -65,12 +67,12 @@ def asks_no_key(scope: Scope, exempt: set[str], exempt_prefixes: tuple[str, ...]
     )
 
 
-async def unauthorized(send: Send, realm: str = "songserve") -> None:
+async def unauthorized(send: Send, realm: str = "songserve", refusal: str = "") -> None:
     """The one 401: the error body and a ``WWW-Authenticate`` challenge for the realm."""
     await send_error(
         send,
         401,
-        "Missing or wrong credentials: send Authorization: Bearer <key>.",
+        refusal or "Missing or wrong credentials: send Authorization: Bearer <key>.",
         [(b"www-authenticate", f'Bearer realm="{realm}"'.encode())],
     )
 

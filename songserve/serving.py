@@ -1,7 +1,7 @@
 """Running an app under uvicorn with a graceful drain on SIGTERM/SIGINT, and a header-read timeout.
 
 The first signal runs ``drain`` while the app keeps answering (new work gets 503 from the app),
-then the server exits with status 0; a second signal stops at once.
+then the server exits with status 0; a second signal stops at once (within ``FORCED_EXIT_SEC``).
 
 uvicorn's h11 protocol waits forever for a client to finish its request headers (its keep-alive
 timer is cancelled by the first byte), so a few hundred "slowloris" connections that trickle
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -30,6 +32,18 @@ log = logging.getLogger(__name__)
 CLIENT_KEEPALIVE_SEC = 2.0
 
 
+# After a second signal, how long the process may take to end by itself before it is ended: a model
+# thread mid-step, or a thread the event loop's shutdown joins, must not keep it alive (the launcher's
+# second Ctrl-C promises "at once").
+FORCED_EXIT_SEC = 3.0
+
+
+def _exit_now() -> None:
+    log.warning("still running %.0fs after the second signal: exiting now", FORCED_EXIT_SEC)
+    logging.shutdown()
+    os._exit(0)
+
+
 class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
         super().__init__(config)
@@ -41,6 +55,11 @@ class GracefulServer(uvicorn.Server):
         if self._draining or not self.started:
             self.should_exit = True
             self.force_exit = self._draining
+            if self._draining:  # the second signal: stop at once, even with a thread mid-step
+                log.info("signal %d again: stopping at once", sig)
+                timer = threading.Timer(FORCED_EXIT_SEC, _exit_now)
+                timer.daemon = True  # a process that ends sooner by itself is not held up by it
+                timer.start()
             return
         self._draining = True
         log.info("signal %d: draining", sig)

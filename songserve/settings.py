@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
+from songserve.http_errors import clean_msg
 from songserve.schemas import WorkerAnnouncement
 from songserve.urls import default_public_url, dispatcher_urls
 
@@ -28,6 +30,17 @@ log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)
 SECRET_WORDS = ("token", "key", "secret")
 LAUNCH_NONCE = "set by run_backend.sh, echoed by /health: how it tells its own child from another process on the port"
+CALLER_DIR_ENV = "SONGSERVE_CALLER_DIR"  # the folder run_backend.sh was run in (it cds to the repository)
+
+
+def caller_path(value: Any) -> Any:
+    """A relative path setting is the caller's: taken from the folder the launcher was run in
+    (``SONGSERVE_CALLER_DIR``), else this process's working folder, never the repository's; and made
+    absolute here, so every message about it prints the whole path. Empty stays empty (unset)."""
+    if isinstance(value, str | Path) and str(value).strip():
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else Path(os.environ.get(CALLER_DIR_ENV) or os.getcwd()) / path
+    return value
 
 
 class WorkerSettings(BaseSettings):
@@ -166,6 +179,9 @@ class WorkerSettings(BaseSettings):
         False, description="test pipeline: /config says it runs an untrained set, as a tiny-set worker does"
     )
 
+    # TOKENIZER_PATH and DECODER_*_PATH are not here: a relative one is under CHECKPOINTS_DIR (layout.py).
+    _caller_paths = field_validator("checkpoints_dir", "output_dir", mode="before")(caller_path)
+
     @field_validator("announce")
     @classmethod
     def _announce_targets(cls, value: str, info: ValidationInfo) -> str:
@@ -193,7 +209,7 @@ class WorkerSettings(BaseSettings):
         try:
             return WorkerAnnouncement(url=value.strip()).url
         except ValidationError as exc:
-            raise PydanticCustomError("public_url", exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+            raise PydanticCustomError("public_url", clean_msg(exc.errors()[0]["msg"])) from None
 
 
 def _flag(name: str) -> str:
@@ -214,7 +230,7 @@ def load_settings(cls: type[S], argv: Sequence[str] | None = None, **overrides: 
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else ""
         got = "***" if any(w in name for w in SECRET_WORDS) else repr(err.get("input"))  # a secret stays unsaid
-        raise ConfigError(f"Setting {name}: {err['msg']} (got {got}).") from None
+        raise ConfigError(f"Setting {name}: {clean_msg(err['msg'])} (got {got}).") from None
 
 
 def log_non_default(settings: BaseSettings) -> None:
@@ -367,6 +383,8 @@ class DispatcherSettings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
+
+    _caller_paths = field_validator("state_dir", "results_dir", "api_keys_file", "tags_file")(caller_path)
 
     @field_validator("acestep_port")
     @classmethod

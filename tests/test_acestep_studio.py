@@ -1,7 +1,7 @@
 """ACE-Step's own Studio page, unchanged, against songserve's ACE-Step port, in headless Chromium.
 
 The page (tests/fixtures/acestep/studio.html, ACE-Step-1.5's ``ui/studio.html`` byte for byte; its
-licence beside it) is served from a local origin, as the README tells a person to serve it; it calls
+licence beside it) is served from a local origin, as docs/integrations.md tells a person to serve it; it calls
 the dispatcher's ``--acestep-port`` across origins (CORS), polls ``/query_result`` and puts one
 ``<audio>`` per take. The API base URL is typed into its field, as a person would.
 """

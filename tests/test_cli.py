@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import io
+import os
 import subprocess
 import sys
 
@@ -111,7 +113,7 @@ def test_continue_retakes_a_finished_take_and_downloads_rendered_formats(cluster
     grid = codes.read(next(tmp_path.glob("*_track0.codes")))
     assert grid.header["continued"]["frames"] == int(2.5 * grid.header["frame_rate"])
     assert grid.frames == int(6.0 * grid.header["frame_rate"])  # the original's 0.1 minutes, not the CLI's default
-    x, rate = sf.read(next(tmp_path.glob("*_track0.flac")))
+    x, rate = sf.read(tmp_path / f"{out.stdout.split()[1].rstrip(':')}_track0_-18LUFS.flac")  # named by its loudness
     assert abs(pyloudnorm.Meter(rate).integrated_loudness(x) + 18) <= 0.5
     bad = cli("--server", cluster.url, "generate", "--continue", "nope@3", "--out", str(tmp_path))
     assert bad.returncode == 1
@@ -166,3 +168,39 @@ def test_continue_audio_uploads_a_file_and_continues_it(cluster, tmp_path):
     assert bad.stderr.strip() == (
         "error: Field 'file': the file is not audio that can be read (WAV, FLAC, OGG, MP3 and other libsndfile formats)."
     )
+
+
+def test_every_option_has_help():
+    from songserve.client import parser
+
+    ap = parser()
+    subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    for p in (ap, *subs.choices.values()):
+        for action in p._actions:
+            assert action.help, f"{p.prog} {action.option_strings or action.dest} has no help text"
+    assert "SONGSERVE_URL" in ap.format_help()
+    assert "SONGSERVE_API_KEY" in ap.format_help()
+
+
+def test_the_installed_command_works_from_any_folder(cluster, tmp_path):
+    """``scripts/setup`` installs the project into .venv: ``songserve`` runs outside the repository."""
+    command = ROOT / ".venv" / "bin" / "songserve"
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SONGSERVE_API_KEY")}
+    env["SONGSERVE_URL"] = cluster.url  # the server from the environment, as a user sets it once
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(command), *args], cwd=away, env=env, capture_output=True, text=True, timeout=120)
+
+    helped = run("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: songserve")
+    assert "generate" in run("generate", "--help").stdout
+    made = run("generate", "--lyrics", "la la", "--tags", "pop", "--duration", "0.05", "--tracks", "1")
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip().endswith("completed")
+    assert len(list((away / "songs").glob("*_track0.mp3"))) == 1  # --out is relative to where it ran
+    module = subprocess.run([sys.executable, "-m", "songserve", "--help"], cwd=away, env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert module.returncode == 0, module.stderr

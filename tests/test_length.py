@@ -38,6 +38,17 @@ def test_the_token_budget_caps_an_exact_length_plan_too():
     assert plan.budget_frames == plan.min_frames == 64
 
 
+def test_the_token_budget_counts_only_tokens_to_generate_not_the_kept_prefix():
+    """--num-tokens-to-generate 128 (64 new frames) with 100 kept frames: the song may run to 164 frames,
+    where the kept prefix alone used to exhaust the budget and every continuation was refused."""
+    exact = plan_length(100, 0.5, FPS, context=27648, max_new_tokens=128, min_share=1.0, kept_frames=100)
+    assert exact.budget_frames == 100 + 64
+    model = plan_length(100, 2.0, FPS, context=25600, max_new_tokens=128, min_share=0.0, kept_frames=100)
+    assert model.budget_frames == 100 + 64
+    full = plan_length(100, 2.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0, kept_frames=2000)
+    assert full.budget_frames == (25600 - 100) // 2  # the context still caps kept plus new
+
+
 def test_a_request_longer_than_the_context_is_refused_naming_the_limit():
     with pytest.raises(RequestError, match=r"context of 25600 tokens \(max_sequence_length\)"):
         plan_length(100, 10.0, FPS, context=25600, max_new_tokens=23552, min_share=0.0)  # 25,840 + 100 tokens
@@ -145,3 +156,24 @@ def test_the_floor_default_is_exact_length_for_the_tiny_set_and_none_for_a_real_
     assert ModelPipeline(s, dataclasses.replace(ckpt, tiny=False, untrained=False), cpu).min_share() == 0.0
     s2 = WorkerSettings(output_dir=tmp_path, eoa_min_share=0.5)
     assert ModelPipeline(s2, ckpt, cpu).min_share() == 0.5
+
+
+@pytest.mark.process
+def test_a_worker_with_the_references_token_flag_continues_a_take_longer_than_its_budget(tiny_dir, tmp_path):
+    """``--num-tokens-to-generate 128``: 64 new frames a take. A retake of a 64-frame take kept from 2 s
+    (43 frames) asks for 0.1 minutes (129 frames); the kept frames are prefilled, not generated, so the take
+    runs past 64 frames (it was cut at 64: the kept frames were counted against the budget)."""
+    from tests.support import cluster_of
+
+    worker = start_worker(tmp_path, "--num-tokens-to-generate", "128", name="tiny")  # as the reference launches
+    with cluster_of(tmp_path, [worker]) as c:
+        first = c.submit(tags="pop", lyrics="[verse]\nla la", duration=0.05, num_tracks=1)
+        done = c.wait_job(first["job_id"], timeout=240)
+        assert done["status"] == "completed", done
+        body = {"continue_from": {"job_id": first["job_id"], "track_index": 0, "at_sec": 2.0}, "duration": 0.1}
+        retake = httpx.post(c.url + "/generate", json={**body, "num_tracks": 1}, timeout=10).json()
+        job = c.wait_job(retake["job_id"], timeout=240)
+        assert job["status"] == "completed", job["tracks"][0]["error"]
+        meta = job["tracks"][0]["metadata"]
+        assert meta["continued"]["frames"] == int(2.0 * FPS)
+        assert meta["tokens"]["frames"] > 64  # past what 128 tokens alone could hold

@@ -45,6 +45,7 @@ def test_flac_and_opus_decode_at_the_asked_loudness_with_title_and_lyrics(site, 
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == media
     assert r.headers["x-render-limited"] == "false"
+    assert f'filename="{job_id}_track0_{target:g}LUFS.{fmt}"' in r.headers["content-disposition"]
     measured, x, got_rate = loudness(r.content)
     assert got_rate == rate
     assert abs(measured - target) <= 0.5, measured
@@ -62,6 +63,7 @@ def test_a_time_range_in_mp3_and_wav(site, job_id):
         x, rate = sf.read(io.BytesIO(r.content))
         assert abs(x.shape[0] / rate - 2.5) < 0.06  # MP3 frames pad by a few ms
         assert "x-render-loudness" not in r.headers  # no loudness asked: the samples as stored
+        assert f'filename="{job_id}_track0_1-3.5s.{fmt}"' in r.headers["content-disposition"]  # the range is named
     wav = sf.read(io.BytesIO(httpx.get(f"{site.url}/job/{job_id}/track/0/wav").content), dtype="int16")[0]
     cut = sf.read(io.BytesIO(get(site, job_id, format="wav", start=1.0, end=3.5).content), dtype="int16")[0]
     assert np.array_equal(cut, wav[44100 : 44100 * 7 // 2])

@@ -63,7 +63,6 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
         ("GET", f"/job/{job_id}/events"),
         ("GET", f"/job/{job_id}/track/0/mp3"),
         ("GET", "/status"),
-        ("GET", "/ready"),
         ("GET", "/config"),
         ("GET", "/metrics"),
         ("GET", "/docs"),
@@ -75,10 +74,26 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
             assert r.status_code == 401, (method, path)
             assert r.json()["status"] == "error"
             assert "Authorization" in r.json()["error"]
-    for path in ("/health", "/", "/tags", "/app.js"):
+    for path in ("/health", "/", "/tags", "/app.js", "/favicon.ico"):
         assert httpx.get(url + path).status_code == 200, path
+    icon = httpx.get(url + "/favicon.ico")  # every browser asks for it: no console error per load
+    assert icon.headers["content-type"] == "image/svg+xml"
+    assert icon.content.startswith(b"<svg")
     # The key works (and the dispatcher reaches the worker with the token); the job above may still run.
     assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] in ("idle", "busy")
+
+
+def test_probes_answer_without_a_key_and_reveal_nothing(secured):
+    """A load balancer's probe has no key: /health and /ready answer it; what /ready knows beyond ready or
+    not (the worker count, a folder's path in a reason) only to a caller with the key."""
+    url = secured.url
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    bare = httpx.get(url + "/ready")
+    assert bare.status_code == 200
+    assert bare.json() == {"status": "ready"}
+    keyed = httpx.get(url + "/ready", headers=auth())
+    assert keyed.json() == {"status": "ready", "workers_ready": 1}
+    assert httpx.get(url + "/ready", headers=auth("wrong")).json() == {"status": "ready"}
 
 
 def test_workers_refuse_calls_without_the_token(secured):
@@ -95,6 +110,12 @@ def test_workers_refuse_calls_without_the_token(secured):
         r = httpx.request(method, w + path, json={})
         assert r.status_code == 401, path
         assert r.json()["status"] == "error", path
+        # Not "send Authorization: Bearer <key>" (read as "you need an API key"): where clients go.
+        assert r.json()["error"].startswith("This is a songserve worker (port "), path
+        assert "clients use the dispatcher" in r.json()["error"], path
+    root = httpx.get(w + "/")  # a browser pointed at a worker's port
+    assert root.status_code == 200
+    assert "not the API: clients use the dispatcher" in root.json()["note"]
     assert httpx.get(w + "/config", headers=auth(TOKEN)).status_code == 200
 
 

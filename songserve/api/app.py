@@ -91,7 +91,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         app.add_middleware(
             KeyAuth,
             keys=keys,
-            exempt={"/health", *(PAGE if s.public_page else ())},
+            exempt={"/health", "/ready", *(PAGE if s.public_page else ())},  # probes: a balancer has no key
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )
     app.include_router(router)

@@ -66,6 +66,7 @@ class Dispatcher:
         self.me = s.my_id()  # this dispatcher's id: the owner written on the tracks it runs
         self.started_at = time.time()
         self.accepting = True
+        self._drained = False  # drain() runs once
         self.metrics = DispatcherMetrics()
         self.loops = LoopHealth()
         self.speed = SpeedHistory()
@@ -98,8 +99,9 @@ class Dispatcher:
         book.reorder()
         await self._membership_step(first=True)
         await self._reconcile_step()
-        log.info("dispatcher %s: %d active jobs (%d tracks queued), %d workers (%d leased here)", self.me,
-                 len(book.jobs), len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
+        active = sum(any(t.status.running for t in j.tracks) for j in book.jobs.values())  # as /status counts
+        log.info("dispatcher %s: %d unfinished jobs (%d active, %d tracks queued), %d workers (%d leased here)", self.me,
+                 len(book.jobs), active, len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
@@ -124,11 +126,21 @@ class Dispatcher:
         self._kick.set()
 
     async def drain(self, timeout: float) -> None:
+        """Once: the signal's drain and the lifespan's end both ask, and a drain that ran out of time is
+        over (the second would wait as long again and say so again)."""
         self.accepting = False
-        running = self.attempts.running
+        if self._drained:
+            return
+        self._drained = True
+        running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
-            await asyncio.wait(list(running.values()), timeout=timeout or None)
+            _, left = await asyncio.wait(set(running.values()), timeout=timeout or None)
+            if left:
+                n = sum(task in left for task in running.values())
+                log.info("drained: %d tracks still running are picked up again at the next start", n)
+            else:
+                log.info("drained: every running track finished and was collected")
 
     async def stop(self) -> None:
         self.accepting = False

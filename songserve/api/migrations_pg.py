@@ -12,7 +12,7 @@ import logging
 
 import psycopg
 
-from songserve.api.migrations_sqlite import NewerSchemaError
+from songserve.api.migrations_sqlite import NewerSchemaError, log_migrated
 
 log = logging.getLogger(__name__)
 LOCK = 0x50_4E_47_53  # the advisory-lock key of schema changes ("SGNP")
@@ -160,6 +160,7 @@ async def _version(conn: psycopg.AsyncConnection[object]) -> int:
 async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
     """Bring the database to the last version (``conn`` in autocommit); returns the versions applied."""
     applied: list[int] = []
+    said: list[str] = []
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK,))
         current = await _version(conn)
@@ -172,5 +173,6 @@ async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
                 await conn.execute(sql)
             await conn.execute("INSERT INTO songserve_schema (version) VALUES (%s)", (version,))
             applied.append(version)
-            log.info("job store: schema migrated to version %d (%s)", version, what)
+            said.append(what)
+    log_migrated(current, applied, said)
     return applied

@@ -192,6 +192,7 @@ def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIO
     """
     known = migrations[-1].version
     applied: list[int] = []
+    first = user_version(db)
     for step in migrations:
         if user_version(db) >= step.version:  # cheap read first: the usual start applies nothing
             continue
@@ -209,9 +210,19 @@ def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIO
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        if applied and applied[-1] == step.version:
-            log.info("job store: schema migrated to version %d (%s)", step.version, step.what)
+    said = [step.what for step in migrations if step.version in applied]
+    log_migrated(first, applied, said)
     found = user_version(db)
     if found > known:
         raise NewerSchemaError(found, known)
     return applied
+
+
+def log_migrated(first: int, applied: list[int], what: list[str]) -> None:
+    """One line, whatever the number of steps: a fresh store is made, not "migrated" seven times."""
+    if not applied:
+        return
+    if first == 0:
+        log.info("job store: created (schema version %d)", applied[-1])
+    else:
+        log.info("job store: schema migrated from version %d to %d (%s)", first, applied[-1], "; ".join(what))

@@ -16,17 +16,21 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 STATIC = Path(__file__).resolve().parent.parent / "web"
+# /favicon.ico: every browser asks for it; without it each load logged two console errors. An SVG
+# under that name, with its own media type, which browsers draw.
 FILES = {
     "/": "index.html",
     "/index.html": "index.html",
     "/app.js": "app.js",
     "/jobs.js": "jobs.js",
     "/style.css": "style.css",
+    "/favicon.ico": "favicon.svg",
 }
 MEDIA = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
 
 

@@ -224,7 +224,8 @@ class WorkerHandle:
             "url": self.url,
             "status": self.view.value,
             "phase": h.phase if self.online else "offline",
-            "gpu_id": h.gpu_id if h.gpu_id is not None else self.worker_id,
+            # a CPU worker has no GPU: null, not the id the launcher numbered it with
+            "gpu_id": None if h.device == "cpu" else h.gpu_id if h.gpu_id is not None else self.worker_id,
             "device": h.device,
             "runtime_mode": h.runtime_mode,
             "progress": h.progress,

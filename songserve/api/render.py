@@ -77,6 +77,16 @@ class RenderSpec:
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
+    def filename(self, job_id: str, idx: int, duration: float) -> str:
+        """The download's name says what it is: ``<job>_track0_-14LUFS_0-30s.flac``; two renders of one
+        take at another loudness or range never share a name in a downloads folder."""
+        name = f"{job_id}_track{idx}"
+        if self.loudness is not None:
+            name += f"_{self.loudness:g}LUFS"
+        if self.start > 0 or self.end < round(duration, 3):
+            name += f"_{self.start:g}-{self.end:g}s"
+        return f"{name}.{self.format}"
+
 
 def _finite(name: str, value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):

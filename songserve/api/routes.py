@@ -233,11 +233,15 @@ async def health(svc: JobService = Service) -> dict[str, object]:
 
 
 @router.get("/ready")
-async def ready(svc: JobService = Service) -> JSONResponse:
+async def ready(request: Request, svc: JobService = Service) -> JSONResponse:
+    """Answered without a key (a load balancer's probe has none); the reason and the count, which name
+    folders and the fleet's size, only to a caller with a key, or when the dispatcher has none."""
     ok, reason = svc.ready()
+    keys = request.app.state.keys
+    told = not keys.enabled or keys.from_bearer(request.headers.get("authorization", "").encode()) is not None
     if not ok:
-        return error_response(503, reason)
-    return JSONResponse({"status": "ready", "workers_ready": svc.workers_ready()})
+        return error_response(503, reason if told else "Not ready.")
+    return JSONResponse({"status": "ready", **({"workers_ready": svc.workers_ready()} if told else {})})
 
 
 @router.get("/config")

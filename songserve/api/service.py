@@ -334,7 +334,7 @@ class JobService:
         style = (r.prompt if r.prompt_mode == "natural" else r.tags).strip()
         title = f"{style[:80]} (take {idx + 1})" if style else f"songserve {job_id} take {idx + 1}"
         got = await self.renders.get(job_id, idx, spec, title, job.cleaned_lyrics)  # cached, shared or bounded
-        name = f"{job_id}_track{idx}.{spec.format}"
+        name = spec.filename(job_id, idx, job.tracks[idx].duration_sec)
         return TrackFile(got.path, got.media_type, name, "attachment"), got.headers()
 
     async def events(self, job_id: str, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[str]:

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from songserve.api.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
 from songserve.api.store import Job, Track
+from songserve.http_errors import clean_msg
 from songserve.schemas import (
     PrefixCodes,
     TaskState,
@@ -199,7 +200,7 @@ def _first_error(exc: ValidationError) -> str:
     """The first thing wrong in an answer, with where (``wav_filename: Input should be a valid string``)."""
     first = exc.errors()[0]
     where = ".".join(str(x) for x in first["loc"])
-    return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return f"{where}: {clean_msg(first['msg'])}" if where else clean_msg(first["msg"])
 
 
 def _sentence(error: str) -> str:

@@ -44,14 +44,20 @@ def _backbone_detail(t: Track) -> str:
     return f"{rate} · {int(m.group(1))} tokens"
 
 
+STOPPING = "Cancelled · stopping on its worker"
+
+
 def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
     done = t.status is TrackStatus.done
     base = f"/job/{job.job_id}/track/{t.index}"
+    # A cancelled job's running track is cancelled from the moment of the cancel (its worker is told to
+    # stop and its result is not kept), not "generating" under a job that says "cancelled".
+    stopping = job.cancelled and t.status.running
     return TrackView(
         index=t.index,
-        status=t.status.value,
+        status=TrackStatus.cancelled.value if stopping else t.status.value,
         progress=overall_progress(t),
-        phase_display=phase_display(t, queue_position),
+        phase_display=STOPPING if stopping else phase_display(t, queue_position),
         worker_id=t.worker_id if t.status.running else -1 if not done else t.worker_id,
         worker_phase=t.worker_phase if t.status.running else "idle",
         duration_sec=t.duration_sec,
@@ -63,7 +69,7 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
         metadata=t.metadata,
         preview_sec=t.preview_sec if t.status.running else 0.0,
         # queued, running or done: something to hear; an ended track without audio has no stream
-        stream_url=f"{base}/stream" if done or not t.status.terminal else None,
+        stream_url=f"{base}/stream" if done or not (t.status.terminal or stopping) else None,
     )
 
 

@@ -6,7 +6,7 @@ sent, so a receiver can refuse old replays) and ``webhook-signature``: ``v1,`` a
 HMAC-SHA256 over ``"{id}.{timestamp}.{body}"`` with the secret's bytes. The secret
 (``WEBHOOK_SECRET``) is the spec's form, ``whsec_`` and the base64 of the key's bytes (what its
 libraries generate and read), or any other text, whose UTF-8 bytes are then the key. ``verify`` is
-what a receiver does (the README has the same in a dozen lines of the standard library).
+what a receiver does (docs/integrations.md has the same in a dozen lines of the standard library).
 """
 
 from __future__ import annotations

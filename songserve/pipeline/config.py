@@ -13,7 +13,7 @@ DEFAULT_TINY_DIR = PACKAGE_ROOT / "checkpoints" / "tiny"  # the tiny set, built 
 
 
 class PipelineConfig(Protocol):
-    """The model pipeline's knobs (each is a worker setting of the same name; README's table)."""
+    """The model pipeline's knobs (each is a worker setting of the same name; docs/configuration.md)."""
 
     @property
     def runtime_mode(self) -> str: ...

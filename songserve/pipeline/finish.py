@@ -109,7 +109,9 @@ def finish_take(
         metadata["continued"] = continued(req.prefix, cfg.frame_rate)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live
-    mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level)
+    mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level).tagged(
+        req.tags or req.description, req.track_index, req.lyrics
+    )
     timings["model_sec"] = time.perf_counter() - t_all
     grid = (codes[: cfg.n_codebooks].numpy(), codes_header(metadata, cfg.frame_rate))
     wav, mp3_name, meta, metadata = write_track(

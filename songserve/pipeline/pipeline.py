@@ -188,6 +188,7 @@ class ModelPipeline:
             context=arch.context_length,
             max_new_tokens=self.s.max_new_tokens,
             min_share=self.min_share(),
+            kept_frames=req.prefix.frames if req.prefix is not None else 0,  # prefilled, not generated
         )
         kept = kept_codes(req.prefix, SUPERRES_LEVELS, plan.budget_frames) if req.prefix is not None else None
         length = len(bb_prompt) + 2 * plan.budget_frames

@@ -116,7 +116,10 @@ class TonePipeline:
             head["continued"] = meta["continued"]
         if ctx.live.wanted():
             meta["live"] = {"state": ctx.live.state.value, "seconds": round(ctx.live.seconds, 3)}
-        wav, mp3, js, meta = write_track(self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options(), codes=(codes, head))
+        wav, mp3, js, meta = write_track(
+            self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options().tagged(req.tags or req.description,
+            req.track_index, req.lyrics), codes=(codes, head)
+        )  # fmt: skip
         return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta, meta["files"]["codes"])
 
     def _delay(self, req: TrackRequest, ctx: TaskContext, audio: np.ndarray) -> None:

@@ -96,6 +96,16 @@ def make_announcer(s: WorkerSettings) -> Announcer | None:
     )
 
 
+def not_the_api(s: WorkerSettings) -> str:
+    """What a person who reached a worker's port is told: this is a worker, and where clients go. (The
+    API key's "send Authorization: Bearer <key>" read as "you need a key" here, which is not the fix.)"""
+    where = ", ".join(dispatcher_urls(s.announce)) if s.announce else "its port, API_PORT, 8889 by default"
+    return (
+        f"This is a songserve worker (port {s.worker_port}), not the API: clients use the dispatcher ({where}); "
+        "only a dispatcher calls this port, with the worker token (WORKER_TOKEN)."
+    )
+
+
 def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], None] | None = None) -> FastAPI:
     announcer = make_announcer(runtime.s)
 
@@ -126,13 +136,24 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     too_large = f"The audio file is larger than MAX_AUDIO_MB ({runtime.s.max_audio_mb:g} MB)."
     app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes, paths={"/encode": (audio_bytes, too_large)})
     if runtime.s.worker_token:  # outside the body limit: no body is read before the token is checked
-        app.add_middleware(BearerAuth, token=runtime.s.worker_token, exempt={"/health"}, realm="songserve-worker")
+        app.add_middleware(
+            BearerAuth,
+            token=runtime.s.worker_token,
+            exempt={"/health", "/"},
+            realm="songserve-worker",
+            refusal=not_the_api(runtime.s),
+        )
     out_dir = runtime.s.output_dir
     fences = LeaseFences()  # a task from a dispatcher whose lease here passed on is refused (fence.py)
     Lease = Header(None, alias=HEADER, max_length=100)
 
     # /health and /config answer the fields the worker sets: a test tone has no parked stages or
     # CUDA memory (/health) and no context length (/config), and those fields stay off its answers.
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        """A browser pointed at a worker's port is told where the page and the API are."""
+        return JSONResponse({"status": "ok", "service": "songserve worker", "note": not_the_api(runtime.s)})
+
     @app.get("/health", response_model_exclude_unset=True)
     async def health() -> WorkerHealth:
         return runtime.health()

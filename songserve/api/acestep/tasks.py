@@ -31,6 +31,7 @@ from songserve.api.store import Job
 from songserve.api.uploads import UploadTooLarge
 from songserve.api.views import job_view
 from songserve.errors import FieldError, NotFoundError
+from songserve.http_errors import clean_msg
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
 
 log = logging.getLogger(__name__)
@@ -150,4 +151,4 @@ def _retake(task: Task, cf: dict[str, Any], caption: str, key: str) -> GenerateR
     try:
         return GenerateRequest.model_validate(body)
     except ValidationError as exc:  # a take index past our limit
-        raise field_error(key, str(exc.errors()[0]["msg"]).rstrip(".")) from None
+        raise field_error(key, clean_msg(exc.errors()[0]["msg"]).rstrip(".")) from None

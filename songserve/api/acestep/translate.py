@@ -39,6 +39,7 @@ from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import field_error
 from songserve.api.acestep.files import FORMATS, AudioRef, parse_source
 from songserve.api.acestep.params import Params
+from songserve.http_errors import clean_msg
 from songserve.schemas import GenerateRequest
 
 TASK_TYPES = ("text2music", "repaint")
@@ -193,7 +194,7 @@ def _common(p: Params, ctx: Context) -> Task:
     except ValidationError as exc:
         err = exc.errors()[0]
         ours = str(err["loc"][0]) if err.get("loc") else "body"
-        raise field_error(keys.get(ours, ACE_NAMES.get(ours, ours)), str(err["msg"]).rstrip(".")) from None
+        raise field_error(keys.get(ours, ACE_NAMES.get(ours, ours)), clean_msg(err["msg"]).rstrip(".")) from None
     return task
 
 

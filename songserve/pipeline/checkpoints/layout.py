@@ -113,12 +113,14 @@ def resolve(s: CheckpointPaths) -> CheckpointSet:
         from songserve.pipeline.tiny.child import build_in_child
 
         build_in_child(DEFAULT_TINY_DIR)
-    # In full: a relative CHECKPOINTS_DIR is the caller's (the launcher resolves it against the directory it
-    # was run in); every path in an error below is then one a person can paste.
+    # In full: a relative CHECKPOINTS_DIR is the caller's (settings.caller_path made it absolute against the
+    # folder the launcher was run in); every path in an error below is then one a person can paste.
     base = Path(os.path.abspath(s.checkpoints_dir)) if s.checkpoints_dir else DEFAULT_TINY_DIR
     if not base.is_dir() and s.checkpoints_dir is not None:
         what = "is not a folder" if base.exists() else "does not exist"
-        raise ConfigError(f"CHECKPOINTS_DIR {base} {what} (given as {str(s.checkpoints_dir)!r}).")
+        raise ConfigError(
+            f"CHECKPOINTS_DIR {base} {what} (a relative path is taken from the folder the launcher was run in)."
+        )
 
     def under(p: Path | str) -> Path:
         p = Path(p)

@@ -43,6 +43,14 @@ Progress = Callable[[float, str], None]  # (share of the export done, 0..1; what
 class Mp3Options:
     bitrate_mode: str = "CONSTANT"
     compression_level: float = 0.0  # 0 = highest quality
+    title: str = ""  # ID3 tags, as a render of the take carries them (api/render.py)
+    lyrics: str = ""
+
+    def tagged(self, style: str, track_index: int, lyrics: str) -> Mp3Options:
+        """These options with the take's title (its style and take number, as a render's) and lyrics."""
+        style = style.strip()
+        title = f"{style[:80]} (take {track_index + 1})" if style else f"songserve take {track_index + 1}"
+        return Mp3Options(self.bitrate_mode, self.compression_level, title, lyrics)
 
 
 def new_basename(now: float | None = None) -> str:
@@ -92,6 +100,11 @@ def _write_mp3(path: Path, audio: np.ndarray, sample_rate: int, mp3: Mp3Options,
     block, total = sample_rate * MP3_BLOCK_SEC, max(1, audio.shape[0])
     opts = {"bitrate_mode": mp3.bitrate_mode, "compression_level": mp3.compression_level}
     with sf.SoundFile(path, "w", sample_rate, channels, format="MP3", subtype="MPEG_LAYER_III", **opts) as f:
+        if mp3.title:
+            f.title = mp3.title
+        if mp3.lyrics:
+            f.comment = mp3.lyrics
+        f.software = "songserve"
         for start in range(0, audio.shape[0], block):
             f.write(audio[start : start + block])
             on_progress(min(total, start + block) / total, "writing MP3")

@@ -30,13 +30,16 @@ def plan_length(
     context: int,
     max_new_tokens: int,
     min_share: float,
+    kept_frames: int = 0,
 ) -> LengthPlan:
     """The request's frame budget, or a ``RequestError`` naming the limit before any work.
 
     ``min_share`` ≥ 1 means exact length (the tiny set: its end-of-audio is untrained noise), so
     the budget is the requested length. Otherwise the budget is the reference's token budget,
     capped by the context, and the model ends the song itself. Either way the token budget
-    (``MAX_NEW_TOKENS``, the launcher's ``--num-tokens-to-generate``) caps it.
+    (``MAX_NEW_TOKENS``, the launcher's ``--num-tokens-to-generate``) caps it; it counts tokens *to
+    generate*, so a retake's or an upload's ``kept_frames`` (prefilled, not generated) are not charged
+    to it: the song may run to the kept frames plus the budget.
     """
     requested = max(1, int(duration_min * 60 * frame_rate))
     room = context - prompt_len
@@ -45,7 +48,10 @@ def plan_length(
             f"The request needs {prompt_len} prompt tokens plus {2 * requested} audio tokens "
             f"({duration_min:g} min), more than the model's context of {context} tokens (max_sequence_length)."
         )
-    budget = min(requested, max_new_tokens // 2) if min_share >= 1.0 else min(max_new_tokens, room) // 2
+    if min_share >= 1.0:
+        budget = min(requested, kept_frames + max_new_tokens // 2)
+    else:
+        budget = min(2 * kept_frames + max_new_tokens, room) // 2
     estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
     floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
     return LengthPlan(budget, min(budget, floor), estimate)

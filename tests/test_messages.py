@@ -1,0 +1,51 @@
+"""Sentences a person reads: pydantic's "Value error," never leaks into them (issue 37, Why 10)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from songserve.errors import ConfigError
+from songserve.http_errors import validation_message
+from songserve.schemas import WorkerAnnouncement
+from songserve.settings import DispatcherSettings, load_settings
+
+pytestmark = pytest.mark.quick
+
+
+def test_a_validators_sentence_reaches_a_client_without_pydantics_prefix():
+    with pytest.raises(ValidationError) as err:
+        WorkerAnnouncement(url="ftp://gpu1:8001")
+    assert "Value error" in str(err.value)  # what pydantic itself says
+    said = validation_message(err.value.errors())
+    assert said == "Field 'url': 'ftp://gpu1:8001' is not an http(s) URL with a host."
+
+
+def test_a_settings_refusal_has_no_pydantic_prefix():
+    with pytest.raises(ConfigError) as err:
+        load_settings(DispatcherSettings, ["--port", "8889", "--acestep-port", "8889"])
+    assert str(err.value) == (
+        "Setting acestep_port: must differ from API_PORT (each dialect has its own port) (got '8889')."
+    )
+
+
+def test_a_fresh_store_says_it_was_created_in_one_line_and_a_migration_in_one_line(tmp_path, caplog):
+    import logging
+    import sqlite3
+
+    from songserve.api.migrations_sqlite import MIGRATIONS, migrate
+
+    caplog.set_level(logging.INFO, logger="songserve.api.migrations_sqlite")
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3", isolation_level=None)
+    assert migrate(db, MIGRATIONS[:2]) == [MIGRATIONS[0].version, MIGRATIONS[1].version]
+    assert [r.getMessage() for r in caplog.records] == [f"job store: created (schema version {MIGRATIONS[1].version})"]
+    caplog.clear()
+    applied = migrate(db)
+    assert len(applied) == len(MIGRATIONS) - 2 >= 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"job store: schema migrated from version {MIGRATIONS[1].version} to {applied[-1]} (")
+    caplog.clear()
+    assert migrate(db) == []
+    assert not caplog.records  # the usual start: nothing applied, nothing said
+    db.close()
