@@ -19,7 +19,7 @@ def main() -> None:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     a = args(__doc__)
     torch.set_num_threads(1)

@@ -62,7 +62,7 @@ def track_ratio(seconds: float, ns: list[int], repeats: int) -> dict[int, float]
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     with tempfile.TemporaryDirectory() as tmp:
         s = WorkerSettings(output_dir=Path(tmp), runtime_mode="keep_loaded")

@@ -25,10 +25,10 @@ import httpx
 
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.worker_client import WorkerHttp
 from songserve.schemas import JobView
-from songserve.settings import DispatcherSettings
 
 
 def tiny_wav(seconds: float, rate: int = 100) -> bytes:

@@ -401,8 +401,9 @@ def test_the_second_socket_is_tcp_so_its_answers_are_not_held_for_a_delayed_ack(
 
 
 def test_the_setting_needs_its_own_port_and_empty_is_unset(monkeypatch):
+    from songserve.api.settings import DispatcherSettings
     from songserve.errors import ConfigError
-    from songserve.settings import DispatcherSettings, load_settings
+    from songserve.settings import load_settings
 
     with pytest.raises(ConfigError, match="acestep_port: .*must differ from API_PORT"):
         load_settings(DispatcherSettings, ["--port", "9000", "--acestep-port", "9000"])

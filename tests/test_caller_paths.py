@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from songserve.settings import CALLER_DIR_ENV, DispatcherSettings, WorkerSettings, load_settings
+from songserve.api.settings import DispatcherSettings
+from songserve.settings import CALLER_DIR_ENV, load_settings
+from songserve.worker.settings import WorkerSettings
 from tests.procs import MARK, marked
 from tests.support import ROOT
 from tests.test_first_hour import run_launcher

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from songserve.settings import DispatcherSettings, WorkerSettings
+from songserve.api.settings import DispatcherSettings
+from songserve.worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.quick

@@ -69,7 +69,7 @@ def test_auto_keeps_what_compile_chose():
 def test_decode_mode_setting_refuses_an_unknown_mode():
     from pydantic import ValidationError
 
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     with pytest.raises(ValidationError, match="decode_mode"):
         WorkerSettings(decode_mode="turbo")

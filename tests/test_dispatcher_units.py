@@ -11,6 +11,7 @@ import pytest
 from songserve.api import queue_order
 from songserve.api.artifacts import ArtifactStore
 from songserve.api.service import JobService, QueueFull
+from songserve.api.settings import DispatcherSettings
 from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.store import Job, Track
 from songserve.api.store_sqlite import SqliteStore
@@ -19,7 +20,6 @@ from songserve.api.worker_client import WorkerHttp
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
-from songserve.settings import DispatcherSettings
 
 pytestmark = pytest.mark.quick
 

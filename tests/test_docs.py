@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
-from songserve.settings import CALLER_DIR_ENV, DispatcherSettings, WorkerSettings
+from songserve.api.settings import DispatcherSettings
+from songserve.settings import CALLER_DIR_ENV
+from songserve.worker.settings import WorkerSettings
 from tests.support import ROOT
 
 pytestmark = pytest.mark.quick
@@ -43,7 +45,7 @@ def env_reads() -> dict[str, str]:
     found: dict[str, str] = {CALLER_DIR_ENV: "songserve/settings.py caller_path"}  # read through a constant
     for cls in (WorkerSettings, DispatcherSettings):
         for name in settings_env(cls):
-            found.setdefault(name, f"songserve/settings.py {cls.__name__}")
+            found.setdefault(name, f"{cls.__module__} {cls.__name__}")
     for path in CODE:
         for m in PY_READ.finditer(path.read_text()):
             found.setdefault(m.group(1) or m.group(2), str(path.relative_to(ROOT)))

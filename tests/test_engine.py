@@ -619,7 +619,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     pipe = ModelPipeline(
         WorkerSettings(output_dir=tmp_path, runtime_mode="park"), resolve(WorkerSettings()), megatron_cpu
@@ -649,7 +649,7 @@ def test_park_state_machine_unparks_each_stage_only_for_its_stage(tiny_dir, mega
 def _park_pipe(tmp_path, megatron_cpu, **kw):
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     pipe = ModelPipeline(WorkerSettings(output_dir=tmp_path, **kw), resolve(WorkerSettings()), megatron_cpu)
     pipe.load()
@@ -754,7 +754,7 @@ def test_a_batch_that_does_not_fit_memory_is_split_not_run_out_of_memory(tiny_di
     from songserve.pipeline import pipeline as pl
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="keep_loaded", max_batch=4)
     pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)

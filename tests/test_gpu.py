@@ -126,7 +126,7 @@ def test_park_moves_stages_to_pinned_host_memory_and_back(tiny_dir, cuda, tmp_pa
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="park", device="cuda")
     pipe = ModelPipeline(s, resolve(s), cuda)

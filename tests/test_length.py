@@ -58,7 +58,7 @@ def test_a_request_longer_than_the_context_is_refused_naming_the_limit():
 def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     s = WorkerSettings(
         output_dir=tmp_path_factory.mktemp("length"), runtime_mode="keep_loaded", eoa_min_share=0.0, max_new_tokens=300
@@ -147,7 +147,7 @@ def test_the_floor_default_is_exact_length_for_the_tiny_set_and_none_for_a_real_
 
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.pipeline import ModelPipeline
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     s = WorkerSettings(output_dir=tmp_path)
     ckpt = resolve(s)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from songserve.api.settings import DispatcherSettings
 from songserve.errors import ConfigError
 from songserve.http_errors import validation_message
 from songserve.schemas import WorkerAnnouncement
-from songserve.settings import DispatcherSettings, load_settings
+from songserve.settings import load_settings
 
 pytestmark = pytest.mark.quick
 

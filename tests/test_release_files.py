@@ -29,8 +29,9 @@ from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
 from songserve.pipeline.stages.tokenizer import BOS, EOD, duration_token, load_tokenizer
 from songserve.pipeline.tiny.decoder_release import FULL_SIZES, release_yaml
 from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
-from songserve.settings import WorkerSettings, load_settings
+from songserve.settings import load_settings
 from songserve.worker.launcher_flags import apply_launcher_flags, verdict
+from songserve.worker.settings import WorkerSettings
 from tests.support import start_worker
 
 REFERENCE_COMMIT = "f3992801722e78890d10470e32d821b52631024e"  # 2026-05-16, "Fix frontend progress display state"

@@ -54,7 +54,7 @@ def test_release_set_has_the_release_layout_and_formats(release_dir):
 
 def test_checkpoint_discovery_finds_the_release_paths(release_dir, tmp_path):
     from songserve.pipeline.checkpoints.layout import resolve
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     for base in (release_dir, release_dir / "checkpoints"):
         c = resolve(WorkerSettings(checkpoints_dir=base))
@@ -396,7 +396,7 @@ def test_one_shot_drops_every_superres_reference_before_releasing_memory(tiny_di
     from songserve.pipeline.checkpoints.layout import resolve
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.types import TrackRequest
-    from songserve.settings import WorkerSettings
+    from songserve.worker.settings import WorkerSettings
 
     s = WorkerSettings(output_dir=tmp_path, runtime_mode="one_shot")
     pipe = pl.ModelPipeline(s, resolve(s), megatron_cpu)

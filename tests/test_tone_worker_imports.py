@@ -16,7 +16,8 @@ from tests.support import ROOT
 
 START_AND_RUN_ONE_TONE = """
 import asyncio, json, sys
-from songserve.settings import WorkerSettings, load_settings
+from songserve.settings import load_settings
+from songserve.worker.settings import WorkerSettings
 from songserve.schemas import WorkerGenerateRequest
 from songserve.worker.launcher_flags import apply_launcher_flags
 from songserve.worker.main import build_runtime, split_megatron_flags

@@ -24,11 +24,12 @@ from songserve.pipeline.stages.export import ExportError, Mp3Options, write_trac
 from songserve.pipeline.tone import TonePipeline
 from songserve.pipeline.types import TrackRequest, TrackResult
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest
-from songserve.settings import WorkerSettings, load_settings
+from songserve.settings import load_settings
 from songserve.worker.device import ToneDevice
 from songserve.worker.failures import classify_failure
 from songserve.worker.outputs import sweep_outputs
 from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.settings import WorkerSettings
 from songserve.worker.tasks import TaskRegistry
 from tests.support import mount_tmpfs, start_worker, wait_for
 

@@ -15,10 +15,11 @@ import pytest
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.tone import TonePipeline
 from songserve.schemas import WorkerStatus
-from songserve.settings import WorkerSettings, load_settings
+from songserve.settings import load_settings
 from songserve.worker import runtime as runtime_mod
 from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.settings import WorkerSettings
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
 

@@ -11,10 +11,10 @@ import logging
 
 from songserve.api.dispatch import Dispatcher
 from songserve.api.refusals import AnnounceRefused
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore
 from songserve.errors import NotFoundError
 from songserve.schemas import WorkerAnnounced, WorkerAnnouncement
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 

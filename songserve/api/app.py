@@ -16,6 +16,7 @@ from songserve.api.keys import ApiKeys, KeyAuth
 from songserve.api.page import FILES, page_router
 from songserve.api.routes import router
 from songserve.api.service import JobService
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore
 from songserve.api.store_sqlite import SqliteStore
 from songserve.api.tags import TAGS, load_catalogue
@@ -24,7 +25,6 @@ from songserve.api.worker_client import WorkerHttp
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
-from songserve.settings import DispatcherSettings
 
 PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine

@@ -21,11 +21,11 @@ import time
 from songserve.api.outcomes import WorkerUnreachable
 from songserve.api.phases import status_of_phase
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.settings import DispatcherSettings
 from songserve.api.states import IllegalTransition
 from songserve.api.store import Fence, Job, JobStore, Key, LeaseLost, StaleTrack, StoreError, Track
 from songserve.api.tracks import TrackBook
 from songserve.errors import SongserveError
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 LEASE_LOST = "its worker's lease passed to another dispatcher"

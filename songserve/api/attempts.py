@@ -51,6 +51,7 @@ from songserve.api.estimates import SpeedHistory
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.api.pool import WorkerHandle, WorkerPool
+from songserve.api.settings import DispatcherSettings
 from songserve.api.states import TrackStatus
 from songserve.api.store import (
     Fence,
@@ -65,7 +66,6 @@ from songserve.api.store import (
 )
 from songserve.api.to_worker import result_metadata, result_seed, worker_request
 from songserve.api.tracks import TrackBook
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 

@@ -39,13 +39,13 @@ from songserve.api.membership import Membership
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.placement import pack, pick
 from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.settings import DispatcherSettings
 from songserve.api.states import JobStatus, TrackStatus, job_status
 from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError
 from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
 from songserve.api.tracks import ChangeFeed, TrackBook
 from songserve.api.webhook_events import JobEvents
 from songserve.api.worker_client import WorkerClient, WorkerHttp
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 Loop = tuple[str, Callable[[], Awaitable[None]], float]  # name, one iteration, seconds between iterations

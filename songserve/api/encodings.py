@@ -35,10 +35,10 @@ from songserve.api.artifacts import ArtifactStore
 from songserve.api.attempt_fences import AttemptFences
 from songserve.api.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
 from songserve.api.pool import WorkerHandle
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import Fence, Job, JobStore, StoreError, background_context
 from songserve.api.store_uploads import UploadRecord
 from songserve.schemas import CODEBOOK_SIZE, UploadStatus, WorkerEncodeResult
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 LEVELS = 64  # the codec's levels: what every continuation keeps

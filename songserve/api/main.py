@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 from songserve.api import tags
 from songserve.api.keys import ApiKeys
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store_sqlite_check import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
-from songserve.settings import DispatcherSettings, load_settings, log_non_default
+from songserve.settings import load_settings, log_non_default
 
 log = logging.getLogger("songserve.api")
 

@@ -39,9 +39,9 @@ import time
 from songserve.api.attempt_stops import LEASE_LOST, USER_CANCEL
 from songserve.api.attempts import Attempts
 from songserve.api.pool import WorkerHandle, WorkerPool
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore, StaleTrack, WorkerRow
 from songserve.api.tracks import TrackBook
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from songserve.api.loops import LoopHealth
 from songserve.api.membership import Membership
 from songserve.api.pool import WorkerPool
 from songserve.api.results_folder import ResultsFolder
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore
 from songserve.api.store_probe import StoreProbe
 from songserve.api.tracks import TrackBook
-from songserve.settings import DispatcherSettings
 
 
 class DispatcherParts(Protocol):

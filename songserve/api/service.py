@@ -31,6 +31,7 @@ from songserve.api.quota import WINDOW_SEC, OverQuota
 from songserve.api.refusals import GoneError, QueueFull, StoreUnavailable
 from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.retention import Retention
+from songserve.api.settings import DispatcherSettings
 from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
 from songserve.api.uploads import UploadService
@@ -50,7 +51,6 @@ from songserve.schemas import (
     JobView,
     UsageView,
 )
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 MEDIA = {

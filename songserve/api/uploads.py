@@ -36,6 +36,7 @@ from songserve.api.artifacts import JOB_ID, ArtifactStore
 from songserve.api.dispatch import Dispatcher
 from songserve.api.keys import Caller, may_see
 from songserve.api.refusals import StoreUnavailable
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore, StoreError
 from songserve.api.store_uploads import UploadRecord
 from songserve.audio_in import HOP, AudioError, AudioFacts, check_audio
@@ -43,7 +44,6 @@ from songserve.errors import FieldError, NotFoundError, SongserveError, Unavaila
 from songserve.forms import FormLimits, background_thread, read_form
 from songserve.logs import safe
 from songserve.schemas import UploadStatus, UploadView
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -25,11 +25,11 @@ import httpx
 from songserve import __version__
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.outbox import SWEEP_AFTER_SEC, Delivery, OutboxStats, retry_delay
+from songserve.api.settings import DispatcherSettings
 from songserve.api.store import JobStore, StoreError
 from songserve.api.webhook_events import JobEvents
 from songserve.api.webhook_sign import headers, signing_key
 from songserve.api.webhook_targets import Refused, WebhookPolicy
-from songserve.settings import DispatcherSettings
 
 log = logging.getLogger(__name__)
 POLL_SEC = 0.5  # how soon another dispatcher's events (or a retry coming due) are seen

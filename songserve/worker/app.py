@@ -42,12 +42,12 @@ from songserve.schemas import (
     WorkerStatus,
     WorkerTakeFailure,
 )
-from songserve.settings import WorkerSettings
 from songserve.urls import dispatcher_urls, local_health_url
 from songserve.worker.announce import Announcer
 from songserve.worker.fence import HEADER, LeaseFences
 from songserve.worker.live_stream import follow, open_live
 from songserve.worker.runtime import WorkerRuntime
+from songserve.worker.settings import WorkerSettings
 from songserve.worker.to_pipeline import batch_result, generate_failure
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from songserve.errors import ConfigError
-from songserve.settings import WorkerSettings
+from songserve.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 

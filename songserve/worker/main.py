@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from songserve.errors import ConfigError
 from songserve.logs import level_from_env, setup_logging
-from songserve.settings import WorkerSettings, load_settings, log_non_default
+from songserve.settings import load_settings, log_non_default
 from songserve.worker.launcher_flags import apply_launcher_flags
+from songserve.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
     from songserve.worker.runtime import WorkerRuntime

@@ -46,11 +46,11 @@ from songserve.schemas import (
     WorkerPhase,
     WorkerStatus,
 )
-from songserve.settings import WorkerSettings
 from songserve.worker.device import Device
 from songserve.worker.failures import ClassifiedTaskError, classify_failure, error_kind_of
 from songserve.worker.metrics import WorkerMetrics
 from songserve.worker.outputs import disk_report, file_facts, names_from_metadata, remove_output, sweep_outputs
+from songserve.worker.settings import WorkerSettings
 from songserve.worker.tasks import TaskRegistry
 from songserve.worker.to_pipeline import encode_result, generate_result, track_request
 

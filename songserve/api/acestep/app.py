@@ -25,8 +25,8 @@ from songserve.api.acestep.failures import install_error_handlers
 from songserve.api.acestep.routes import router
 from songserve.api.acestep.stats import JobTally
 from songserve.api.app import LOCAL_ORIGINS, cors_origins
+from songserve.api.settings import DispatcherSettings
 from songserve.errors import ConfigError
-from songserve.settings import DispatcherSettings
 
 
 def create_acestep_app(s: DispatcherSettings, host: FastAPI) -> FastAPI:

@@ -27,9 +27,9 @@ from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
 from songserve.api.keys import ApiKeys, Caller
 from songserve.api.service import JobService
+from songserve.api.settings import DispatcherSettings
 from songserve.api.uploads import upload_limit
 from songserve.forms import FormLimits
-from songserve.settings import DispatcherSettings
 
 router = APIRouter()
 SERVICE = "ACE-Step API (songserve)"
