@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import re
 
 import httpx
 import pytest
 import soundfile as sf
 
+from songserve.schemas import GenerateRequest
 from tests.support import Cluster, wait_for
 
 
@@ -49,3 +51,11 @@ def test_the_jobs_own_mp3_carries_the_title_and_lyrics(site):
         tags = sf.SoundFile(io.BytesIO(mp3)).copy_metadata()
         assert tags["title"] == f"pop, piano (take {i + 1})"  # as the take's renders are titled
         assert tags["comment"] == "[verse]\nhello tags"
+
+
+def test_the_page_asks_for_the_apis_default_duration(site):
+    """Page, CLI and API agree: a song is 3 minutes unless one says otherwise (the page said 1)."""
+    page = httpx.get(site.url + "/", timeout=10).text
+    found = re.search(r'<input id="duration"[^>]*value="([0-9.]+)"', page)
+    assert found is not None, "the page has no duration field"
+    assert float(found.group(1)) == GenerateRequest.model_fields["duration"].default == 3.0
