@@ -195,6 +195,19 @@ class Cluster:
         self.stop()
 
 
+def wait_launched(proc: subprocess.Popen, api: str, out: Path, timeout: float = 240) -> None:
+    """Until a launcher's dispatcher at ``api`` is ready; fails with the launcher's output if it exits first."""
+
+    def ready() -> bool:
+        assert proc.poll() is None, out.read_text()
+        try:
+            return httpx.get(api + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, timeout=timeout, interval=0.5)
+
+
 def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.0) -> ServerProcess:
     """The reference worker's stand-in (tests/reference_worker.py), its requests logged as JSON lines."""
     port = free_port()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, free_port, wait_for
+from tests.support import ROOT, free_port, wait_for, wait_launched
 
 # Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
 pytestmark = pytest.mark.process
@@ -65,15 +65,7 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         ["bash", "run_backend.sh", "--gpus", "0,1"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
     )
     try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, (tmp_path / "launcher.out").read_text()
-            try:
-                return httpx.get(api + "/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout=240, interval=0.5)
+        wait_launched(proc, api, tmp_path / "launcher.out")
         started = pids(tmp_path / "logs")
         assert len(started) == 3
         st = httpx.get(api + "/status").json()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.listeners import holding_env, listening, not_on_loopback
-from tests.support import ROOT, wait_for
+from tests.support import ROOT, wait_for, wait_launched
 from tests.test_launcher import launcher_env
 from tests.test_ports import REFERENCE_MASTER_PORT, held
 
@@ -72,15 +72,7 @@ def test_the_readme_first_command_starts_next_to_a_process_holding_8791(tiny_dir
     with held(REFERENCE_MASTER_PORT), open(tmp_path / "launcher.out", "wb") as out:
         proc = subprocess.Popen(["bash", "run_backend.sh"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-
-            def ready() -> bool:
-                assert proc.poll() is None, (tmp_path / "launcher.out").read_text()
-                try:
-                    return httpx.get(api + "/ready", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            wait_for(ready, timeout=240, interval=0.5)
+            wait_launched(proc, api, tmp_path / "launcher.out")
             worker = int((Path(env["LOG_DIR"]) / "worker_0.pid").read_text())
             assert not_on_loopback(worker) == []
             assert REFERENCE_MASTER_PORT not in [p for _, p in listening(worker)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import Cluster, start_worker, wait_for
+from tests.support import Cluster, cluster_of, start_worker, wait_for
 from tests.test_encoder import music, wav_bytes
 
 WAIT = 600.0  # seconds: generous, the machine is shared
@@ -24,9 +24,7 @@ def site(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("retake_sequence")
     worker = start_worker(tmp, name="tiny")
     worker.wait_healthy(timeout=300)
-    c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, (), [worker], None
-    c.start_api()
+    c = cluster_of(tmp, [worker])
     yield c
     c.stop()
 

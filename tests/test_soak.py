@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from songserve import codes
-from tests.support import Cluster, free_port, start_worker, wait_for
+from tests.support import Cluster, cluster_of, free_port, start_worker, wait_for
 from tests.test_encoder import music, wav_bytes
 
 SEED = 20261203
@@ -62,10 +62,8 @@ def fleet(tiny_dir, tmp_path_factory):
     workers = [start_worker(tmp, "--checkpoints-dir", str(tiny_dir), name=f"tiny{i}") for i in range(2)]
     for w in workers:
         w.wait_healthy(timeout=300)
-    c = Cluster.__new__(Cluster)
     ace = free_port()
-    c.tmp, c.api_args, c.workers, c.api = tmp, ("--acestep-port", str(ace)), workers, None
-    c.start_api()
+    c = cluster_of(tmp, workers, "--acestep-port", str(ace))
     c.ace = f"http://127.0.0.1:{ace}"
     yield c
     c.stop()
