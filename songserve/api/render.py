@@ -213,7 +213,7 @@ class Renders:
                                   f"{self.concurrency} + RENDER_QUEUE {self.queue}); try again in {retry} s.",
                                   retry)  # fmt: skip
             loop = asyncio.get_running_loop()
-            making = loop.run_in_executor(self._executor, self._timed, job_id, index, spec, title, lyrics)
+            making = loop.run_in_executor(self._executor, self.make, job_id, index, spec, title, lyrics)
             self._making[key] = making
             making.add_done_callback(lambda done: self._finished(key, done))
         return await asyncio.shield(making)  # a client that goes away leaves the render to the others
@@ -222,13 +222,6 @@ class Renders:
         self._making.pop(key, None)
         if not done.cancelled():
             done.exception()  # read: a render no one waits for any more must not log "never retrieved"
-
-    def _timed(self, job_id: str, index: int, spec: RenderSpec, title: str, lyrics: str) -> Rendered:
-        t0 = time.monotonic()
-        try:
-            return self.make(job_id, index, spec, title, lyrics)
-        finally:
-            self._pace = 0.7 * self._pace + 0.3 * (time.monotonic() - t0)
 
     def close(self) -> None:
         """At shutdown: renders not started are dropped (their requests are gone with the server)."""
@@ -250,7 +243,10 @@ class Renders:
         t0 = time.monotonic()
         wav = self.artifacts.path(job_id, index, "wav")
         path = self.artifacts.render_path(job_id, index, spec.key(), spec.format)
-        info = render_file(wav, path, spec, title, lyrics)
+        try:
+            info = render_file(wav, path, spec, title, lyrics)
+        finally:  # the pace Retry-After is reckoned from, failed renders included
+            self._pace = 0.7 * self._pace + 0.3 * (time.monotonic() - t0)
         side = self.artifacts.render_path(job_id, index, spec.key(), "json")
         side.write_text(json.dumps(info), encoding="utf-8")
         with self._evicting:  # one thread at a time: another's unlink between a listing and its stat raised
