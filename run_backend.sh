@@ -285,6 +285,10 @@ wait_health() {  # name url pid log nonce setting (what moves its port)
   on_failure
 }
 
+# From the first process started, Ctrl-C (or a TERM) at any moment stops what was started, in order,
+# saying so: its processes have their own sessions, so the terminal's signal reaches the launcher only.
+trap 'echo; stop_all; exit 130' INT TERM
+
 # ---- workers ----------------------------------------------------------------------------------
 if [ $WORKERS = 1 ]; then
   for i in "${!GPU_IDS[@]}"; do

@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +14,12 @@ from tests.support import ROOT
 # anything (megatron-core, at its import) imports triton, which fixes the mode for the process.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A run started in the background of a non-interactive shell (a CI runner) inherits SIGINT ignored, and
+# so would every launcher it starts: bash cannot trap a signal ignored on entry, and the Ctrl-C tests
+# would test nothing. A handler of our own is reset to the default in every child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SPREAD = {"test_bench_smoke.py"}  # slow tests and no module fixtures: each test is a unit of its own
 

@@ -54,7 +54,10 @@ class Launcher:
         return self.out_path.read_text(errors="replace")
 
     def ready(self) -> bool:
+        """The launcher said it is ready (what a person waits for) and the dispatcher answers so."""
         assert self.proc.poll() is None, self.said()
+        if "run_backend: ready: " not in self.said():
+            return False
         try:
             return httpx.get(self.api + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -123,5 +126,19 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         assert not marked(run.mark)
         api_log = (tmp_path / "logs" / "api.log").read_text()
         assert "drained:" not in api_log  # it did not wait the drain out
+    finally:
+        run.close()
+
+
+def test_ctrl_c_while_starting_stops_what_was_started_and_leaves_no_process(tmp_path):
+    run = Launcher(tmp_path, delay="3")
+    try:
+        wait_for(lambda: "run_backend: starting worker 0" in run.said(), timeout=240, interval=0.05)
+        run.ctrl_c()  # the worker is loading or the dispatcher starting: the launcher is not following yet
+        assert run.proc.wait(timeout=60) == 130, run.said()
+        said = run.said()
+        assert "run_backend: stopped " in said, said
+        assert "ready:" not in said
+        assert not marked(run.mark)  # before: the launcher died at once and the worker ran on, alone
     finally:
         run.close()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, cluster_of, start_reference_worker, wait_for
+from tests.support import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 from tests.test_scaleout import start_dispatcher, stop_all, tone_workers
 
 SECONDS = 12.0  # of audio per take
@@ -172,6 +172,27 @@ def test_a_track_on_a_reference_worker_streams_its_final_audio_when_done(tmp_pat
         assert heard.error is None
         final, _ = final_wav(site, job)
         assert np.array_equal(np.frombuffer(bytes(heard.body[44:]), dtype="<i2").reshape(-1, 2), final)
+    finally:
+        site.stop()
+
+
+def test_a_listener_who_asks_before_the_take_reaches_its_worker_hears_it_live(tmp_path):
+    """The dispatcher marks the track generating before its request reaches the worker (held 1.5 s here,
+    tests/late_worker.py): the relay asks a worker that does not know the task yet, and asks again."""
+    late = start_worker(
+        tmp_path, "--pipeline", "test", "--test-delay-s", "3", name="late", script="tests/late_worker.py",
+        env={"SONGSERVE_LATE_SEC": "1.5"},
+    )  # fmt: skip
+    site = cluster_of(tmp_path, [late])
+    try:
+        job = submit(site, seed=13)
+        wait_for(lambda: site.job(job)["tracks"][0]["status"] == "generating", timeout=30, interval=0.02)
+        heard = Listener(f"{site.url}/job/{job}/track/0/stream?format=wav", f"{site.url}/job/{job}").join()
+        assert heard.error is None
+        assert "generating" in heard.statuses  # live, not the final file after the take
+        final, _ = final_wav(site, job)
+        assert np.array_equal(np.frombuffer(bytes(heard.body[44:]), dtype="<i2").reshape(-1, 2), final)
+        assert "does not know task" in (tmp_path / "api.log").read_text()  # the gap was there, and asked across
     finally:
         site.stop()
 

@@ -194,14 +194,19 @@ class WorkerClient:
     async def live_chunks(self, task_id: str, start: int) -> AsyncGenerator[bytes, None]:
         """A running take's live audio (16-bit PCM, 44.1 kHz stereo) from byte ``start`` on, as the worker
         makes it (``GET /tasks/{id}/stream``). Ends when the take ends or has no (more) live audio;
-        nothing at all from a worker that has none for it (409, 404) or from a reference worker.
-        ``WorkerUnreachable`` when the connection breaks or stays silent past ``LIVE_READ_TIMEOUT``."""
+        nothing at all from a worker that has none for it (409) or from a reference worker.
+        ``WorkerFault`` when the worker does not know the task (404): the dispatcher marks a track
+        generating before its request reaches the worker, so a listener can ask in between; the relay
+        asks again. ``WorkerUnreachable`` when the connection breaks or stays silent past
+        ``LIVE_READ_TIMEOUT``."""
         if self.reference:
             return
         url = f"{self.url}/tasks/{task_id}/stream"
         timeout = httpx.Timeout(CONTROL_TIMEOUT, read=LIVE_READ_TIMEOUT)
         try:
             async with self.http.live.stream("GET", url, params={"start": start}, timeout=timeout) as r:
+                if r.status_code == 404:
+                    raise WorkerFault(f"Worker {self.url} does not know task {task_id} (yet).")
                 if r.status_code != 200:
                     return
                 async for chunk in r.aiter_raw(CHUNK):
