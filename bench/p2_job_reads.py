@@ -28,9 +28,9 @@ def seed_store(state: Path, n: int) -> list[str]:
 
 
 async def _seed(state: Path, n: int) -> list[str]:
-    from songserve.api.states import TrackStatus
-    from songserve.api.store import Job, Track
-    from songserve.api.store_sqlite import SqliteStore
+    from songserve.api.jobs.states import TrackStatus
+    from songserve.api.store.protocol import Job, Track
+    from songserve.api.store.sqlite.store import SqliteStore
     from songserve.schemas import GenerateRequest
 
     store = SqliteStore(state / "jobs.sqlite3")

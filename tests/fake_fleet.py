@@ -23,11 +23,11 @@ from pathlib import Path
 
 import httpx
 
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.service import JobService
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.service.job_service import JobService
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store_sqlite import SqliteStore
-from songserve.api.worker_client import WorkerHttp
+from songserve.api.store.sqlite.store import SqliteStore
+from songserve.api.workers.client import WorkerHttp
 from songserve.schemas import JobView
 
 

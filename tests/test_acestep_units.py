@@ -19,11 +19,11 @@ from songserve.api.acestep.failures import AceError
 from songserve.api.acestep.files import AudioRef, parse_id, parse_source
 from songserve.api.acestep.params import Params
 from songserve.api.acestep.translate import Context, Repaint, Task, read_task, tag_prompt
-from songserve.api.keys import ApiKeys
-from songserve.api.states import TrackStatus
-from songserve.api.store import Job, Track
-from songserve.api.tags import TAGS
-from songserve.api.views import job_view
+from songserve.api.http.tags import TAGS
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.jobs.views import job_view
+from songserve.api.service.keys import ApiKeys
+from songserve.api.store.protocol import Job, Track
 from songserve.forms import FormLimits
 from songserve.schemas import GenerateRequest
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from songserve.api.service import GoneError, StoreUnavailable
-from songserve.api.store import StoreError
+from songserve.api.service.job_service import GoneError, StoreUnavailable
+from songserve.api.store.protocol import StoreError
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest, JobView
 from tests.fake_fleet import FakeFleet, Plan, until

@@ -263,7 +263,7 @@ def test_status_tags_metrics_config_docs(one):
     assert httpx.get(one.url + "/ready").status_code == 200
     docs = httpx.get(one.url + "/docs")
     assert docs.status_code == 200
-    assert "cdn." not in docs.text  # Swagger UI from the dispatcher itself (api_docs.py): works offline
+    assert "cdn." not in docs.text  # Swagger UI from the dispatcher itself (http/api_docs.py): works offline
     for asset in ("docs/assets/swagger-ui-bundle.js", "docs/assets/swagger-ui.css"):
         assert f'"{asset}"' in docs.text
         assert len(httpx.get(f"{one.url}/{asset}").content) > 100_000

@@ -8,15 +8,15 @@ import time
 import httpx
 import pytest
 
-from songserve.api import queue_order
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.service import JobService, QueueFull
+from songserve.api.dispatch import queue_order
+from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
+from songserve.api.jobs.views import job_view
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.service.job_service import JobService, QueueFull
 from songserve.api.settings import DispatcherSettings
-from songserve.api.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
-from songserve.api.store import Job, Track
-from songserve.api.store_sqlite import SqliteStore
-from songserve.api.views import job_view
-from songserve.api.worker_client import WorkerHttp
+from songserve.api.store.protocol import Job, Track
+from songserve.api.store.sqlite.store import SqliteStore
+from songserve.api.workers.client import WorkerHttp
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
@@ -218,8 +218,8 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
 
 
 def test_config_says_when_the_workers_run_an_untrained_set():
-    from songserve.api.facts import Fleet
-    from songserve.api.readiness import config
+    from songserve.api.dispatch.readiness import config
+    from songserve.api.jobs.facts import Fleet
 
     s = DispatcherSettings()
     trained = config(s, Fleet(["b"], ["s"], None, 2, untrained=0))

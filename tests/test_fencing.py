@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from songserve.api.states import TrackStatus
-from songserve.api.store import Fence, JobStore, LeaseLost, StaleTrack
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack
 from tests.fake_fleet import FakeFleet, Plan, until
 from tests.test_dispatch_states import aio, body
 from tests.test_store_engines import engine, lease, new_job, run, running, two_stores

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from songserve.api.keys import ApiKeys
+from songserve.api.service.keys import ApiKeys
 from songserve.errors import ConfigError
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from songserve.api.live_feed import Mp3Stream, TrackFeed
-from songserve.api.live_spool import READ_BYTES, Spool, StreamCut
+from songserve.api.service.live_feed import Mp3Stream, TrackFeed
+from songserve.api.service.live_spool import READ_BYTES, Spool, StreamCut
 
 pytestmark = pytest.mark.quick
 

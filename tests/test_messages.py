@@ -34,9 +34,9 @@ def test_a_fresh_store_says_it_was_created_in_one_line_and_a_migration_in_one_li
     import logging
     import sqlite3
 
-    from songserve.api.migrations_sqlite import MIGRATIONS, migrate
+    from songserve.api.store.sqlite.migrations import MIGRATIONS, migrate
 
-    caplog.set_level(logging.INFO, logger="songserve.api.migrations_sqlite")
+    caplog.set_level(logging.INFO, logger="songserve.api.store.sqlite.migrations")
     db = sqlite3.connect(tmp_path / "jobs.sqlite3", isolation_level=None)
     assert migrate(db, MIGRATIONS[:2]) == [MIGRATIONS[0].version, MIGRATIONS[1].version]
     assert [r.getMessage() for r in caplog.records] == [f"job store: created (schema version {MIGRATIONS[1].version})"]

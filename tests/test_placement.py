@@ -1,4 +1,4 @@
-"""Which free worker a track goes to (``api/placement.py``), in-process: retakes to our workers, the
+"""Which free worker a track goes to (``api/dispatch/placement.py``), in-process: retakes to our workers, the
 snapshot's holder first; every other track as before."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from songserve.api.placement import pick
-from songserve.api.pool import WorkerHandle
-from songserve.api.store import Job, Track
-from songserve.api.worker_client import REFERENCE, WorkerClient, WorkerHttp
+from songserve.api.dispatch.placement import pick
+from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.store.protocol import Job, Track
+from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
 
 pytestmark = pytest.mark.quick

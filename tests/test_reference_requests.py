@@ -16,8 +16,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from songserve.api import tags as tag_catalogue
-from songserve.api.requests import RequestLimits, normalize
+from songserve.api.http import tags as tag_catalogue
+from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest
 from tests.support import ROOT, Cluster, ServerProcess, free_port, wait_for

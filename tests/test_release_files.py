@@ -23,7 +23,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from songserve.api import tags as tag_catalogue
+from songserve.api.http import tags as tag_catalogue
 from songserve.errors import ConfigError
 from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
 from songserve.pipeline.stages.tokenizer import BOS, EOD, duration_token, load_tokenizer

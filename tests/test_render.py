@@ -11,7 +11,7 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
-from songserve.api import render
+from songserve.api.results import render
 from tests.support import Cluster
 
 

@@ -1,4 +1,4 @@
-"""The render's block-by-block audio work (``render_audio.py``) against whole-array references, in-process.
+"""The render's block-by-block audio work (``results/render_audio.py``) against whole-array references, in-process.
 
 What is proved: the running BS.1770 measurement is pyloudnorm's integrated loudness (to 0.01 LU) for
 selections that span many blocks, start mid-file, are gated by silence or are too short to measure;
@@ -17,7 +17,7 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
-from songserve.api import render_audio
+from songserve.api.results import render_audio
 
 pytestmark = pytest.mark.quick
 RATE = 44100

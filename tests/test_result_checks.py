@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from songserve.api.outcomes import OutcomeKind, WorkerFault
-from songserve.api.pool import WorkerHandle, WorkerPool
-from songserve.api.result_check import Copied, check_copy, read_wav_header
-from songserve.api.to_worker import read_answer, read_batch
-from songserve.api.worker_client import WorkerClient, WorkerHttp
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
+from songserve.api.results.result_check import Copied, check_copy, read_wav_header
+from songserve.api.workers.client import WorkerClient, WorkerHttp
+from songserve.api.workers.outcomes import OutcomeKind, WorkerFault
+from songserve.api.workers.to_worker import read_answer, read_batch
 from songserve.schemas import ResultFile, WorkerHealth
 from tests.fake_fleet import FakeFleet, Plan, until
 from tests.test_dispatch_states import aio, body, run_job

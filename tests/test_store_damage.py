@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from songserve.api import migrations_sqlite as migrations
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.migrations_sqlite import SCHEMA_VERSION, Migration
-from songserve.api.states import TrackStatus
-from songserve.api.store import Job, Track
-from songserve.api.store_sqlite import SqliteStore
-from songserve.api.store_sqlite_check import diagnose, move_aside, prepare_store
+from songserve.api.store.sqlite import migrations
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.store.protocol import Job, Track
+from songserve.api.store.sqlite.check import diagnose, move_aside, prepare_store
+from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, Migration
+from songserve.api.store.sqlite.store import SqliteStore
 from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest
 from tests.support import ROOT, ServerProcess, free_port

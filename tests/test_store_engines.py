@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from songserve.api.states import TrackStatus
-from songserve.api.store import DuplicateKey, Fence, Job, JobStore, StaleTrack, StoreError, Track
-from songserve.api.store_sqlite import SqliteStore
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.protocol import DuplicateKey, Fence, Job, JobStore, StaleTrack, StoreError, Track
+from songserve.api.store.sqlite.store import SqliteStore
 from songserve.schemas import GenerateRequest
 
 
@@ -32,7 +32,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 async def open_store(where: str, origin: str = "A") -> JobStore:
     if where.startswith("postgresql://"):
-        from songserve.api.store_pg import PgStore
+        from songserve.api.store.postgres.store import PgStore
 
         return await PgStore.open(where, origin, pool_size=4)
     return SqliteStore(Path(where))
@@ -264,7 +264,7 @@ def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url:
     """A restart leaves every pooled connection dead. The first failure has the pool test and replace
     them all, and a read that met a dead connection is tried once more: no read fails after the server
     is back (seen before: a GET /job answered 503 on the second of several stale connections)."""
-    from songserve.api.store_pg import PgStore
+    from songserve.api.store.postgres.store import PgStore
 
     async def body() -> None:
         store = await PgStore.open(pg_url, "A", pool_size=4)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from songserve.api.states import TrackStatus
-from songserve.api.store import Fence
-from songserve.api.store_uploads import UploadRecord
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.protocol import Fence
+from songserve.api.store.uploads import UploadRecord
 from songserve.schemas import UploadStatus
 from tests.test_store_engines import lease, new_job, run, two_stores
 
@@ -159,9 +159,9 @@ def test_finished_uploads_expire_and_line_up_with_jobs_oldest_first(engine: str)
 def test_retention_removes_uploads_past_their_ttl_over_the_cap_and_orphaned(tmp_path: Path) -> None:
     import os
 
-    from songserve.api.artifacts import ArtifactStore
-    from songserve.api.retention import Retention
-    from songserve.api.store_sqlite import SqliteStore
+    from songserve.api.results.artifacts import ArtifactStore
+    from songserve.api.results.retention import Retention
+    from songserve.api.store.sqlite.store import SqliteStore
 
     async def go() -> None:
         store = SqliteStore(tmp_path / "jobs.sqlite3")

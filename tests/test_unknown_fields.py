@@ -18,13 +18,13 @@ import httpx
 import psutil
 import pytest
 
-from songserve.api.requests import RequestLimits, normalize
+from songserve.api.service.requests import RequestLimits, normalize
 from songserve.body_fields import MAX_NAME_CHARS, MAX_NAMES, read_body, suggestion
 from songserve.logs import MAX_MESSAGE_CHARS, LineFormatter, safe
 from songserve.schemas import GenerateRequest
 from tests.support import ServerProcess, free_port
 
-FORGED = "2031-01-01 00:00:00,000 ERROR api songserve.api.service: forged"
+FORGED = "2031-01-01 00:00:00,000 ERROR api songserve.api.service.job_service: forged"
 
 
 def probe_body(i: int, names: int = 20_000) -> dict[str, object]:

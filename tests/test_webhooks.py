@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from songserve.api.keys import ApiKeys, Caller
-from songserve.api.outbox import WebhookEvent, retry_delay
-from songserve.api.quota import WINDOW_SEC, OverQuota, Quota, free_in
-from songserve.api.routes import prefer_wait
-from songserve.api.states import TrackStatus
-from songserve.api.store import JobStore, StaleTrack
-from songserve.api.usage import OverLimit
-from songserve.api.webhook_sign import headers, signature, signing_key, verify
-from songserve.api.webhook_targets import Refused, WebhookPolicy
+from songserve.api.http.routes import prefer_wait
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.service.keys import ApiKeys, Caller
+from songserve.api.service.usage import OverLimit
+from songserve.api.store.outbox import WebhookEvent, retry_delay
+from songserve.api.store.protocol import JobStore, StaleTrack
+from songserve.api.store.quota import WINDOW_SEC, OverQuota, Quota, free_in
+from songserve.api.webhooks.sign import headers, signature, signing_key, verify
+from songserve.api.webhooks.targets import Refused, WebhookPolicy
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest, KeyLimits
 from tests.fake_fleet import FakeFleet, Plan, until

@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from songserve.api.webhook_sign import verify
+from songserve.api.webhooks.sign import verify
 from tests.receiver import Receiver
 from tests.support import Cluster, ServerProcess, free_port, start_worker, wait_for
 from tests.test_scaleout import start_dispatcher, tone_workers

@@ -7,10 +7,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from songserve.api import tags
-from songserve.api.keys import ApiKeys
+from songserve.api.http import tags
+from songserve.api.service.keys import ApiKeys
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store_sqlite_check import prepare_store
+from songserve.api.store.sqlite.check import prepare_store
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import load_settings, log_non_default
@@ -20,8 +20,8 @@ log = logging.getLogger("songserve.api")
 
 async def _check_pg(s: DispatcherSettings) -> None:
     """Connect and migrate the PostgreSQL store once (under its lock), so a bad STORE_URL fails in one line."""
-    from songserve.api.store_pg import PgStore
-    from songserve.api.store_pg_conn import StoreLimits
+    from songserve.api.store.postgres.conn import StoreLimits
+    from songserve.api.store.postgres.store import PgStore
 
     limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
     store = await PgStore.open(s.store_url, s.my_id(), pool_size=1, limits=limits)
@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("API keys: %d, named %s", len(keys.names), ", ".join(keys.names))
 
     from songserve.api.acestep.app import serving_plan
-    from songserve.api.app import create_app
+    from songserve.api.http.app import create_app
     from songserve.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(s)

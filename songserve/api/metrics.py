@@ -24,10 +24,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from songserve.api.loops import LoopHealth
-from songserve.api.outbox import OutboxStats
-from songserve.api.pool import WorkerView
-from songserve.api.states import JobStatus, TrackStatus
+from songserve.api.dispatch.loops import LoopHealth
+from songserve.api.dispatch.pool import WorkerView
+from songserve.api.jobs.states import JobStatus, TrackStatus
+from songserve.api.store.outbox import OutboxStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from a second (queue waits, small stages) to an hour (a long song on a busy fleet).

@@ -169,7 +169,7 @@ class DispatcherSettings(BaseSettings):
     @field_validator("webhook_secret")
     @classmethod
     def _webhook_secret(cls, value: str) -> str:
-        from songserve.api.webhook_sign import signing_key
+        from songserve.api.webhooks.sign import signing_key
 
         signing_key(value)  # a whsec_ secret that is not base64 refuses start-up
         return value
@@ -177,7 +177,7 @@ class DispatcherSettings(BaseSettings):
     @field_validator("webhook_allow")
     @classmethod
     def _webhook_allow(cls, value: str) -> str:
-        from songserve.api.webhook_targets import WebhookPolicy
+        from songserve.api.webhooks.targets import WebhookPolicy
 
         WebhookPolicy(value)  # an item that is no host, address or CIDR refuses start-up
         return value

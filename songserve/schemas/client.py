@@ -41,7 +41,7 @@ class GenerateRequest(BaseModel):
 
     The reference's fields (``mode`` … ``temperature``) have its types and its lax parsing: numeric strings
     and whole floats are coerced (``"3"``, ``3.0``), any string is a valid ``mode`` or ``prompt_mode``, any
-    length of ``tags`` and ``prompt``. Their ranges are applied afterwards by ``songserve.api.requests.normalize``
+    length of ``tags`` and ``prompt``. Their ranges are applied afterwards by ``songserve.api.service.requests.normalize``
     (clamped as the reference does, or 422 in strict mode), which also reports every change and unknown name;
     for that it needs the values as sent and the unknown names, kept in ``body``. ``duration`` is a float:
     fractions of a minute are our extension. Our extensions keep their own ranges here (422 naming the field).

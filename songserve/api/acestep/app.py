@@ -24,7 +24,7 @@ from songserve import __version__
 from songserve.api.acestep.failures import install_error_handlers
 from songserve.api.acestep.routes import router
 from songserve.api.acestep.stats import JobTally
-from songserve.api.app import LOCAL_ORIGINS, cors_origins
+from songserve.api.http.app import LOCAL_ORIGINS, cors_origins
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import ConfigError
 

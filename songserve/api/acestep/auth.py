@@ -19,7 +19,7 @@ from typing import Any
 
 from songserve.api.acestep.failures import AceError
 from songserve.api.acestep.params import AUTH_KEY
-from songserve.api.keys import ApiKeys, Caller
+from songserve.api.service.keys import ApiKeys, Caller
 
 BEARER = "Bearer "
 

@@ -25,8 +25,8 @@ from urllib.parse import parse_qs, quote, urlsplit
 import soundfile as sf
 
 from songserve.api.acestep.failures import AceError
-from songserve.api.keys import Caller
-from songserve.api.service import JobService
+from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import Caller
 from songserve.errors import SongserveError
 
 FORMATS = ("mp3", "wav", "flac")

@@ -25,10 +25,10 @@ from songserve.api.acestep.stats import JobTally
 from songserve.api.acestep.tasks import continue_from, find, source_take, submit
 from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
-from songserve.api.keys import ApiKeys, Caller
-from songserve.api.service import JobService
+from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import ApiKeys, Caller
+from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.api.uploads import upload_limit
 from songserve.forms import FormLimits
 
 router = APIRouter()

@@ -7,7 +7,7 @@ active, else from the store, so any dispatcher of a shared store answers); ``con
 a repaint to the end our retake of a point (``continue_from`` on ``POST /generate``): the source take
 (a ``src_audio_path`` this server returned names its job and take) kept up to ``repainting_start``,
 the rest generated. What the repaint's body sets (caption, lyrics, length, seed, model) applies; what
-it leaves out is the source take's, as for any retake (``songserve/api/retakes.py``). An uploaded
+it leaves out is the source take's, as for any retake (``songserve/api/dispatch/retakes.py``). An uploaded
 source (multipart ``src_audio``) becomes one of our uploads (``POST /uploads``: checked, stored,
 encoded by a worker) and the repaint a continuation of it (``continue_from.upload_id``), which waits
 in the queue while the upload encodes; a refused file is a 400 naming the key, storing nothing.
@@ -25,11 +25,11 @@ from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
-from songserve.api.keys import Caller
-from songserve.api.service import JobService
-from songserve.api.store import Job
-from songserve.api.uploads import UploadTooLarge
-from songserve.api.views import job_view
+from songserve.api.jobs.views import job_view
+from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import Caller
+from songserve.api.service.uploads import UploadTooLarge
+from songserve.api.store.protocol import Job
 from songserve.errors import FieldError, NotFoundError
 from songserve.http_errors import clean_msg
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView

@@ -1,6 +1,6 @@
 """ACE-Step's ``/release_task`` parameters → our ``GenerateRequest``: the one translation of the dialect.
 
-Beside ``songserve/api/requests.py`` (which then reads the request as the reference backend reads
+Beside ``songserve/api/service/requests.py`` (which then reads the request as the reference backend reads
 it): this module only renames and converts. What maps (docs/api.md, "ACE-Step's dialect"):
 
 * ``prompt``/``caption`` → the style prompt: tags when every comma-separated item is a tag of

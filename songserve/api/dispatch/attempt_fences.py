@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from songserve.api.pool import WorkerHandle
-from songserve.api.store import Fence, JobStore, Key
+from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.store.protocol import Fence, JobStore, Key
 
 
 class AttemptFences:

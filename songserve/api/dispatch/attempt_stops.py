@@ -18,13 +18,13 @@ import logging
 import math
 import time
 
-from songserve.api.outcomes import WorkerUnreachable
-from songserve.api.phases import status_of_phase
-from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.tracks import TrackBook
+from songserve.api.jobs.phases import status_of_phase
+from songserve.api.jobs.states import IllegalTransition
 from songserve.api.settings import DispatcherSettings
-from songserve.api.states import IllegalTransition
-from songserve.api.store import Fence, Job, JobStore, Key, LeaseLost, StaleTrack, StoreError, Track
-from songserve.api.tracks import TrackBook
+from songserve.api.store.protocol import Fence, Job, JobStore, Key, LeaseLost, StaleTrack, StoreError, Track
+from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.errors import SongserveError
 
 log = logging.getLogger(__name__)

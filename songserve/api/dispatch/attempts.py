@@ -24,7 +24,7 @@ Whose fault: an answer that is not the contract or files that are not what the w
 (``WorkerFault``) are the worker's: charged to it (``_charge``, its breaker) and the track runs
 elsewhere without losing an attempt. A results folder we cannot write is ours: the track waits.
 
-Fencing (``attempt_fences.py``): every write an attempt makes carries the lease it was claimed
+Fencing (``dispatch/attempt_fences.py``): every write an attempt makes carries the lease it was claimed
 under; a write refused for a lost lease (``LeaseLost``) ends the attempt without touching the track.
 One asyncio task per track at a time (``_spawn`` refuses a second), so nothing else acts on a track
 while an attempt holds it. No error escapes the handling of a worker's answer (``_conclude``): a
@@ -43,17 +43,17 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from songserve.api import retakes
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.attempt_fences import AttemptFences
-from songserve.api.attempt_stops import SILENT, AttemptStops
-from songserve.api.estimates import SpeedHistory
+from songserve.api.dispatch import retakes
+from songserve.api.dispatch.attempt_fences import AttemptFences
+from songserve.api.dispatch.attempt_stops import SILENT, AttemptStops
+from songserve.api.dispatch.estimates import SpeedHistory
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
+from songserve.api.dispatch.tracks import TrackBook
+from songserve.api.jobs.states import TrackStatus
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
-from songserve.api.pool import WorkerHandle, WorkerPool
+from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.states import TrackStatus
-from songserve.api.store import (
+from songserve.api.store.protocol import (
     Fence,
     Job,
     JobStore,
@@ -64,8 +64,8 @@ from songserve.api.store import (
     Track,
     background_context,
 )
-from songserve.api.to_worker import result_metadata, result_seed, worker_request
-from songserve.api.tracks import TrackBook
+from songserve.api.workers.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
+from songserve.api.workers.to_worker import result_metadata, result_seed, worker_request
 
 log = logging.getLogger(__name__)
 

@@ -27,25 +27,25 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from songserve.api import readiness
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.attempt_stops import USER_CANCEL
-from songserve.api.attempts import Attempts
-from songserve.api.encodings import Encodings
-from songserve.api.estimates import SpeedHistory
-from songserve.api.facts import Fleet, JobFacts
-from songserve.api.loops import LoopHealth, supervised
-from songserve.api.membership import Membership
+from songserve.api.dispatch import readiness
+from songserve.api.dispatch.attempt_stops import USER_CANCEL
+from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.encodings import Encodings
+from songserve.api.dispatch.estimates import SpeedHistory
+from songserve.api.dispatch.loops import LoopHealth, supervised
+from songserve.api.dispatch.membership import Membership
+from songserve.api.dispatch.placement import pack, pick
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
+from songserve.api.jobs.facts import Fleet, JobFacts
+from songserve.api.jobs.states import JobStatus, TrackStatus, job_status
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.placement import pack, pick
-from songserve.api.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.states import JobStatus, TrackStatus, job_status
-from songserve.api.store import BACKGROUND, Job, JobStore, Key, StoreError
-from songserve.api.store_probe import PROBE_INTERVAL_SEC, StoreProbe
-from songserve.api.tracks import ChangeFeed, TrackBook
-from songserve.api.webhook_events import JobEvents
-from songserve.api.worker_client import WorkerClient, WorkerHttp
+from songserve.api.store.probe import PROBE_INTERVAL_SEC, StoreProbe
+from songserve.api.store.protocol import BACKGROUND, Job, JobStore, Key, StoreError
+from songserve.api.webhooks.events import JobEvents
+from songserve.api.workers.client import WorkerClient, WorkerHttp
 
 log = logging.getLogger(__name__)
 Loop = tuple[str, Callable[[], Awaitable[None]], float]  # name, one iteration, seconds between iterations

@@ -30,14 +30,14 @@ from typing import BinaryIO
 import numpy as np
 
 from songserve import codes
-from songserve.api import retakes
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.attempt_fences import AttemptFences
-from songserve.api.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
-from songserve.api.pool import WorkerHandle
+from songserve.api.dispatch import retakes
+from songserve.api.dispatch.attempt_fences import AttemptFences
+from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import Fence, Job, JobStore, StoreError, background_context
-from songserve.api.store_uploads import UploadRecord
+from songserve.api.store.protocol import Fence, Job, JobStore, StoreError, background_context
+from songserve.api.store.uploads import UploadRecord
+from songserve.api.workers.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
 from songserve.schemas import CODEBOOK_SIZE, UploadStatus, WorkerEncodeResult
 
 log = logging.getLogger(__name__)

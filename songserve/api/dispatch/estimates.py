@@ -9,8 +9,8 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Mapping
 
-from songserve.api.phases import overall_progress
-from songserve.api.store import Job, Key
+from songserve.api.jobs.phases import overall_progress
+from songserve.api.store.protocol import Job, Key
 
 
 class SpeedHistory:

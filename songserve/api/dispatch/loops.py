@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from songserve.api.store import StoreError
+from songserve.api.store.protocol import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ async def supervised(
             await step()
         except Exception as exc:
             n = health.failed(name, exc)
-            stalled = isinstance(exc, StoreError)  # an outage, not a bug: /ready names it (store_probe.py)
+            stalled = isinstance(exc, StoreError)  # an outage, not a bug: /ready names it (store/probe.py)
             cap = max_backoff or (STORE_BACKOFF_SEC if stalled else MAX_BACKOFF_SEC)
             delay = min(cap, max(interval, 0.05) * 2 ** min(n, 16))
             if stalled:

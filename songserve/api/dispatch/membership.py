@@ -10,7 +10,7 @@ on the dispatchers' and workers' rows only, then ``reconcile`` (its own loop) on
   live dispatchers), and hands extras back: an idle one at once, a busy one once its tasks end (it
   gets no new ones meanwhile), so a dispatcher joining a fleet under sustained load gets its share
   too. A lease this dispatcher lost (it stalled past the TTL) ends its attempts there silently: the
-  new holder owns them. Each lease has an epoch (``store_pg_leases.py``) that every write for a track
+  new holder owns them. Each lease has an epoch (``store/postgres/leases.py``) that every write for a track
   on the worker carries; a lease re-taken after it expired comes back with a new epoch: when nobody
   held it meanwhile (one higher) the attempts there go on under it, else they end like a lost one;
 - a pause: a step that finds no renewal for a whole lease behind it (the process stood still: a GC, a
@@ -36,12 +36,12 @@ import logging
 import math
 import time
 
-from songserve.api.attempt_stops import LEASE_LOST, USER_CANCEL
-from songserve.api.attempts import Attempts
-from songserve.api.pool import WorkerHandle, WorkerPool
+from songserve.api.dispatch.attempt_stops import LEASE_LOST, USER_CANCEL
+from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
+from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore, StaleTrack, WorkerRow
-from songserve.api.tracks import TrackBook
+from songserve.api.store.protocol import JobStore, StaleTrack, WorkerRow
 
 log = logging.getLogger(__name__)
 

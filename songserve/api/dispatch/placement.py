@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from songserve.api.pool import WorkerHandle
-from songserve.api.retakes import origin_of
-from songserve.api.states import TrackStatus
-from songserve.api.store import Job, Key, Track
+from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.dispatch.retakes import origin_of
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.protocol import Job, Key, Track
 
 
 def holds_snapshot(w: WorkerHandle, origin: str) -> bool:

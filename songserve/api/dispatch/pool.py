@@ -36,9 +36,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from songserve.api.outcomes import WorkerUnreachable
-from songserve.api.store import Key, WorkerRow
-from songserve.api.worker_client import WorkerClient, WorkerHttp
+from songserve.api.store.protocol import Key, WorkerRow
+from songserve.api.workers.client import WorkerClient, WorkerHttp
+from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 Why a module of its own: readiness is the sum of faults that live in different parts, and each must
 be named where a load balancer or an operator reads it: shutting down (the dispatcher), the job store
-not answering in time (``store_probe.py``), a background loop that keeps failing (``loops.py``), the
-results folder that cannot be written (``results_folder.py``), no worker ready (``pool.py``). The
+not answering in time (``store/probe.py``), a background loop that keeps failing (``loops.py``), the
+results folder that cannot be written (``results/folder.py``), no worker ready (``pool.py``). The
 first of them that holds is the 503's reason. ``/status`` shows the same parts as numbers; while the
 store stalls it serves the last track counts read (``store_stalled`` says why) instead of waiting.
 
@@ -17,17 +17,17 @@ import time
 from typing import Protocol
 
 from songserve import __version__
-from songserve.api.attempts import Attempts
-from songserve.api.encodings import Encodings
-from songserve.api.facts import Fleet
-from songserve.api.loops import LoopHealth
-from songserve.api.membership import Membership
-from songserve.api.pool import WorkerPool
-from songserve.api.results_folder import ResultsFolder
+from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.encodings import Encodings
+from songserve.api.dispatch.loops import LoopHealth
+from songserve.api.dispatch.membership import Membership
+from songserve.api.dispatch.pool import WorkerPool
+from songserve.api.dispatch.tracks import TrackBook
+from songserve.api.jobs.facts import Fleet
+from songserve.api.results.folder import ResultsFolder
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore
-from songserve.api.store_probe import StoreProbe
-from songserve.api.tracks import TrackBook
+from songserve.api.store.probe import StoreProbe
+from songserve.api.store.protocol import JobStore
 
 
 class DispatcherParts(Protocol):

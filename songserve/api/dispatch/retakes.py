@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from songserve import codes
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.outcomes import Outcome, OutcomeKind
-from songserve.api.states import TrackStatus
-from songserve.api.store import Job
-from songserve.api.store_uploads import UploadRecord
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.store.protocol import Job
+from songserve.api.store.uploads import UploadRecord
+from songserve.api.workers.outcomes import Outcome, OutcomeKind
 from songserve.audio_in import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus

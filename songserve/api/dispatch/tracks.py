@@ -31,12 +31,12 @@ import logging
 import time
 from collections.abc import Container
 
-from songserve.api import queue_order
+from songserve.api.dispatch import queue_order
+from songserve.api.jobs.states import TrackStatus, check_transition, job_status
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.outbox import PROGRESS_EVENT_SEC
-from songserve.api.states import TrackStatus, check_transition, job_status
-from songserve.api.store import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
-from songserve.api.webhook_events import JobEvents
+from songserve.api.store.outbox import PROGRESS_EVENT_SEC
+from songserve.api.store.protocol import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
+from songserve.api.webhooks.events import JobEvents
 
 log = logging.getLogger(__name__)
 IDLE: dict[str, object] = {

@@ -10,18 +10,18 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from songserve import __version__
-from songserve.api.api_docs import docs_router
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.keys import ApiKeys, KeyAuth
-from songserve.api.page import FILES, page_router
-from songserve.api.routes import router
-from songserve.api.service import JobService
+from songserve.api.http.api_docs import docs_router
+from songserve.api.http.page import FILES, page_router
+from songserve.api.http.routes import router
+from songserve.api.http.tags import TAGS, load_catalogue
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import ApiKeys, KeyAuth
+from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore
-from songserve.api.store_sqlite import SqliteStore
-from songserve.api.tags import TAGS, load_catalogue
-from songserve.api.uploads import upload_limit
-from songserve.api.worker_client import WorkerHttp
+from songserve.api.store.protocol import JobStore
+from songserve.api.store.sqlite.store import SqliteStore
+from songserve.api.workers.client import WorkerHttp
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BodyLimit
 from songserve.serving import CLIENT_KEEPALIVE_SEC
@@ -38,8 +38,8 @@ def cors_origins(s: DispatcherSettings) -> list[str]:
 async def open_store(s: DispatcherSettings) -> JobStore:
     """The store the settings name: PostgreSQL when ``STORE_URL`` is set, else SQLite in the state folder."""
     if s.store_url:
-        from songserve.api.store_pg import PgStore  # psycopg is needed only here
-        from songserve.api.store_pg_conn import StoreLimits
+        from songserve.api.store.postgres.conn import StoreLimits
+        from songserve.api.store.postgres.store import PgStore  # psycopg is needed only here
 
         limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
         return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size, limits=limits)
@@ -72,7 +72,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         version=__version__,
         lifespan=lifespan,
         description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.",
-        docs_url=None,  # /docs and /redoc: api_docs.py, from a package's files, not a CDN (they work offline)
+        docs_url=None,  # /docs and /redoc: http/api_docs.py, from a package's files, not a CDN (they work offline)
         redoc_url=None,
     )
     install_error_handlers(app)

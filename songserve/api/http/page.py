@@ -15,7 +15,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-STATIC = Path(__file__).resolve().parent.parent / "web"
+STATIC = Path(__file__).resolve().parents[2] / "web"
 # /favicon.ico: every browser asks for it; without it each load logged two console errors. An SVG
 # under that name, with its own media type, which browsers draw.
 FILES = {

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from songserve import __version__
-from songserve.api import job_list, metrics
-from songserve.api.keys import CALLER, Caller
-from songserve.api.live import LiveResponse
-from songserve.api.service import JobService, TrackFile
+from songserve.api import metrics
+from songserve.api.service import job_list
+from songserve.api.service.job_service import JobService, TrackFile
+from songserve.api.service.keys import CALLER, Caller
+from songserve.api.service.live import LiveResponse
 from songserve.http_errors import error_response
 from songserve.schemas import (
     GenerateAccepted,
@@ -157,7 +158,7 @@ async def stream(
     format: str = Query("mp3", max_length=8, description="mp3 (plays as it arrives) or wav (16-bit PCM)"),
     svc: JobService = Service,
 ) -> Response:
-    """The track from its start as it is made, to its end (``api/live.py``); once done, its final file."""
+    """The track from its start as it is made, to its end (``api/service/live.py``); once done, its final file."""
     got = await svc.stream(job_id, idx, format)
     if isinstance(got, TrackFile):
         return FileResponse(got.path, media_type=got.media_type, filename=got.filename,

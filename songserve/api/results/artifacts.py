@@ -4,11 +4,11 @@ Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<e
 a track first under a temporary name, within one deadline for the whole copy, a floor on its rate
 (a copy that crawls is cut after ``FLOOR_WINDOW_SEC`` instead of waiting out the deadline: issue 35
 saw a worker that dripped a byte a second hold each track for the whole 45 s) and a size cap per
-file, then checked against what the worker said it wrote (``result_check.py``), and only then all
+file, then checked against what the worker said it wrote (``results/result_check.py``), and only then all
 renamed into place, so a track is never completed with a short or damaged file, and results survive
 a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault`` is the worker's
 (a file it cannot serve, short, damaged, oversize or late), ``ResultsUnwritable`` ours (the folder
-cannot be written; ``results_folder.py`` holds whether it can now). Beside the tracks in the job's
+cannot be written; ``results/folder.py`` holds whether it can now). Beside the tracks in the job's
 folder, under the same retention: a retake's kept frames (``prefix.codes``, cut from the original
 at submit, so the retake does not depend on the original's folder) and cached renders
 (``track_<i>.render-<key>.<ext>``). Uploads (a person's own audio) live apart, in
@@ -35,13 +35,13 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from songserve.api.outcomes import WorkerFault
-from songserve.api.result_check import Copied, check_copy
-from songserve.api.results_folder import ResultsFolder, ResultsUnwritable, unwritable
-from songserve.api.to_worker import result_files
+from songserve.api.results.folder import ResultsFolder, ResultsUnwritable, unwritable
+from songserve.api.results.result_check import Copied, check_copy
+from songserve.api.workers.outcomes import WorkerFault
+from songserve.api.workers.to_worker import result_files
 
 if TYPE_CHECKING:
-    from songserve.api.worker_client import WorkerClient
+    from songserve.api.workers.client import WorkerClient
     from songserve.schemas import WorkerGenerateResult
 
 log = logging.getLogger(__name__)

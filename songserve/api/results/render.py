@@ -22,7 +22,7 @@ Renders are bounded (issue 35: 60 at once cost +1.3 GiB and both cores, and slow
 because they filled the executor uploads, live MP3 and file relays share): ``RENDER_CONCURRENCY`` run
 at once on threads of their own, ``RENDER_QUEUE`` more wait, identical requests share the render
 under way, the rest get 429 with a Retry-After; each render holds one block of audio at a time
-(``render_audio.py``).
+(``results/render_audio.py``).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Any
 import soundfile as sf
 
 from songserve import __version__
-from songserve.api import render_audio
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.render_audio import Measured
+from songserve.api.results import render_audio
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.results.render_audio import Measured
 from songserve.errors import FieldError, SongserveError
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def render_file(wav: Path, out: Path, spec: RenderSpec, title: str, lyrics: str)
     """Write ``spec``'s render of ``wav`` to ``out`` (a temporary name, then a rename); returns its info.
 
     Blocking (decoding, filtering, encoding): ``Renders`` runs it on its own threads. Block by block
-    (``render_audio.py``): a loudness is measured in one pass, then the selection is written in another.
+    (``results/render_audio.py``): a loudness is measured in one pass, then the selection is written in another.
     An empty title or lyrics (an instrumental) is left out of the tags: libsndfile refuses an empty one."""
     info: dict[str, Any] = {}
     container, subtype, _ = FORMATS[spec.format]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from songserve import codes
-from songserve.api.outcomes import WorkerFault
+from songserve.api.workers.outcomes import WorkerFault
 from songserve.schemas import ResultFile
 
 DURATION_SLACK_SEC = 0.05  # about one codec frame (2,048 samples at 44.1 kHz): rounding, never a cut song

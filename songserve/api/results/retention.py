@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from songserve.api.artifacts import ArtifactStore
-from songserve.api.store import JobStore
+from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.store.protocol import JobStore
 
 log = logging.getLogger(__name__)
 

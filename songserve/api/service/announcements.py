@@ -9,10 +9,10 @@ from __future__ import annotations
 import hmac
 import logging
 
-from songserve.api.dispatch import Dispatcher
-from songserve.api.refusals import AnnounceRefused
+from songserve.api.dispatch.dispatcher import Dispatcher
+from songserve.api.service.refusals import AnnounceRefused
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore
+from songserve.api.store.protocol import JobStore
 from songserve.errors import NotFoundError
 from songserve.schemas import WorkerAnnounced, WorkerAnnouncement
 

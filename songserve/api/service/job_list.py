@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from songserve.api.facts import JobFacts
-from songserve.api.keys import Caller
-from songserve.api.store import Job, JobStore
-from songserve.api.views import job_view
+from songserve.api.jobs.facts import JobFacts
+from songserve.api.jobs.views import job_view
+from songserve.api.service.keys import Caller
+from songserve.api.store.protocol import Job, JobStore
 from songserve.errors import NotFoundError
 from songserve.schemas import JobAsked, JobList, JobListItem
 

@@ -21,26 +21,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from songserve import codes as codes_file
-from songserve.api import job_list, readiness, render, retakes
-from songserve.api.announcements import Announcements
-from songserve.api.artifacts import JOB_ID, ArtifactStore
-from songserve.api.dispatch import Dispatcher
-from songserve.api.keys import Caller, may_see
-from songserve.api.live import Listening, LiveStreams, NoAudio
-from songserve.api.quota import WINDOW_SEC, OverQuota
-from songserve.api.refusals import GoneError, QueueFull, StoreUnavailable
-from songserve.api.requests import NormalizedRequest, RequestLimits, normalize
-from songserve.api.retention import Retention
+from songserve.api.dispatch import readiness, retakes
+from songserve.api.dispatch.dispatcher import Dispatcher
+from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
+from songserve.api.jobs.views import job_view
+from songserve.api.results import render
+from songserve.api.results.artifacts import JOB_ID, ArtifactStore
+from songserve.api.results.retention import Retention
+from songserve.api.service import job_list
+from songserve.api.service.announcements import Announcements
+from songserve.api.service.keys import Caller, may_see
+from songserve.api.service.live import Listening, LiveStreams, NoAudio
+from songserve.api.service.refusals import GoneError, QueueFull, StoreUnavailable
+from songserve.api.service.requests import NormalizedRequest, RequestLimits, normalize
+from songserve.api.service.uploads import UploadService
+from songserve.api.service.usage import OverLimit, check_request, quota, usage_view
 from songserve.api.settings import DispatcherSettings
-from songserve.api.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
-from songserve.api.store import DuplicateKey, Job, JobStore, StoreError, Track
-from songserve.api.uploads import UploadService
-from songserve.api.usage import OverLimit, check_request, quota, usage_view
-from songserve.api.views import job_view
-from songserve.api.webhook_events import JobEvents
-from songserve.api.webhook_sender import WebhookSender
-from songserve.api.webhook_targets import Refused, WebhookPolicy
-from songserve.api.worker_client import WorkerHttp
+from songserve.api.store.protocol import DuplicateKey, Job, JobStore, StoreError, Track
+from songserve.api.store.quota import WINDOW_SEC, OverQuota
+from songserve.api.webhooks.events import JobEvents
+from songserve.api.webhooks.sender import WebhookSender
+from songserve.api.webhooks.targets import Refused, WebhookPolicy
+from songserve.api.workers.client import WorkerHttp
 from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
 from songserve.logs import safe
@@ -275,7 +277,7 @@ class JobService:
         return job_view(job, facts.positions, facts.eta)
 
     async def jobs(self, caller: Caller | None, limit: int, cursor: str | None) -> JobList:
-        """``GET /jobs``: the jobs ``caller`` may see, newest first (``job_list.py``)."""
+        """``GET /jobs``: the jobs ``caller`` may see, newest first (``service/job_list.py``)."""
         return await job_list.list_jobs(self.store, self._load, self.dispatcher.facts, caller, limit, cursor)
 
     async def cancel(self, job_id: str) -> JobView:

@@ -18,7 +18,7 @@ WAV. The listener hears one stream from the start of the track to its end:
 
 Listeners never cost a generation (issue 35): every listener of a track on this dispatcher shares
 one relay (``live_feed.TrackFeed``: one connection to the worker, one MP3 encoder, the bytes spooled
-once, ``live_spool.py``), the relays have an HTTP client of their own (``worker_client.WorkerHttp``:
+once, ``service/live_spool.py``), the relays have an HTTP client of their own (``worker_client.WorkerHttp``:
 they cannot take the connections of the health polls and the tasks), and listeners are capped per
 track and in all (``LIVE_LISTENERS_PER_TRACK``, ``LIVE_LISTENERS_MAX``: a 503 with ``Retry-After``
 beyond). A listener that reads slowly or goes away holds only its socket and its place in the
@@ -37,13 +37,13 @@ import soundfile as sf
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from songserve.api.live_feed import CHANNELS, SAMPLE_RATE, TrackFeed
-from songserve.api.live_spool import LIVE_IO, StreamCut
-from songserve.api.outcomes import WorkerFault, WorkerUnreachable
-from songserve.api.states import TrackStatus
-from songserve.api.store import Job, Key
-from songserve.api.tracks import ChangeFeed
-from songserve.api.worker_client import WorkerClient
+from songserve.api.dispatch.tracks import ChangeFeed
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.service.live_feed import CHANNELS, SAMPLE_RATE, TrackFeed
+from songserve.api.service.live_spool import LIVE_IO, StreamCut
+from songserve.api.store.protocol import Job, Key
+from songserve.api.workers.client import WorkerClient
+from songserve.api.workers.outcomes import WorkerFault, WorkerUnreachable
 from songserve.errors import FieldError, RequestError, UnavailableError
 
 __all__ = ["LiveResponse", "LiveStreams", "Listening", "NoAudio", "StreamCut", "TooManyListeners", "wav_header"]

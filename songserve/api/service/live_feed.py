@@ -26,7 +26,7 @@ from pathlib import Path
 
 import lameenc
 
-from songserve.api.live_spool import Spool, StreamCut
+from songserve.api.service.live_spool import Spool, StreamCut
 
 log = logging.getLogger(__name__)
 SAMPLE_RATE, CHANNELS = 44_100, 2  # the decoder's (docs/model.md); the worker's stream says the same

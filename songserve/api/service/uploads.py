@@ -32,13 +32,13 @@ from typing import IO, TypeVar
 
 from starlette.requests import Request
 
-from songserve.api.artifacts import JOB_ID, ArtifactStore
-from songserve.api.dispatch import Dispatcher
-from songserve.api.keys import Caller, may_see
-from songserve.api.refusals import StoreUnavailable
+from songserve.api.dispatch.dispatcher import Dispatcher
+from songserve.api.results.artifacts import JOB_ID, ArtifactStore
+from songserve.api.service.keys import Caller, may_see
+from songserve.api.service.refusals import StoreUnavailable
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore, StoreError
-from songserve.api.store_uploads import UploadRecord
+from songserve.api.store.protocol import JobStore, StoreError
+from songserve.api.store.uploads import UploadRecord
 from songserve.audio_in import HOP, AudioError, AudioFacts, check_audio
 from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
 from songserve.forms import FormLimits, background_thread, read_form

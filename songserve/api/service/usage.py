@@ -7,7 +7,7 @@ Two kinds of limit, two answers:
 - a rate or a count (``tracks_per_hour``, ``concurrent_jobs``): 429 with ``Retry-After`` (when the
   hour has room again, or an estimate for a job to end), its body naming the limit
   (``"limit": {"name", "value", "used"}``). The store counts and checks it in the insert's transaction
-  (``quota.py``); ``OverLimit`` is its answer.
+  (``store/quota.py``); ``OverLimit`` is its answer.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from songserve.api.keys import Caller
-from songserve.api.quota import OverQuota, Quota, Usage, free_in
+from songserve.api.service.keys import Caller
+from songserve.api.store.quota import OverQuota, Quota, Usage, free_in
 from songserve.errors import FieldError, SongserveError
 from songserve.schemas import GenerateRequest, KeyLimits, UsageView
 

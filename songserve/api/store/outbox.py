@@ -4,7 +4,7 @@ Why an outbox: a webhook must not be lost when a dispatcher dies between a job's
 its delivery, nor sent twice by two dispatchers of a fleet. So an event is a row of the job store
 (``webhook_events``), written in the same transaction as the state change it reports (a track's
 terminal state, a job's start and end; a ``progress`` row with the job's last-progress mark), and
-delivered from there by the ``webhooks`` loop (``webhook_sender.py``) of whichever dispatcher claims
+delivered from there by the ``webhooks`` loop (``webhooks/sender.py``) of whichever dispatcher claims
 it. An event row's life:
 
     pending ──claim (lease: owner, until)──▶ sending ──a 2xx answer──▶ delivered   (swept after an hour)

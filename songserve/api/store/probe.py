@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from songserve.api.store import JobStore, StoreError
+from songserve.api.store.protocol import JobStore, StoreError
 
 log = logging.getLogger(__name__)
 PROBE_INTERVAL_SEC = 1.0

@@ -1,9 +1,9 @@
 """The job store's interface: what the dispatcher keeps so that a restart, or another dispatcher, can go on.
 
 Two engines behind one ``JobStore`` protocol (every method async):
-- SQLite (``store_sqlite.py``, the default): one file under the state folder, nothing to install, one
+- SQLite (``store/sqlite/store.py``, the default): one file under the state folder, nothing to install, one
   dispatcher;
-- PostgreSQL (``store_pg.py``, ``STORE_URL=postgresql://…``): several dispatchers share one queue. A
+- PostgreSQL (``store/postgres/store.py``, ``STORE_URL=postgresql://…``): several dispatchers share one queue. A
   track is claimed by exactly one of them (``FOR UPDATE SKIP LOCKED``), each worker is leased to one
   dispatcher at a time (a lease row renewed by a heartbeat), and every change is announced with
   ``NOTIFY`` so the others can show it.
@@ -19,8 +19,8 @@ The rules both engines keep, so the dispatcher's code is the same over either:
 - a queued track leaves the queue only through ``claim`` (or ``save_track`` to cancelled/error);
 - a job is finished in the store when its last track is terminal (``finish_job``), whoever ran it;
 - a webhook event is written in the transaction of the change it reports, and only when that change
-  is made (a track's terminal write, a job's first start, its finish); the outbox's rules: ``outbox.py``;
-- a key's quota is checked in the transaction that inserts the job it admits (``quota.py``);
+  is made (a track's terminal write, a job's first start, its finish); the outbox's rules: ``store/outbox.py``;
+- a key's quota is checked in the transaction that inserts the job it admits (``store/quota.py``);
 - times are seconds since the epoch; lease expiry is measured on the store's clock.
 """
 
@@ -33,10 +33,10 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from songserve.api.outbox import Delivery, OutboxStats, WebhookEvent
-from songserve.api.quota import Quota, Usage
-from songserve.api.states import TrackStatus
-from songserve.api.store_uploads import UploadRecord
+from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.outbox import Delivery, OutboxStats, WebhookEvent
+from songserve.api.store.quota import Quota, Usage
+from songserve.api.store.uploads import UploadRecord
 from songserve.errors import SongserveError
 from songserve.schemas import GenerateRequest
 
@@ -228,7 +228,7 @@ class JobStore(Protocol):
     async def usage(self, caller: str | None, since: float) -> Usage:
         """A key name's unfinished jobs, and its jobs submitted after ``since`` (None: jobs without a key)."""
 
-    # the webhook outbox (outbox.py)
+    # the webhook outbox (store/outbox.py)
     async def add_progress_event(self, event: WebhookEvent, min_gap: float) -> bool:
         """Write a progress event unless the job has one from the last ``min_gap`` seconds or is finished."""
 
@@ -268,7 +268,7 @@ class JobStore(Protocol):
 
     async def release_lease(self, owner: str, worker_id: int) -> None: ...
 
-    # uploads (store_uploads.py: the rules)
+    # uploads (store/uploads.py: the rules)
     async def insert_upload(self, u: UploadRecord) -> None: ...
     async def load_upload(self, upload_id: str) -> UploadRecord | None: ...
     async def queued_uploads(self, limit: int) -> list[UploadRecord]:

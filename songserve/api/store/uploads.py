@@ -11,7 +11,7 @@ rules both engines keep, as for tracks:
   writer, so an upload deleted, or taken over after its dispatcher was thought dead, is not written;
 - ``requeue_stale_uploads`` sends back to the queue what a dead dispatcher (not among the live
   ones) or this one before a restart (owner itself, no attempt running) left ``encoding``.
-The engines: ``store_sqlite_uploads.py`` and ``store_pg_uploads.py``, mixed into their stores.
+The engines: ``store/sqlite/uploads.py`` and ``store/postgres/uploads.py``, mixed into their stores.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The webhook events a job's state changes make: which ones it asked for, and each one's body.
 
 The track book asks here for the events of a change before it writes the change, and hands them to
-the store with it (one transaction: ``outbox.py``): ``start`` when the job's first track starts,
+the store with it (one transaction: ``store/outbox.py``): ``start`` when the job's first track starts,
 ``track`` when a track ends (done, error or cancelled), ``completed`` when the job is finished (every
 track ended, whatever its status), ``progress`` when a running track moved (the store keeps it to
 one per job per ``PROGRESS_EVENT_SEC``; this dispatcher does not even ask more often). A job without
@@ -21,9 +21,9 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from songserve.api.outbox import DEFAULT_EVENTS, PROGRESS_EVENT_SEC, WebhookEvent
-from songserve.api.store import Job, Key, Track
-from songserve.api.views import job_view
+from songserve.api.jobs.views import job_view
+from songserve.api.store.outbox import DEFAULT_EVENTS, PROGRESS_EVENT_SEC, WebhookEvent
+from songserve.api.store.protocol import Job, Key, Track
 
 MAX_THROTTLED = 10_000  # jobs remembered for the progress throttle before the stale ones are dropped
 

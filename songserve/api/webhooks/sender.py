@@ -4,8 +4,8 @@ Each step waits for a kick (a new event, a finished try) or half a second, claim
 ``MAX_SENDING`` at a time (leased for the receiver's timeout and a margin: a dispatcher that dies
 mid-try leaves a lease that lapses, and the event is claimed again, by whoever is alive), and sends
 each in a task of its own, so one slow receiver holds up its own job's events only. A try is one
-POST of the stored body with the Standard Webhooks headers (``webhook_sign.py``) to the address
-``WEBHOOK_ALLOW`` admitted just now (``webhook_targets.py``), no redirect followed, its whole answer
+POST of the stored body with the Standard Webhooks headers (``webhooks/sign.py``) to the address
+``WEBHOOK_ALLOW`` admitted just now (``webhooks/targets.py``), no redirect followed, its whole answer
 within ``WEBHOOK_TIMEOUT_SEC``, its body never read. A 2xx is delivered; anything else is a failure,
 tried again after ``retry_delay`` until the event is ``WEBHOOK_MAX_AGE_SEC`` old, then given up.
 The store's outcome of a try failing is logged: the lease lapses and the event is tried again (at
@@ -24,12 +24,12 @@ import httpx
 
 from songserve import __version__
 from songserve.api.metrics import DispatcherMetrics
-from songserve.api.outbox import SWEEP_AFTER_SEC, Delivery, OutboxStats, retry_delay
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store import JobStore, StoreError
-from songserve.api.webhook_events import JobEvents
-from songserve.api.webhook_sign import headers, signing_key
-from songserve.api.webhook_targets import Refused, WebhookPolicy
+from songserve.api.store.outbox import SWEEP_AFTER_SEC, Delivery, OutboxStats, retry_delay
+from songserve.api.store.protocol import JobStore, StoreError
+from songserve.api.webhooks.events import JobEvents
+from songserve.api.webhooks.sign import headers, signing_key
+from songserve.api.webhooks.targets import Refused, WebhookPolicy
 
 log = logging.getLogger(__name__)
 POLL_SEC = 0.5  # how soon another dispatcher's events (or a retry coming due) are seen

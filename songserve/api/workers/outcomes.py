@@ -1,6 +1,6 @@
 """What a worker's answer means to the dispatcher, and the ways a call to a worker ends without one.
 
-Kept apart from the translation (``to_worker.py``) and the HTTP calls (``worker_client.py``) because
+Kept apart from the translation (``workers/to_worker.py``) and the HTTP calls (``workers/client.py``) because
 everyone on the dispatcher's side reads these words: the pool, the attempts, the artifact copy.
 
     done       the track finished; ``result`` names its files

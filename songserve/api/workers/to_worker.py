@@ -2,7 +2,7 @@
 worker's answer into an ``Outcome``.
 
 Nothing else on the dispatcher's side renames a field for a worker or reads a worker's answer: the
-worker client (``worker_client.py``) sends the bodies built here and hands back what is read here.
+worker client (``workers/client.py``) sends the bodies built here and hands back what is read here.
 
 Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 - ours (``songserve``): ``WorkerGenerateRequest`` as docs/api.md has it ("Worker payload"),
@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from songserve.api.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
-from songserve.api.store import Job, Track
+from songserve.api.store.protocol import Job, Track
+from songserve.api.workers.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
 from songserve.http_errors import clean_msg
 from songserve.schemas import (
     PrefixCodes,

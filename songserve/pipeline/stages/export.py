@@ -43,7 +43,7 @@ Progress = Callable[[float, str], None]  # (share of the export done, 0..1; what
 class Mp3Options:
     bitrate_mode: str = "CONSTANT"
     compression_level: float = 0.0  # 0 = highest quality
-    title: str = ""  # ID3 tags, as a render of the take carries them (api/render.py)
+    title: str = ""  # ID3 tags, as a render of the take carries them (api/results/render.py)
     lyrics: str = ""
 
     def tagged(self, style: str, track_index: int, lyrics: str) -> Mp3Options:

@@ -1,7 +1,7 @@
 """The PostgreSQL store's connections: psycopg 3's async pool, one call per statement or transaction,
 and what a dead connection means.
 
-Kept apart from the store's SQL (``store_pg.py``), which calls only ``rows`` (one statement),
+Kept apart from the store's SQL (``store/postgres/store.py``), which calls only ``rows`` (one statement),
 ``read`` (one read, retried once) and ``tx`` (one transaction):
 - a single statement runs in autocommit, which is one implicit transaction and saves the
   BEGIN/COMMIT round trips;
@@ -31,7 +31,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from songserve.api.store import DuplicateKey, StaleTrack, StoreError
+from songserve.api.store.protocol import DuplicateKey, StaleTrack, StoreError
 
 log = logging.getLogger(__name__)
 # How long a call waits for a pooled connection before it answers 503: short, so that while the

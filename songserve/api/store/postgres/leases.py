@@ -1,21 +1,21 @@
 """The PostgreSQL store's membership half: the worker registry, live dispatchers and worker leases.
 
-Kept apart from the jobs and tracks (``store_pg.py``) so each stays readable; ``PgStore`` mixes it in.
+Kept apart from the jobs and tracks (``store/postgres/store.py``) so each stays readable; ``PgStore`` mixes it in.
 Every time is the database's clock (``NOW``), so hosts' clocks need not agree.
 
 A lease row (``workers``): ``lease_owner``, ``lease_until`` and ``lease_epoch``. The epoch grows by one
 each time the lease is taken by anyone but the holder of an unexpired lease: when it changes hands,
 and when it is re-taken after it expired (even by its last holder, who may have been paused and
 cannot know what happened meanwhile). Track writes carry the epoch they were made under and the
-store checks it in the same statement (``store_pg.py``, ``lease_cte``): that is the fence.
+store checks it in the same statement (``store/postgres/store.py``, ``lease_cte``): that is the fence.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from songserve.api.store import Fence, WorkerRow
-from songserve.api.store_pg_conn import NOW, PgConnections
+from songserve.api.store.postgres.conn import NOW, PgConnections
+from songserve.api.store.protocol import Fence, WorkerRow
 
 
 def lease_cte(fence: Fence | None) -> tuple[str, list[Any]]:

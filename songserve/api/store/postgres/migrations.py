@@ -12,7 +12,7 @@ import logging
 
 import psycopg
 
-from songserve.api.migrations_sqlite import NewerSchemaError, log_migrated
+from songserve.api.store.sqlite.migrations import NewerSchemaError, log_migrated
 
 log = logging.getLogger(__name__)
 LOCK = 0x50_4E_47_53  # the advisory-lock key of schema changes ("SGNP")
@@ -119,7 +119,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     ),
     (
         6,
-        "uploads: a person's own audio, queued for encoding, then continued from (store_uploads.py)",
+        "uploads: a person's own audio, queued for encoding, then continued from (store/uploads.py)",
         (
             """CREATE TABLE uploads (
                 upload_id TEXT PRIMARY KEY,

@@ -1,11 +1,11 @@
 """The PostgreSQL store's webhook outbox and key usage: ``PgStore`` mixes these in.
 
-Kept apart from the jobs and tracks (``store_pg.py``). ``events_cte`` adds the insert of a state
+Kept apart from the jobs and tracks (``store/postgres/store.py``). ``events_cte`` adds the insert of a state
 change's events to that change's own statement (it runs only when the change does); ``check_quota``
 runs in the job insert's transaction under an advisory lock per key name, so a fleet's dispatchers
 admit one key's jobs one at a time. Claims lock the due rows with ``FOR UPDATE SKIP LOCKED`` and
 lease them on the database's clock, so one dispatcher of a fleet sends each event (the outbox's
-rules: ``outbox.py``).
+rules: ``store/outbox.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from songserve.api.outbox import Delivery, OutboxStats, WebhookEvent, delivery_from_row, event_columns
-from songserve.api.quota import WINDOW_SEC, Quota, Usage, check
-from songserve.api.store_pg_conn import NOW, Conn, PgConnections
+from songserve.api.store.outbox import Delivery, OutboxStats, WebhookEvent, delivery_from_row, event_columns
+from songserve.api.store.postgres.conn import NOW, Conn, PgConnections
+from songserve.api.store.quota import WINDOW_SEC, Quota, Usage, check
 
 QUOTA_LOCK = 0x51_55_4F_54  # the first key of a quota's advisory lock ("QUOT"); the second is the name's hash
 USAGE = (

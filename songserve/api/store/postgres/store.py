@@ -7,7 +7,7 @@ Through psycopg 3 with an async connection pool; every method is one short trans
 - Compare-and-set writes: a track row is written only while its (status, owner) are what the writer
   last saw (``StaleTrack`` otherwise), and, fenced, while the lease it was made under still holds,
   checked in the same statement against the lease row (``LeaseLost`` otherwise; the lease rows and
-  their epochs: ``store_pg_leases.py``, mixed in; uploads: ``store_pg_uploads.py``, mixed in).
+  their epochs: ``store/postgres/leases.py``, mixed in; uploads: ``store/postgres/uploads.py``, mixed in).
 - Two pools: one for the routes and one for the background loops and attempts (``BACKGROUND``
   picks), so routes stalled on a locked table cannot take every connection the loops need.
 - Leases and presence are timed on the database's clock, so hosts' clocks need not agree.
@@ -18,8 +18,8 @@ Through psycopg 3 with an async connection pool; every method is one short trans
 - ``probe`` asks for the lock every write takes on the job tables, under a short lock timeout, and
   lets it go: a table locked by anyone turns ``/ready`` red within seconds.
 - Webhook events ride in the statement of the change they report (``events_cte``); the outbox's claims
-  and a key's quota: ``store_pg_outbox.py``, mixed in.
-- The pooled connections, their time limits and what a dead one means: ``store_pg_conn.py``.
+  and a key's quota: ``store/postgres/outbox.py``, mixed in.
+- The pooled connections, their time limits and what a dead one means: ``store/postgres/conn.py``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
-from songserve.api.migrations_pg import migrate
-from songserve.api.migrations_sqlite import NewerSchemaError
-from songserve.api.quota import Quota
-from songserve.api.states import RUNNING, TERMINAL, TrackStatus
-from songserve.api.store import (
+from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
+from songserve.api.store.postgres.conn import PgConnections, StoreLimits, redact
+from songserve.api.store.postgres.leases import PgMembership, lease_cte
+from songserve.api.store.postgres.migrations import migrate
+from songserve.api.store.postgres.outbox import PgOutbox, check_quota, events_cte
+from songserve.api.store.postgres.uploads import PgUploads
+from songserve.api.store.protocol import (
     BACKGROUND,
     STORED_TRACK_FIELDS,
     DuplicateKey,
@@ -55,10 +57,8 @@ from songserve.api.store import (
     stored_value,
     work_ratios,
 )
-from songserve.api.store_pg_conn import PgConnections, StoreLimits, redact
-from songserve.api.store_pg_leases import PgMembership, lease_cte
-from songserve.api.store_pg_outbox import PgOutbox, check_quota, events_cte
-from songserve.api.store_pg_uploads import PgUploads
+from songserve.api.store.quota import Quota
+from songserve.api.store.sqlite.migrations import NewerSchemaError
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

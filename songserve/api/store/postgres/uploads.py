@@ -1,4 +1,4 @@
-"""The PostgreSQL store's uploads (``store_uploads.py`` has the rules), mixed into ``PgStore``.
+"""The PostgreSQL store's uploads (``store/uploads.py`` has the rules), mixed into ``PgStore``.
 
 Claims lock the row (``FOR UPDATE SKIP LOCKED``) and check the worker's lease in the same statement
 (``lease_cte``, as a track's claim does), so two dispatchers never encode one upload at once; times
@@ -7,10 +7,10 @@ that decide take-overs are the database's clock (``NOW``).
 
 from __future__ import annotations
 
-from songserve.api.store import Fence
-from songserve.api.store_pg_conn import NOW, PgConnections
-from songserve.api.store_pg_leases import lease_cte
-from songserve.api.store_uploads import UPLOAD_COLUMNS, UploadRecord, upload_from_row
+from songserve.api.store.postgres.conn import NOW, PgConnections
+from songserve.api.store.postgres.leases import lease_cte
+from songserve.api.store.protocol import Fence
+from songserve.api.store.uploads import UPLOAD_COLUMNS, UploadRecord, upload_from_row
 
 TERMINAL_UPLOADS = ["ready", "failed"]
 

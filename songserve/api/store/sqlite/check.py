@@ -5,7 +5,7 @@ process at a time checks, moves aside or migrates it: a file that is not SQLite,
 quick_check``, is empty while results exist beside it, or carries a newer schema refuses start-up
 with one line naming the file and what to do; with ``STORE_DAMAGED=move-aside`` a damaged file is
 renamed ``jobs.sqlite3.damaged-<UTC stamp>`` and a fresh store begins, said in one log line. Kept
-apart from the engine (``store_sqlite.py``): this runs once, before there is a service.
+apart from the engine (``store/sqlite/store.py``): this runs once, before there is a service.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from songserve.api.migrations_sqlite import SCHEMA_VERSION, NewerSchemaError, user_version
-from songserve.api.store_sqlite import SqliteStore, newer_schema_message
+from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, NewerSchemaError, user_version
+from songserve.api.store.sqlite.store import SqliteStore, newer_schema_message
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)

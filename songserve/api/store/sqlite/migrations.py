@@ -52,7 +52,7 @@ CREATE TABLE IF NOT EXISTS tracks (
     PRIMARY KEY (job_id, idx)
 )"""
 
-# The durable outbox (``outbox.py``): one row per event, written in the transaction of the state
+# The durable outbox (``store/outbox.py``): one row per event, written in the transaction of the state
 # change it reports; ``id`` orders a job's events (AUTOINCREMENT: never reused).
 V5_WEBHOOK_EVENTS = """
 CREATE TABLE webhook_events (
@@ -142,7 +142,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         6,
-        "uploads: a person's own audio, queued for encoding, then continued from (store_uploads.py)",
+        "uploads: a person's own audio, queued for encoding, then continued from (store/uploads.py)",
         (
             """CREATE TABLE uploads (
                 upload_id TEXT PRIMARY KEY,

@@ -1,8 +1,8 @@
 """The SQLite store's webhook outbox and key usage: ``SqliteStore`` mixes these in.
 
-Kept apart from the jobs and tracks (``store_sqlite.py``) so each stays readable. ``insert_events``
+Kept apart from the jobs and tracks (``store/sqlite/store.py``) so each stays readable. ``insert_events``
 and ``check_quota`` run inside the store's own transactions (the state change's, the job insert's);
-the rest are the ``webhooks`` loop's calls (``webhook_sender.py``). The outbox's rules: ``outbox.py``.
+the rest are the ``webhooks`` loop's calls (``webhooks/sender.py``). The outbox's rules: ``store/outbox.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
-from songserve.api.outbox import Delivery, OutboxStats, WebhookEvent, delivery_from_row, event_columns
-from songserve.api.quota import WINDOW_SEC, Quota, Usage, check
+from songserve.api.store.outbox import Delivery, OutboxStats, WebhookEvent, delivery_from_row, event_columns
+from songserve.api.store.quota import WINDOW_SEC, Quota, Usage, check
 
 # The due events, each the oldest pending one of its job (so a job's events go out in order).
 DUE = (

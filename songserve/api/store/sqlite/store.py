@@ -4,12 +4,12 @@ Everything a restart needs is here: the request, each track's status, attempts, 
 timings and metadata. The dispatcher's queue is rebuilt from it at start-up. All calls come from
 the event-loop thread; each is a short local transaction.
 
-The webhook outbox and a key's usage are ``store_sqlite_outbox.py``, mixed in; their writes that go
+The webhook outbox and a key's usage are ``store/sqlite/outbox.py``, mixed in; their writes that go
 with a state change or a job's insert run inside those transactions.
 
 The file is checked before the service opens it (``store_sqlite_check.prepare_store``: damage, an
 empty file beside results, a newer schema); the schema itself is versioned and migrated forward in
-``migrations_sqlite.py``.
+``store/sqlite/migrations.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from songserve.api.migrations_sqlite import NewerSchemaError, migrate
-from songserve.api.quota import Quota
-from songserve.api.states import RUNNING, TERMINAL, TrackStatus
-from songserve.api.store import (
+from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
+from songserve.api.store.protocol import (
     STORED_TRACK_FIELDS,
     DuplicateKey,
     Events,
@@ -40,8 +38,10 @@ from songserve.api.store import (
     stored_value,
     work_ratios,
 )
-from songserve.api.store_sqlite_outbox import SqliteOutbox, check_quota, insert_events
-from songserve.api.store_sqlite_uploads import SqliteUploads
+from songserve.api.store.quota import Quota
+from songserve.api.store.sqlite.migrations import NewerSchemaError, migrate
+from songserve.api.store.sqlite.outbox import SqliteOutbox, check_quota, insert_events
+from songserve.api.store.sqlite.uploads import SqliteUploads
 from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
@@ -51,10 +51,10 @@ BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write
 
 class SqliteStore(SqliteOutbox, SqliteUploads):
     """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``
-    (``store_sqlite_check.py``).
+    (``store/sqlite/check.py``).
 
     Calls come from the event-loop thread; each is a short local transaction, so they run inline.
-    Uploads: ``store_sqlite_uploads.py``, mixed in. Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
+    Uploads: ``store/sqlite/uploads.py``, mixed in. Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
     """
 
     shared = False
@@ -324,7 +324,7 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
     async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> int | None:
         now = time.time()
         with self._tx() as db:
-            # The epoch stays only for a renewal by the holder of an unexpired lease (as in store_pg.py).
+            # The epoch stays only for a renewal by the holder of an unexpired lease (as in store/postgres/store.py).
             cur = db.execute(
                 "UPDATE workers SET lease_epoch = lease_epoch + (CASE WHEN lease_owner IS ? AND lease_until > ?"
                 " THEN 0 ELSE 1 END), lease_owner=?, lease_until=? WHERE worker_id=? AND registered_until > ?"

@@ -1,4 +1,4 @@
-"""The SQLite store's uploads (``store_uploads.py`` has the rules), mixed into ``SqliteStore``."""
+"""The SQLite store's uploads (``store/uploads.py`` has the rules), mixed into ``SqliteStore``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sqlite3
 import time
 from contextlib import AbstractContextManager
 
-from songserve.api.store import Fence
-from songserve.api.store_uploads import UPLOAD_COLUMNS, UploadRecord, upload_from_row
+from songserve.api.store.protocol import Fence
+from songserve.api.store.uploads import UPLOAD_COLUMNS, UploadRecord, upload_from_row
 from songserve.schemas import UploadStatus
 
 TERMINAL_UPLOADS = "('ready', 'failed')"
