@@ -28,8 +28,8 @@ def seed_store(state: Path, n: int) -> list[str]:
 
 
 async def _seed(state: Path, n: int) -> list[str]:
+    from songserve.api.jobs.records import Job, Track
     from songserve.api.jobs.states import TrackStatus
-    from songserve.api.store.protocol import Job, Track
     from songserve.api.store.sqlite.store import SqliteStore
     from songserve.schemas import GenerateRequest
 

@@ -20,10 +20,10 @@ from songserve.api.acestep.files import AudioRef, parse_id, parse_source
 from songserve.api.acestep.params import Params
 from songserve.api.acestep.translate import Context, Repaint, Task, read_task, tag_prompt
 from songserve.api.http.tags import TAGS
+from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.jobs.views import job_view
 from songserve.api.service.keys import ApiKeys
-from songserve.api.store.protocol import Job, Track
 from songserve.forms import FormLimits
 from songserve.schemas import GenerateRequest
 

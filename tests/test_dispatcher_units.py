@@ -9,12 +9,12 @@ import httpx
 import pytest
 
 from songserve.api.dispatch import queue_order
+from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.service.job_service import JobService, QueueFull
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Job, Track
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
 from songserve.errors import FieldError

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles between its modules, no module over 400 lines, a docstring each.
+"""The package's shape: no import cycles, no module over 400 lines, a docstring each, and the walls between the
+dispatcher's rooms.
 
 Imports are read from the source (every ``import``/``from … import`` of a ``songserve`` module,
 at module level, inside functions and under ``TYPE_CHECKING`` alike): a cycle hidden behind a lazy
@@ -104,3 +105,66 @@ def test_no_module_is_over_400_lines():
 def test_every_module_and_package_has_a_docstring():
     missing = [m for m, p in MODULES.items() if not ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))]
     assert missing == []
+
+
+# The walls between the dispatcher's rooms (docs/architecture.md, "Layers"): an import from a module
+# under the first prefix of anything under the second is an arrow that must never exist.
+API = "songserve.api"
+ROOMS = [
+    f"{API}.{r}" for r in ("jobs", "http", "service", "dispatch", "workers", "results", "webhooks", "store", "acestep")
+]
+WALLS: list[tuple[str, tuple[str, ...], str]] = [
+    (f"{API}.store", (f"{API}.dispatch", f"{API}.service", f"{API}.http", f"{API}.webhooks"),
+     "the store keeps records; it never calls the parts that change them"),
+    (f"{API}.dispatch", (f"{API}.service", f"{API}.http"), "the dispatcher is called by the service, never the reverse"),
+    (f"{API}.workers", (f"{API}.dispatch", f"{API}.store", f"{API}.results"),
+     "the worker client speaks to workers and knows nothing of what the dispatcher does with answers"),
+    (f"{API}.webhooks", (f"{API}.dispatch", f"{API}.service"), "webhooks read the outbox, not the dispatcher"),
+    (f"{API}.results", (f"{API}.dispatch",), "results are files; the dispatcher decides when to keep them"),
+    (f"{API}.jobs", tuple(r for r in ROOMS if r != f"{API}.jobs") + (f"{API}.settings", f"{API}.metrics"),
+     "the records import no other room"),
+    (API, ("songserve.worker", "songserve.pipeline"), "the dispatcher never runs a model: workers do"),
+    ("songserve.worker", (API,), "a worker knows no dispatcher's code, only the contract"),
+    (f"{API}.settings", (f"{API}.",), "settings are read by the features, never the reverse"),
+    ("songserve.worker.settings", ("songserve.worker.", "songserve.pipeline."),
+     "settings are read by the features, never the reverse"),
+    ("songserve.settings", ("songserve.api", "songserve.worker", "songserve.pipeline"), "the shared loader is below every program"),
+]  # fmt: skip
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix.rstrip(".") or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
+
+
+def _broken_walls(graph: dict[str, set[str]]) -> list[str]:
+    broken = []
+    for module, targets in sorted(graph.items()):
+        for source, forbidden, why in WALLS:
+            if not _under(module, source):
+                continue
+            for target in sorted(targets):
+                if any(_under(target, f) for f in forbidden) and not _under(target, source):
+                    broken.append(f"{module} → {target}: {why}")
+    return broken
+
+
+def test_the_dispatchers_rooms_keep_their_walls():
+    assert _broken_walls(_graph()) == []
+
+
+def test_the_walls_test_catches_an_arrow_it_forbids(tmp_path):
+    """A temporary module in the store's room that imports the dispatcher: the check names it."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""A probe."""\nfrom songserve.api.dispatch.dispatcher import Dispatcher\n', encoding="utf-8")
+    graph = _graph()
+    graph["songserve.api.store.probe"] = _imports("songserve.api.store.probe", probe)
+    assert _broken_walls(graph) == [
+        "songserve.api.store.probe → songserve.api.dispatch.dispatcher: "
+        "the store keeps records; it never calls the parts that change them"
+    ]
+
+
+def test_the_dispatchers_top_is_its_rooms():
+    modules = sorted(p.name for p in (PACKAGE / "api").glob("*.py"))
+    assert len(modules) <= 12, modules  # at most a dozen modules beside the rooms' folders
+    assert all((PACKAGE / "api" / r.rpartition(".")[2] / "__init__.py").exists() for r in ROOMS)

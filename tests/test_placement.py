@@ -8,7 +8,7 @@ import pytest
 
 from songserve.api.dispatch.placement import pick
 from songserve.api.dispatch.pool import WorkerHandle
-from songserve.api.store.protocol import Job, Track
+from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
 

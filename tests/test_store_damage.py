@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from songserve.api.store.sqlite import migrations
+from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.results.artifacts import ArtifactStore
-from songserve.api.store.protocol import Job, Track
+from songserve.api.store.sqlite import migrations
 from songserve.api.store.sqlite.check import diagnose, move_aside, prepare_store
 from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, Migration
 from songserve.api.store.sqlite.store import SqliteStore

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.protocol import DuplicateKey, Fence, Job, JobStore, StaleTrack, StoreError, Track
+from songserve.api.store.protocol import DuplicateKey, Fence, JobStore, StaleTrack, StoreError
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.schemas import GenerateRequest
 

@@ -457,3 +457,17 @@ async def test_a_request_larger_than_its_key_allows_is_refused_naming_the_field(
         with pytest.raises(OverLimit, match="concurrent_jobs"):
             await f.svc.submit(body(), caller=small)
         hold.set()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--webhook-secret", "whsec_not base64!", "Setting webhook_secret: a whsec_ secret must be followed by base64"),
+        ("--webhook-allow", "no such!", "Setting webhook_allow: 'no such!' is neither a host name"),
+    ],
+)
+def test_a_bad_webhook_setting_refuses_start_up_naming_it(tmp_path, capsys, flag, value, said):
+    from songserve.api.main import main
+
+    assert main(["--port", "1", "--state-dir", str(tmp_path), flag, value]) == 2
+    assert said in capsys.readouterr().err

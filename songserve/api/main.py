@@ -11,6 +11,8 @@ from songserve.api.http import tags
 from songserve.api.service.keys import ApiKeys
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.sqlite.check import prepare_store
+from songserve.api.webhooks.sign import signing_key
+from songserve.api.webhooks.targets import WebhookPolicy
 from songserve.errors import ConfigError
 from songserve.logs import setup_logging
 from songserve.settings import load_settings, log_non_default
@@ -29,12 +31,23 @@ async def _check_pg(s: DispatcherSettings) -> None:
     await store.close()
 
 
+def check_webhooks(s: DispatcherSettings) -> None:
+    """The webhook settings, read the way the webhooks room reads them: a bad one refuses start-up."""
+    checks = (("webhook_secret", signing_key), ("webhook_allow", WebhookPolicy))
+    for name, check in checks:  # a whsec_ secret that is not base64; an item that is no host, address or CIDR
+        try:
+            check(getattr(s, name))
+        except ValueError as exc:
+            raise ConfigError(f"Setting {name}: {exc}.") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     try:
         s = load_settings(DispatcherSettings, sys.argv[1:] if argv is None else argv)
         s.worker_list()
+        check_webhooks(s)
         tags.load_catalogue(s.tags_file or tags.BUILTIN)  # a bad file refuses start-up here
         keys = ApiKeys.load(s.api_key, s.api_keys_file)  # so does a bad keys file
     except ConfigError as exc:

@@ -166,22 +166,6 @@ class DispatcherSettings(BaseSettings):
             raise ValueError("must differ from API_PORT (each dialect has its own port)")
         return value
 
-    @field_validator("webhook_secret")
-    @classmethod
-    def _webhook_secret(cls, value: str) -> str:
-        from songserve.api.webhooks.sign import signing_key
-
-        signing_key(value)  # a whsec_ secret that is not base64 refuses start-up
-        return value
-
-    @field_validator("webhook_allow")
-    @classmethod
-    def _webhook_allow(cls, value: str) -> str:
-        from songserve.api.webhooks.targets import WebhookPolicy
-
-        WebhookPolicy(value)  # an item that is no host, address or CIDR refuses start-up
-        return value
-
     @field_validator("store_url")
     @classmethod
     def _store_url(cls, value: str) -> str:

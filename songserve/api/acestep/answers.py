@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 from songserve.api.acestep.files import AudioRef
-from songserve.api.store.protocol import Job
+from songserve.api.jobs.records import Job
 from songserve.schemas import JobView, TrackView
 
 DONE, FAILED = 1, 2

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from songserve.api.jobs.records import Job
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, job_status
 from songserve.api.service.job_service import JobService
-from songserve.api.store.protocol import Job
 
 WINDOW = 50  # ACE-Step's ACESTEP_AVG_WINDOW default
 WORDS = {

@@ -25,11 +25,11 @@ from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
+from songserve.api.jobs.records import Job
 from songserve.api.jobs.views import job_view
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.api.service.uploads import UploadTooLarge
-from songserve.api.store.protocol import Job
 from songserve.errors import FieldError, NotFoundError
 from songserve.http_errors import clean_msg
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from songserve.api.dispatch.pool import WorkerHandle
-from songserve.api.store.protocol import Fence, JobStore, Key
+from songserve.api.jobs.records import Key
+from songserve.api.store.protocol import Fence, JobStore
 
 
 class AttemptFences:

@@ -21,9 +21,10 @@ import time
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.jobs.phases import status_of_phase
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import IllegalTransition
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Fence, Job, JobStore, Key, LeaseLost, StaleTrack, StoreError, Track
+from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack, StoreError
 from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.errors import SongserveError
 

@@ -49,21 +49,12 @@ from songserve.api.dispatch.attempt_stops import SILENT, AttemptStops
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
 from songserve.api.dispatch.tracks import TrackBook
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import (
-    Fence,
-    Job,
-    JobStore,
-    Key,
-    LeaseLost,
-    StaleTrack,
-    StoreError,
-    Track,
-    background_context,
-)
+from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack, StoreError, background_context
 from songserve.api.workers.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.api.workers.to_worker import result_metadata, result_seed, worker_request
 

@@ -38,12 +38,13 @@ from songserve.api.dispatch.placement import pack, pick
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
 from songserve.api.jobs.facts import Fleet, JobFacts
+from songserve.api.jobs.records import Job, Key
 from songserve.api.jobs.states import JobStatus, TrackStatus, job_status
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.probe import PROBE_INTERVAL_SEC, StoreProbe
-from songserve.api.store.protocol import BACKGROUND, Job, JobStore, Key, StoreError
+from songserve.api.store.protocol import BACKGROUND, JobStore, StoreError
 from songserve.api.webhooks.events import JobEvents
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 

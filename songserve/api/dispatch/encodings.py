@@ -33,9 +33,10 @@ from songserve import codes
 from songserve.api.dispatch import retakes
 from songserve.api.dispatch.attempt_fences import AttemptFences
 from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.jobs.records import Job
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Fence, Job, JobStore, StoreError, background_context
+from songserve.api.store.protocol import Fence, JobStore, StoreError, background_context
 from songserve.api.store.uploads import UploadRecord
 from songserve.api.workers.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
 from songserve.schemas import CODEBOOK_SIZE, UploadStatus, WorkerEncodeResult

@@ -10,7 +10,7 @@ from collections import defaultdict, deque
 from collections.abc import Mapping
 
 from songserve.api.jobs.phases import overall_progress
-from songserve.api.store.protocol import Job, Key
+from songserve.api.jobs.records import Job, Key
 
 
 class SpeedHistory:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.dispatch.retakes import origin_of
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.protocol import Job, Key, Track
 
 
 def holds_snapshot(w: WorkerHandle, origin: str) -> bool:

@@ -36,7 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from songserve.api.store.protocol import Key, WorkerRow
+from songserve.api.jobs.records import Key
+from songserve.api.store.protocol import WorkerRow
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth

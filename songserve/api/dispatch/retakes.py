@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from songserve import codes
+from songserve.api.jobs.records import Job
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.results.artifacts import ArtifactStore
-from songserve.api.store.protocol import Job
 from songserve.api.store.uploads import UploadRecord
 from songserve.api.workers.outcomes import Outcome, OutcomeKind
 from songserve.audio_in import HOP, SAMPLE_RATE

@@ -32,10 +32,11 @@ import time
 from collections.abc import Container
 
 from songserve.api.dispatch import queue_order
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus, check_transition, job_status
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.store.outbox import PROGRESS_EVENT_SEC
-from songserve.api.store.protocol import STORED_TRACK_FIELDS, Fence, Job, JobStore, Key, StaleTrack, Track
+from songserve.api.store.protocol import STORED_TRACK_FIELDS, Fence, JobStore, StaleTrack
 from songserve.api.webhooks.events import JobEvents
 
 log = logging.getLogger(__name__)

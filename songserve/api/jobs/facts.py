@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from songserve.api.store.protocol import Key
+from songserve.api.jobs.records import Key
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ sees is the phase's span of 1–99 scaled by that percent (``overall_progress``)
 
 from __future__ import annotations
 
+from songserve.api.jobs.records import Track
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.protocol import Track
 
 # worker phase → (track status, start of its span in the overall %, span)
 PHASES = {

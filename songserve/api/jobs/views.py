@@ -9,8 +9,8 @@ import re
 from collections.abc import Mapping
 
 from songserve.api.jobs.phases import overall_progress
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus, job_status
-from songserve.api.store.protocol import Job, Key, Track
 from songserve.schemas import JobView, TrackFiles, TrackView
 
 TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference worker's progress_detail

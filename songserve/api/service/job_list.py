@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from songserve.api.jobs.facts import JobFacts
+from songserve.api.jobs.records import Job
 from songserve.api.jobs.views import job_view
 from songserve.api.service.keys import Caller
-from songserve.api.store.protocol import Job, JobStore
+from songserve.api.store.protocol import JobStore
 from songserve.errors import NotFoundError
 from songserve.schemas import JobAsked, JobList, JobListItem
 

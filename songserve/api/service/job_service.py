@@ -23,6 +23,7 @@ from pathlib import Path
 from songserve import codes as codes_file
 from songserve.api.dispatch import readiness, retakes
 from songserve.api.dispatch.dispatcher import Dispatcher
+from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.jobs.views import job_view
 from songserve.api.results import render
@@ -37,7 +38,7 @@ from songserve.api.service.requests import NormalizedRequest, RequestLimits, nor
 from songserve.api.service.uploads import UploadService
 from songserve.api.service.usage import OverLimit, check_request, quota, usage_view
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import DuplicateKey, Job, JobStore, StoreError, Track
+from songserve.api.store.protocol import DuplicateKey, JobStore, StoreError
 from songserve.api.store.quota import WINDOW_SEC, OverQuota
 from songserve.api.webhooks.events import JobEvents
 from songserve.api.webhooks.sender import WebhookSender

@@ -38,10 +38,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from songserve.api.dispatch.tracks import ChangeFeed
+from songserve.api.jobs.records import Job, Key
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.service.live_feed import CHANNELS, SAMPLE_RATE, TrackFeed
 from songserve.api.service.live_spool import LIVE_IO, StreamCut
-from songserve.api.store.protocol import Job, Key
 from songserve.api.workers.client import WorkerClient
 from songserve.api.workers.outcomes import WorkerFault, WorkerUnreachable
 from songserve.errors import FieldError, RequestError, UnavailableError

@@ -21,9 +21,9 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.views import job_view
 from songserve.api.store.outbox import DEFAULT_EVENTS, PROGRESS_EVENT_SEC, WebhookEvent
-from songserve.api.store.protocol import Job, Key, Track
 
 MAX_THROTTLED = 10_000  # jobs remembered for the progress throttle before the stale ones are dropped
 

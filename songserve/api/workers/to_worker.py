@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from songserve.api.store.protocol import Job, Track
+from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
 from songserve.http_errors import clean_msg
 from songserve.schemas import (

@@ -36,6 +36,7 @@ from psycopg import errors as pg_errors
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store.postgres.conn import PgConnections, StoreLimits, redact
 from songserve.api.store.postgres.leases import PgMembership, lease_cte
@@ -48,11 +49,8 @@ from songserve.api.store.protocol import (
     DuplicateKey,
     Events,
     Fence,
-    Job,
-    Key,
     LeaseLost,
     StaleTrack,
-    Track,
     job_from_row,
     stored_value,
     work_ratios,

@@ -21,18 +21,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
 from songserve.api.store.protocol import (
     STORED_TRACK_FIELDS,
     DuplicateKey,
     Events,
     Fence,
-    Job,
-    Key,
     LeaseLost,
     StaleTrack,
     StoreError,
-    Track,
     WorkerRow,
     job_from_row,
     stored_value,
