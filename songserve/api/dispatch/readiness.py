@@ -8,7 +8,7 @@ first of them that holds is the 503's reason. ``/status`` shows the same parts a
 store stalls it serves the last track counts read (``store_stalled`` says why) instead of waiting.
 
 Both read the dispatcher through ``DispatcherParts`` (its attributes, nothing else), so this module
-never imports ``dispatch.py``.
+never imports ``dispatcher.py``.
 """
 
 from __future__ import annotations

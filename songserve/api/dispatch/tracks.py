@@ -1,6 +1,6 @@
 """The track book: the active jobs, the queue, and every change of a track's state.
 
-A track's lifetime (the legal moves are in ``states.py``; who makes them is said on the right):
+A track's lifetime (the legal moves are in ``jobs/states.py``; who makes them is said on the right):
 
     queued ──claim──▶ generating → superres → decoding ──files copied──▶ done      (attempts.py)
       ▲                     │ the model failed with a clear sentence ──▶ error     (attempts.py)

@@ -1,7 +1,7 @@
 """The job service: what the dispatcher's routes call.
 
 Submit, view, cancel, a track's files, a job's event stream, status, readiness, config, and
-workers announcing themselves. The service talks to the dispatcher (``dispatch.py``) through a few
+workers announcing themselves. The service talks to the dispatcher (``dispatch/dispatcher.py``) through a few
 methods only (``add``, ``cancel``, ``active_job``, ``facts``, ``status``, ``ready``, …), never to a
 worker or the pool; retention is ``retention.py``. Active jobs live in memory and in the store;
 finished ones only in the store and the results folder. With a shared store any dispatcher answers

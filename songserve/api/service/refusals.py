@@ -1,6 +1,6 @@
 """The job service's refusals: what a submit, a file or an announcement cannot get, and why (one status each).
 
-Kept beside ``service.py``, which raises them; ``http_errors.py`` turns each into the one error body.
+Kept beside ``job_service.py``, which raises them; ``http_errors.py`` turns each into the one error body.
 """
 
 from __future__ import annotations
