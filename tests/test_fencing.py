@@ -15,7 +15,8 @@ import time
 import pytest
 
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack
 from tests.fake_fleet import FakeFleet, Plan, until
 from tests.test_dispatch_states import aio, body
 from tests.test_store_engines import engine, lease, new_job, run, running, two_stores
@@ -25,7 +26,7 @@ __all__ = ["engine"]  # the fixture, for pytest
 
 async def lapsed(store: JobStore, worker: int) -> None:
     """Until the worker's lease has expired (on the store's clock): no owner in the registry."""
-    while any(r.worker_id == worker and r.lease_owner is not None for r in await store.live_workers()):
+    while any(r.worker_id == worker and r.lease_owner is not None for r in await store.members.live_workers()):
         await asyncio.sleep(0.02)
 
 
@@ -34,12 +35,12 @@ def test_the_epoch_stays_while_its_holder_renews_and_grows_when_the_lease_change
         async with two_stores(engine) as s:
             f = await lease(s.a, "A", ttl=0.4)
             assert f.epoch == 1
-            assert await s.a.acquire_lease("A", 0, ttl=0.4) == 1  # its holder, unexpired: the same epoch
-            assert await s.a.renew_leases("A", ttl=0.4) == {0: 1}
+            assert await s.a.members.acquire_lease("A", 0, ttl=0.4) == 1  # its holder, unexpired: the same epoch
+            assert await s.a.members.renew_leases("A", ttl=0.4) == {0: 1}
             await lapsed(s.b, 0)
-            assert await s.b.acquire_lease("B", 0, ttl=5) == 2  # changed hands
-            await s.b.release_lease("B", 0)
-            assert await s.a.acquire_lease("A", 0, ttl=5) == 3  # taken again after it was given back
+            assert await s.b.members.acquire_lease("B", 0, ttl=5) == 2  # changed hands
+            await s.b.members.release_lease("B", 0)
+            assert await s.a.members.acquire_lease("A", 0, ttl=5) == 3  # taken again after it was given back
 
     run(go)
 
@@ -80,7 +81,7 @@ def test_a_write_under_an_expired_lease_is_refused_even_when_nobody_took_it(engi
             stored = await s.a.load_job(job.job_id)
             assert stored is not None
             assert stored.tracks[0].status is TrackStatus.generating  # untouched
-            again = await s.a.acquire_lease("A", 0, ttl=30)
+            again = await s.a.members.acquire_lease("A", 0, ttl=30)
             assert again == f.epoch + 1  # re-taken after expiry: a new epoch, even for its last holder
             with pytest.raises(LeaseLost):  # the old epoch stays refused
                 await s.a.save_track(done, (TrackStatus.generating, "A"), f)

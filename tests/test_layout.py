@@ -116,6 +116,8 @@ ROOMS = [
 WALLS: list[tuple[str, tuple[str, ...], str]] = [
     (f"{API}.store", (f"{API}.dispatch", f"{API}.service", f"{API}.http", f"{API}.webhooks"),
      "the store keeps records; it never calls the parts that change them"),
+    (f"{API}.store.sqlite", (f"{API}.store.postgres",), "the engines share store/ itself, never each other"),
+    (f"{API}.store.postgres", (f"{API}.store.sqlite",), "the engines share store/ itself, never each other"),
     (f"{API}.dispatch", (f"{API}.service", f"{API}.http"), "the dispatcher is called by the service, never the reverse"),
     (f"{API}.workers", (f"{API}.dispatch", f"{API}.store", f"{API}.results"),
      "the worker client speaks to workers and knows nothing of what the dispatcher does with answers"),

@@ -18,9 +18,10 @@ import pytest
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.results.artifacts import ArtifactStore
+from songserve.api.store.migrations import Migration
 from songserve.api.store.sqlite import migrations
 from songserve.api.store.sqlite.check import diagnose, move_aside, prepare_store
-from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, Migration
+from songserve.api.store.sqlite.migrations import SCHEMA_VERSION
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest

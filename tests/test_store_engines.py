@@ -18,7 +18,8 @@ import pytest
 
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.protocol import DuplicateKey, Fence, JobStore, StaleTrack, StoreError
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import DuplicateKey, JobStore, StaleTrack, StoreError
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.schemas import GenerateRequest
 
@@ -81,8 +82,8 @@ def running(t: Track, owner: str, worker: int = 0) -> Track:
 async def lease(store: JobStore, owner: str, worker: int = 0, ttl: float = 60) -> Fence:
     """``owner`` leases worker ``worker`` (registering workers 0…``worker`` first): the fence of its writes."""
     for i in range(worker + 1):
-        await store.register_worker(f"http://w{i}:1", ttl=60, announced=False)
-    epoch = await store.acquire_lease(owner, worker, ttl)
+        await store.members.register(f"http://w{i}:1", ttl=60, announced=False)
+    epoch = await store.members.acquire_lease(owner, worker, ttl)
     assert epoch is not None
     return Fence(owner, worker, epoch)
 
@@ -188,27 +189,27 @@ def test_jobs_are_listed_newest_first_per_key_and_paged_below_a_sequence(engine:
 def test_worker_leases_are_exclusive_renewed_and_expire(engine: str) -> None:
     async def go() -> None:
         async with two_stores(engine) as s:
-            w0 = await s.a.register_worker("http://w0:1", ttl=60, announced=False)
-            w1 = await s.b.register_worker("http://w1:1", ttl=60, announced=True)
-            assert await s.b.register_worker("http://w0:1", ttl=60, announced=False) == w0  # one id per URL
+            w0 = await s.a.members.register("http://w0:1", ttl=60, announced=False)
+            w1 = await s.b.members.register("http://w1:1", ttl=60, announced=True)
+            assert await s.b.members.register("http://w0:1", ttl=60, announced=False) == w0  # one id per URL
             assert (w0, w1) == (0, 1)
-            assert await s.a.acquire_lease("A", w0, ttl=0.6) == 1  # the first holder: epoch 1
-            assert await s.b.acquire_lease("B", w0, ttl=0.6) is None
-            assert await s.a.acquire_lease("A", w0, ttl=0.6) == 1  # its own: renewed, same epoch
-            assert await s.a.renew_leases("A", ttl=0.6) == {w0: 1}
-            rows = {r.worker_id: r for r in await s.b.live_workers()}
+            assert await s.a.members.acquire_lease("A", w0, ttl=0.6) == 1  # the first holder: epoch 1
+            assert await s.b.members.acquire_lease("B", w0, ttl=0.6) is None
+            assert await s.a.members.acquire_lease("A", w0, ttl=0.6) == 1  # its own: renewed, same epoch
+            assert await s.a.members.renew_leases("A", ttl=0.6) == {w0: 1}
+            rows = {r.worker_id: r for r in await s.b.members.live_workers()}
             assert rows[w0].lease_owner == "A"
             assert rows[w1].announced
             await asyncio.sleep(0.8)  # A stops renewing: its lease expires
-            assert await s.a.renew_leases("A", ttl=0.6) == {}
-            assert await s.b.acquire_lease("B", w0, ttl=5) == 2  # changed hands: a new epoch
-            assert await s.a.acquire_lease("A", w0, ttl=5) is None
-            await s.b.leave("B")  # a dispatcher that stops gives its leases back at once
-            assert await s.a.acquire_lease("A", w0, ttl=5) == 3
-            assert await s.a.withdraw_worker(w1)
-            assert not await s.a.withdraw_worker(w1)
-            assert [r.worker_id for r in await s.a.live_workers()] == [w0]
-            assert not await s.b.acquire_lease("B", w1, ttl=5)  # not registered any more
+            assert await s.a.members.renew_leases("A", ttl=0.6) == {}
+            assert await s.b.members.acquire_lease("B", w0, ttl=5) == 2  # changed hands: a new epoch
+            assert await s.a.members.acquire_lease("A", w0, ttl=5) is None
+            await s.b.members.leave("B")  # a dispatcher that stops gives its leases back at once
+            assert await s.a.members.acquire_lease("A", w0, ttl=5) == 3
+            assert await s.a.members.withdraw(w1)
+            assert not await s.a.members.withdraw(w1)
+            assert [r.worker_id for r in await s.a.members.live_workers()] == [w0]
+            assert not await s.b.members.acquire_lease("B", w1, ttl=5)  # not registered any more
 
     run(go)
 
@@ -216,10 +217,10 @@ def test_worker_leases_are_exclusive_renewed_and_expire(engine: str) -> None:
 def test_live_dispatchers_are_those_that_kept_their_heartbeat(engine: str) -> None:
     async def go() -> None:
         async with two_stores(engine) as s:
-            assert await s.a.heartbeat("A", ttl=0.5) == {"A"}
-            assert await s.b.heartbeat("B", ttl=5) == {"A", "B"}
+            assert await s.a.members.heartbeat("A", ttl=0.5) == {"A"}
+            assert await s.b.members.heartbeat("B", ttl=5) == {"A", "B"}
             await asyncio.sleep(0.7)
-            assert await s.b.heartbeat("B", ttl=5) == {"B"}
+            assert await s.b.members.heartbeat("B", ttl=5) == {"B"}
 
     run(go)
 
@@ -272,7 +273,7 @@ def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url:
         try:
             await store.insert_job(new_job("r1"))
             await asyncio.gather(*(store.load_job("r1") for _ in range(8)))  # fill the pool
-            assert store.db.pool.get_stats()["pool_size"] >= 2
+            assert store.db.routes.pool.get_stats()["pool_size"] >= 2
             pg_server.pause()
             with pytest.raises(StoreError):  # down: a read answers (503 at the HTTP layer), it does not hang
                 await store.load_job("r1")

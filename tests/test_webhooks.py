@@ -162,7 +162,7 @@ def event(job_id: str, kind: str = "completed", n: int = 0) -> WebhookEvent:
 
 
 async def ids_claimed(store: JobStore, owner: str, lease_sec: float = 60) -> list[str]:
-    return [d.event.event_id for d in await store.claim_events(owner, 10, lease_sec)]
+    return [d.event.event_id for d in await store.outbox.claim(owner, 10, lease_sec)]
 
 
 def store_test(fn: Callable[[JobStore, JobStore], Coroutine[Any, Any, None]]) -> Callable[[str], None]:
@@ -194,12 +194,12 @@ async def test_an_event_is_written_only_with_the_change_it_reports(a: JobStore, 
     await a.save_track(done, (TrackStatus.generating, "A"), None, [event(job.job_id, "track")])
     assert await a.finish_job(job.job_id, time.time(), [event(job.job_id)])
     assert await b.finish_job(job.job_id, time.time(), [event(job.job_id, n=1)])  # terminal already: none
-    assert (await a.outbox_stats()).depth == 3
+    assert (await a.outbox.stats()).depth == 3
     got = []
-    while batch := await a.claim_events("A", 10, 60):
+    while batch := await a.outbox.claim("A", 10, 60):
         for d in batch:
             got.append(d.event.event_id)
-            await a.event_delivered(d.row)
+            await a.outbox.delivered(d.row)
     assert got == [f"evt_{job.job_id}_start_0", f"evt_{job.job_id}_track_0", f"evt_{job.job_id}_completed_0"]
 
 
@@ -214,11 +214,11 @@ async def test_a_jobs_events_are_claimed_in_order_one_at_a_time_by_one_dispatche
     assert sorted(first + second) == [f"evt_{x}_start_0", f"evt_{y}_start_0"]  # each once; x's track waits
     assert await ids_claimed(a, "A") == []
     assert await ids_claimed(b, "B") == []
-    await a.release_events("A")
-    await b.release_events("B")  # both restart: their claims end
-    batch = await b.claim_events("B", 10, 60)
+    await a.outbox.release("A")
+    await b.outbox.release("B")  # both restart: their claims end
+    batch = await b.outbox.claim("B", 10, 60)
     x_start = next(d for d in batch if d.event.job_id == x)
-    await b.event_delivered(x_start.row)
+    await b.outbox.delivered(x_start.row)
     assert await ids_claimed(a, "A") == [f"evt_{x}_track_0"]
 
 
@@ -227,22 +227,22 @@ async def test_a_failed_try_waits_its_turn_and_a_given_up_event_lets_the_next_go
     x = "eeee000000000004"
     await a.insert_job(new_job(x, tracks=1))
     await a.mark_started(x, 1.0, [event(x, "start"), event(x, "completed")])
-    (d,) = await a.claim_events("A", 10, 0.05)
+    (d,) = await a.outbox.claim("A", 10, 0.05)
     await asyncio.sleep(0.3)
-    (lapsed,) = await b.claim_events("B", 10, 60)  # A's claim lapsed (A died mid-try): B has it, same id
+    (lapsed,) = await b.outbox.claim("B", 10, 60)  # A's claim lapsed (A died mid-try): B has it, same id
     assert lapsed.event.event_id == d.event.event_id
     assert lapsed.attempts == 0
-    await b.event_failed(lapsed.row, "B", "answered 500", 0.2)
+    await b.outbox.failed(lapsed.row, "B", "answered 500", 0.2)
     assert await ids_claimed(a, "A") == []  # not due yet, and the job's next event waits behind it
-    await a.event_failed(d.row, "A", "A's late outcome", None)  # not A's claim any more: changes nothing
+    await a.outbox.failed(d.row, "A", "A's late outcome", None)  # not A's claim any more: changes nothing
     await asyncio.sleep(0.4)
-    (again,) = await a.claim_events("A", 10, 60)
+    (again,) = await a.outbox.claim("A", 10, 60)
     assert again.event.event_id == d.event.event_id
     assert again.attempts == 1
-    await a.event_failed(again.row, "A", "answered 500", None)  # given up
+    await a.outbox.failed(again.row, "A", "answered 500", None)  # given up
     assert await ids_claimed(b, "B") == [f"evt_{x}_completed_0"]
-    assert (await a.outbox_stats()).depth == 1
-    assert await a.sweep_events(time.time() + 3600) == 1  # the given-up row, once old enough
+    assert (await a.outbox.stats()).depth == 1
+    assert await a.outbox.sweep(time.time() + 3600) == 1  # the given-up row, once old enough
 
 
 @store_test
@@ -250,13 +250,13 @@ async def test_progress_events_are_one_per_job_in_the_gap_and_none_after_its_end
     x = "eeee000000000005"
     job = new_job(x, tracks=1)
     await a.insert_job(job)
-    assert await a.add_progress_event(event(x, "progress", 0), 60)
-    assert not await b.add_progress_event(event(x, "progress", 1), 60)
-    assert await b.add_progress_event(event(x, "progress", 2), 0)
+    assert await a.outbox.add_progress(event(x, "progress", 0), 60)
+    assert not await b.outbox.add_progress(event(x, "progress", 1), 60)
+    assert await b.outbox.add_progress(event(x, "progress", 2), 0)
     t = job.tracks[0]
     await a.save_track(dataclasses.replace(t, status=TrackStatus.cancelled), (TrackStatus.queued, None))
     assert await a.finish_job(x, time.time())
-    assert not await a.add_progress_event(event(x, "progress", 3), 0)
+    assert not await a.outbox.add_progress(event(x, "progress", 3), 0)
 
 
 @store_test

@@ -16,7 +16,8 @@ import dataclasses
 
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Key
-from songserve.api.store.protocol import Fence, JobStore
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import JobStore
 
 
 class AttemptFences:

@@ -54,7 +54,8 @@ from songserve.api.jobs.states import TrackStatus
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack, StoreError, background_context
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack, StoreError, background_context
 from songserve.api.workers.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.api.workers.to_worker import result_metadata, result_seed, worker_request
 

@@ -3,7 +3,7 @@
 Short work, served before generation: each dispatch pass offers its free workers (leased here, ours,
 with an encoder: ``WorkerHandle.can_encode``) to the oldest queued uploads first (``start``), and
 only what is left to tracks. Each upload is claimed in the store under the worker's lease
-(``claim_upload``: one dispatcher encodes it), and one asyncio task runs the attempt (``_run``):
+(``store.uploads.claim``: one dispatcher encodes it), and one asyncio task runs the attempt (``_run``):
 1. the file as it was uploaded, read from the results folder a block at a time as it is sent to the worker (``POST /encode``,
    with the lease header tracks carry), within ``DEADLINE_BASE_SEC`` + the audio's length;
 2. the answer checked (the codec's 64 levels of codes in range; the worker's frame count is the one kept);
@@ -36,7 +36,8 @@ from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Job
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Fence, JobStore, StoreError, background_context
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import JobStore, StoreError, background_context
 from songserve.api.store.uploads import UploadRecord
 from songserve.api.workers.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
 from songserve.schemas import CODEBOOK_SIZE, UploadStatus, WorkerEncodeResult
@@ -72,7 +73,7 @@ class Encodings:
         if not able:
             return free
         try:
-            queued = await self.store.queued_uploads(len(able))
+            queued = await self.store.uploads.queued(len(able))
         except StoreError as exc:  # the tracks' turn is not lost to it: their own claims meet the store anyway
             log.warning("uploads: the queue could not be read (%s)", exc)
             return free
@@ -85,7 +86,7 @@ class Encodings:
             if u.upload_id in self.running or fence is None:
                 continue
             try:
-                if not await self.store.claim_upload(u.upload_id, fence):
+                if not await self.store.uploads.claim(u.upload_id, fence):
                     continue  # another dispatcher's now, or the lease is not held here any more
             except StoreError as exc:
                 log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
@@ -170,7 +171,7 @@ class Encodings:
             log.warning("upload %s: failed: %s", u.upload_id, error)
         done = UploadRecord(**{**u.__dict__, "status": status, "frames": frames if frames is not None else u.frames,
                                "error": error, "finished_at": time.time()})  # fmt: skip
-        if not await self.store.finish_upload(done, self.me) and await self.store.load_upload(u.upload_id) is None:
+        if not await self.store.uploads.finish(done, self.me) and await self.store.uploads.load(u.upload_id) is None:
             await asyncio.to_thread(self.artifacts.remove_upload, u.upload_id)  # deleted while it encoded
 
     async def _retry(self, u: UploadRecord, reason: str, count: bool = True) -> None:
@@ -179,7 +180,7 @@ class Encodings:
             await self._finish(u, error=f"it could not be encoded in {self.s.max_attempts} tries; the last: {reason}")
             return
         log.warning("upload %s: back to the queue: %s", u.upload_id, reason)
-        await self.store.requeue_upload(u.upload_id, self.me, reason, count)
+        await self.store.uploads.requeue(u.upload_id, self.me, reason, count)
 
     async def frames_for(self, job: Job) -> str | None:
         """Before a job's tracks start: ``""`` when it needs nothing of an upload or its kept frames are
@@ -188,16 +189,16 @@ class Encodings:
         cf = job.request.continue_from
         if cf is None or cf.upload_id is None:
             return ""
-        ready = await retakes.upload_frames_ready(job, self.artifacts, self.store.load_upload)
+        ready = await retakes.upload_frames_ready(job, self.artifacts, self.store.uploads.load)
         return None if ready is False else "" if ready is True else ready
 
     async def reconcile(self, alive: set[str]) -> None:
         """Uploads left ``encoding`` by a dead dispatcher, or by this one before a restart, go back to the queue."""
-        n = await self.store.requeue_stale_uploads(alive, self.me, set(self.running))
+        n = await self.store.uploads.requeue_stale(alive, self.me, set(self.running))
         if n:
             log.info("uploads: %d left encoding with no attempt behind them, queued again", n)
             self.kick()
-        self.counts = await self.store.upload_counts()
+        self.counts = await self.store.uploads.counts()
 
     def can_encode(self, workers: list[WorkerHandle]) -> bool:
         """Some worker could encode an upload: one of ours says so, or has not said yet (none known: they may come)."""

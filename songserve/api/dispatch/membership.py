@@ -10,7 +10,7 @@ on the dispatchers' and workers' rows only, then ``reconcile`` (its own loop) on
   live dispatchers), and hands extras back: an idle one at once, a busy one once its tasks end (it
   gets no new ones meanwhile), so a dispatcher joining a fleet under sustained load gets its share
   too. A lease this dispatcher lost (it stalled past the TTL) ends its attempts there silently: the
-  new holder owns them. Each lease has an epoch (``store/postgres/leases.py``) that every write for a track
+  new holder owns them. Each lease has an epoch (``store/members.py``) that every write for a track
   on the worker carries; a lease re-taken after it expired comes back with a new epoch: when nobody
   held it meanwhile (one higher) the attempts there go on under it, else they end like a lost one;
 - a pause: a step that finds no renewal for a whole lease behind it (the process stood still: a GC, a
@@ -41,7 +41,8 @@ from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
 from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import JobStore, StaleTrack, WorkerRow
+from songserve.api.store.members import WorkerRow
+from songserve.api.store.protocol import JobStore, StaleTrack
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,12 @@ class Membership:
             self._reload = True
             log.warning("dispatcher %s: no lease renewal for %.1fs (LEASE_TTL_SEC %.1f): paused? Its leases may be "
                         "gone; reading its tracks again before it dispatches", self.me, sent - self._renewed_at, ttl)  # fmt: skip
-        self.alive = await store.heartbeat(self.me, ttl)
-        held = await store.renew_leases(self.me, ttl)
+        self.alive = await store.members.heartbeat(self.me, ttl)
+        held = await store.members.renew_leases(self.me, ttl)
         self._renewed_at = sent
         for url in self.static_urls:  # each dispatcher keeps the workers it is configured with registered
-            await store.register_worker(url, max(3 * ttl, 15.0), announced=False)
-        rows = await store.live_workers()
+            await store.members.register(url, max(3 * ttl, 15.0), announced=False)
+        rows = await store.members.live_workers()
         joined, left = self.pool.sync(rows)
         for w in left:
             for key in list(w.assigned.values()):
@@ -110,7 +111,7 @@ class Membership:
         for w in self.pool.workers:
             if w.leased and w.worker_id not in held:
                 # Expired while this dispatcher was slow: still ours unless another took it meanwhile.
-                epoch = await store.acquire_lease(self.me, w.worker_id, ttl)
+                epoch = await store.members.acquire_lease(self.me, w.worker_id, ttl)
                 if epoch is None:
                     self._lease_lost(w)
                     continue
@@ -171,7 +172,7 @@ class Membership:
     async def leave(self) -> None:
         """The leases go now, so another dispatcher takes the workers (and their tracks) at once."""
         try:
-            await self.store.leave(self.me)
+            await self.store.members.leave(self.me)
         except Exception as exc:  # the store is gone: the leases expire on their own
             log.warning("dispatcher %s: could not release its leases (%s)", self.me, exc)
 
@@ -185,7 +186,7 @@ class Membership:
                 break
             if r.worker_id in held or r.lease_owner not in (None, self.me):
                 continue
-            if (epoch := await self.store.acquire_lease(self.me, r.worker_id, self.ttl)) is not None:
+            if (epoch := await self.store.members.acquire_lease(self.me, r.worker_id, self.ttl)) is not None:
                 held[r.worker_id] = epoch
                 if (w := self.pool.by_id(r.worker_id)) is not None:
                     taken.append(w)
@@ -203,7 +204,7 @@ class Membership:
                              w.worker_id, share, len(self.alive))  # fmt: skip
                 w.handing_back = True
                 continue
-            await self.store.release_lease(self.me, w.worker_id)
+            await self.store.members.release_lease(self.me, w.worker_id)
             held.pop(w.worker_id, None)
             w.handing_back = False
             log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,

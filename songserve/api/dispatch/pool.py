@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from songserve.api.jobs.records import Key
-from songserve.api.store.protocol import WorkerRow
+from songserve.api.store.members import WorkerRow
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth

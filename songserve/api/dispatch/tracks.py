@@ -35,8 +35,9 @@ from songserve.api.dispatch import queue_order
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus, check_transition, job_status
 from songserve.api.metrics import DispatcherMetrics
+from songserve.api.store.members import Fence
 from songserve.api.store.outbox import PROGRESS_EVENT_SEC
-from songserve.api.store.protocol import STORED_TRACK_FIELDS, Fence, JobStore, StaleTrack
+from songserve.api.store.protocol import STORED_TRACK_FIELDS, JobStore, StaleTrack
 from songserve.api.webhooks.events import JobEvents
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class TrackBook:
         job = self.jobs.get(t.job_id)
         if job is not None and self.events.progress_due(job):
             for event in self.events.of(job, "progress", positions=self.positions):
-                await self.store.add_progress_event(event, PROGRESS_EVENT_SEC)
+                await self.store.outbox.add_progress(event, PROGRESS_EVENT_SEC)
 
     def show_progress(self, t: Track, fields: dict[str, object]) -> bool:
         """A running track's progress from its worker (its status unchanged): in memory at once, in the

@@ -31,12 +31,12 @@ class Retention:
         for job_id in await self.store.expired_jobs(now - self.ttl_sec):
             await self._remove(job_id)
             removed += 1
-        for upload_id in await self.store.expired_uploads(now - self.ttl_sec):
+        for upload_id in await self.store.uploads.expired(now - self.ttl_sec):
             await self._remove_upload(upload_id)
             removed += 1
         total = self.artifacts.total_bytes()
         if total > self.max_bytes:
-            for kind, item in await self.store.finished_oldest_first():
+            for kind, item in await self.store.uploads.finished_oldest_first():
                 if kind == "upload":
                     total -= self.artifacts.upload_bytes(item)
                     await self._remove_upload(item)
@@ -50,7 +50,7 @@ class Retention:
             log.warning("retention: removing results folder %s, which no job in the store owns", job_id)
             self.artifacts.remove_job(job_id)
             removed += 1
-        for upload_id in self.artifacts.upload_orphans(await self.store.upload_ids()):
+        for upload_id in self.artifacts.upload_orphans(await self.store.uploads.ids()):
             log.warning("retention: removing upload folder %s, which no upload in the store owns", upload_id)
             self.artifacts.remove_upload(upload_id)
             removed += 1
@@ -64,5 +64,5 @@ class Retention:
 
     async def _remove_upload(self, upload_id: str) -> None:
         """Row first: a reader never finds a ready upload whose codes are gone."""
-        await self.store.delete_upload(upload_id)
+        await self.store.uploads.delete(upload_id)
         self.artifacts.remove_upload(upload_id)

@@ -34,7 +34,7 @@ class Announcements:
     async def announce(self, body: WorkerAnnouncement, authorization: str | None) -> WorkerAnnounced:
         """A worker joins (or renews its registration) for ``ttl_sec``; every dispatcher on the store sees it."""
         self._check_worker_token(authorization)
-        worker_id = await self.store.register_worker(body.url.rstrip("/"), body.ttl_sec, announced=True)
+        worker_id = await self.store.members.register(body.url.rstrip("/"), body.ttl_sec, announced=True)
         if not self.dispatcher.knows_worker(worker_id):
             log.info("worker %d (%s) announced itself for %.0fs", worker_id, body.url, body.ttl_sec)
             self.dispatcher.membership_soon()
@@ -43,7 +43,7 @@ class Announcements:
     async def withdraw(self, worker_id: int, authorization: str | None) -> dict[str, object]:
         """A worker leaves: no new tracks; a track it still runs is retried elsewhere."""
         self._check_worker_token(authorization)
-        if not await self.store.withdraw_worker(worker_id):
+        if not await self.store.members.withdraw(worker_id):
             raise NotFoundError(f"Worker {worker_id} is not registered.")
         log.info("worker %d left", worker_id)
         self.dispatcher.membership_soon()

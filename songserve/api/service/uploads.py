@@ -188,7 +188,7 @@ class UploadService:
             )
             try:
                 await run(self.artifacts.write_upload, u.upload_id, f"source.{u.ext}", file)
-                await self.store.insert_upload(u)
+                await self.store.uploads.insert(u)
             except (StoreError, OSError) as exc:
                 self.artifacts.remove_upload(u.upload_id)
                 log.error("upload: the store or the results folder cannot write: %s", exc)
@@ -205,7 +205,7 @@ class UploadService:
 
     async def find(self, upload_id: str, caller: Caller | None = None) -> UploadRecord | None:
         """The upload, or None when there is none ``caller``'s key may see (``keys.py``: ``sees``)."""
-        u = await self.store.load_upload(upload_id) if JOB_ID.match(upload_id) else None
+        u = await self.store.uploads.load(upload_id) if JOB_ID.match(upload_id) else None
         return u if u is not None and may_see(caller, u.caller) else None
 
     async def load(self, upload_id: str, caller: Caller | None = None) -> UploadRecord:
@@ -229,7 +229,7 @@ class UploadService:
     async def delete(self, upload_id: str, caller: Caller | None = None) -> UploadView:
         """Forget it: its row, then its files (an encoding still running finds it gone and keeps nothing)."""
         u = await self.load(upload_id, caller)
-        await self.store.delete_upload(upload_id)
+        await self.store.uploads.delete(upload_id)
         await asyncio.to_thread(self.artifacts.remove_upload, upload_id)
         log.info("upload %s: deleted (%s)", upload_id, u.status.value)
         return view(u)

@@ -16,6 +16,10 @@ it. An event row's life:
 lease that lapses, and the row is claimed again (at least once, with the same ``event_id``). Only
 the oldest pending row of a job can be claimed, so a job's events arrive in the order they were
 written, each after the one before it was delivered or given up.
+
+Each engine keeps the outbox in a small connector (``store.outbox``, the ``Outbox`` protocol below:
+``store/sqlite/outbox.py``, ``store/postgres/outbox.py``); the events a state change reports are
+written by the jobs store in that change's own transaction, with the engine's outbox helper.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 EVENT_KINDS = ("start", "progress", "track", "completed")
 DEFAULT_EVENTS = ("completed",)
@@ -92,3 +96,26 @@ def delivery_from_row(r: Any) -> Delivery:
     """A ``Delivery`` from a ``webhook_events`` row (``sqlite3.Row`` or a dict: read by column name)."""
     event = WebhookEvent(r["event_id"], r["job_id"], r["kind"], r["url"], r["body"], float(r["created_at"]))
     return Delivery(int(r["id"]), event, int(r["attempts"]))
+
+
+class Outbox(Protocol):
+    """``JobStore.outbox``: the webhook events' claims, tries and sweeps (the ``webhooks`` loop's calls)."""
+
+    async def add_progress(self, event: WebhookEvent, min_gap: float) -> bool:
+        """Write a progress event unless the job has one from the last ``min_gap`` seconds or is finished."""
+
+    async def claim(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
+        """Lease up to ``limit`` due events to ``owner``, each the oldest pending one of its job."""
+
+    async def delivered(self, row: int) -> None: ...
+
+    async def failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
+        """A failed try of ``owner``'s: tried again in ``retry_in`` seconds, or (None) given up."""
+
+    async def release(self, owner: str) -> None:
+        """``owner`` starts again: its leases on events end (nothing of it is sending any more)."""
+
+    async def stats(self) -> OutboxStats: ...
+
+    async def sweep(self, ended_before: float) -> int:
+        """Remove delivered and given-up events that ended before ``ended_before``; returns how many."""

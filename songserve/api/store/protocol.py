@@ -1,6 +1,8 @@
 """The job store's interface: what the dispatcher keeps so that a restart, or another dispatcher, can go on.
 
-Two engines behind one ``JobStore`` protocol (every method async):
+Two engines behind one ``JobStore`` protocol (every method async), each a jobs-and-tracks store with one
+small connector per other concern, reached as its attributes (``store.outbox``, ``store.uploads``,
+``store.members``; their protocols live beside their records):
 - SQLite (``store/sqlite/store.py``, the default): one file under the state folder, nothing to install, one
   dispatcher;
 - PostgreSQL (``store/postgres/store.py``, ``STORE_URL=postgresql://…``): several dispatchers share one queue. A
@@ -30,14 +32,14 @@ import contextvars
 import json
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
-from songserve.api.store.outbox import Delivery, OutboxStats, WebhookEvent
+from songserve.api.store.members import Fence, MemberStore
+from songserve.api.store.outbox import Outbox, WebhookEvent
 from songserve.api.store.quota import Quota, Usage
-from songserve.api.store.uploads import UploadRecord
+from songserve.api.store.uploads import UploadStore
 from songserve.errors import SongserveError
 from songserve.schemas import GenerateRequest
 
@@ -50,34 +52,12 @@ STORED_TRACK_FIELDS = (
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class WorkerRow:
-    """A worker in the shared registry: configured on a dispatcher (static) or announced by itself."""
-
-    worker_id: int
-    url: str
-    announced: bool
-    lease_owner: str | None  # the dispatcher that may send it tasks now (None: free or expired)
-
-
 class StaleTrack(Exception):
     """A track changed in the store since this dispatcher read it (another dispatcher got there first)."""
 
     def __init__(self, key: Key) -> None:
         super().__init__(f"track {key[0]}/{key[1]} changed in the store meanwhile")
         self.key = key
-
-
-@dataclass(frozen=True)
-class Fence:
-    """The lease a write is made under: ``owner`` holds ``worker_id``'s lease at ``epoch``."""
-
-    owner: str
-    worker_id: int
-    epoch: int
-
-    def __str__(self) -> str:
-        return f"worker {self.worker_id} lease epoch {self.epoch}"
 
 
 class LeaseLost(StaleTrack):
@@ -111,9 +91,20 @@ class StoreError(SongserveError):
 
 
 class JobStore(Protocol):
+    """The jobs and tracks, a key's usage, events and exclusive work; the other concerns are connectors
+    of their own, each with its protocol: ``outbox`` (``store/outbox.py``), ``uploads``
+    (``store/uploads.py``) and ``members`` (``store/members.py``: the registry, presence, leases)."""
+
     shared: bool  # several dispatchers may use it at once (events cross processes)
     where: str  # for logs: the file, or the server without its password
     ident: str  # the store's own id (random, kept in it): the namespace of its lease epochs on a worker
+
+    @property
+    def outbox(self) -> Outbox: ...
+    @property
+    def uploads(self) -> UploadStore: ...
+    @property
+    def members(self) -> MemberStore: ...
 
     async def close(self) -> None: ...
 
@@ -165,73 +156,6 @@ class JobStore(Protocol):
     async def finished_work_ratios(self, limit: int = 200) -> list[tuple[str, float]]: ...
     async def usage(self, caller: str | None, since: float) -> Usage:
         """A key name's unfinished jobs, and its jobs submitted after ``since`` (None: jobs without a key)."""
-
-    # the webhook outbox (store/outbox.py)
-    async def add_progress_event(self, event: WebhookEvent, min_gap: float) -> bool:
-        """Write a progress event unless the job has one from the last ``min_gap`` seconds or is finished."""
-
-    async def claim_events(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
-        """Lease up to ``limit`` due events to ``owner``, each the oldest pending one of its job."""
-
-    async def event_delivered(self, row: int) -> None: ...
-    async def event_failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
-        """A failed try of ``owner``'s: tried again in ``retry_in`` seconds, or (None) given up."""
-
-    async def release_events(self, owner: str) -> None:
-        """``owner`` starts again: its leases on events end (nothing of it is sending any more)."""
-
-    async def outbox_stats(self) -> OutboxStats: ...
-    async def sweep_events(self, ended_before: float) -> int:
-        """Remove delivered and given-up events that ended before ``ended_before``; returns how many."""
-
-    # workers, dispatchers and leases
-    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
-        """Add or renew a worker's registration for ``ttl`` seconds; returns its id (stable per URL)."""
-
-    async def withdraw_worker(self, worker_id: int) -> bool: ...
-    async def live_workers(self) -> list[WorkerRow]: ...
-
-    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
-        """Renew this dispatcher's presence; returns the ids of the live dispatchers (itself included)."""
-
-    async def leave(self, dispatcher_id: str) -> None:
-        """This dispatcher stops: its presence and its leases end now."""
-
-    async def renew_leases(self, owner: str, ttl: float) -> dict[int, int]:
-        """Extend the leases ``owner`` still holds (unexpired); returns worker id → lease epoch."""
-
-    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> int | None:
-        """Take the worker's lease if it is free, expired or already ours; returns its epoch (≥ 1),
-        one higher than before unless ``owner`` held it unexpired, or None when another holds it."""
-
-    async def release_lease(self, owner: str, worker_id: int) -> None: ...
-
-    # uploads (store/uploads.py: the rules)
-    async def insert_upload(self, u: UploadRecord) -> None: ...
-    async def load_upload(self, upload_id: str) -> UploadRecord | None: ...
-    async def queued_uploads(self, limit: int) -> list[UploadRecord]:
-        """The oldest queued uploads first."""
-
-    async def claim_upload(self, upload_id: str, fence: Fence) -> bool:
-        """``queued`` → ``encoding`` on the worker ``fence`` names, while its lease holds; whether it was won."""
-
-    async def finish_upload(self, u: UploadRecord, owner: str) -> bool:
-        """Write ``u``'s end (``ready`` with its frames, or ``failed`` with its error) if ``owner`` still encodes it."""
-
-    async def requeue_upload(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
-        """``encoding`` → ``queued`` if ``owner`` encodes it; ``count`` False: the try is not counted."""
-
-    async def requeue_stale_uploads(self, alive: set[str], me: str, running: set[str]) -> int:
-        """Uploads left ``encoding`` by a dispatcher not in ``alive``, or by ``me`` with no attempt in
-        ``running``, back to the queue; returns how many."""
-
-    async def delete_upload(self, upload_id: str) -> bool: ...
-    async def expired_uploads(self, older_than: float) -> list[str]: ...
-    async def finished_oldest_first(self) -> list[tuple[str, str]]:
-        """Finished jobs and uploads, oldest first: (``job`` or ``upload``, its id)."""
-
-    async def upload_ids(self) -> set[str]: ...
-    async def upload_counts(self) -> dict[str, int]: ...
 
     # events and one-at-a-time work
     def listen(self, on_change: Callable[[str], None]) -> AbstractAsyncContextManager[None]:

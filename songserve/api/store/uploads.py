@@ -4,22 +4,24 @@ One row per upload (table ``uploads``, schema version 6 of both engines, its key
 ``UploadStatus``'s: ``queued → encoding → ready | failed``, and ``encoding → queued`` when an attempt
 ends without an answer (its worker went away or was busy, its dispatcher died: ``requeue``). The
 rules both engines keep, as for tracks:
-- an upload leaves the queue only through ``claim_upload``, a compare-and-set on ``queued`` fenced
+- an upload leaves the queue only through ``claim``, a compare-and-set on ``queued`` fenced
   by the lease of the worker it goes to (the same check as a track's claim), so one dispatcher
   encodes it at a time;
-- ``finish_upload`` and ``requeue_upload`` change it only while it is ``encoding`` and owned by the
+- ``finish`` and ``requeue`` change it only while it is ``encoding`` and owned by the
   writer, so an upload deleted, or taken over after its dispatcher was thought dead, is not written;
-- ``requeue_stale_uploads`` sends back to the queue what a dead dispatcher (not among the live
+- ``requeue_stale`` sends back to the queue what a dead dispatcher (not among the live
   ones) or this one before a restart (owner itself, no attempt running) left ``encoding``.
-The engines: ``store/sqlite/uploads.py`` and ``store/postgres/uploads.py``, mixed into their stores.
+Each engine keeps them in a small connector (``store.uploads``, the ``UploadStore`` protocol below):
+``store/sqlite/uploads.py`` and ``store/postgres/uploads.py``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from songserve.api.store.members import Fence
 from songserve.schemas import UploadStatus
 
 UPLOAD_COLUMNS = (
@@ -62,3 +64,33 @@ def upload_from_row(row: Any) -> UploadRecord:
     kw["status"] = UploadStatus(kw["status"])
     kw["source"] = json.loads(kw["source"]) if isinstance(kw["source"], str) else kw["source"]
     return UploadRecord(**kw)
+
+
+class UploadStore(Protocol):
+    """``JobStore.uploads``: the uploads' rows (every method one short transaction)."""
+
+    async def insert(self, u: UploadRecord) -> None: ...
+    async def load(self, upload_id: str) -> UploadRecord | None: ...
+    async def queued(self, limit: int) -> list[UploadRecord]:
+        """The oldest queued uploads first."""
+
+    async def claim(self, upload_id: str, fence: Fence) -> bool:
+        """``queued`` → ``encoding`` on the worker ``fence`` names, while its lease holds; whether it was won."""
+
+    async def finish(self, u: UploadRecord, owner: str) -> bool:
+        """Write ``u``'s end (``ready`` with its frames, or ``failed`` with its error) if ``owner`` still encodes it."""
+
+    async def requeue(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
+        """``encoding`` → ``queued`` if ``owner`` encodes it; ``count`` False: the try is not counted."""
+
+    async def requeue_stale(self, alive: set[str], me: str, running: set[str]) -> int:
+        """Uploads left ``encoding`` by a dispatcher not in ``alive``, or by ``me`` with no attempt in
+        ``running``, back to the queue; returns how many."""
+
+    async def delete(self, upload_id: str) -> bool: ...
+    async def expired(self, older_than: float) -> list[str]: ...
+    async def finished_oldest_first(self) -> list[tuple[str, str]]:
+        """Finished jobs and uploads, oldest first: (``job`` or ``upload``, its id)."""
+
+    async def ids(self) -> set[str]: ...
+    async def counts(self) -> dict[str, int]: ...

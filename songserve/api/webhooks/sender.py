@@ -61,7 +61,7 @@ class WebhookSender:
 
     async def start(self) -> None:
         """This dispatcher (re)starts: whatever it was sending before is not being sent any more."""
-        await self.store.release_events(self.me)
+        await self.store.outbox.release(self.me)
 
     async def stop(self) -> None:
         tasks = list(self._sending.values())
@@ -80,22 +80,22 @@ class WebhookSender:
         self._kick.clear()
         room = MAX_SENDING - len(self._sending)
         if room > 0 and self.key is not None:  # without a secret: another dispatcher of the fleet sends them
-            for d in await self.store.claim_events(self.me, room, self.s.webhook_timeout_sec + LEASE_MARGIN_SEC):
+            for d in await self.store.outbox.claim(self.me, room, self.s.webhook_timeout_sec + LEASE_MARGIN_SEC):
                 self._sending[d.row] = asyncio.create_task(self._deliver(d), name=f"webhook-{d.row}")
         now = time.monotonic()
         if now - self._stats_at >= STATS_SEC:
             self._stats_at = now
-            self.stats = await self.store.outbox_stats()
+            self.stats = await self.store.outbox.stats()
         if now - self._swept_at >= SWEEP_SEC:
             self._swept_at = now
-            await self.store.sweep_events(time.time() - SWEEP_AFTER_SEC)
+            await self.store.outbox.sweep(time.time() - SWEEP_AFTER_SEC)
 
     async def _deliver(self, d: Delivery) -> None:
         e, host = d.event, urlsplit(d.event.url).hostname  # the URL's path and query may hold a token: not logged
         try:
             failure = await self._send(d)
             if failure is None:
-                await self.store.event_delivered(d.row)
+                await self.store.outbox.delivered(d.row)
                 self.metrics.webhook_delivered.labels(e.kind).inc()
                 log.info("job %s: webhook %s (%s) delivered to %s (try %d)", e.job_id, e.event_id, e.kind, host,
                          d.attempts + 1)  # fmt: skip
@@ -104,7 +104,7 @@ class WebhookSender:
             self.metrics.webhook_failures.labels(reason).inc()
             old = time.time() - e.created_at >= self.s.webhook_max_age_sec
             retry = None if old else retry_delay(d.attempts + 1, self.s.webhook_retry_base_sec)
-            await self.store.event_failed(d.row, self.me, why, retry)
+            await self.store.outbox.failed(d.row, self.me, why, retry)
             if retry is None:
                 self.metrics.webhook_given_up.inc()
                 log.warning("job %s: webhook %s (%s) to %s given up after %d tries: %s", e.job_id, e.event_id, e.kind,

@@ -1,8 +1,11 @@
 """The PostgreSQL store's connections: psycopg 3's async pool, one call per statement or transaction,
 and what a dead connection means.
 
-Kept apart from the store's SQL (``store/postgres/store.py``), which calls only ``rows`` (one statement),
-``read`` (one read, retried once) and ``tx`` (one transaction):
+Kept apart from the store's SQL (``store/postgres/store.py`` and its connectors ``outbox.py``,
+``uploads.py``, ``members.py``, each holding the store's ``PgLanes``), which calls only ``rows`` (one
+statement), ``read`` (one read, retried once) and ``tx`` (one transaction):
+- two pools, one for the routes and one for the background loops and attempts (``BACKGROUND``
+  picks, per call), so routes stalled on a locked table cannot take every connection the loops need;
 - a single statement runs in autocommit, which is one implicit transaction and saves the
   BEGIN/COMMIT round trips;
 - a database failure becomes ``StoreError`` (503 with Retry-After); a call waits at most
@@ -31,7 +34,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
-from songserve.api.store.protocol import DuplicateKey, StaleTrack, StoreError
+from songserve.api.store.protocol import BACKGROUND, DuplicateKey, StaleTrack, StoreError
 
 log = logging.getLogger(__name__)
 # How long a call waits for a pooled connection before it answers 503: short, so that while the
@@ -161,3 +164,39 @@ class PgConnections:
             except (psycopg.Error, PoolClosed) as exc:  # the pool is closing, or cannot test its connections
                 raise StoreError(f"no database connection ({exc})") from lost
             return await self.rows(sql, params)
+
+
+class PgLanes:
+    """The store's two pools: the routes' and the background loops' (``BACKGROUND`` picks per call).
+
+    Its ``rows``, ``read``, ``tx`` and ``connection`` are the calling lane's, so the jobs store and
+    each connector hold this one object and never pick a pool themselves."""
+
+    def __init__(self, url: str, pool_size: int, limits: StoreLimits) -> None:
+        self.routes = PgConnections(url, pool_size, limits, "songserve-routes")
+        self.loops = PgConnections(url, pool_size, limits, "songserve-loops")
+
+    @property
+    def lane(self) -> PgConnections:
+        """The calling lane's pool: the background loops' own, or the routes'."""
+        return self.loops if BACKGROUND.get() else self.routes
+
+    async def open(self, timeout: float) -> None:
+        await self.routes.open(timeout)
+        await self.loops.open(timeout)
+
+    async def close(self) -> None:
+        await self.routes.close()
+        await self.loops.close()
+
+    def connection(self) -> AbstractAsyncContextManager[Conn]:
+        return self.lane.connection()
+
+    def tx(self) -> AbstractAsyncContextManager[Conn]:
+        return self.lane.tx()
+
+    async def rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        return await self.lane.rows(sql, params)
+
+    async def read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        return await self.lane.read(sql, params)

@@ -1,21 +1,22 @@
-"""The PostgreSQL store's membership half: the worker registry, live dispatchers and worker leases.
+"""The PostgreSQL store's membership connector (``store.members``): the worker registry, live dispatchers
+and worker leases (``store/members.py`` has the protocol).
 
-Kept apart from the jobs and tracks (``store/postgres/store.py``) so each stays readable; ``PgStore`` mixes it in.
 Every time is the database's clock (``NOW``), so hosts' clocks need not agree.
 
 A lease row (``workers``): ``lease_owner``, ``lease_until`` and ``lease_epoch``. The epoch grows by one
 each time the lease is taken by anyone but the holder of an unexpired lease: when it changes hands,
 and when it is re-taken after it expired (even by its last holder, who may have been paused and
 cannot know what happened meanwhile). Track writes carry the epoch they were made under and the
-store checks it in the same statement (``store/postgres/store.py``, ``lease_cte``): that is the fence.
+store checks it in the same statement (``lease_cte``, which the jobs store's and the uploads
+connector's statements include): that is the fence.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from songserve.api.store.postgres.conn import NOW, PgConnections
-from songserve.api.store.protocol import Fence, WorkerRow
+from songserve.api.store.members import Fence, WorkerRow
+from songserve.api.store.postgres.conn import NOW, PgLanes
 
 
 def lease_cte(fence: Fence | None) -> tuple[str, list[Any]]:
@@ -32,14 +33,13 @@ def lease_cte(fence: Fence | None) -> tuple[str, list[Any]]:
     )
 
 
-class PgMembership:
-    """``JobStore``'s workers, dispatchers and leases methods over ``db`` (the store's connections)."""
+class PgMembers:
+    """``MemberStore`` over the store's connections (``db``: the calling lane's pool)."""
 
-    @property
-    def db(self) -> PgConnections:
-        raise NotImplementedError  # PgStore: the pool of the calling lane
+    def __init__(self, db: PgLanes) -> None:
+        self.db = db
 
-    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
+    async def register(self, url: str, ttl: float, announced: bool) -> int:
         renew = (
             f"UPDATE workers SET registered_until=GREATEST(registered_until, {NOW} + %s), announced=%s"
             " WHERE url=%s RETURNING worker_id"
@@ -58,7 +58,7 @@ class PgMembership:
                 row = await cur.fetchone()
         return int(row["worker_id"])  # type: ignore[index]
 
-    async def withdraw_worker(self, worker_id: int) -> bool:
+    async def withdraw(self, worker_id: int) -> bool:
         rows = await self.db.rows(
             "UPDATE workers SET registered_until=0 WHERE worker_id=%s AND registered_until > 0 RETURNING worker_id",
             (worker_id,),

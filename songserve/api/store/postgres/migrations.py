@@ -3,7 +3,8 @@
 Why: several dispatchers start against one database, perhaps of different builds. Each step runs in
 one transaction holding a transaction-level advisory lock, together with the version bump, so one
 dispatcher migrates and the others wait, then find the new version and skip. A database whose
-version is above this build's was written by a newer build and is refused.
+version is above this build's was written by a newer build and is refused. The step, the refusal
+and the log line are shared with SQLite's runner (``store/migrations.py``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import logging
 
 import psycopg
 
-from songserve.api.store.sqlite.migrations import NewerSchemaError, log_migrated
+from songserve.api.store.migrations import Migration, NewerSchemaError, log_migrated
 
 log = logging.getLogger(__name__)
 LOCK = 0x50_4E_47_53  # the advisory-lock key of schema changes ("SGNP")
 
-MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
-    (
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
         1,
         "jobs and tracks",
         (
@@ -55,7 +56,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX tracks_status ON tracks(status)",
         ),
     ),
-    (
+    Migration(
         2,
         "shared-store fields: track owner and progress, the worker registry, dispatchers",
         (
@@ -76,7 +77,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE TABLE dispatchers (dispatcher_id TEXT PRIMARY KEY, alive_until DOUBLE PRECISION NOT NULL)",
         ),
     ),
-    (
+    Migration(
         3,
         "fencing: a lease epoch per worker, and the store's own id (the epochs' namespace on a worker)",
         (
@@ -85,12 +86,12 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "INSERT INTO store_meta VALUES ('store_id', md5(random()::text || clock_timestamp()::text))",
         ),
     ),
-    (
+    Migration(
         4,
         "live audio: the seconds of a running track's live audio, so any dispatcher shows them",
         ("ALTER TABLE tracks ADD COLUMN preview_sec DOUBLE PRECISION NOT NULL DEFAULT 0",),
     ),
-    (
+    Migration(
         5,
         "webhooks and keys: the outbox of webhook events, each job's key name and last progress event",
         (
@@ -117,7 +118,7 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX webhook_events_job ON webhook_events(job_id, id)",
         ),
     ),
-    (
+    Migration(
         6,
         "uploads: a person's own audio, queued for encoding, then continued from (store/uploads.py)",
         (
@@ -141,13 +142,13 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX uploads_status ON uploads(status, created_at)",
         ),
     ),
-    (
+    Migration(
         7,
         "the API key an upload came with: a key sees its own uploads only (keys.py)",
         ("ALTER TABLE uploads ADD COLUMN caller TEXT",),
     ),
 )
-SCHEMA_VERSION = MIGRATIONS[-1][0]
+SCHEMA_VERSION = MIGRATIONS[-1].version
 
 
 async def _version(conn: psycopg.AsyncConnection[object]) -> int:
@@ -166,13 +167,13 @@ async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
         current = await _version(conn)
         if current > SCHEMA_VERSION:
             raise NewerSchemaError(current, SCHEMA_VERSION)
-        for version, what, statements in MIGRATIONS:
-            if version <= current:
+        for step in MIGRATIONS:
+            if step.version <= current:
                 continue
-            for sql in statements:
+            for sql in step.statements:
                 await conn.execute(sql)
-            await conn.execute("INSERT INTO songserve_schema (version) VALUES (%s)", (version,))
-            applied.append(version)
-            said.append(what)
-    log_migrated(current, applied, said)
+            await conn.execute("INSERT INTO songserve_schema (version) VALUES (%s)", (step.version,))
+            applied.append(step.version)
+            said.append(step.what)
+    log_migrated(log, current, applied, said)
     return applied

@@ -6,10 +6,14 @@ Through psycopg 3 with an async connection pool; every method is one short trans
   the other; rows another dispatcher holds or already took are skipped.
 - Compare-and-set writes: a track row is written only while its (status, owner) are what the writer
   last saw (``StaleTrack`` otherwise), and, fenced, while the lease it was made under still holds,
-  checked in the same statement against the lease row (``LeaseLost`` otherwise; the lease rows and
-  their epochs: ``store/postgres/leases.py``, mixed in; uploads: ``store/postgres/uploads.py``, mixed in).
-- Two pools: one for the routes and one for the background loops and attempts (``BACKGROUND``
-  picks), so routes stalled on a locked table cannot take every connection the loops need.
+  checked in the same statement against the lease row (``LeaseLost`` otherwise; ``lease_cte`` of the
+  membership connector).
+- Each other concern is a small connector on the same connections, reached as an attribute:
+  ``outbox`` (``store/postgres/outbox.py``), ``uploads`` (``uploads.py``), ``members`` (``members.py``:
+  the registry, presence, leases and their epochs).
+- Two pools: one for the routes and one for the background loops and attempts (``PgLanes`` in
+  ``conn.py``: ``BACKGROUND`` picks), so routes stalled on a locked table cannot take every connection
+  the loops need.
 - Leases and presence are timed on the database's clock, so hosts' clocks need not agree.
 - Events: every write to a job sends ``NOTIFY songserve_jobs, '<origin>|<job_id>'`` in its
   transaction (delivered on commit); ``listen`` keeps one connection of its own on ``LISTEN`` and
@@ -17,8 +21,8 @@ Through psycopg 3 with an async connection pool; every method is one short trans
 - ``exclusive`` is a session advisory lock: one dispatcher at a time sweeps retention.
 - ``probe`` asks for the lock every write takes on the job tables, under a short lock timeout, and
   lets it go: a table locked by anyone turns ``/ready`` red within seconds.
-- Webhook events ride in the statement of the change they report (``events_cte``); the outbox's claims
-  and a key's quota: ``store/postgres/outbox.py``, mixed in.
+- Webhook events ride in the statement of the change they report (the outbox connector's
+  ``events_cte``); a key's quota is checked in the insert's transaction (``store/postgres/quota.py``).
 - The pooled connections, their time limits and what a dead one means: ``store/postgres/conn.py``.
 """
 
@@ -38,25 +42,25 @@ from psycopg_pool import PoolTimeout
 
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
-from songserve.api.store.postgres.conn import PgConnections, StoreLimits, redact
-from songserve.api.store.postgres.leases import PgMembership, lease_cte
+from songserve.api.store.members import Fence
+from songserve.api.store.migrations import NewerSchemaError
+from songserve.api.store.postgres.conn import PgLanes, StoreLimits, redact
+from songserve.api.store.postgres.members import PgMembers, lease_cte
 from songserve.api.store.postgres.migrations import migrate
-from songserve.api.store.postgres.outbox import PgOutbox, check_quota, events_cte
+from songserve.api.store.postgres.outbox import PgOutbox, events_cte
+from songserve.api.store.postgres.quota import USAGE, check_quota, usage_from_row
 from songserve.api.store.postgres.uploads import PgUploads
 from songserve.api.store.protocol import (
-    BACKGROUND,
     STORED_TRACK_FIELDS,
     DuplicateKey,
     Events,
-    Fence,
     LeaseLost,
     StaleTrack,
     job_from_row,
     stored_value,
     work_ratios,
 )
-from songserve.api.store.quota import Quota
-from songserve.api.store.sqlite.migrations import NewerSchemaError
+from songserve.api.store.quota import Quota, Usage
 from songserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -80,7 +84,9 @@ RUNNING_VALUES = [s.value for s in RUNNING]
 MIGRATION_LIMITS = StoreLimits(statement_timeout_sec=600.0, lock_timeout_sec=120.0)
 
 
-class PgStore(PgMembership, PgOutbox, PgUploads):
+class PgStore:
+    """The PostgreSQL engine of ``JobStore``: jobs and tracks, with its connectors on the same pools."""
+
     shared = True
 
     def __init__(self, url: str, origin: str, pool_size: int = 10, limits: StoreLimits | None = None) -> None:
@@ -89,13 +95,10 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
         self.origin = origin  # this dispatcher's id: its own NOTIFYs are not news to it
         self.limits = limits or StoreLimits()
         self.ident = ""  # read at open
-        self.routes_db = PgConnections(url, pool_size, self.limits, "songserve-routes")
-        self.loops_db = PgConnections(url, pool_size, self.limits, "songserve-loops")
-
-    @property
-    def db(self) -> PgConnections:
-        """The calling lane's pool: the background loops' own, or the routes'."""
-        return self.loops_db if BACKGROUND.get() else self.routes_db
+        self.db = PgLanes(url, pool_size, self.limits)
+        self.outbox = PgOutbox(self.db)
+        self.uploads = PgUploads(self.db)
+        self.members = PgMembers(self.db)
 
     @classmethod
     async def open(
@@ -112,14 +115,10 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
                 await migrate(conn)
                 row = await (await conn.execute("SELECT value FROM store_meta WHERE name='store_id'")).fetchone()
                 store.ident = str(row["value"]) if row else ""
-            await store.routes_db.open(timeout)
-            await store.loops_db.open(timeout)
+            await store.db.open(timeout)
         except NewerSchemaError as exc:
             await store.close()
-            raise ConfigError(
-                f"The job store {store.where} has schema version {exc.found}, newer than this build's {exc.known}: "
-                "run the newer songserve on it, or point STORE_URL at another database."
-            ) from None
+            raise ConfigError(exc.refusal(store.where, "STORE_URL at another database")) from None
         except (psycopg.Error, PoolTimeout) as exc:
             await store.close()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -127,8 +126,7 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
         return store
 
     async def close(self) -> None:
-        await self.routes_db.close()
-        await self.loops_db.close()
+        await self.db.close()
 
     def _announcing(self, write: str) -> str:
         """``write`` (an UPDATE/DELETE … RETURNING job_id) and its NOTIFY as one statement."""
@@ -316,6 +314,9 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
         )
         return work_ratios((r["metadata"], r["started_at"], r["finished_at"], r["duration_sec"]) for r in rows)
 
+    async def usage(self, caller: str | None, since: float) -> Usage:
+        return usage_from_row((await self.db.read(USAGE, (caller, caller, since)))[0])
+
     # ---- events and one-at-a-time work ---------------------------------------------------------
     @asynccontextmanager
     async def listen(self, on_change: Callable[[str], None]) -> AsyncIterator[None]:
@@ -361,7 +362,7 @@ class PgStore(PgMembership, PgOutbox, PgUploads):
         """The lock every write takes on the job tables (``ROW EXCLUSIVE``: it waits only for a lock
         that would stall writes), asked for under ``timeout`` and let go at once, on the loops' pool."""
         ms = max(1, round(timeout * 1000))
-        async with self.loops_db.tx(wait=timeout, limits=StoreLimits(2 * timeout, timeout)) as conn:
+        async with self.db.loops.tx(wait=timeout, limits=StoreLimits(2 * timeout, timeout)) as conn:
             await conn.execute(
                 f"SET LOCAL lock_timeout = {ms}; SET LOCAL statement_timeout = {2 * ms};"
                 " LOCK TABLE jobs, tracks IN ROW EXCLUSIVE MODE"

@@ -1,4 +1,4 @@
-"""The PostgreSQL store's uploads (``store/uploads.py`` has the rules), mixed into ``PgStore``.
+"""The PostgreSQL store's uploads connector (``store.uploads``; ``store/uploads.py`` has the protocol and the rules).
 
 Claims lock the row (``FOR UPDATE SKIP LOCKED``) and check the worker's lease in the same statement
 (``lease_cte``, as a track's claim does), so two dispatchers never encode one upload at once; times
@@ -7,36 +7,35 @@ that decide take-overs are the database's clock (``NOW``).
 
 from __future__ import annotations
 
-from songserve.api.store.postgres.conn import NOW, PgConnections
-from songserve.api.store.postgres.leases import lease_cte
-from songserve.api.store.protocol import Fence
+from songserve.api.store.members import Fence
+from songserve.api.store.postgres.conn import NOW, PgLanes
+from songserve.api.store.postgres.members import lease_cte
 from songserve.api.store.uploads import UPLOAD_COLUMNS, UploadRecord, upload_from_row
 
 TERMINAL_UPLOADS = ["ready", "failed"]
 
 
 class PgUploads:
-    """``JobStore``'s upload methods over ``db`` (the store's connections)."""
+    """``UploadStore`` over the store's connections (``db``: the calling lane's pool)."""
 
-    @property
-    def db(self) -> PgConnections:
-        raise NotImplementedError  # PgStore: the pool of the calling lane
+    def __init__(self, db: PgLanes) -> None:
+        self.db = db
 
-    async def insert_upload(self, u: UploadRecord) -> None:
+    async def insert(self, u: UploadRecord) -> None:
         marks = ", ".join("%s" for _ in UPLOAD_COLUMNS)
         await self.db.rows(
             f"INSERT INTO uploads ({', '.join(UPLOAD_COLUMNS)}) VALUES ({marks}) RETURNING upload_id", u.values()
         )
 
-    async def load_upload(self, upload_id: str) -> UploadRecord | None:
+    async def load(self, upload_id: str) -> UploadRecord | None:
         rows = await self.db.read("SELECT * FROM uploads WHERE upload_id=%s", (upload_id,))
         return upload_from_row(rows[0]) if rows else None
 
-    async def queued_uploads(self, limit: int) -> list[UploadRecord]:
+    async def queued(self, limit: int) -> list[UploadRecord]:
         rows = await self.db.read("SELECT * FROM uploads WHERE status='queued' ORDER BY created_at LIMIT %s", (limit,))
         return [upload_from_row(r) for r in rows]
 
-    async def claim_upload(self, upload_id: str, fence: Fence) -> bool:
+    async def claim(self, upload_id: str, fence: Fence) -> bool:
         lease, params = lease_cte(fence)
         rows = await self.db.rows(
             f"WITH {lease}, locked AS (SELECT upload_id FROM uploads WHERE upload_id=%s AND status='queued'"
@@ -48,7 +47,7 @@ class PgUploads:
         )
         return bool(rows[0]["won"])
 
-    async def finish_upload(self, u: UploadRecord, owner: str) -> bool:
+    async def finish(self, u: UploadRecord, owner: str) -> bool:
         rows = await self.db.rows(
             "UPDATE uploads SET status=%s, frames=%s, error=%s, owner=NULL, finished_at=%s"
             " WHERE upload_id=%s AND status='encoding' AND owner=%s RETURNING upload_id",
@@ -56,7 +55,7 @@ class PgUploads:
         )
         return bool(rows)
 
-    async def requeue_upload(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
+    async def requeue(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
         rows = await self.db.rows(
             "UPDATE uploads SET status='queued', owner=NULL, worker_id=-1, error=%s, attempts=attempts-%s"
             " WHERE upload_id=%s AND status='encoding' AND owner=%s RETURNING upload_id",
@@ -64,7 +63,7 @@ class PgUploads:
         )
         return bool(rows)
 
-    async def requeue_stale_uploads(self, alive: set[str], me: str, running: set[str]) -> int:
+    async def requeue_stale(self, alive: set[str], me: str, running: set[str]) -> int:
         rows = await self.db.rows(
             "UPDATE uploads SET status='queued', owner=NULL, worker_id=-1 WHERE status='encoding'"
             " AND (owner IS NULL OR NOT (owner = ANY(%s)) OR (owner=%s AND NOT (upload_id = ANY(%s))))"
@@ -73,10 +72,10 @@ class PgUploads:
         )
         return len(rows)
 
-    async def delete_upload(self, upload_id: str) -> bool:
+    async def delete(self, upload_id: str) -> bool:
         return bool(await self.db.rows("DELETE FROM uploads WHERE upload_id=%s RETURNING upload_id", (upload_id,)))
 
-    async def expired_uploads(self, older_than: float) -> list[str]:
+    async def expired(self, older_than: float) -> list[str]:
         rows = await self.db.read(
             "SELECT upload_id FROM uploads WHERE status = ANY(%s) AND finished_at < %s ORDER BY finished_at",
             (TERMINAL_UPLOADS, older_than),
@@ -91,9 +90,9 @@ class PgUploads:
         )
         return [(r["kind"], r["id"]) for r in rows]
 
-    async def upload_ids(self) -> set[str]:
+    async def ids(self) -> set[str]:
         return {r["upload_id"] for r in await self.db.read("SELECT upload_id FROM uploads")}
 
-    async def upload_counts(self) -> dict[str, int]:
+    async def counts(self) -> dict[str, int]:
         rows = await self.db.read("SELECT status, COUNT(*) AS n FROM uploads GROUP BY status")
         return {r["status"]: int(r["n"]) for r in rows}

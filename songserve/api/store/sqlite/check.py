@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, NewerSchemaError, user_version
+from songserve.api.store.migrations import NewerSchemaError
+from songserve.api.store.sqlite.migrations import SCHEMA_VERSION, user_version
 from songserve.api.store.sqlite.store import SqliteStore, newer_schema_message
 from songserve.errors import ConfigError
 

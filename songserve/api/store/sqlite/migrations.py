@@ -6,15 +6,16 @@ transaction (SQLite's write lock) together with the version bump, so a crash mid
 store at the previous version, and a second process waits, then sees the new version and skips.
 
 To change the schema: append a step with the next number; never edit a step that has shipped.
-A store whose version is above ``SCHEMA_VERSION`` was written by a newer build and is refused.
+A store whose version is above ``SCHEMA_VERSION`` was written by a newer build and is refused. The
+step, the refusal and the log line are shared with PostgreSQL's runner (``store/migrations.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable
-from dataclasses import dataclass
+
+from songserve.api.store.migrations import Migration, NewerSchemaError, log_migrated
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +72,6 @@ CREATE TABLE webhook_events (
     last_error TEXT,
     ended_at REAL
 )"""
-
-
-@dataclass(frozen=True)
-class Migration:
-    version: int
-    what: str
-    statements: tuple[str, ...] = ()
-    # for steps SQL alone cannot express (back-filling values); runs inside the same transaction
-    apply: Callable[[sqlite3.Connection], None] | None = None
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -173,14 +165,6 @@ MIGRATIONS: tuple[Migration, ...] = (
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
 
-class NewerSchemaError(Exception):
-    """The store was written by a newer build; opening it here could lose what that build stored."""
-
-    def __init__(self, found: int, known: int) -> None:
-        super().__init__(f"schema version {found}, newer than this build's {known}")
-        self.found, self.known = found, known
-
-
 def user_version(db: sqlite3.Connection) -> int:
     return int(db.execute("PRAGMA user_version").fetchone()[0])
 
@@ -202,8 +186,6 @@ def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIO
             if current < step.version:
                 for sql in step.statements:
                     db.execute(sql)
-                if step.apply is not None:
-                    step.apply(db)
                 db.execute(f"PRAGMA user_version = {int(step.version)}")
                 applied.append(step.version)
             db.execute("COMMIT")
@@ -211,18 +193,8 @@ def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIO
             db.execute("ROLLBACK")
             raise
     said = [step.what for step in migrations if step.version in applied]
-    log_migrated(first, applied, said)
+    log_migrated(log, first, applied, said)
     found = user_version(db)
     if found > known:
         raise NewerSchemaError(found, known)
     return applied
-
-
-def log_migrated(first: int, applied: list[int], what: list[str]) -> None:
-    """One line, whatever the number of steps: a fresh store is made, not "migrated" seven times."""
-    if not applied:
-        return
-    if first == 0:
-        log.info("job store: created (schema version %d)", applied[-1])
-    else:
-        log.info("job store: schema migrated from version %d to %d (%s)", first, applied[-1], "; ".join(what))

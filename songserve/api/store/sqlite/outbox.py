@@ -1,8 +1,8 @@
-"""The SQLite store's webhook outbox and key usage: ``SqliteStore`` mixes these in.
+"""The SQLite store's outbox connector (``store.outbox``): the webhook events' claims, tries and sweeps.
 
-Kept apart from the jobs and tracks (``store/sqlite/store.py``) so each stays readable. ``insert_events``
-and ``check_quota`` run inside the store's own transactions (the state change's, the job insert's);
-the rest are the ``webhooks`` loop's calls (``webhooks/sender.py``). The outbox's rules: ``store/outbox.py``.
+``SqliteOutbox``'s methods are the ``webhooks`` loop's calls (``webhooks/sender.py``). ``insert_events``
+writes a state change's events inside the jobs store's own transaction (``store/sqlite/store.py``),
+so an event exists exactly when the change it reports does. The outbox's rules: ``store/outbox.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 
 from songserve.api.store.outbox import Delivery, OutboxStats, WebhookEvent, delivery_from_row, event_columns
-from songserve.api.store.quota import WINDOW_SEC, Quota, Usage, check
+from songserve.api.store.sqlite.conn import transaction
 
 # The due events, each the oldest pending one of its job (so a job's events go out in order).
 DUE = (
@@ -31,34 +30,15 @@ def insert_events(db: sqlite3.Connection, events: Sequence[WebhookEvent]) -> Non
         )
 
 
-def read_usage(db: sqlite3.Connection, caller: str | None, since: float) -> Usage:
-    active = db.execute("SELECT COUNT(*) FROM jobs WHERE caller IS ? AND terminal=0", (caller,)).fetchone()[0]
-    recent = db.execute(
-        "SELECT created_at, num_tracks FROM jobs WHERE caller IS ? AND created_at > ? ORDER BY created_at",
-        (caller, since),
-    ).fetchall()
-    return Usage(int(active), [(float(r[0]), int(r[1])) for r in recent])
-
-
-def check_quota(db: sqlite3.Connection, quota: Quota, wanted: int, now: float) -> None:
-    """In the insert's transaction (the write lock): raise ``OverQuota`` if the job is over a limit."""
-    check(quota, read_usage(db, quota.caller, now - WINDOW_SEC), wanted, now)
-
-
 class SqliteOutbox:
-    """``JobStore``'s outbox and usage methods over ``db`` (the store's connection)."""
+    """``Outbox`` over the store's connection."""
 
-    db: sqlite3.Connection
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
 
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        raise NotImplementedError  # SqliteStore: one write transaction
-
-    async def usage(self, caller: str | None, since: float) -> Usage:
-        return read_usage(self.db, caller, since)
-
-    async def add_progress_event(self, event: WebhookEvent, min_gap: float) -> bool:
+    async def add_progress(self, event: WebhookEvent, min_gap: float) -> bool:
         now = time.time()
-        with self._tx() as db:
+        with transaction(self.db) as db:
             cur = db.execute(
                 "UPDATE jobs SET progress_event_at=? WHERE job_id=? AND terminal=0 AND progress_event_at <= ?",
                 (now, event.job_id, now - min_gap),
@@ -68,11 +48,11 @@ class SqliteOutbox:
             insert_events(db, [event])
         return True
 
-    async def claim_events(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
+    async def claim(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
         now = time.time()
         if self.db.execute(f"SELECT 1 {DUE} LIMIT 1", (now, now)).fetchone() is None:
             return []  # the usual answer, without the write lock
-        with self._tx() as db:
+        with transaction(self.db) as db:
             rows = db.execute(f"SELECT e.* {DUE} ORDER BY e.id LIMIT ?", (now, now, limit)).fetchall()
             db.executemany(
                 "UPDATE webhook_events SET lease_owner=?, lease_until=? WHERE id=?",
@@ -80,17 +60,17 @@ class SqliteOutbox:
             )
         return [delivery_from_row(r) for r in rows]
 
-    async def event_delivered(self, row: int) -> None:
-        with self._tx() as db:
+    async def delivered(self, row: int) -> None:
+        with transaction(self.db) as db:
             db.execute(
                 "UPDATE webhook_events SET state='delivered', ended_at=?, lease_owner=NULL, lease_until=0"
                 " WHERE id=? AND state='pending'",
                 (time.time(), row),
             )
 
-    async def event_failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
+    async def failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
         now = time.time()
-        with self._tx() as db:
+        with transaction(self.db) as db:
             if retry_in is None:
                 db.execute(
                     "UPDATE webhook_events SET state='failed', ended_at=?, attempts=attempts+1, last_error=?,"
@@ -104,20 +84,20 @@ class SqliteOutbox:
                     (now + retry_in, error, row, owner),
                 )
 
-    async def release_events(self, owner: str) -> None:
-        with self._tx() as db:
+    async def release(self, owner: str) -> None:
+        with transaction(self.db) as db:
             db.execute(
                 "UPDATE webhook_events SET lease_owner=NULL, lease_until=0 WHERE lease_owner=? AND state='pending'",
                 (owner,),
             )
 
-    async def outbox_stats(self) -> OutboxStats:
+    async def stats(self) -> OutboxStats:
         n, oldest = self.db.execute(
             "SELECT COUNT(*), MIN(created_at) FROM webhook_events WHERE state='pending'"
         ).fetchone()
         return OutboxStats(int(n), oldest)
 
-    async def sweep_events(self, ended_before: float) -> int:
-        with self._tx() as db:
+    async def sweep(self, ended_before: float) -> int:
+        with transaction(self.db) as db:
             cur = db.execute("DELETE FROM webhook_events WHERE state <> 'pending' AND ended_at < ?", (ended_before,))
         return int(cur.rowcount)

@@ -4,11 +4,14 @@ Everything a restart needs is here: the request, each track's status, attempts, 
 timings and metadata. The dispatcher's queue is rebuilt from it at start-up. All calls come from
 the event-loop thread; each is a short local transaction.
 
-The webhook outbox and a key's usage are ``store/sqlite/outbox.py``, mixed in; their writes that go
-with a state change or a job's insert run inside those transactions.
+``SqliteStore`` keeps the jobs and tracks; each other concern is a small connector on the same
+connection, reached as an attribute: ``outbox`` (``store/sqlite/outbox.py``), ``uploads``
+(``uploads.py``), ``members`` (``members.py``: the registry, presence and leases). What a state change
+writes beside its track (its webhook events, the lease check of its fence, a key's quota at insert)
+runs inside this store's own transaction, through those modules' helpers that take it.
 
-The file is checked before the service opens it (``store_sqlite_check.prepare_store``: damage, an
-empty file beside results, a newer schema); the schema itself is versioned and migrated forward in
+The file is checked before the service opens it (``store/sqlite/check.py``: damage, an empty file
+beside results, a newer schema); the schema itself is versioned and migrated forward in
 ``store/sqlite/migrations.py``.
 """
 
@@ -16,43 +19,44 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import RUNNING, TERMINAL, TrackStatus
+from songserve.api.store.members import Fence
+from songserve.api.store.migrations import NewerSchemaError
 from songserve.api.store.protocol import (
     STORED_TRACK_FIELDS,
     DuplicateKey,
     Events,
-    Fence,
     LeaseLost,
     StaleTrack,
     StoreError,
-    WorkerRow,
     job_from_row,
     stored_value,
     work_ratios,
 )
-from songserve.api.store.quota import Quota
-from songserve.api.store.sqlite.migrations import NewerSchemaError, migrate
-from songserve.api.store.sqlite.outbox import SqliteOutbox, check_quota, insert_events
+from songserve.api.store.quota import Quota, Usage
+from songserve.api.store.sqlite.conn import BUSY_TIMEOUT_MS, configure, connect, transaction
+from songserve.api.store.sqlite.members import SqliteMembers, holds
+from songserve.api.store.sqlite.migrations import migrate
+from songserve.api.store.sqlite.outbox import SqliteOutbox, insert_events
+from songserve.api.store.sqlite.quota import check_quota, read_usage
 from songserve.api.store.sqlite.uploads import SqliteUploads
 from songserve.errors import ConfigError
 
 TERMINAL_SQL = ", ".join(f"'{s.value}'" for s in sorted(TERMINAL))
 RUNNING_SQL = ", ".join(f"'{s.value}'" for s in sorted(RUNNING))
-BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 
 
-class SqliteStore(SqliteOutbox, SqliteUploads):
+class SqliteStore:
     """The SQLite engine of ``JobStore``: one file, one dispatcher. Open it after ``prepare_store``
     (``store/sqlite/check.py``).
 
     Calls come from the event-loop thread; each is a short local transaction, so they run inline.
-    Uploads: ``store/sqlite/uploads.py``, mixed in. Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
+    Events stay in the process (no other dispatcher can share the file), and ``exclusive`` always holds.
     """
 
     shared = False
@@ -61,12 +65,9 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.where = str(path)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
-        self.db.row_factory = sqlite3.Row
+        self.db = connect(path)
         try:
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("PRAGMA foreign_keys=ON")
+            configure(self.db)
             migrate(self.db)
             self.ident = str(self.db.execute("SELECT value FROM store_meta WHERE name='store_id'").fetchone()[0])
         except NewerSchemaError as exc:
@@ -75,26 +76,15 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
         except sqlite3.DatabaseError as exc:
             self.db.close()
             raise ConfigError(f"The job store {path} cannot be opened ({exc}).") from None
+        self.outbox = SqliteOutbox(self.db)
+        self.uploads = SqliteUploads(self.db)
+        self.members = SqliteMembers(self.db)
 
     async def close(self) -> None:
         self.db.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (``BEGIN IMMEDIATE``); any SQLite failure becomes ``StoreError``."""
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as exc:
-            raise StoreError(str(exc)) from exc
-        try:
-            yield self.db
-            self.db.execute("COMMIT")
-        except BaseException as exc:
-            with contextlib.suppress(sqlite3.Error):  # SQLite may have rolled back already (disk full)
-                self.db.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(str(exc)) from exc
-            raise
+    def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return transaction(self.db)
 
     # ---- jobs and tracks -----------------------------------------------------------------------
     async def insert_job(self, job: Job, quota: Quota | None = None) -> None:
@@ -118,7 +108,7 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
     async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
         won: set[int] = set()
         with self._tx() as db:  # the write lock makes the checks and the writes one step
-            if tracks and not self._holds(db, fence):
+            if tracks and not holds(db, fence):
                 raise LeaseLost(tracks[0].key, fence)
             for t in tracks:
                 if self._write_track(db, t, (TrackStatus.queued, None)):
@@ -129,19 +119,11 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
         self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None, events: Events = ()
     ) -> None:
         with self._tx() as db:
-            if fence is not None and not self._holds(db, fence):
+            if fence is not None and not holds(db, fence):
                 raise LeaseLost(t.key, fence)
             if not self._write_track(db, t, seen):
                 raise StaleTrack(t.key)
             insert_events(db, events)
-
-    def _holds(self, db: sqlite3.Connection, fence: Fence) -> bool:
-        """The fence's lease row says what the fence says, and has not expired (one dispatcher's clock)."""
-        row = db.execute(
-            "SELECT 1 FROM workers WHERE worker_id=? AND lease_owner=? AND lease_epoch=? AND lease_until > ?",
-            (fence.worker_id, fence.owner, fence.epoch, time.time()),
-        ).fetchone()
-        return row is not None
 
     def _write_track(self, db: sqlite3.Connection, t: Track, seen: tuple[TrackStatus, str | None]) -> bool:
         values = [stored_value(t, f) for f in STORED_TRACK_FIELDS]
@@ -154,7 +136,7 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
 
     async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
         with self._tx() as db:
-            if fence is not None and not self._holds(db, fence):
+            if fence is not None and not holds(db, fence):
                 return
             db.execute(
                 "UPDATE tracks SET worker_phase=?, phase_progress=?, phase_detail=?, phase_rate=?, preview_sec=?"
@@ -262,83 +244,8 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
         ).fetchall()
         return work_ratios((r["metadata"], r["started_at"], r["finished_at"], r["duration_sec"]) for r in rows)
 
-    # ---- workers, dispatchers and leases -------------------------------------------------------
-    async def register_worker(self, url: str, ttl: float, announced: bool) -> int:
-        until = time.time() + ttl
-        with self._tx() as db:
-            row = db.execute("SELECT worker_id FROM workers WHERE url=?", (url,)).fetchone()
-            if row is not None:
-                db.execute(
-                    "UPDATE workers SET registered_until=MAX(registered_until, ?), announced=? WHERE worker_id=?",
-                    (until, int(announced), row[0]),
-                )
-                return int(row[0])
-            worker_id = int(db.execute("SELECT COALESCE(MAX(worker_id) + 1, 0) FROM workers").fetchone()[0])
-            db.execute(
-                "INSERT INTO workers (worker_id, url, announced, registered_until) VALUES (?, ?, ?, ?)",
-                (worker_id, url, int(announced), until),
-            )
-            return worker_id
-
-    async def withdraw_worker(self, worker_id: int) -> bool:
-        with self._tx() as db:
-            cur = db.execute("UPDATE workers SET registered_until=0 WHERE worker_id=? AND registered_until>0",
-                             (worker_id,))  # fmt: skip
-            return cur.rowcount == 1
-
-    async def live_workers(self) -> list[WorkerRow]:
-        now = time.time()
-        rows = self.db.execute(
-            "SELECT worker_id, url, announced, CASE WHEN lease_until > ? THEN lease_owner END FROM workers"
-            " WHERE registered_until > ? ORDER BY worker_id",
-            (now, now),
-        ).fetchall()
-        return [WorkerRow(int(r[0]), r[1], bool(r[2]), r[3]) for r in rows]
-
-    async def heartbeat(self, dispatcher_id: str, ttl: float) -> set[str]:
-        now = time.time()
-        with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO dispatchers VALUES (?, ?)", (dispatcher_id, now + ttl))
-            db.execute("DELETE FROM dispatchers WHERE alive_until < ?", (now - 3600,))
-            rows = db.execute("SELECT dispatcher_id FROM dispatchers WHERE alive_until > ?", (now,)).fetchall()
-            return {r[0] for r in rows}
-
-    async def leave(self, dispatcher_id: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM dispatchers WHERE dispatcher_id=?", (dispatcher_id,))
-            db.execute("UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE lease_owner=?", (dispatcher_id,))
-
-    async def renew_leases(self, owner: str, ttl: float) -> dict[int, int]:
-        now = time.time()
-        with self._tx() as db:
-            db.execute(
-                "UPDATE workers SET lease_until=? WHERE lease_owner=? AND lease_until > ?", (now + ttl, owner, now)
-            )
-            rows = db.execute(
-                "SELECT worker_id, lease_epoch FROM workers WHERE lease_owner=? AND lease_until > ?", (owner, now)
-            )
-            return {int(r[0]): int(r[1]) for r in rows.fetchall()}
-
-    async def acquire_lease(self, owner: str, worker_id: int, ttl: float) -> int | None:
-        now = time.time()
-        with self._tx() as db:
-            # The epoch stays only for a renewal by the holder of an unexpired lease (as in store/postgres/store.py).
-            cur = db.execute(
-                "UPDATE workers SET lease_epoch = lease_epoch + (CASE WHEN lease_owner IS ? AND lease_until > ?"
-                " THEN 0 ELSE 1 END), lease_owner=?, lease_until=? WHERE worker_id=? AND registered_until > ?"
-                " AND (lease_owner IS NULL OR lease_owner=? OR lease_until <= ?)",
-                (owner, now, owner, now + ttl, worker_id, now, owner, now),
-            )
-            if cur.rowcount != 1:
-                return None
-            return int(db.execute("SELECT lease_epoch FROM workers WHERE worker_id=?", (worker_id,)).fetchone()[0])
-
-    async def release_lease(self, owner: str, worker_id: int) -> None:
-        with self._tx() as db:
-            db.execute(
-                "UPDATE workers SET lease_owner=NULL, lease_until=0 WHERE worker_id=? AND lease_owner=?",
-                (worker_id, owner),
-            )
+    async def usage(self, caller: str | None, since: float) -> Usage:
+        return read_usage(self.db, caller, since)
 
     # ---- events and one-at-a-time work ---------------------------------------------------------
     @asynccontextmanager
@@ -368,7 +275,4 @@ class SqliteStore(SqliteOutbox, SqliteUploads):
 
 def newer_schema_message(path: Path, exc: NewerSchemaError) -> str:
     """The one line that refuses a store written by a newer build."""
-    return (
-        f"The job store {path} has schema version {exc.found}, newer than this build's {exc.known}: "
-        "run the newer songserve on it, or point STATE_DIR at another folder."
-    )
+    return exc.refusal(str(path), "STATE_DIR at another folder")
