@@ -288,3 +288,13 @@ def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url:
             await store.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_both_engines_walk_the_same_schema_versions() -> None:
+    """Each engine writes its steps in its own SQL, sharing only ``store/migrations.py``: the steps'
+    numbers and purposes must agree, or a store moved between engines would mean different things."""
+    from songserve.api.store.postgres import migrations as pg
+    from songserve.api.store.sqlite import migrations as sqlite
+
+    assert [(m.version, m.what) for m in pg.MIGRATIONS] == [(m.version, m.what) for m in sqlite.MIGRATIONS]
+    assert pg.SCHEMA_VERSION == sqlite.SCHEMA_VERSION

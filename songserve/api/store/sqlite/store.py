@@ -83,12 +83,9 @@ class SqliteStore:
     async def close(self) -> None:
         self.db.close()
 
-    def _tx(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return transaction(self.db)
-
     # ---- jobs and tracks -----------------------------------------------------------------------
     async def insert_job(self, job: Job, quota: Quota | None = None) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             if job.idempotency_key and (found := self._by_key(job.idempotency_key)):
                 raise DuplicateKey(found)
             if quota is not None and quota.limited:
@@ -107,7 +104,7 @@ class SqliteStore:
 
     async def claim(self, tracks: list[Track], fence: Fence) -> set[int]:
         won: set[int] = set()
-        with self._tx() as db:  # the write lock makes the checks and the writes one step
+        with transaction(self.db) as db:  # the write lock makes the checks and the writes one step
             if tracks and not holds(db, fence):
                 raise LeaseLost(tracks[0].key, fence)
             for t in tracks:
@@ -118,7 +115,7 @@ class SqliteStore:
     async def save_track(
         self, t: Track, seen: tuple[TrackStatus, str | None], fence: Fence | None = None, events: Events = ()
     ) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             if fence is not None and not holds(db, fence):
                 raise LeaseLost(t.key, fence)
             if not self._write_track(db, t, seen):
@@ -135,7 +132,7 @@ class SqliteStore:
         return cur.rowcount == 1
 
     async def save_progress(self, t: Track, fence: Fence | None = None) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             if fence is not None and not holds(db, fence):
                 return
             db.execute(
@@ -154,16 +151,16 @@ class SqliteStore:
             )
 
     async def mark_started(self, job_id: str, at: float, events: Events = ()) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             if db.execute("UPDATE jobs SET started_at=? WHERE job_id=? AND started_at IS NULL", (at, job_id)).rowcount:
                 insert_events(db, events)
 
     async def mark_cancelled(self, job_id: str) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             db.execute("UPDATE jobs SET cancelled=1 WHERE job_id=?", (job_id,))
 
     async def finish_job(self, job_id: str, at: float, events: Events = ()) -> bool:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             cur = db.execute(
                 "UPDATE jobs SET terminal=1, finished_at=COALESCE(finished_at, ?) WHERE job_id=? AND terminal=0"
                 f" AND NOT EXISTS (SELECT 1 FROM tracks WHERE job_id=? AND status NOT IN ({TERMINAL_SQL}))",
@@ -229,7 +226,7 @@ class SqliteStore:
         return [(r[0], int(r[1])) for r in rows]
 
     async def delete_job(self, job_id: str) -> None:
-        with self._tx() as db:
+        with transaction(self.db) as db:
             db.execute("DELETE FROM jobs WHERE job_id=?", (job_id,))
 
     async def counts(self) -> dict[str, int]:
