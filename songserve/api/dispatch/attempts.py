@@ -44,8 +44,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from songserve.api.dispatch import retakes
+from songserve.api.dispatch.attempt_ends import SILENT, AttemptStops
 from songserve.api.dispatch.attempt_fences import AttemptFences
-from songserve.api.dispatch.attempt_stops import SILENT, AttemptStops
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
 from songserve.api.dispatch.tracks import TrackBook

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from songserve.api.dispatch import readiness
-from songserve.api.dispatch.attempt_stops import USER_CANCEL
+from songserve.api.dispatch.attempt_ends import USER_CANCEL
 from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
