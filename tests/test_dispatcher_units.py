@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from songserve.api.dispatch import queue_order
+from songserve.api.dispatch import queue_order, retries
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
@@ -115,6 +115,21 @@ def test_track_transitions():
     for bad in ((Q, OK), (OK, Q), (E, G), (C, Q)):
         with pytest.raises(IllegalTransition):
             check_transition(*bad)
+
+
+def test_retry_rules_spare_environment_failures_each_workers_share_and_give_up_when_tries_run_out():
+    assert retries.RetryTrack("disk full", environment=True).count is False  # never counted on its own
+    assert retries.RetryTrack("busy", count=False).count is False
+    assert retries.RetryTrack("lost").count is True
+    assert retries.environment_share(3, 4) == 12  # past 12 environment failures they count again
+    assert retries.environment_share(3, 0) == 3  # an empty pool still gives the track its own tries
+    assert retries.tries_used(2, count=True) == 2
+    assert retries.tries_used(2, count=False) == 1  # the try it began is given back
+    assert retries.tries_used(0, count=False) == 0
+    assert retries.given_up(2, 3, "worker 0 connection lost") is None
+    assert (
+        retries.given_up(3, 3, "worker 0 connection lost") == "Track failed after 3 attempts: worker 0 connection lost."
+    )
 
 
 # ---- scheduler order ------------------------------------------------------------------------------

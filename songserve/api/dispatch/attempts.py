@@ -1,35 +1,29 @@
 """Attempts: one attempt of a track (or of a batch of one job's takes) on one worker, top to bottom.
 
-An attempt, in the order it happens, and in this order below:
-1. ``begin``: each take gets a fresh task id and is claimed in the store (``TrackBook.claim``); the
-   takes won are assigned to the worker and one asyncio task runs them (``reattach`` starts one for
-   a track already running on a worker, after a restart or a lease take-over); a retake's takes
-   carry the frames it keeps (``retakes.kept_frames``, read before the claim);
-2. ``_run``: the worker's answer, one ``Outcome`` per take (``WorkerClient.generate_batch``, or
-   ``/tasks/{id}`` polled for a reattached track); the worker is released at once;
-3. ``_apply``: done → its files copied and checked (``ArtifactStore.collect``) and the track done;
-   a clear model error → the track failed; cancelled by the worker, busy, an environment failure →
-   a retry;
-4. ``_retry_after``: every failure on the way is a retry of the tracks it touched (``RetryTrack``)
-   while attempts remain (``TrackBook.retry``), never a stuck track.
+The story of an attempt, in the order it happens: chapters 1 and 2 below, 3 and 4 in
+``attempt_ends.py`` (mixed into ``Attempts``, which holds the state).
+1. Its start (``begin``): the dispatch pass's placement hands it a worker; each take gets a fresh
+   task id and is claimed in the store under the worker's lease (``TrackBook.claim`` with the
+   attempt's ``Fence``); the takes won are assigned to the worker and one asyncio task sends the
+   request (``_spawn``: never a second for a track, so nothing else acts on a track an attempt
+   holds). A retake's kept frames are read before the claim. ``reattach`` follows a track already
+   running on its worker (``/tasks/{id}``) after a restart, a lease take-over or a failed write;
+   ``abandon`` sends one whose worker left the pool back to the queue.
+2. Its answer (``_run``): progress while it runs, from the health poll (``on_health``: a new phase is
+   a state change, the rest reaches the store at most once a second); then one ``Outcome`` per take,
+   the worker released at once (its next track starts while the files are copied), and each applied
+   (``_apply``): done → the files copied and checked (``ArtifactStore.collect``) and the track done;
+   a clear model error → error; cancelled, busy, an environment failure → a retry. Only the current
+   task id's outcome is applied, so a retried track finishes once. A worker's own fault (an answer
+   out of contract, files not what it said) is charged to its breaker (``_charge``) and costs no try;
+   a results folder we cannot write is ours: the track waits.
+3. Its stop: from outside (the watchdog, the health poll, the user, the pool, a lost lease), or after
+   a failure: a retry, or the end of the track's tries.
+4. Its fence: the lease every write carries, and what a write refused under it ends.
 
-Why an attempt stops early: its worker went offline or stalled (``on_health``), no progress or past
-its deadline (``watch``), the user cancelled, its worker left the pool or its lease was lost. One
-stop per attempt: later stops of the same attempt are no-ops (``stop``); the worker-side cancel
-that follows is shielded from further cancels; a lost lease ends the attempt silently (the new
-holder reattaches the task). Only the current task id's outcome is applied, so a retried track
-finishes once.
-
-Whose fault: an answer that is not the contract or files that are not what the worker said
-(``WorkerFault``) are the worker's: charged to it (``_charge``, its breaker) and the track runs
-elsewhere without losing an attempt. A results folder we cannot write is ours: the track waits.
-
-Fencing (``dispatch/attempt_fences.py``): every write an attempt makes carries the lease it was claimed
-under; a write refused for a lost lease (``LeaseLost``) ends the attempt without touching the track.
-One asyncio task per track at a time (``_spawn`` refuses a second), so nothing else acts on a track
-while an attempt holds it. No error escapes the handling of a worker's answer (``_conclude``): a
-track whose outcome could not be stored stays running here and the watchdog's repair asks the worker
-again (``reconcile``), which collects a finished result instead of generating it again.
+Not the story, and where it lives: each state write, store first (``tracks.py``); which failures cost
+a try (``retries.py``); what a worker's answer means (``workers/outcomes.py``); the files
+(``results/``); the leases and their epochs (``membership.py``).
 """
 
 from __future__ import annotations
@@ -43,14 +37,15 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from songserve.api.dispatch import retakes
-from songserve.api.dispatch.attempt_fences import AttemptFences
-from songserve.api.dispatch.attempt_stops import SILENT, AttemptStops
+from songserve.api.dispatch import retakes, retries
+from songserve.api.dispatch.attempt_ends import LEASE_LOST, SILENT, TAKEN_OVER, AttemptEnds
 from songserve.api.dispatch.estimates import SpeedHistory
-from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
+from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.retries import RetryTrack
 from songserve.api.dispatch.tracks import TrackBook
+from songserve.api.jobs.phases import status_of_phase
 from songserve.api.jobs.records import Job, Key, Track
-from songserve.api.jobs.states import TrackStatus
+from songserve.api.jobs.states import IllegalTransition, TrackStatus
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
@@ -60,19 +55,10 @@ from songserve.api.workers.outcomes import Outcome, OutcomeKind, TaskLost, Worke
 from songserve.api.workers.to_worker import result_metadata, result_seed, worker_request
 
 log = logging.getLogger(__name__)
+PROGRESS_WRITE_SEC = 1.0  # a running track's progress reaches the store at most this often
 
 
-class RetryTrack(Exception):
-    """The track should run again; ``count`` is False when the attempt never started, or when the
-    worker failed it for an environment reason (``environment``: disk, memory, writes)."""
-
-    def __init__(self, reason: str, count: bool = True, environment: bool = False) -> None:
-        super().__init__(reason)
-        self.count = count and not environment
-        self.environment = environment
-
-
-class Attempts(AttemptStops, AttemptFences):
+class Attempts(AttemptEnds):
     """This dispatcher's attempts: which run (``running``), how each goes, and why one stops."""
 
     def __init__(
@@ -103,7 +89,7 @@ class Attempts(AttemptStops, AttemptFences):
         self._collecting: set[Key] = set()  # tracks whose files are being copied (or wait for the results folder)
         self._fences: dict[Key, Fence] = {}  # the lease each running attempt's writes are made under
 
-    # ---- one attempt, in order ------------------------------------------------------------------
+    # ---- 1. the start ---------------------------------------------------------------------------
     async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle, missing: str = "") -> bool:
         """Claim ``tracks`` (takes of one job, in order) in the store and start them on ``w`` as one
         attempt (one batch when several). Returns False when another dispatcher had claimed them all.
@@ -166,12 +152,12 @@ class Attempts(AttemptStops, AttemptFences):
     def abandon(self, job: Job, t: Track, reason: str) -> bool:
         """A running track whose worker is gone from the registry goes back to the queue (as an attempt
         of its own, so nothing else acts on it meanwhile). False when an attempt already holds it."""
-        return self._spawn([t.key], self._conclude(job, t, self.book.retry(job, t, reason, count=False)))
+        return self._spawn([t.key], self._conclude(job, t, self.retry(job, t, reason, count=False)))
 
     async def _follow(self, job: Job, t: Track) -> None:
         w = self.pool.by_id(t.worker_id)
         if w is None or t.task_id is None:
-            await self._conclude(job, t, self.book.retry(job, t, "its worker is no longer configured", count=False))
+            await self._conclude(job, t, self.retry(job, t, "its worker is no longer configured", count=False))
             return
         key, task_id = (job.job_id, t.index), t.task_id
         if (fence := self.fence_of(w)) is None:  # not leased here (any more): the holder reconciles it
@@ -196,6 +182,29 @@ class Attempts(AttemptStops, AttemptFences):
 
         await self._run(job, [t], w, outcome)
 
+    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> bool:
+        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch), on the store's
+        background lane (a route that started it does not lend it its connections). Refused (False)
+        while an attempt already holds one of them."""
+        if any(k in self.running and not self.running[k].done() for k in keys):
+            coro.close()
+            log.info("track %s/%d: an attempt already holds it", *next(k for k in keys if k in self.running))
+            return False
+        name = f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}"
+        task = asyncio.create_task(coro, name=name, context=background_context())
+        for key in keys:
+            self.running[key] = task
+            task.add_done_callback(functools.partial(self._task_done, key))
+        return True
+
+    def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
+        if self.running.get(key) is task:
+            del self.running[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("track %s/%d: unexpected failure", *key, exc_info=task.exception())
+        self.kick()
+
+    # ---- 2. the answer --------------------------------------------------------------------------
     async def _run(
         self, job: Job, tracks: list[Track], w: WorkerHandle, obtain: Callable[[], Awaitable[list[Outcome]]]
     ) -> None:
@@ -242,8 +251,8 @@ class Attempts(AttemptStops, AttemptFences):
         except Exception as exc:
             log.exception("track %s/%d: internal error", *keys[0])
             for t in tracks:
-                await self._conclude(job, t, self.book.retry(job, t, f"internal error ({type(exc).__name__})",
-                                                             fence=self._fences.get(t.key)))  # fmt: skip
+                await self._conclude(job, t, self.retry(job, t, f"internal error ({type(exc).__name__})",
+                                                        fence=self._fences.get(t.key)))  # fmt: skip
         finally:
             for key, task_id in zip(keys, task_ids, strict=True):
                 self._stopping.pop(key, None)
@@ -253,32 +262,60 @@ class Attempts(AttemptStops, AttemptFences):
                 w.release(task_id, answered=False)
             self.kick()
 
+    async def on_health(self, w: WorkerHandle, before: WorkerView) -> None:
+        """While it runs: refresh the running tracks' progress from ``w``'s health; stop them if the
+        worker is lost. A progress write refused for a lost lease stops the attempt there and then."""
+        for task_id, key in list(w.assigned.items()):
+            job = self.book.jobs.get(key[0])
+            if job is None:
+                continue
+            t = job.tracks[key[1]]
+            try:
+                await self._show(w, t, task_id)
+            except LeaseLost:
+                self.stop(key, LEASE_LOST)
+            except StaleTrack:
+                self.stop(key, TAKEN_OVER)
+            except (StoreError, IllegalTransition) as exc:  # progress only: the next poll writes it again
+                log.warning("track %s/%d: its progress from worker %d not stored (%s)", *key, w.worker_id, exc)
+            if not w.online and before is not WorkerView.offline:
+                self.stop(key, f"worker {w.worker_id} went offline")
+            elif w.health.status == "stalled" and before is not WorkerView.stalled:
+                self.stop(key, f"worker {w.worker_id} reported its model thread stalled")
+
+    async def _show(self, w: WorkerHandle, t: Track, task_id: str) -> None:
+        """The worker's progress of ``task_id`` onto its track: a new phase is a state change (stored
+        first), the rest is shown at once and stored at most once a second."""
+        take = w.progress_of(task_id) if w.online and t.status.running and t.task_id == task_id else None
+        if take is None:
+            return
+        fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
+                  "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec,
+                  "preview_sec": take.preview_sec or 0.0}  # fmt: skip
+        status = status_of_phase(take.phase)
+        if status is not t.status:
+            await self.book.change(t, status, fence=self._fences.get(t.key), **fields)
+            self._progress_saved[t.key] = time.monotonic()
+        elif self.book.show_progress(t, fields):
+            await self._save_progress(t)
+        else:
+            return
+        await self.book.progress_event(t)  # the job's webhook, if it asked for progress
+
+    async def _save_progress(self, t: Track) -> None:
+        """Other dispatchers show a track's progress from the store: write it, at most once a second."""
+        if not self.store.shared:
+            return
+        now = time.monotonic()
+        if now - self._progress_saved.get(t.key, 0.0) >= PROGRESS_WRITE_SEC:
+            self._progress_saved[t.key] = now
+            await self.store.save_progress(t, self._fences.get(t.key))
+
     async def _apply_or_retry(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         try:
             await self._apply(job, t, w, task_id, outcome)
         except RetryTrack as exc:
             await self._retry_after(job, t, w, exc)
-
-    async def _conclude(self, job: Job, t: Track, step: Awaitable[None]) -> None:
-        """Run one step that writes a track's outcome; no error escapes it. A lost lease or a track
-        changed elsewhere ends this dispatcher's part; a store failure leaves the track running here,
-        for the repair to ask its worker again; anything else is a retry of the track."""
-        try:
-            await step
-        except LeaseLost as exc:
-            log.warning("track %s/%d: %s is gone; this dispatcher stops acting for it (task %s)", *t.key, exc.fence,
-                        t.task_id)  # fmt: skip
-        except StaleTrack:
-            log.warning("track %s/%d: another dispatcher changed it first; leaving it to them", *t.key)
-        except StoreError as exc:
-            log.warning("track %s/%d: its outcome could not be stored (%s); the repair asks worker %d again",
-                        *t.key, exc, t.worker_id)  # fmt: skip
-        except Exception as exc:
-            log.exception("track %s/%d: internal error", *t.key)
-            try:
-                await self.book.retry(job, t, f"internal error ({type(exc).__name__})", fence=self._fences.get(t.key))
-            except Exception as again:  # the store: the repair comes back to it
-                log.warning("track %s/%d: its retry could not be stored (%s)", *t.key, again)
 
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         """What the worker's answer means for the track (raises ``RetryTrack`` for another attempt)."""
@@ -331,7 +368,8 @@ class Attempts(AttemptStops, AttemptFences):
             s = self.s
             if w.track_failed(outcome.environment, s.bench_after_failures, s.bench_sec, outcome.error):
                 self.kick()
-            if outcome.environment and t.env_failures + 1 < s.max_attempts * max(1, len(self.pool.workers)):
+            workers = len(self.pool.workers)
+            if outcome.environment and t.env_failures + 1 < retries.environment_share(s.max_attempts, workers):
                 raise RetryTrack(f"worker {w.worker_id}: {outcome.error}", environment=True)
             await self.book.change(t, TrackStatus.error, fence=fence, error=outcome.error, finished_at=time.time(),
                                    owner=None)  # fmt: skip
@@ -346,15 +384,6 @@ class Attempts(AttemptStops, AttemptFences):
             self.kick()
         return RetryTrack(f"worker {w.worker_id}: {reason}", environment=True)
 
-    async def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: RetryTrack) -> None:
-        count = exc.count
-        t.avoid_worker = w.worker_id  # not back there while another worker can take it (``placement.pick``)
-        if exc.environment:
-            t.env_failures += 1
-            # Past every worker's share of tries they count again: a fleet that all misbehaves ends the track.
-            count = t.env_failures >= self.s.max_attempts * max(1, len(self.pool.workers))
-        await self.book.retry(job, t, str(exc), count, fence=self._fences.get(t.key))
-
     async def _remove_worker_files(self, w: WorkerHandle, task_id: str | None) -> None:
         """The files are ours now: the worker may delete its copies (its age sweep is the safety net)."""
         if task_id is None:
@@ -363,26 +392,3 @@ class Attempts(AttemptStops, AttemptFences):
             await w.client.remove_files(task_id)
         except WorkerUnreachable as exc:
             log.info("worker %d: files of %s not removed (%s)", w.worker_id, task_id, exc)
-
-    # ---- the asyncio tasks that run attempts ----------------------------------------------------
-    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> bool:
-        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch), on the store's
-        background lane (a route that started it does not lend it its connections). Refused (False)
-        while an attempt already holds one of them."""
-        if any(k in self.running and not self.running[k].done() for k in keys):
-            coro.close()
-            log.info("track %s/%d: an attempt already holds it", *next(k for k in keys if k in self.running))
-            return False
-        name = f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}"
-        task = asyncio.create_task(coro, name=name, context=background_context())
-        for key in keys:
-            self.running[key] = task
-            task.add_done_callback(functools.partial(self._task_done, key))
-        return True
-
-    def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
-        if self.running.get(key) is task:
-            del self.running[key]
-        if not task.cancelled() and task.exception() is not None:
-            log.error("track %s/%d: unexpected failure", *key, exc_info=task.exception())
-        self.kick()

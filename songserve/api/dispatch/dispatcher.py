@@ -4,7 +4,7 @@ It holds these parts, each given what it needs when it is made; no part inherits
 sets another's attributes (they read each other's state and call each other's methods):
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
-- the attempts (``attempts.py``): one attempt on one worker, top to bottom, and why one stops;
+- the attempts (``attempts.py``, ``attempt_ends.py``): one attempt's start, answer, stop and fence;
 - the membership (``membership.py``): presence, the worker registry, leases and take-overs;
 - the encodings (``encodings.py``): uploads to encode, served before tracks.
 
@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from songserve.api.dispatch import readiness
-from songserve.api.dispatch.attempt_stops import USER_CANCEL
+from songserve.api.dispatch.attempt_ends import USER_CANCEL
 from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
@@ -74,7 +74,7 @@ class Dispatcher:
         self.counts: dict[str, int] = {}  # tracks by status in the store, refreshed by the membership loop
         self._kick = asyncio.Event()  # something changed that may let a track start
         self.pool = WorkerPool(http, s.health_interval, s.offline_after_failures, self._on_worker)
-        self.book = TrackBook(store, self.me, s.max_attempts, self.metrics, events)
+        self.book = TrackBook(store, self.me, self.metrics, events)
         self.attempts = Attempts(
             s, self.me, store, self.book, self.pool, artifacts, self.metrics, self.speed, self._kick.set
         )

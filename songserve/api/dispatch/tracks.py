@@ -5,7 +5,8 @@ A track's lifetime (the legal moves are in ``jobs/states.py``; who makes them is
     queued ──claim──▶ generating → superres → decoding ──files copied──▶ done      (attempts.py)
       ▲                     │ the model failed with a clear sentence ──▶ error     (attempts.py)
       └──── retry ◀─────────┤ worker lost / unreachable / lost the task / stalled / past deadline
-                            │ / failed for an environment reason (while attempts remain, else error)
+                            │ / failed for an environment reason (while tries remain, else error:
+                            │ attempt_ends.py, with the rules of retries.py)
                             └ the user cancelled ──────────────────▶ cancelled
 
 Store first: a state change is written before it shows in memory (``change`` writes the new state,
@@ -13,9 +14,9 @@ then applies it), so memory never claims what the store does not hold. Writes ar
 on the (status, owner) this dispatcher last saw, and those for a track on a worker carry the lease
 they are made under (a ``Fence``, checked by the store): when another dispatcher changed the track
 first, or the lease is gone (``StaleTrack``, ``LeaseLost``), nothing is applied and the job is read
-again from the store. The book decides
-none of the moves: the attempts (``attempts.py``), the dispatcher's repairs and the membership's
-take-overs ask for them here.
+again from the store. The book decides none of the moves: the attempts (``attempts.py`` and
+``attempt_ends.py``: claim, progress, done, error, retry), the user's cancel, the dispatcher's
+repairs and the membership's take-overs ask for them here.
 
 With a shared store (PostgreSQL) the active jobs in memory are this dispatcher's view of the shared
 queue: its own running tracks are the truth, the rest follow the store (``merge``, on every event).
@@ -41,9 +42,6 @@ from songserve.api.store.protocol import STORED_TRACK_FIELDS, JobStore, StaleTra
 from songserve.api.webhooks.events import JobEvents
 
 log = logging.getLogger(__name__)
-IDLE: dict[str, object] = {
-    "worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None, "preview_sec": 0.0,
-}  # fmt: skip
 
 
 class ChangeFeed:
@@ -71,13 +69,10 @@ class ChangeFeed:
 class TrackBook:
     """The active jobs, the queue, and every transition of their tracks."""
 
-    def __init__(
-        self, store: JobStore, me: str, max_attempts: int, metrics: DispatcherMetrics, events: JobEvents | None = None
-    ) -> None:
+    def __init__(self, store: JobStore, me: str, metrics: DispatcherMetrics, events: JobEvents | None = None) -> None:
         self.store = store
         self.events = events or JobEvents()  # the webhook events each change makes, written with it
         self.me = me  # this dispatcher's id: the owner written on the tracks it runs
-        self.max_attempts = max_attempts
         self.metrics = metrics
         self.changes = ChangeFeed()
         self.jobs: dict[str, Job] = {}  # active jobs only
@@ -168,27 +163,6 @@ class TrackBook:
             setattr(t, k, v)
         self.changes.touch()
         return True
-
-    async def retry(self, job: Job, t: Track, reason: str, count: bool = True, fence: Fence | None = None) -> None:
-        """The track runs again (queued), unless its job was cancelled or its attempts ran out."""
-        if t.status.terminal:
-            return
-        self.metrics.retries.labels(str(t.worker_id)).inc()
-        attempts = t.attempts if count else max(0, t.attempts - 1)
-        now = time.time()
-        if job.cancelled or await self.store.is_cancelled(job.job_id):
-            job.cancelled = True
-            await self.change(t, TrackStatus.cancelled, fence, attempts=attempts, finished_at=now, owner=None)
-        elif attempts >= self.max_attempts:
-            msg = f"Track failed after {attempts} attempts: {reason}."
-            await self.change(t, TrackStatus.error, fence, attempts=attempts, error=msg, finished_at=now, owner=None)
-            log.warning("track %s/%d: %s", job.job_id, t.index, msg)
-        else:
-            log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, reason)
-            await self.change(t, TrackStatus.queued, fence, attempts=attempts, worker_id=-1, owner=None, **IDLE)
-            self.enqueue(job, t)
-            self.reorder()
-        await self.finish_if_done(job)
 
     async def cancel_queued(self, job: Job) -> None:
         """The job's queued tracks leave the queue as cancelled; the others' positions move up."""
