@@ -43,7 +43,8 @@ from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import Fence, JobStore, LeaseLost, StaleTrack, StoreError
+from songserve.api.store.members import Fence
+from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack, StoreError
 from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.errors import SongserveError
 
