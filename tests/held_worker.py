@@ -38,6 +38,9 @@ def hold_backbone_at_thirds(hold_dir: Path) -> None:
             if first < at <= first + int(codes.shape[0]):
                 hold, deadline = hold_dir / f"hold-{k}", time.monotonic() + HOLD_LIMIT_SEC
                 while hold.exists() and time.monotonic() < deadline:
+                    # The preview thread starts on a batch of tokens once a listener wants the take: one
+                    # who came after the last batch before the hold gets it from this empty batch.
+                    heard(self, take, first + int(codes.shape[0]), codes[:0])
                     time.sleep(0.02)
 
     Previewer.tokens = tokens  # type: ignore[method-assign]

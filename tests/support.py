@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -17,18 +19,49 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 _HANDED_OUT: set[int] = set()
+FIRST_TEST_PORT = 10_000
+
+
+def _test_ports() -> range:
+    """Where this test process picks ports: below the kernel's ephemeral range, which it hands to every
+    outgoing connection at any moment (a port picked there, free when checked, was seen taken by some
+    client's connection before the server bound it), and a slice of its own per xdist worker (two test
+    processes never pick the same port)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32_768
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    span = (low - FIRST_TEST_PORT) // count
+    index = int(worker) if worker.isdigit() else 0
+    return range(FIRST_TEST_PORT + index * span, FIRST_TEST_PORT + (index + 1) * span)
 
 
 def free_port() -> int:
-    """A free port never handed out before in this test run: servers started one after another
-    before any binds could otherwise be given the same port (seen: two workers on one port)."""
+    """A free port never handed out before in this test run, outside the ephemeral range (``_test_ports``):
+    servers started one after another before any binds could otherwise be given the same port (seen:
+    two workers on one port)."""
+    ports = _test_ports()
+    if len(ports) < 100:  # an ephemeral range that starts low: take the kernel's pick
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
     while True:
+        port = random.choice(ports)
+        if port in _HANDED_OUT:
+            continue
+        _HANDED_OUT.add(port)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 class ServerProcess:
@@ -117,7 +150,8 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
 
 
 class Cluster:
-    """Tone workers (or tiny-model workers) and a dispatcher, each a real process on a free port."""
+    """Tone workers (or tiny-model workers) and a dispatcher, each a real process on a free port, or
+    (``threads``) a server in a thread of the test process."""
 
     def __init__(
         self,
@@ -126,19 +160,36 @@ class Cluster:
         delay: float = 1.0,
         api_args: tuple[str, ...] = (),
         worker_args: tuple[str, ...] = (),
+        threads: bool = False,
     ) -> None:
+        """``threads``: the dispatcher and tone workers served in threads of the test process
+        (tests/in_thread.py: the same apps on real sockets, no process start); for tests that need no
+        process boundary (no signal, no kill, no log file)."""
+        from tests import in_thread  # it imports this module
+
         self.tmp = tmp
         self.api_args = api_args
-        self.workers = [
-            start_worker(tmp, *(worker_args or ("--pipeline", "test", "--test-delay-s", str(delay))), name=f"worker{i}")
+        self.threads = threads
+        flags = worker_args or ("--pipeline", "test", "--test-delay-s", str(delay))
+        self.workers: list[Any] = [
+            in_thread.tone_worker(tmp, *flags, name=f"worker{i}")
+            if threads
+            else start_worker(tmp, *flags, name=f"worker{i}")
             for i in range(workers)
         ]
         for w in self.workers:
             w.wait_healthy()
-        self.api: ServerProcess | None = None
+        self.api: Any = None
         self.start_api()
 
-    def start_api(self, *extra: str) -> ServerProcess:
+    def start_api(self, *extra: str) -> Any:
+        if self.threads:
+            from tests import in_thread
+
+            if self.api is not None:
+                self.api.stop()
+            self.api = in_thread.dispatcher(self.tmp, [w.url for w in self.workers], *self.api_args, *extra)
+            return self._ready(self.api_args + extra)
         port = self.api.port if self.api else free_port()
         if self.api is not None:
             self.api.stop()  # a dispatcher killed by a test: close its log before the next one opens it
@@ -156,6 +207,10 @@ class Cluster:
             *extra,
         ]
         self.api = ServerProcess(args, port, self.tmp / "api.log")
+        return self._ready(tuple(args))
+
+    def _ready(self, args: tuple[str, ...]) -> Any:
+        """Until the dispatcher answers and counts every worker idle."""
         self.api.wait_healthy(want=("ok",))
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -243,7 +298,7 @@ def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Clust
     for w in workers:
         w.wait_healthy()
     c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, api_args, workers, None
+    c.tmp, c.api_args, c.workers, c.api, c.threads = tmp, api_args, workers, None, False
     c.start_api()
     return c
 

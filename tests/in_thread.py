@@ -1,0 +1,123 @@
+"""Dispatchers and tone workers served by uvicorn in threads of the test process.
+
+The same apps the programs serve (``create_app`` of each), on real sockets with real HTTP and
+streaming, built from the same flags through the same settings loader, but without a process start
+per server: a process costs a second or two of imports on the CI machine's two cores, and most
+tests start three. What needs a process boundary (signals, ``kill -9``, a full disk, a process's
+memory, the launcher, log files) keeps ``tests/support.py``'s ``ServerProcess``.
+
+Each server binds its socket before its settings are made, so no other process can take the port
+between picking it and binding it. A server stops the way a process's uvicorn stops on its first
+signal, less the drain: the app's lifespan ends (the dispatcher closes its store, the worker its
+model thread), then the thread is joined.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from songserve.serving import header_timeout_protocol
+from tests.support import wait_for
+
+START_TIMEOUT_SEC = 60.0
+
+
+def bound_socket() -> socket.socket:
+    """A listening socket on a port the kernel picked: the port is ours from here on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    return sock
+
+
+class ThreadServer:
+    """An ASGI app under uvicorn in a daemon thread, on sockets bound by the caller."""
+
+    def __init__(self, app: Any, sockets: list[socket.socket], name: str, header_timeout: float = 10.0) -> None:
+        self.name = name
+        self.port = int(sockets[0].getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._sockets = sockets
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=2, http=header_timeout_protocol(header_timeout)
+        )
+        self._server = uvicorn.Server(config)
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"server-{name}", daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started or self._failed or not self._thread.is_alive(), START_TIMEOUT_SEC)
+        if not self._server.started:
+            raise RuntimeError(f"{name} did not start: {self._failed!r}")
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=self._sockets)
+        except BaseException as exc:  # reported by the constructor, or by stop()
+            self._failed = exc
+
+    def wait_healthy(self, timeout: float = 60.0, want: tuple[str, ...] = ("idle", "ok")) -> dict[str, Any]:
+        def healthy() -> dict[str, Any] | None:
+            r = httpx.get(self.url + "/health", timeout=5)
+            body: dict[str, Any] = r.json()
+            return body if r.status_code == 200 and body.get("status") in want else None
+
+        result: dict[str, Any] = wait_for(healthy, timeout=timeout, interval=0.05)
+        return result
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self._thread.is_alive():
+            self._server.should_exit = True
+            self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"{self.name} did not stop in {timeout}s"
+        for sock in self._sockets:
+            sock.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+def tone_worker(tmp: Path, *flags: str, name: str = "worker") -> ThreadServer:
+    """Our worker with the test pipeline (a tone, numpy on the CPU), from the worker's own flags."""
+    from songserve.settings import load_settings
+    from songserve.worker.app import create_app
+    from songserve.worker.main import build_runtime
+    from songserve.worker.settings import WorkerSettings
+
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    args = ["--worker-port", str(port), "--master-port", "0", "--output-dir", str(tmp / f"{name}_audio")]
+    s = load_settings(WorkerSettings, [*args, *(flags or ("--pipeline", "test"))])
+    assert s.pipeline == "test", "in a thread: only the tone pipeline (a model worker is a process of its own)"
+    runtime = build_runtime(s)
+    return ThreadServer(create_app(runtime), [sock], name, s.header_timeout_sec)
+
+
+def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api") -> ThreadServer:
+    """Our dispatcher over ``worker_urls`` with its store in ``tmp/state``, from the dispatcher's own flags
+    (what ``main`` checks before it serves is checked here too)."""
+    from songserve.api.http import tags
+    from songserve.api.http.app import create_app
+    from songserve.api.main import check_webhooks
+    from songserve.api.settings import DispatcherSettings
+    from songserve.api.store.sqlite.check import prepare_store
+    from songserve.settings import load_settings
+
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    workers = ("--worker-urls", ",".join(worker_urls)) if worker_urls else ("--num-workers", "0")
+    args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2", *workers, *flags]
+    s = load_settings(DispatcherSettings, args)
+    assert s.acestep_port is None, "in a thread: the dispatcher's own port only"
+    assert not s.store_url, "in a thread: the SQLite store (PostgreSQL's checks run in main)"
+    check_webhooks(s)
+    tags.load_catalogue(s.tags_file or tags.BUILTIN)
+    prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.results_path())
+    return ThreadServer(create_app(s), [sock], name, s.header_timeout_sec)
