@@ -244,7 +244,11 @@ else
 fi
 export WORKER_TOKEN
 if [ $WORKERS = 1 ]; then
-  CUDA_COUNT=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  # torch's count where a driver is (its tool is there); elsewhere none, without torch's 2 s import
+  CUDA_COUNT=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    CUDA_COUNT=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  fi
   if [ "$CUDA_COUNT" = 0 ] && [ ${#GPU_IDS[@]} -gt 1 ]; then
     say "no CUDA device found: --gpus $GPUS starts ${#GPU_IDS[@]} workers on the CPU instead, one process each" \
       "sharing this machine's $(nproc) CPU cores (--gpus 0 starts one)"
