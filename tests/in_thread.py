@@ -113,7 +113,9 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     sock = bound_socket()
     port = sock.getsockname()[1]
     workers = ("--worker-urls", ",".join(worker_urls)) if worker_urls else ("--num-workers", "0")
-    args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2", *workers, *flags]
+    # No drain on stop (a process is killed 10 s into its drain by ServerProcess.stop): flags may ask for one.
+    args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2",
+            "--drain-timeout-sec", "0", *workers, *flags]  # fmt: skip
     s = load_settings(DispatcherSettings, args)
     assert s.acestep_port is None, "in a thread: the dispatcher's own port only"
     assert not s.store_url, "in a thread: the SQLite store (PostgreSQL's checks run in main)"

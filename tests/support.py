@@ -153,6 +153,8 @@ class Cluster:
     """Tone workers (or tiny-model workers) and a dispatcher, each a real process on a free port, or
     (``threads``) a server in a thread of the test process."""
 
+    threads = False  # also for a Cluster made with __new__ over workers already started
+
     def __init__(
         self,
         tmp: Path,
@@ -298,7 +300,7 @@ def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Clust
     for w in workers:
         w.wait_healthy()
     c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api, c.threads = tmp, api_args, workers, None, False
+    c.tmp, c.api_args, c.workers, c.api = tmp, api_args, workers, None
     c.start_api()
     return c
 

@@ -308,7 +308,9 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     """Behind an API key: a dispatcher with ``--api-key`` over a tone worker."""
-    c = Cluster(tmp_path_factory.mktemp("keyed"), workers=1, delay=2.0, api_args=("--api-key", "page-key-1"))
+    c = Cluster(
+        tmp_path_factory.mktemp("keyed"), workers=1, delay=2.0, api_args=("--api-key", "page-key-1"), threads=True
+    )
     yield c
     c.stop()
 

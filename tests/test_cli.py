@@ -20,7 +20,7 @@ from tests.support import ROOT, Cluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cli"), workers=1, delay=0.3)
+    c = Cluster(tmp_path_factory.mktemp("cli"), workers=1, delay=0.3, threads=True)
     yield c
     c.stop()
 

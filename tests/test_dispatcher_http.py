@@ -50,17 +50,27 @@ TRACK_FIELDS = {
 
 @pytest.fixture
 def two(tmp_path):
-    c = Cluster(tmp_path, workers=2, delay=1.5)
+    c = Cluster(tmp_path, workers=2, delay=1.5, threads=True)
     yield c
     c.stop()
+
+
+def one_worker(tmp_path, threads: bool = True) -> Cluster:
+    # Track by track (no packing into batches): these tests are about the order of single tracks.
+    return Cluster(tmp_path, workers=1, delay=1.0, api_args=("--pack-tracks", "never"), threads=threads)
 
 
 @pytest.fixture
 def one(tmp_path):
-    # Track by track (no packing into batches): these tests are about the order of single tracks.
-    c = Cluster(tmp_path, workers=1, delay=1.0, api_args=("--pack-tracks", "never"))
-    yield c
-    c.stop()
+    with one_worker(tmp_path) as c:
+        yield c
+
+
+@pytest.fixture
+def one_logged(tmp_path):
+    """Processes: the test reads their log files."""
+    with one_worker(tmp_path, threads=False) as c:
+        yield c
 
 
 def running(job: dict) -> list[int]:
@@ -114,7 +124,8 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
     assert part.headers["content-range"] == f"bytes 100-1099/{len(mp3.content)}"
 
 
-def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one):
+def test_one_worker_runs_tracks_one_after_another_and_later_job_queues(one_logged):
+    one = one_logged
     a = one.submit(num_tracks=2)
     b = one.submit(num_tracks=1)
     assert b["status"] == "queued"
@@ -193,7 +204,7 @@ def test_restart_loses_nothing(tmp_path):
 
 
 def test_queue_full_429_and_validation_422(tmp_path):
-    with Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3")) as c:
+    with Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3"), threads=True) as c:
         c.submit(num_tracks=1)
         wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
         c.submit(num_tracks=3)
@@ -315,7 +326,7 @@ def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_fou
 
 def test_the_dispatchers_config_counts_workers_that_say_they_run_an_untrained_set(tmp_path):
     args = ("--pipeline", "test", "--test-untrained", "true")
-    with Cluster(tmp_path, workers=1, worker_args=args) as c:
+    with Cluster(tmp_path, workers=1, worker_args=args, threads=True) as c:
         assert httpx.get(c.workers[0].url + "/config").json()["untrained"] is True
         # read when the worker comes online, in the poll that saw it idle: wait for it, not for /status
         config = wait_for(lambda: (got := httpx.get(c.url + "/config").json())["untrained_workers"] == 1 and got)

@@ -14,7 +14,7 @@ from tests.support import Cluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("job_list"), workers=1, delay=0.2)
+    c = Cluster(tmp_path_factory.mktemp("job_list"), workers=1, delay=0.2, threads=True)
     yield c
     c.stop()
 

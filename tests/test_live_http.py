@@ -26,7 +26,7 @@ BODY = {"tags": "pop", "lyrics": "[verse]\nla la", "duration": SECONDS / 60, "nu
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("live"), workers=1, delay=3.0)
+    c = Cluster(tmp_path_factory.mktemp("live"), workers=1, delay=3.0, threads=True)
     yield c
     c.stop()
 

@@ -17,7 +17,7 @@ from tests.support import Cluster
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("render"), workers=1, delay=0.05)
+    c = Cluster(tmp_path_factory.mktemp("render"), workers=1, delay=0.05, threads=True)
     yield c
     c.stop()
 

@@ -20,7 +20,7 @@ BODY = {"tags": "pop, piano", "lyrics": "[verse]\nhello world\nsecond line", "du
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("retake"), workers=1, delay=0.05)
+    c = Cluster(tmp_path_factory.mktemp("retake"), workers=1, delay=0.05, threads=True)
     yield c
     c.stop()
 
@@ -118,7 +118,7 @@ def test_other_models_or_a_song_that_ends_before_the_cut_are_refused(site, origi
 
 
 def test_a_track_that_is_not_done_cannot_be_continued_or_give_codes(tmp_path):
-    with Cluster(tmp_path, workers=1, delay=30) as c:
+    with Cluster(tmp_path, workers=1, delay=30, threads=True) as c:
         job = c.submit(**BODY)
         r = httpx.get(f"{c.url}/job/{job['job_id']}/track/0/codes", timeout=10)
         assert r.status_code == 404

@@ -156,7 +156,7 @@ def test_a_browsers_reads_may_carry_the_key_in_a_cookie_and_nothing_else_may(sec
 
 @pytest.fixture(scope="module")
 def open_cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("open"), workers=1, delay=0.0)
+    c = Cluster(tmp_path_factory.mktemp("open"), workers=1, delay=0.0, threads=True)
     yield c
     c.stop()
 

@@ -15,13 +15,13 @@ from tests.support import Cluster, wait_for
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("small"), workers=1, delay=0.05)
+    c = Cluster(tmp_path_factory.mktemp("small"), workers=1, delay=0.05, threads=True)
     yield c
     c.stop()
 
 
 def test_a_cancelled_jobs_running_track_says_cancelled_at_once(tmp_path):
-    slow = Cluster(tmp_path, workers=1, delay=30.0)  # a take that runs until it is told to stop
+    slow = Cluster(tmp_path, workers=1, delay=30.0, threads=True)  # a take that runs until it is told to stop
     try:
         job_id = slow.submit(num_tracks=2)["job_id"]
         wait_for(lambda: any(t["status"] == "generating" for t in slow.job(job_id)["tracks"]), timeout=30)

@@ -30,7 +30,7 @@ MAX_MINUTES = 0.25  # 15 s: the longest song (and so the longest upload) here
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     args = ("--upload-max-mb", str(UPLOAD_MB), "--max-duration", str(MAX_MINUTES))
-    c = Cluster(tmp_path_factory.mktemp("uploads"), workers=1, delay=0.6, api_args=args)
+    c = Cluster(tmp_path_factory.mktemp("uploads"), workers=1, delay=0.6, api_args=args, threads=True)
     yield c
     c.stop()
 
