@@ -22,20 +22,37 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SPREAD = {"test_bench_smoke.py"}  # slow tests and no module fixtures: each test is a unit of its own
+# The launcher's real-process tests run one at a time: two of them hold the reference's port 8791, and
+# every one starts the README's command with its workers and dispatcher.
+LAUNCHER = {
+    "test_launcher.py",
+    "test_launcher_stop.py",
+    "test_launcher_ports.py",
+    "test_ports.py",
+    "test_first_hour.py",
+    "test_left_behind.py",
+    "test_caller_paths.py",
+    "test_announce.py",
+    "test_reference_requests.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Work units for ``pytest -n N --dist loadgroup`` (scripts/test): every ``process`` test in one
-    group, run in order on one worker; every other file a group of its own (its module fixtures are
-    built once), but for the files in ``SPREAD``. Without xdist the marks do nothing."""
+    """Work units for ``pytest -n N --dist loadgroup`` (scripts/test): the launcher's ``process`` tests in
+    one unit, run in order on one worker; every other file a unit of its own (its module fixtures are
+    built once), but for the files in ``SPREAD``, whose every test is a unit. The files with real-process
+    proofs and ``SPREAD`` (the long units) are handed out first, so the short ones fill in at the end. Without xdist
+    the marks do nothing."""
+    longer = {item.path.name for item in items if item.get_closest_marker("process")} | SPREAD
     for item in items:
-        if item.get_closest_marker("process"):
-            group = "process"
+        if item.get_closest_marker("process") and item.path.name in LAUNCHER:
+            group = "launcher"
         elif item.path.name in SPREAD:
             group = item.nodeid
         else:
             group = item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.path.name not in longer)  # stable: each file keeps its order
 
 
 @pytest.fixture(scope="session")
