@@ -14,6 +14,7 @@ model thread), then the thread is joined.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from songserve.logs import LineFormatter
 from songserve.serving import header_timeout_protocol
 from tests.support import wait_for
 
@@ -37,11 +39,45 @@ def bound_socket() -> socket.socket:
     return sock
 
 
-class ThreadServer:
-    """An ASGI app under uvicorn in a daemon thread, on sockets bound by the caller."""
+class LogFile:
+    """The lines of ``loggers`` in a file, formatted as the program's process writes them (at INFO)."""
 
-    def __init__(self, app: Any, sockets: list[socket.socket], name: str, header_timeout: float = 10.0) -> None:
+    def __init__(self, path: Path, program: str, loggers: tuple[str, ...]) -> None:
+        self.path = path
+        self._handler = logging.FileHandler(path, encoding="utf-8")
+        self._handler.setFormatter(LineFormatter(f"%(asctime)s %(levelname)s {program} %(name)s: %(message)s"))
+        self._loggers = [logging.getLogger(name) for name in loggers]
+        self._levels = [logger.level for logger in self._loggers]
+        for logger in self._loggers:
+            logger.addHandler(self._handler)
+            logger.setLevel(logging.INFO)
+
+    def close(self) -> None:
+        for logger, level in zip(self._loggers, self._levels, strict=True):
+            logger.removeHandler(self._handler)
+            logger.setLevel(level)
+        self._handler.close()
+
+
+class ThreadServer:
+    """An ASGI app under uvicorn in a daemon thread, on sockets bound by the caller.
+
+    ``log``: the server's lines in a file (``log_path``, ``log_tail``) where they can be told apart from
+    other servers' in this process: a dispatcher's, by their logger (one dispatcher at a time). Workers
+    in threads share their loggers, so theirs are not kept apart: a test that reads a worker's log
+    starts it as a process."""
+
+    def __init__(
+        self,
+        app: Any,
+        sockets: list[socket.socket],
+        name: str,
+        header_timeout: float = 10.0,
+        log: LogFile | None = None,
+    ) -> None:
         self.name = name
+        self._log = log
+        self.log_path = log.path if log else None
         self.port = int(sockets[0].getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._sockets = sockets
@@ -71,6 +107,10 @@ class ThreadServer:
         result: dict[str, Any] = wait_for(healthy, timeout=timeout, interval=0.05)
         return result
 
+    def log_tail(self, n: int = 4000) -> str:
+        assert self.log_path is not None, f"{self.name}: a worker in a thread keeps no log of its own"
+        return self.log_path.read_text(errors="replace")[-n:]
+
     def stop(self, timeout: float = 15.0) -> None:
         if self._thread.is_alive():
             self._server.should_exit = True
@@ -78,6 +118,9 @@ class ThreadServer:
         assert not self._thread.is_alive(), f"{self.name} did not stop in {timeout}s"
         for sock in self._sockets:
             sock.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def running(self) -> bool:
@@ -122,4 +165,5 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     check_webhooks(s)
     tags.load_catalogue(s.tags_file or tags.BUILTIN)
     prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.results_path())
-    return ThreadServer(create_app(s), [sock], name, s.header_timeout_sec)
+    log = LogFile(tmp / f"{name}.log", "api", ("songserve.api",))
+    return ThreadServer(create_app(s), [sock], name, s.header_timeout_sec, log)

@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import in_thread
 from tests.procs import MARK, marked
-from tests.support import ROOT, ServerProcess, cluster_of, free_port, start_worker, wait_for
+from tests.support import ROOT, cluster_of, free_port, start_worker, wait_for
 from tests.test_launcher import launcher_env
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -31,13 +32,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def bare(tmp_path_factory):
     """A dispatcher with no workers, and a tone worker of its own (not in its pool) for the worker's routes."""
     tmp = tmp_path_factory.mktemp("bare")
-    port = free_port()
-    api = ServerProcess(
-        ["backend_api.py", "--port", str(port), "--state-dir", str(tmp / "state"), "--num-workers", "0"],
-        port,
-        tmp / "api.log",
-    )
-    worker = start_worker(tmp, "--pipeline", "test")
+    api = in_thread.dispatcher(tmp, [])
+    worker = in_thread.tone_worker(tmp)
     try:
         api.wait_healthy(want=("ok",))
         worker.wait_healthy()

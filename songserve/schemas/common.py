@@ -21,7 +21,8 @@ MAX_SEED = 2**63 - 1  # fits SQLite's INTEGER and torch's manual_seed
 
 
 def _whole_as_int(value: float) -> int | float:
-    return int(value) if value.is_integer() else value
+    # float(): a default written as an int (0) reaches here unvalidated when the JSON schema is made
+    return int(value) if float(value).is_integer() else value
 
 
 # A percent reads as a float (the reference may send one); ours are whole and go out as ints, as they always did.
