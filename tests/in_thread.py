@@ -30,11 +30,13 @@ from tests.support import wait_for
 START_TIMEOUT_SEC = 60.0
 
 
-def bound_socket() -> socket.socket:
-    """A listening socket on a port the kernel picked: the port is ours from here on."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def bound_socket(port: int = 0) -> socket.socket:
+    """A listening socket on ``port``, or on one the kernel picked: the port is ours from here on."""
+    # IPPROTO_TCP, as the programs' sockets (api/acestep/app.py): asyncio sets TCP_NODELAY only then,
+    # and without it each small answer waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     sock.listen(2048)
     return sock
 
@@ -160,10 +162,16 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2",
             "--drain-timeout-sec", "0", *workers, *flags]  # fmt: skip
     s = load_settings(DispatcherSettings, args)
-    assert s.acestep_port is None, "in a thread: the dispatcher's own port only"
     assert not s.store_url, "in a thread: the SQLite store (PostgreSQL's checks run in main)"
     check_webhooks(s)
     tags.load_catalogue(s.tags_file or tags.BUILTIN)
     prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.results_path())
+    app = create_app(s)
+    served, sockets = app, [sock]
+    if s.acestep_port is not None:  # ACE-Step's dialect on a second port, as main serves it
+        from songserve.api.acestep.app import ByPort, create_acestep_app
+
+        sockets.append(bound_socket(s.acestep_port))
+        served = ByPort(app, {s.acestep_port: create_acestep_app(s, app)})
     log = LogFile(tmp / f"{name}.log", "api", ("songserve.api",))
-    return ThreadServer(create_app(s), [sock], name, s.header_timeout_sec, log)
+    return ThreadServer(served, sockets, name, s.header_timeout_sec, log)

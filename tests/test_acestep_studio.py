@@ -43,7 +43,9 @@ def page_origin() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     port = free_port()
-    c = Cluster(tmp_path_factory.mktemp("studio"), workers=2, delay=0.3, api_args=("--acestep-port", str(port)))
+    c = Cluster(
+        tmp_path_factory.mktemp("studio"), workers=2, delay=0.3, api_args=("--acestep-port", str(port)), threads=True
+    )
     c.ace = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
     yield c
     c.stop()

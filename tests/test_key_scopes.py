@@ -20,7 +20,8 @@ import soundfile as sf
 
 from songserve.api.service.keys import ApiKeys
 from songserve.errors import ConfigError
-from tests.support import ServerProcess, free_port, start_worker, wait_for
+from tests import in_thread
+from tests.support import free_port, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}, "k-ops": {"name": "ops", "sees": "all"}}
 BODY = {"lyrics": "[verse]\nmine alone", "duration": 0.05, "num_tracks": 1, "seed": 5}
@@ -37,14 +38,10 @@ ALICE, BOB, OPS = bearer("k-alice"), bearer("k-bob"), bearer("k-ops")
 def site(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("key_scopes")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    worker = start_worker(tmp, "--pipeline", "test", "--test-delay-s", "0.3")
+    worker = in_thread.tone_worker(tmp, "--pipeline", "test", "--test-delay-s", "0.3")
     worker.wait_healthy()
-    port, ace = free_port(), free_port()
-    api = ServerProcess(
-        ["backend_api.py", "--port", str(port), "--state-dir", str(tmp / "state"), "--worker-urls", worker.url,
-         "--health-interval", "0.2", "--api-keys-file", str(tmp / "keys.json"), "--acestep-port", str(ace)],
-        port, tmp / "api.log",
-    )  # fmt: skip
+    ace = free_port()
+    api = in_thread.dispatcher(tmp, [worker.url], "--api-keys-file", str(tmp / "keys.json"), "--acestep-port", str(ace))
     api.wait_healthy(want=("ok",))
     wait_for(lambda: httpx.get(api.url + "/status", headers=OPS).json()["idle_gpus"] == 1, timeout=30)
     api.ace = f"http://127.0.0.1:{ace}"  # type: ignore[attr-defined]
@@ -181,9 +178,7 @@ def test_the_keys_file_is_read_again_when_it_changes_and_a_bad_one_changes_nothi
         return httpx.get(api.url + "/usage", headers=bearer(key) if key else {}, timeout=10).status_code
 
     write(json.dumps({"k-alice": {"name": "alice"}}))
-    port = free_port()
-    api = ServerProcess(["backend_api.py", "--port", str(port), "--state-dir", str(tmp_path / "state"),
-                         "--num-workers", "0", "--api-keys-file", str(path)], port, tmp_path / "api.log")  # fmt: skip
+    api = in_thread.dispatcher(tmp_path, [], "--api-keys-file", str(path))
     try:
         api.wait_healthy(want=("ok", "degraded", "unavailable"))
         assert (status("k-alice"), status("k-carol")) == (200, 401)
