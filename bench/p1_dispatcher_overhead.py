@@ -1,7 +1,8 @@
 """P1: dispatcher overhead per track (submit → done → download), test pipeline with no delay.
 
 Baseline in the same run: the same work calling the worker directly (POST /generate, download).
-``--smoke``: one warm-up and one timed track.
+``--smoke``: one warm-up and one timed track, the dispatcher and worker served in threads of this process
+(tests/in_thread.py: the same apps, no process starts).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
     # --acestep 1: the dispatcher also serves ACE-Step's dialect on a second port (our port's figure with it on)
     ace = ("--acestep-port", str(free_port())) if a.acestep else ()
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), workers=1, delay=0.0, api_args=("--min-duration", str(DURATION), *ace))
+        c = Cluster(Path(tmp), workers=1, delay=0.0, api_args=("--min-duration", str(DURATION), *ace), threads=a.smoke)
         try:
             with httpx.Client(base_url=c.url, timeout=60) as http:
                 for i in range(warm):  # warm both paths
