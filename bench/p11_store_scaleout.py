@@ -13,8 +13,7 @@ as P2 does):
 The PostgreSQL parts need the PostgreSQL engine (``STORE_URL``); where no server can be started (tests/pg.py)
 or the dispatcher does not use ``STORE_URL``, the SQLite parts run alone and the line says why.
 
-``--smoke``: every part once on tiny inputs (4 jobs, 0.2 s of load per configuration, 1 track), without
-the untimed warm-ups, which serve the figures' accuracy only.
+``--smoke``: every part once on tiny inputs (4 jobs, 0.2 s of load per configuration, 1 track), no warm-ups.
 """
 
 from __future__ import annotations
@@ -253,9 +252,8 @@ def reads(
     """Best GET /job/{id} requests/s of each configuration (alternated each round) on the seeded stores,
     after ``warm`` seconds of untimed load on each (a fresh process's first second is slow)."""
     best: dict[str, float] = {}
-    for name, urls in configs.items():
-        if warm:
-            rate(urls, "get", ids[name], warm, tmp, use_wrk)
+    for name, urls in configs.items() if warm else ():
+        rate(urls, "get", ids[name], warm, tmp, use_wrk)
     for _ in range(rounds):
         for name, urls in configs.items():
             best[name] = max(best.get(name, 0.0), rate(urls, "get", ids[name], secs, tmp, use_wrk))
