@@ -12,6 +12,8 @@ as P2 does):
 
 The PostgreSQL parts need the PostgreSQL engine (``STORE_URL``); where no server can be started (tests/pg.py)
 or the dispatcher does not use ``STORE_URL``, the SQLite parts run alone and the line says why.
+
+``--smoke``: every part once on tiny inputs (4 jobs, 0.2 s of load per configuration, 1 track), no warm-ups.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from bench.common import args, median, report
+from bench.common import args, median, report, wait_healthy
 from bench.p1_dispatcher_overhead import direct, through_dispatcher
 from tests.support import ServerProcess, free_port, start_worker
 
@@ -81,13 +83,14 @@ def start_dispatcher(
     ]
     env = store.env(f"p11-{name}", results or tmp / f"results_{store.name}")
     p = ServerProcess(argv, port, tmp / f"{name}.log", env)
-    p.wait_healthy(want=("ok",))
+    wait_healthy(p, want=("ok",))
     if workers:
         deadline = time.monotonic() + 60
-        while httpx.get(p.url + "/status").json()["idle_gpus"] != len(workers):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name}: workers not idle:\n{p.log_tail()}")
-            time.sleep(0.05)
+        with httpx.Client(base_url=p.url, timeout=10) as http:  # one connection: a bare httpx.get costs ~30 ms CPU
+            while http.get("/status").json()["idle_gpus"] != len(workers):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: workers not idle:\n{p.log_tail()}")
+                time.sleep(0.05)
     return p
 
 
@@ -121,11 +124,12 @@ def seed(d: ServerProcess, n: int) -> list[str]:
         for got in pool.map(client, [n // clients + (1 if i < n % clients else 0) for i in range(clients)]):
             ids += got
     deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        st = httpx.get(d.url + "/status").json()
-        if st["queued_tracks"] == 0 and st["running_tracks"] == 0:
-            return ids
-        time.sleep(0.2)
+    with httpx.Client(base_url=d.url, timeout=10) as http:
+        while time.monotonic() < deadline:
+            st = http.get("/status").json()
+            if st["queued_tracks"] == 0 and st["running_tracks"] == 0:
+                return ids
+            time.sleep(0.2)
     raise TimeoutError(f"seeding did not finish:\n{d.log_tail()}")
 
 
@@ -237,12 +241,19 @@ def postgres(why_not: list[str]) -> Iterator[PgServer | None]:
 
 
 def reads(
-    tmp: Path, configs: dict[str, list[str]], ids: dict[str, list[str]], secs: float, rounds: int, use_wrk: bool
+    tmp: Path,
+    configs: dict[str, list[str]],
+    ids: dict[str, list[str]],
+    secs: float,
+    rounds: int,
+    use_wrk: bool,
+    warm: float = 1.0,
 ) -> dict[str, float]:
-    """Best GET /job/{id} requests/s of each configuration (alternated each round) on the seeded stores."""
+    """Best GET /job/{id} requests/s of each configuration (alternated each round) on the seeded stores,
+    after ``warm`` seconds of untimed load on each (a fresh process's first second is slow)."""
     best: dict[str, float] = {}
-    for name, urls in configs.items():  # untimed warm-up: a fresh process's first second is slow
-        rate(urls, "get", ids[name], 1.0, tmp, use_wrk)
+    for name, urls in configs.items() if warm else ():
+        rate(urls, "get", ids[name], warm, tmp, use_wrk)
     for _ in range(rounds):
         for name, urls in configs.items():
             best[name] = max(best.get(name, 0.0), rate(urls, "get", ids[name], secs, tmp, use_wrk))
@@ -250,11 +261,12 @@ def reads(
 
 
 def submissions(
-    tmp: Path, names: list[str], pg: PgServer | None, secs: float, rounds: int, use_wrk: bool
+    tmp: Path, names: list[str], pg: PgServer | None, secs: float, rounds: int, use_wrk: bool, warm: int = 10
 ) -> tuple[dict[str, float], dict[str, int]]:
     """Best POST /generate requests/s of each configuration, each measured from an empty queue (fresh
     dispatchers on a fresh store): a submission's cost grows with the queued tracks, so configurations
-    compared at different queue depths would measure the depth. Also the tracks queued at the end."""
+    compared at different queue depths would measure the depth. Also the tracks queued at the end.
+    ``warm`` untimed submissions to each dispatcher first."""
     best: dict[str, float] = {}
     depth: dict[str, int] = {}
     for r in range(rounds):
@@ -265,7 +277,7 @@ def submissions(
             ds = [start_dispatcher(tmp, f"{tag}_{i}", store, results=tmp / f"results_{tag}") for i in range(count)]
             try:
                 for d in ds:  # warm each path with a few submissions (untimed; the queue stays near empty)
-                    for _ in range(10):
+                    for _ in range(warm):
                         httpx.post(d.url + "/generate", json=SUBMIT, timeout=30).raise_for_status()
                 got = rate([d.url for d in ds], "post", [], secs, tmp, use_wrk)
                 depth[name] = max(httpx.get(d.url + "/status").json()["queued_tracks"] for d in ds)
@@ -276,21 +288,24 @@ def submissions(
     return best, depth
 
 
-def overhead(tmp: Path, stores: list[Store], workers: list[ServerProcess], n: int) -> tuple[dict[str, float], float]:
-    """P1's method on each store: median through-dispatcher time per track minus the direct median (ms)."""
+def overhead(
+    tmp: Path, stores: list[Store], workers: list[ServerProcess], n: int, warm: int = 2
+) -> tuple[dict[str, float], float]:
+    """P1's method on each store: median through-dispatcher time per track minus the direct median (ms),
+    after ``warm`` untimed tracks on every path."""
     ds = {s.name: start_dispatcher(tmp, f"p1_{s.name}", s, [w]) for s, w in zip(stores, workers, strict=False)}
     times: dict[str, list[float]] = {name: [] for name in ds}
     base: list[float] = []
     clients = {name: httpx.Client(base_url=d.url, timeout=60) for name, d in ds.items()}
     first = next(iter(ds))
     try:
-        for i in range(n + 2):  # the first two warm every path
+        for i in range(n + warm):
             for name, http in clients.items():  # interleaved: drift hits each alike
                 t = through_dispatcher(http, None)  # type: ignore[arg-type]  # P1's method; it uses http only
-                if i >= 2:
+                if i >= warm:
                     times[name].append(t)
             t = direct(clients[first], workers[0].url, 1000 + i)
-            if i >= 2:
+            if i >= warm:
                 base.append(t)
     finally:
         for http in clients.values():
@@ -304,8 +319,9 @@ def overhead(tmp: Path, stores: list[Store], workers: list[ServerProcess], n: in
 def main() -> None:
     a = args(__doc__, jobs=1000, seconds=5.0, post_seconds=2.0, rounds=2, tracks=40)
     n, secs, post_secs, rounds, tracks = (
-        (20, 1.0, 1.0, 1, 4) if a.smoke else (a.jobs, a.seconds, a.post_seconds, a.rounds, a.tracks)
+        (4, 0.2, 0.2, 1, 1) if a.smoke else (a.jobs, a.seconds, a.post_seconds, a.rounds, a.tracks)
     )
+    warm = (0.0, 0, 0) if a.smoke else (1.0, 10, 2)  # reads' seconds, submissions, tracks
     use_wrk = ensure_wrk(install=not a.smoke)
     why_not: list[str] = []
     with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
@@ -320,7 +336,7 @@ def main() -> None:
         for w in workers:
             stack.callback(w.stop)
         for w in workers:
-            w.wait_healthy()
+            wait_healthy(w)
 
         # Seed each store through a dispatcher and the workers; check that PostgreSQL is really the store.
         ids: dict[str, list[str]] = {}
@@ -349,13 +365,13 @@ def main() -> None:
         if on_pg:
             configs |= {"pg1": [readers["pg_a"].url], "pg2": [readers["pg_a"].url, readers["pg_b"].url]}
             ids |= {"pg1": ids["pg"], "pg2": ids["pg"]}
-        get = reads(tmp, configs, ids, secs, rounds, use_wrk)
+        get = reads(tmp, configs, ids, secs, rounds, use_wrk, warm[0])
         for d in readers.values():
             d.stop()  # the submissions run on fresh dispatchers of their own
-        post, depth = submissions(tmp, list(configs), pg if on_pg else None, post_secs, rounds, use_wrk)
+        post, depth = submissions(tmp, list(configs), pg if on_pg else None, post_secs, rounds, use_wrk, warm[1])
 
         p1_stores = [sqlite, Store("pg", pg.url(pg.create_database()))] if on_pg and pg else [sqlite]
-        added, direct_ms = overhead(tmp, p1_stores, workers, tracks)
+        added, direct_ms = overhead(tmp, p1_stores, workers, tracks, warm[2])
 
     tool = f"wrk, {CONNS} connections each" if use_wrk else "asyncio+httpx, 16 connections each"
     setup = (

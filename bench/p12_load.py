@@ -9,6 +9,9 @@ Figures, each measured in a fresh process with the files in the page cache:
   reused buffer (no new pages: on these VMs first-touching memory costs ~2.4 s/GiB, most of a
   load), and what random initialisation alone would have cost;
 - peak RSS added during the load vs the loaded weights' bytes (target ≤ 1.2×).
+
+``--smoke``: a 2-layer 64-wide model, its four steps (write, read, load, init) in one child process
+rather than one fresh process each (each start imports torch and megatron: seconds of CPU).
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from bench.common import ROOT, args, report
 
@@ -57,7 +59,9 @@ def _status(key: str) -> int:
     return 0
 
 
-def _child(a: object) -> dict:
+def _child(a: Any) -> dict:
+    import torch
+
     from songserve.pipeline.checkpoints.gpt_load import load_model
     from songserve.pipeline.checkpoints.megatron_env import init_megatron
     from songserve.pipeline.engine.gpt import build_model
@@ -68,6 +72,12 @@ def _child(a: object) -> dict:
     init_megatron(cpu, 0, seed=0)
     arch = _arch(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.text)
     path = Path(a.dir)
+    if "," in a.child:  # the smoke's steps, one after the other in this process
+        got: dict = {}
+        for kind in a.child.split(","):
+            a.child = kind
+            got[kind] = _child(a)
+        return got
     if a.child == "write":
         model = build_model(arch, cpu, torch.bfloat16, init=False)
         with torch.no_grad():
@@ -101,7 +111,7 @@ def _child(a: object) -> dict:
     return {"load_sec": sec, "peak_added": _status("VmHWM") - rss0, "weights": weights}
 
 
-def _run(a: object, child: str, folder: Path) -> dict:
+def _run(a: Any, child: str, folder: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.p12_load", "--child", child, "--dir", str(folder)]
     for k in ("layers", "hidden", "heads", "groups", "ffn", "text", "dtype"):
         cmd += [f"--{k}", str(getattr(a, k))]
@@ -113,18 +123,24 @@ def _run(a: object, child: str, folder: Path) -> dict:
 
 def main() -> None:
     a = args(__doc__, child="", dir="", layers=12, hidden=2048, heads=32, groups=8, ffn=5632, text=128256, dtype="bf16")
-    torch.set_num_threads(1 if a.smoke else torch.get_num_threads())
     if a.child:
+        import torch
+
+        torch.set_num_threads(1 if a.smoke else torch.get_num_threads())
         print(json.dumps(_child(a)))
         return
     if a.smoke:
         a.layers, a.hidden, a.heads, a.groups, a.ffn, a.text = 2, 64, 4, 2, 176, 1024
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "backbone"
-        params = _run(a, "write", folder)["params"]
-        read = _run(a, "read", folder)
-        load = _run(a, "load", folder)
-        init = _run(a, "init", folder)
+        if a.smoke:
+            got = _run(a, "write,read,load,init", folder)
+            params, read, load, init = got["write"]["params"], got["read"], got["load"], got["init"]
+        else:
+            params = _run(a, "write", folder)["params"]
+            read = _run(a, "read", folder)
+            load = _run(a, "load", folder)
+            init = _run(a, "init", folder)
     ratio = load["load_sec"] / max(read["read_sec"], 1e-9)
     mem = load["peak_added"] / load["weights"]
     report(

@@ -6,7 +6,8 @@ minute of 44.1 kHz stereo music-like audio (chunks of ``ENCODE_CHUNK_FRAMES`` wi
 context, as a worker does), and, as the baseline measured in the same run, ``load_decoder`` →
 ``decode`` of the very codes it gave (chunks of ``DECODE_CHUNK_FRAMES``). Times are the process's CPU
 time on the CPU (the VM is shared: wall time counts waits for a core), CUDA-synchronised wall time on a
-GPU, best of ``--repeats`` interleaved rounds. One thread on the CPU.
+GPU, best of ``--repeats`` interleaved rounds. One thread on the CPU. ``--smoke``: 1 s of audio, one round,
+no warm-up.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     device = torch.device(a.device)
-    seconds = 5.0 if a.smoke else a.seconds
+    seconds = 1.0 if a.smoke else a.seconds
     repeats = 1 if a.smoke else a.repeats
     with tempfile.TemporaryDirectory() as tmp:
         if a.release_widths:
@@ -68,7 +69,8 @@ def main() -> None:
         dec_load = time.perf_counter() - t0
         audio = torch.from_numpy(music(seconds)).to(device)
         encode = decode = math.inf
-        codes = enc.encode(audio, 512, 16)  # warm-up
+        if not a.smoke:
+            codes = enc.encode(audio, 512, 16)  # warm-up
         for _ in range(repeats):
             t = clock(device)
             codes = enc.encode(audio, 512, 16)

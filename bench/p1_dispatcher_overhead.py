@@ -1,6 +1,8 @@
 """P1: dispatcher overhead per track (submit → done → download), test pipeline with no delay.
 
 Baseline in the same run: the same work calling the worker directly (POST /generate, download).
+``--smoke``: one warm-up and one timed track, the dispatcher and worker served in threads of this process
+(tests/in_thread.py: the same apps, no process starts).
 """
 
 from __future__ import annotations
@@ -46,14 +48,14 @@ def direct(http: httpx.Client, worker_url: str, n: int) -> float:
 
 def main() -> None:
     a = args(__doc__, tracks=40, acestep=0)
-    n = 4 if a.smoke else a.tracks
+    n, warm = (1, 1) if a.smoke else (a.tracks, 2)
     # --acestep 1: the dispatcher also serves ACE-Step's dialect on a second port (our port's figure with it on)
     ace = ("--acestep-port", str(free_port())) if a.acestep else ()
     with tempfile.TemporaryDirectory() as tmp:
-        c = Cluster(Path(tmp), workers=1, delay=0.0, api_args=("--min-duration", str(DURATION), *ace))
+        c = Cluster(Path(tmp), workers=1, delay=0.0, api_args=("--min-duration", str(DURATION), *ace), threads=a.smoke)
         try:
             with httpx.Client(base_url=c.url, timeout=60) as http:
-                for i in range(2):  # warm both paths
+                for i in range(warm):  # warm both paths
                     through_dispatcher(http, c)
                     direct(http, c.workers[0].url, i)
                 d, b = [], []

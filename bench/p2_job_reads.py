@@ -2,6 +2,7 @@
 
 Baseline in the same run: a bare FastAPI endpoint returning a constant, same uvicorn settings,
 same load generator (asyncio + httpx, 16 connections, fixed time).
+``--smoke``: 10 jobs, one round of 0.2 s each.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT, args, report
+from bench.common import ROOT, args, report, wait_healthy
 from tests.support import ServerProcess, free_port
 
 
@@ -106,7 +107,7 @@ async def load(url: str, ids: list[str], seconds: float, conns: int = 16) -> flo
 
 def main() -> None:
     a = args(__doc__, jobs=1000, seconds=8.0, acestep=0)  # --acestep 1: ACESTEP_PORT set on the dispatcher
-    n, secs = (50, 1.0) if a.smoke else (a.jobs, a.seconds)
+    n, secs, rounds = (10, 0.2, 1) if a.smoke else (a.jobs, a.seconds, 2)
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
         ids = seed_store(state, n)
@@ -134,7 +135,7 @@ def main() -> None:
             Path(tmp) / "bare.log",
         )
         try:
-            ours.wait_healthy(want=("ok",))
+            wait_healthy(ours, want=("ok",))
             import httpx as h
 
             for _ in range(100):
@@ -145,7 +146,7 @@ def main() -> None:
                     time.sleep(0.1)
             rates = {"ours": [], "bare": []}
             tool = "wrk, 32 connections" if shutil.which("wrk") else "asyncio+httpx, 16 connections"
-            for _ in range(2):  # alternate to share the machine's drift
+            for _ in range(rounds):  # alternate to share the machine's drift
                 for name, server in (("ours", ours), ("bare", bare)):
                     if shutil.which("wrk"):
                         rates[name].append(wrk_load(server.url, ids, secs, Path(tmp)))

@@ -2,6 +2,8 @@
 
 Baseline in the same run: 1 worker. Each run submits 8 tracks per worker as 1-track jobs and
 measures from the first submit to the last completion.
+``--smoke``: 2 workers vs 1, 1 track each of 0.05 s, the dispatcher and workers served in threads of
+this process (tests/in_thread.py: the same apps, no process starts).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from bench.common import args, report
 from tests.support import Cluster
 
 
-def throughput(workers: int, per_worker: int, delay: float) -> float:
+def throughput(workers: int, per_worker: int, delay: float, threads: bool = False) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         c = Cluster(
             Path(tmp),
             workers=workers,
             delay=delay,
             api_args=("--max-queue", "1000", "--min-duration", "0.001", "--health-interval", "1.0"),
+            threads=threads,
         )
         try:
             n = workers * per_worker
@@ -40,9 +43,9 @@ def throughput(workers: int, per_worker: int, delay: float) -> float:
 
 def main() -> None:
     a = args(__doc__, workers=8, per_worker=8, delay=0.5)
-    workers, per, delay = (2, 2, 0.2) if a.smoke else (a.workers, a.per_worker, a.delay)
-    one = throughput(1, per, delay)
-    many = throughput(workers, per, delay)
+    workers, per, delay = (2, 1, 0.05) if a.smoke else (a.workers, a.per_worker, a.delay)
+    one = throughput(1, per, delay, a.smoke)
+    many = throughput(workers, per, delay, a.smoke)
     report(
         "P3",
         f"{workers} workers: {many / one:.2f}x the tracks/s of 1 ({many:.2f} vs {one:.2f} tracks/s, "

@@ -64,7 +64,7 @@ def main() -> None:
     a = args(__doc__, new_tokens=1000)
     torch.set_num_threads(1)
     init_megatron(torch.device("cpu"), 0, seed=0)
-    new = 64 if a.smoke else a.new_tokens
+    new = 16 if a.smoke else a.new_tokens
     parts = []
     for name, (layers, hidden, heads) in {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}.items():
         if a.smoke and name.startswith("mid"):

@@ -8,6 +8,8 @@ Targets on the CPU: backbone ≤ 1.25× (tiny, 2 takes) and ≤ 1.6× (mid, 2 ta
 Times are the process's CPU time (one thread: the work done), the best of ``--repeats`` rounds
 that run 1, 2 and 4 takes in turn: on a VM shared with other sessions wall time also counts
 the time the process waited for a core, which moved single runs by ±20 %.
+
+``--smoke``: the tiny backbone only, 8 frames, a 0.5 s track, 2 takes, one round, no warm-up.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch
 from bench.common import args, report
 
 
-def _ratios(run: Callable[[int], float], ns: list[int], repeats: int) -> dict[int, float]:
+def _ratios(run: Callable[[int], float], ns: list[int], repeats: int, warm: bool = True) -> dict[int, float]:
     """Best time of each batch size over ``repeats`` interleaved rounds, as a ratio to one take."""
-    run(1)  # warm
+    if warm:
+        run(1)
     best: dict[int, float] = {}
     for _ in range(repeats):
         for n in [1, *ns]:
@@ -33,7 +36,9 @@ def _ratios(run: Callable[[int], float], ns: list[int], repeats: int) -> dict[in
     return {n: best[n] / best[1] for n in ns}
 
 
-def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[int], repeats: int) -> dict[int, float]:
+def backbone_ratio(
+    layers: int, hidden: int, heads: int, frames: int, ns: list[int], repeats: int, warm: bool = True
+) -> dict[int, float]:
     from songserve.pipeline.context import TaskContext
     from songserve.pipeline.engine.arch import GPTArch
     from songserve.pipeline.engine.gpt import AcousticGPT, build_model
@@ -52,10 +57,10 @@ def backbone_ratio(layers: int, hidden: int, heads: int, frames: int, ns: list[i
         bb.generate_batch(prompt, LengthPlan(frames, frames, 2 * frames), takes, top_k=50, temperature=1.0)
         return time.process_time() - t0
 
-    return _ratios(run, ns, repeats)
+    return _ratios(run, ns, repeats, warm)
 
 
-def track_ratio(seconds: float, ns: list[int], repeats: int) -> dict[int, float]:
+def track_ratio(seconds: float, ns: list[int], repeats: int, warm: bool = True) -> dict[int, float]:
     import dataclasses
 
     from songserve.pipeline.checkpoints.layout import resolve
@@ -76,7 +81,7 @@ def track_ratio(seconds: float, ns: list[int], repeats: int) -> dict[int, float]
             pipe.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
             return time.process_time() - t0
 
-        return _ratios(run, ns, repeats)
+        return _ratios(run, ns, repeats, warm)
 
 
 def main() -> None:
@@ -85,14 +90,14 @@ def main() -> None:
     a = args(__doc__, frames=600, seconds=10.0, repeats=3)
     torch.set_num_threads(1)
     init_megatron(torch.device("cpu"), 0, seed=0)
-    frames = 40 if a.smoke else a.frames
+    frames = 8 if a.smoke else a.frames
     ns = [2] if a.smoke else [2, 4]
     parts = []
     models = {"tiny 2x64": (2, 64, 4)} if a.smoke else {"tiny 2x64": (2, 64, 4), "mid 8x512": (8, 512, 8)}
     for name, shape in models.items():
-        r = backbone_ratio(*shape, frames=frames, ns=ns, repeats=1 if a.smoke else a.repeats)
+        r = backbone_ratio(*shape, frames=frames, ns=ns, repeats=1 if a.smoke else a.repeats, warm=not a.smoke)
         parts.append(f"backbone {name}: " + ", ".join(f"{n} takes {x:.2f}x" for n, x in r.items()))
-    r = track_ratio(1.0 if a.smoke else a.seconds, ns, 1 if a.smoke else a.repeats)
+    r = track_ratio(0.5 if a.smoke else a.seconds, ns, 1 if a.smoke else a.repeats, warm=not a.smoke)
     parts.append("whole tiny track: " + ", ".join(f"{n} takes {x:.2f}x" for n, x in r.items()))
     report(
         "P9", f"N takes in one batch vs one take alone, {2 * frames} tokens, 1 thread, CPU time: " + "; ".join(parts)
