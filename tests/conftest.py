@@ -10,6 +10,8 @@ import pytest
 
 from tests.support import ROOT
 
+pytest_plugins = ["tests.tiny_site"]  # one tiny-model worker per test process, shared by the model tests
+
 # The fused step's Triton kernels run under Triton's interpreter where there is no GPU: set before
 # anything (megatron-core, at its import) imports triton, which fixes the mode for the process.
 if shutil.which("nvidia-smi") is None:

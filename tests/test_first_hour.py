@@ -21,8 +21,9 @@ import httpx
 import pytest
 
 from tests.procs import MARK, marked
-from tests.support import ROOT, ServerProcess, cluster_of, free_port, start_worker, wait_for
+from tests.support import ROOT, ServerProcess, free_port, start_worker, wait_for
 from tests.test_launcher import launcher_env
+from tests.tiny_site import tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -48,12 +49,9 @@ def bare(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
-    """A tiny-model worker behind a dispatcher."""
-    tmp = tmp_path_factory.mktemp("site")
-    c = cluster_of(tmp, [start_worker(tmp, name="tiny")])
-    yield c
-    c.stop()
+def site(shared_tiny, tmp_path_factory):
+    with tiny_site(shared_tiny, tmp_path_factory.mktemp("first_hour")) as c:
+        yield c  # the process's tiny-model worker behind a dispatcher of this file's own
 
 
 # ---- what a request is answered -----------------------------------------------------------------
@@ -165,7 +163,7 @@ NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID"
 def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
     httpx.get(site.url + "/openapi.json").raise_for_status()  # where FastAPI warned of a duplicate operation id
     httpx.get(site.url + "/docs").raise_for_status()
-    logs = site.workers[0].log_tail(200_000) + site.api.log_tail(200_000)
+    logs = site.workers[0].full_log() + site.api.log_tail(200_000)  # the worker's from its start
     assert not [n for n in NOISE if n in logs]
 
     def build(level: str) -> str:
