@@ -23,7 +23,7 @@ import pytest
 from tests.procs import MARK, marked
 from tests.support import ROOT, ServerProcess, free_port, start_worker, wait_for
 from tests.test_launcher import launcher_env
-from tests.tiny_site import tiny_site
+from tests.tiny_site import lent, tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -145,16 +145,12 @@ def test_progress_moves_through_the_decode_and_the_files(site):
     assert max(p for s, p in seen if s != "done") <= 99
 
 
-def test_every_tiny_set_says_it_is_tiny(site, release_dir, tmp_path):
+def test_every_tiny_set_says_it_is_tiny(site, shared_release):
     assert httpx.get(site.workers[0].url + "/config").json()["tiny_checkpoints"] is True
-    w = start_worker(tmp_path, "--checkpoints-dir", str(release_dir), name="release")
-    try:
-        w.wait_healthy(timeout=300)
+    with lent(shared_release) as w:  # the process's worker on the release-shaped set (tests/tiny_site.py)
         config = httpx.get(w.url + "/config").json()
         assert config["checkpoint_layout"] == "release"
         assert config["tiny_checkpoints"] is True
-    finally:
-        w.stop()
 
 
 NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID", "Megatron-FSDP")

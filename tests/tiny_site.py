@@ -3,8 +3,9 @@
 Why: a tiny-model worker costs about 8 CPU-seconds importing torch and megatron-core before it loads
 the set, and CI runs the suite on two cores. Each model test file used to start its own; now every
 one that can run on the same flags asks for ``shared_tiny``: one worker per test process (per xdist
-worker), started on first use and stopped at the end of the session. A file that needs other flags
-(a decode mode, the release layout, one_shot or park, a token budget) still starts its own.
+worker), started on first use and stopped at the end of the session. The files on the release-shaped
+set share one more (``shared_release``). A file that needs other flags (a decode mode, one_shot
+or park, a token budget, other paths) still starts its own.
 
 The worker is ``tests/held_worker.py`` (a file's test can hold its backbone) with ``SHARED_FLAGS``.
 Tests must not depend on each other's leftovers, so ``tiny_site`` hands the worker over, and takes
@@ -33,16 +34,16 @@ IDLE_WAIT = 600.0  # seconds: a take left running by the file before is cancelle
 
 
 class SharedWorker(ServerProcess):
-    """The process's tiny-model worker: ``holds`` is its hold folder (held_worker.py), ``audio`` its
-    output folder."""
+    """A worker of this test process's, shared by its test files: ``holds`` is its hold folder
+    (held_worker.py), ``audio`` its output folder; ``SHARED_FLAGS`` and ``flags``."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *flags: str) -> None:
         self.holds = tmp / "holds"
         self.audio = tmp / "tiny_audio"
         self.holds.mkdir(parents=True, exist_ok=True)
         port = free_port()
         args = ["tests/held_worker.py", "--worker-port", str(port), "--master-port", "0",
-                "--output-dir", str(self.audio), *SHARED_FLAGS]  # fmt: skip
+                "--output-dir", str(self.audio), *SHARED_FLAGS, *flags]  # fmt: skip
         super().__init__(args, port, tmp / "tiny.log", {"SONGSERVE_HOLD_DIR": str(self.holds)})
 
     def full_log(self) -> str:
@@ -70,15 +71,25 @@ class SharedWorker(ServerProcess):
         wait_for(cleared, timeout=60, interval=0.1)
 
 
-@pytest.fixture(scope="session")
-def shared_tiny(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorker]:
-    """This test process's tiny-model worker (``SHARED_FLAGS``), started on first use."""
-    w = SharedWorker(tmp_path_factory.mktemp("shared_tiny"))
+def _shared(tmp: Path, *flags: str) -> Iterator[SharedWorker]:
+    w = SharedWorker(tmp, *flags)
     try:
         w.wait_healthy(timeout=300)
         yield w
     finally:
         w.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_tiny(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorker]:
+    """This test process's tiny-model worker (``SHARED_FLAGS``), started on first use."""
+    yield from _shared(tmp_path_factory.mktemp("shared_tiny"))
+
+
+@pytest.fixture(scope="session")
+def shared_release(release_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedWorker]:
+    """This test process's worker on the release-shaped tiny set (``SHARED_FLAGS``), started on first use."""
+    yield from _shared(tmp_path_factory.mktemp("shared_release"), "--checkpoints-dir", str(release_dir))
 
 
 @contextmanager
