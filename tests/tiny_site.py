@@ -44,7 +44,8 @@ class SharedWorker(ServerProcess):
         port = free_port()
         args = ["tests/held_worker.py", "--worker-port", str(port), "--master-port", "0",
                 "--output-dir", str(self.audio), *SHARED_FLAGS, *flags]  # fmt: skip
-        super().__init__(args, port, tmp / "tiny.log", {"SONGSERVE_HOLD_DIR": str(self.holds)})
+        env = {"SONGSERVE_HOLD_DIR": str(self.holds), "WORKER_TOKEN": ""}  # the tests send no token
+        super().__init__(args, port, tmp / "tiny.log", env)
 
     def full_log(self) -> str:
         """The whole log since the worker started (``log_tail`` may have lost its start to older files' lines)."""
