@@ -12,6 +12,8 @@ import pytest
 
 from tests.support import ROOT
 
+pytest_plugins = ["tests.tiny_site"]  # one tiny-model worker per test process, shared by the model tests
+
 # The fused step's Triton kernels run under Triton's interpreter where there is no GPU: set before
 # anything (megatron-core, at its import) imports triton, which fixes the mode for the process.
 if shutil.which("nvidia-smi") is None:
@@ -82,7 +84,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    """The tiny checkpoint set, built once (in a subprocess: dist_checkpointing spawns helpers)."""
+    """The tiny checkpoint set: the current one there (asked without importing torch), else built once (in a
+    subprocess: dist_checkpointing spawns helpers)."""
+    from songserve.pipeline.config import DEFAULT_TINY_DIR
+    from songserve.pipeline.tiny.manifest import is_built
+
+    if is_built(DEFAULT_TINY_DIR):
+        return DEFAULT_TINY_DIR
     out = subprocess.run(
         [sys.executable, "-m", "songserve.pipeline.tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )

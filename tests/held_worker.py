@@ -9,12 +9,18 @@ backbone passes a third of its token budget, and again at two thirds, it waits w
 ``DIR/hold-1`` (then ``DIR/hold-2``) exists. The preview thread runs on meanwhile, so the test hears
 audio, sees the track still generating, and deletes the file to let the backbone go on. Without the
 files nothing waits. The output does not change: the backbone's draws follow from the seed alone.
+
+On SIGUSR1 it drops its KV snapshots and zeroes their counters (restored tokens, faults), as after
+start: one worker is shared by the test files of a test process (tests/tiny_site.py), and a retake
+test's proof is a fresh cache. The test waits for ``/health`` to show it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,8 +52,29 @@ def hold_backbone_at_thirds(hold_dir: Path) -> None:
     Previewer.tokens = tokens  # type: ignore[method-assign]
 
 
+def clear_kv_snapshots_on_sigusr1() -> None:
+    from songserve.pipeline.engine.kv_snapshots import KVSnapshots
+
+    made: list[KVSnapshots] = []
+    init = KVSnapshots.__init__
+
+    def __init__(self: KVSnapshots, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    def clear() -> None:
+        for snaps in made:
+            snaps.clear()  # under the cache's lock
+            snaps.restored_total = snaps.faults = 0
+
+    KVSnapshots.__init__ = __init__  # type: ignore[method-assign]
+    # off the signal handler: the main thread may hold the cache's lock (in /health) when it comes
+    signal.signal(signal.SIGUSR1, lambda signum, frame: threading.Thread(target=clear, daemon=True).start())
+
+
 if __name__ == "__main__":  # the guard matters: dist_checkpointing starts spawn-based helpers
     from songserve.worker.main import main
 
     hold_backbone_at_thirds(Path(os.environ["SONGSERVE_HOLD_DIR"]))
+    clear_kv_snapshots_on_sigusr1()
     sys.exit(main())

@@ -10,23 +10,18 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, Cluster, start_worker, wait_for
+from tests.support import ROOT, Cluster, wait_for
+from tests.tiny_site import tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = ROOT / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("browser")
-    (tmp / "holds").mkdir()  # the backbone waits at a third of a take while holds/hold-1 exists (held_worker.py)
-    w = start_worker(tmp, name="tiny", script="tests/held_worker.py", env={"SONGSERVE_HOLD_DIR": str(tmp / "holds")})
-    w.wait_healthy()
-    c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, (), [w], None
-    c.start_api()
-    yield c
-    c.stop()
+def site(shared_tiny, tmp_path_factory):
+    # the process's held worker: the backbone waits at a third of a take while holds/hold-1 exists (held_worker.py)
+    with tiny_site(shared_tiny, tmp_path_factory.mktemp("browser")) as c:
+        yield c
 
 
 def open_song(page, url: str, lyrics: str, duration: str) -> None:
@@ -157,7 +152,7 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     page.on("pageerror", lambda e: errors.append(str(e)))
     open_song(page, site.url, "[verse]\nhear it live\nas it is made", "1")
     assert page.is_checked("#live")
-    hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of the take until the page has played
+    hold = site.workers[0].holds / "hold-1"  # the backbone waits at a third of the take until the page has played
     hold.touch()
     try:
         card = submitted(page)
@@ -198,7 +193,7 @@ def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, 
     assert notice.inner_text().startswith("Tiny test model: the audio is noise of the right length.")
     assert httpx.get(site.url + "/config", timeout=10).json()["untrained_workers"] == 1
     page.fill("#num_tracks", "2")
-    hold = site.tmp / "holds" / "hold-1"  # the backbone waits at a third of a take: both takes still run
+    hold = site.workers[0].holds / "hold-1"  # the backbone waits at a third of a take: both takes still run
     hold.touch()
     try:
         card = submitted(page)

@@ -10,7 +10,8 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, start_worker, wait_for
+from tests.support import Cluster, wait_for
+from tests.tiny_site import tiny_site
 
 KHALA_BODY = {
     "mode": "vocal",
@@ -285,13 +286,8 @@ def test_status_tags_metrics_config_docs(one):
     assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
 
 
-def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
-    w = start_worker(tmp_path, name="tiny")
-    try:
-        w.wait_healthy()
-        c = Cluster.__new__(Cluster)
-        c.tmp, c.api_args, c.workers, c.api = tmp_path, (), [w], None
-        c.start_api()
+def test_tiny_model_worker_through_the_dispatcher(tmp_path, shared_tiny):
+    with tiny_site(shared_tiny, tmp_path) as c:
         a = c.submit(num_tracks=2, duration=0.05, seed=42)
         job = c.wait_job(a["job_id"], timeout=120)
         assert job["status"] == "completed"
@@ -304,9 +300,6 @@ def test_tiny_model_worker_through_the_dispatcher(tmp_path, tiny_dir):
         assert job["tracks"][0]["metadata"]["timings"]["backbone_sec"] > 0
         # one idle worker, two tracks: packed into one batch, and the view says so
         assert [t["metadata"]["batch_size"] for t in job["tracks"]] == [2, 2]
-        c.api.stop()
-    finally:
-        w.stop()
 
 
 def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_four(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import uuid
 
 import numpy as np
 import pytest
@@ -499,18 +500,23 @@ def test_superres_batch_of_different_lengths_equals_each_take_alone(superres, ba
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_dir, tmp_path_factory):
-    from tests.support import start_worker
+def worker(shared_tiny):
+    from tests.tiny_site import lent
 
-    w = start_worker(tmp_path_factory.mktemp("batch"), "--runtime-mode", "keep_loaded", name="batch")
-    w.wait_healthy()
-    yield w
-    w.stop()
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/tiny_site.py)
+        yield w
+
+
+RUN = uuid.uuid4().hex[:8]  # a worker runs a task id once: this file's ids are its own on the shared worker
+
+
+def tid(name: str) -> str:
+    return f"{name}-{RUN}"
 
 
 def _body(seed: int, task_id: str, **kw) -> dict:
     body = {"lyrics": "[verse]\nhello world", "tags": "pop, piano", "duration": 3 / 60}
-    return {**body, "seed_override": seed, "task_id": task_id, "job_id": "jb", "track_index": seed % 4, **kw}
+    return {**body, "seed_override": seed, "task_id": tid(task_id), "job_id": "jb", "track_index": seed % 4, **kw}
 
 
 def _samples(w, name: str):
@@ -535,7 +541,7 @@ def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
     r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=120)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
-    assert [x["task_id"] for x in results] == ["b0", "b1"]
+    assert [x["task_id"] for x in results] == [tid("b0"), tid("b1")]
     assert all(x["status"] == "ok" for x in results)
     meta = results[1]["metadata"]
     assert meta["batch_size"] == 2
@@ -573,17 +579,17 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
             # a 1-minute batch of 2 takes ~0.6 s: polling for that phase alone could miss it)
             h = httpx.get(worker.url + "/health", timeout=5).json()
             tasks = {t["task_id"]: t for t in h.get("tasks", [])}
-            return len(tasks) == 2 and tasks["c1"]["phase"] in ("backbone", "superres")
+            return len(tasks) == 2 and tasks[tid("c1")]["phase"] in ("backbone", "superres")
 
         wait_for(both_running, timeout=60, interval=0.02)
-        c = httpx.post(worker.url + "/cancel/c1", timeout=10)
+        c = httpx.post(f"{worker.url}/cancel/{tid('c1')}", timeout=10)
         assert c.status_code == 200
         r = fut.result()
     results = r.json()["results"]
     assert results[0]["status"] == "ok"
     assert results[1]["status"] == "cancelled"
     assert results[0]["metadata"]["tokens"]["frames"] == int(1.0 * 60 * 44100 / 2048)
-    assert httpx.get(worker.url + "/tasks/c1", timeout=5).json()["status"] == "cancelled"
+    assert httpx.get(f"{worker.url}/tasks/{tid('c1')}", timeout=5).json()["status"] == "cancelled"
 
 
 def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(worker, tmp_path):

@@ -22,8 +22,9 @@ import pytest
 
 from tests import in_thread
 from tests.procs import MARK, marked
-from tests.support import ROOT, cluster_of, free_port, start_worker, wait_for
+from tests.support import ROOT, free_port, wait_for
 from tests.test_launcher import launcher_env
+from tests.tiny_site import lent, tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -44,12 +45,9 @@ def bare(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
-    """A tiny-model worker behind a dispatcher."""
-    tmp = tmp_path_factory.mktemp("site")
-    c = cluster_of(tmp, [start_worker(tmp, name="tiny")])
-    yield c
-    c.stop()
+def site(shared_tiny, tmp_path_factory):
+    with tiny_site(shared_tiny, tmp_path_factory.mktemp("first_hour")) as c:
+        yield c  # the process's tiny-model worker behind a dispatcher of this file's own
 
 
 # ---- what a request is answered -----------------------------------------------------------------
@@ -143,16 +141,12 @@ def test_progress_moves_through_the_decode_and_the_files(site):
     assert max(p for s, p in seen if s != "done") <= 99
 
 
-def test_every_tiny_set_says_it_is_tiny(site, release_dir, tmp_path):
+def test_every_tiny_set_says_it_is_tiny(site, shared_release):
     assert httpx.get(site.workers[0].url + "/config").json()["tiny_checkpoints"] is True
-    w = start_worker(tmp_path, "--checkpoints-dir", str(release_dir), name="release")
-    try:
-        w.wait_healthy(timeout=300)
+    with lent(shared_release) as w:  # the process's worker on the release-shaped set (tests/tiny_site.py)
         config = httpx.get(w.url + "/config").json()
         assert config["checkpoint_layout"] == "release"
         assert config["tiny_checkpoints"] is True
-    finally:
-        w.stop()
 
 
 NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID", "Megatron-FSDP")
@@ -161,7 +155,7 @@ NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID"
 def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
     httpx.get(site.url + "/openapi.json").raise_for_status()  # where FastAPI warned of a duplicate operation id
     httpx.get(site.url + "/docs").raise_for_status()
-    logs = site.workers[0].log_tail(200_000) + site.api.log_tail(200_000)
+    logs = site.workers[0].full_log() + site.api.log_tail(200_000)  # the worker's from its start
     assert not [n for n in NOISE if n in logs]
 
     def build(level: str) -> str:

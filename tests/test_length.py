@@ -15,6 +15,7 @@ from songserve.pipeline.numbers import TOKENS_PER_MINUTE
 from songserve.pipeline.stages.length import plan_length
 from songserve.pipeline.types import TrackRequest
 from tests.support import start_worker
+from tests.tiny_site import lent
 
 FPS = 44100 / 2048
 
@@ -123,10 +124,9 @@ def test_progress_detail_is_the_reference_token_count_with_the_rate_beside_it(pi
     assert reports[-1][0] == f"300/{estimate} tokens"
 
 
-def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(tiny_dir, tmp_path):
-    w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", name="ctx")
-    try:
-        w.wait_healthy()
+def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(shared_tiny):
+    with lent(shared_tiny) as w:  # the process's tiny-model worker (tests/tiny_site.py)
+        done_before = httpx.get(w.url + "/health", timeout=10).json()["tasks_done"]
         cfg = httpx.get(w.url + "/config", timeout=10).json()
         assert cfg["max_sequence_length"] == 27648
         assert cfg["max_new_tokens"] == 23552
@@ -137,9 +137,7 @@ def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(ti
         assert "context of 27648 tokens (max_sequence_length)" in r.json()["error"]
         h = httpx.get(w.url + "/health", timeout=10).json()
         assert h["status"] == "idle"
-        assert h["tasks_done"] == 0
-    finally:
-        w.stop()
+        assert h["tasks_done"] == done_before  # refused before any work: no task counted
 
 
 def test_the_floor_default_is_exact_length_for_the_tiny_set_and_none_for_a_real_one(tiny_dir, tmp_path):

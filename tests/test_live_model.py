@@ -17,24 +17,17 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, cluster_of, start_worker, wait_for
+from tests.support import Cluster, wait_for
+from tests.tiny_site import tiny_site
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "duration": 0.5, "num_tracks": 1, "seed": 21}
 WAIT = 600.0
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("live_model")
-    (tmp / "holds").mkdir()
-    worker = start_worker(
-        tmp, "--preview-chunk-sec", "2", name="tiny", script="tests/held_worker.py",
-        env={"SONGSERVE_HOLD_DIR": str(tmp / "holds")},
-    )  # fmt: skip
-    worker.wait_healthy(timeout=300)
-    c = cluster_of(tmp, [worker])
-    yield c
-    c.stop()
+def site(shared_tiny, tmp_path_factory):
+    with tiny_site(shared_tiny, tmp_path_factory.mktemp("live_model")) as c:
+        yield c  # the process's held worker (tests/held_worker.py), with 2 s preview windows
 
 
 def post(site: Cluster) -> str:
@@ -51,7 +44,7 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
     # The backbone waits at a third and at two thirds of the take while hold files exist (held_worker.py):
     # the test lets it go on only once audio has come while the track is generating, so the proof
     # does not depend on how the preview thread and the backbone share this machine's cores.
-    holds = [site.tmp / "holds" / f"hold-{k}" for k in (1, 2)]
+    holds = [site.workers[0].holds / f"hold-{k}" for k in (1, 2)]
     for hold in holds:
         hold.touch()
     job = post(site)
@@ -97,4 +90,4 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
 
     # The final WAV is what it is without a listener: same seed, same bytes.
     assert wav == httpx.get(f"{site.url}/job/{quiet['job_id']}/track/0/wav", timeout=30).content
-    wait_for(lambda: not list((site.tmp / "tiny_audio").glob("*.live.pcm")), timeout=10)  # nothing left behind
+    wait_for(lambda: not list(site.workers[0].audio.glob("*.live.pcm")), timeout=10)  # nothing left behind

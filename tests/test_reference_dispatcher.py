@@ -12,15 +12,14 @@ import threading
 
 import httpx
 
-from tests.support import start_worker
+from tests.tiny_site import lent
 
 REFERENCE_TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference dispatcher's pattern
 
 
-def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(tmp_path, tiny_dir):
-    w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", name="for-reference", env={"WORKER_TOKEN": ""})
-    try:
-        health = w.wait_healthy()
+def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(shared_tiny):
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded, no WORKER_TOKEN (tests/tiny_site.py)
+        health = w.health()
         body = {
             "genre": "",
             "language": "",
@@ -69,5 +68,3 @@ def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(tmp_path, 
             assert got.headers["content-type"].startswith(media)
             assert len(got.content) > 1000
         assert abs(result["duration_sec"] - 60.0) < 1.0  # the tiny set keeps the requested length
-    finally:
-        w.stop()

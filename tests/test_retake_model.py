@@ -20,22 +20,24 @@ import soundfile as sf
 
 from songserve import codes
 from tests.support import Cluster, start_worker, wait_for
+from tests.tiny_site import SHARED_FLAGS, tiny_site
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nkeep the start\nchange the rest", "duration": 1.0}
 WAIT = 600.0  # seconds: a minute of tiny-set song takes ~10 s on an idle core, several times that under load
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
+def site(shared_tiny, tmp_path_factory):
+    """Worker 0: the process's tiny-model worker, its KV snapshots cleared; worker 1: one of this file's own,
+    with the same flags (the proof needs two)."""
     tmp = tmp_path_factory.mktemp("retake_model")
-    workers = [start_worker(tmp, name=f"tiny{i}") for i in range(2)]
-    for w in workers:
-        w.wait_healthy(timeout=300)
-    c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, (), workers, None
-    c.start_api()
-    yield c
-    c.stop()
+    second = start_worker(tmp, *SHARED_FLAGS, name="tiny1")
+    try:
+        second.wait_healthy(timeout=300)
+        with tiny_site(shared_tiny, tmp, more=(second,)) as c:
+            yield c
+    finally:
+        second.stop()
 
 
 def post(site: Cluster, **body) -> str:

@@ -12,21 +12,18 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import Cluster, cluster_of, start_worker, wait_for
+from tests.support import Cluster, wait_for
 from tests.test_encoder import music, wav_bytes
+from tests.tiny_site import tiny_site
 
 WAIT = 600.0  # seconds: generous, the machine is shared
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nagain and again", "duration": 0.2, "num_tracks": 1}
 
 
 @pytest.fixture(scope="module")
-def site(tiny_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("retake_sequence")
-    worker = start_worker(tmp, name="tiny")
-    worker.wait_healthy(timeout=300)
-    c = cluster_of(tmp, [worker])
-    yield c
-    c.stop()
+def site(shared_tiny, tmp_path_factory):
+    with tiny_site(shared_tiny, tmp_path_factory.mktemp("retake_sequence")) as c:
+        yield c  # the process's tiny-model worker, its KV snapshots cleared
 
 
 def run(site: Cluster, **body) -> dict:

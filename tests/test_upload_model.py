@@ -25,22 +25,17 @@ from songserve.audio_in import read_audio
 from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes
-from tests.support import Cluster, start_worker, wait_for
+from tests.support import Cluster, wait_for
 from tests.test_encoder import _plain_codes, music, wav_bytes
+from tests.tiny_site import tiny_site
 
 WAIT = 600.0  # seconds: generous, the machine is shared
 
 
 @pytest.fixture(scope="module")
-def site(release_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("upload_model")
-    worker = start_worker(tmp, "--checkpoints-dir", str(release_dir), name="release")
-    worker.wait_healthy(timeout=300)
-    c = Cluster.__new__(Cluster)
-    c.tmp, c.api_args, c.workers, c.api = tmp, (), [worker], None
-    c.start_api()
-    yield c
-    c.stop()
+def site(shared_release, tmp_path_factory):
+    with tiny_site(shared_release, tmp_path_factory.mktemp("upload_model")) as c:
+        yield c  # the process's worker on the release-shaped set, its KV snapshots cleared (tests/tiny_site.py)
 
 
 @pytest.fixture(scope="module")

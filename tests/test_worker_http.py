@@ -11,6 +11,7 @@ import pytest
 import soundfile as sf
 
 from tests.support import start_worker, wait_for, worker_refusal
+from tests.tiny_site import lent
 
 FRAME = 2048 / 44100
 
@@ -29,10 +30,9 @@ def one_shot(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def keep_loaded(tiny_dir, tmp_path_factory):
-    w = _worker("keep_loaded", tmp_path_factory)
-    yield w
-    w.stop()
+def keep_loaded(shared_tiny):
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/tiny_site.py)
+        yield w
 
 
 def generate(worker, timeout=120, **body):

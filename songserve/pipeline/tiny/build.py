@@ -34,12 +34,10 @@ import torch
 from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, LEVELS, SUPERRES_LEVELS
 from songserve.pipeline.stages.codec import DecoderConfig
+from songserve.pipeline.tiny.manifest import RELEASE_VERSION, TINY_VERSION, is_built
 
 log = logging.getLogger(__name__)
 
-TINY_VERSION = (
-    5  # 5: the decoder file holds the codec's encoder (uploads); 4: model_config.json without num_tokens_to_generate
-)
 SEED = 1283
 TEXT_VOCAB = 1024  # the tiny tokenizer's pieces
 
@@ -97,7 +95,6 @@ def _build_into(tmp: Path) -> None:
     )
 
 
-RELEASE_VERSION = 3  # 3: the golden YAML's layout and q_dropout: False
 RELEASE_LAYOUT = {
     "backbone": "checkpoints/backbone",
     "superres": "checkpoints/superresolution",
@@ -156,13 +153,6 @@ def _build_release_into(tmp: Path) -> None:
         json.dumps({"release_version": RELEASE_VERSION, "seed": SEED, "untrained": True, "built_at": time.time()})
         + "\n"
     )
-
-
-def is_built(out: Path, key: str = "tiny_version", version: int = TINY_VERSION) -> bool:
-    try:
-        return json.loads((out / "MANIFEST.json").read_text()).get(key) == version
-    except (OSError, ValueError):
-        return False
 
 
 def ensure_release_set(out: Path, force: bool = False) -> Path:

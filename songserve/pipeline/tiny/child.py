@@ -35,7 +35,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def build_in_child(out: Path) -> Path:
     """Build the default tiny set at ``out`` in a child process (unless a current one is there)."""
-    from songserve.pipeline.tiny.build import is_built
+    from songserve.pipeline.tiny.manifest import is_built
 
     if is_built(out):
         return out
