@@ -258,7 +258,7 @@ if [ $WORKERS = 1 ]; then
     for g in "${GPU_IDS[@]}"; do [ "$g" -lt "$CUDA_COUNT" ] || die "--gpus $g: this machine has $CUDA_COUNT GPUs (ids 0..$((CUDA_COUNT - 1)))"; done
   fi
   if [ -z "${CHECKPOINTS_DIR:-}${TOKENIZER_PATH:-}${BACKBONE_MODELS:-}${SUPERRES_MODELS:-}${DECODER_CONFIG_PATH:-}${DECODER_CHECKPOINT_PATH:-}" ]; then
-    if ! $PY -c 'import sys; from songserve.pipeline.tiny.build import is_built; from songserve.pipeline.config import DEFAULT_TINY_DIR; sys.exit(0 if is_built(DEFAULT_TINY_DIR) else 1)'; then
+    if ! $PY -c 'import sys; from songserve.pipeline.tiny.manifest import is_built; from songserve.pipeline.config import DEFAULT_TINY_DIR; sys.exit(0 if is_built(DEFAULT_TINY_DIR) else 1)'; then
       say "no checkpoint set configured: building the tiny set in checkpoints/tiny (once, ~10 s)"
       $PY -m songserve.pipeline.tiny >/dev/null
     fi

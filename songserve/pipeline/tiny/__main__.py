@@ -14,12 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from songserve.logs import level_from_env, setup_logging
 from songserve.pipeline.config import DEFAULT_TINY_DIR
-from songserve.pipeline.tiny.build import ensure_tiny_set
 from songserve.pipeline.tiny.child import die_with_parent
+from songserve.pipeline.tiny.manifest import RELEASE_VERSION, is_built
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir or args.out
     if out is None and args.layout == "release":
         ap.error("--layout release needs an output folder")
+    out = out or DEFAULT_TINY_DIR
+    release = args.layout == "release"
+    if not args.force and (is_built(out, "release_version", RELEASE_VERSION) if release else is_built(out)):
+        print(out)  # a current set: said without torch's import (seconds), as the build would say it
+        return 0
+    import torch
+
+    from songserve.pipeline.tiny.build import ensure_tiny_set
+
     setup_logging("tiny", level_from_env())
     torch.set_num_threads(1)
-    print(ensure_tiny_set(out or DEFAULT_TINY_DIR, args.force, args.layout))
+    print(ensure_tiny_set(out, args.force, args.layout))
     return 0
 
 
