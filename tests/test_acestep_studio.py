@@ -94,7 +94,10 @@ def test_generate_in_acesteps_studio_shows_one_playable_audio_per_take(site, pag
     assert all(m.endswith("s") and abs(float(m[:-1]) - 10.0) < 0.05 for m in metas)
     played = page.evaluate(
         """async () => Promise.all([...document.querySelectorAll('#results audio')].map(async a => {
-             await a.play(); await new Promise(r => setTimeout(r, 700)); a.pause();
+             await a.play();  // it plays: its clock moves (waited for, not for a fixed time: a loaded machine)
+             for (const t0 = performance.now(); a.currentTime <= 0.1 && performance.now() - t0 < 30000;)
+               await new Promise(r => setTimeout(r, 50));
+             a.pause();
              return [a.currentTime, a.duration, a.currentSrc]; }))"""
     )
     for current, duration, src in played:
