@@ -73,7 +73,7 @@ check_ports() {  # one line naming the port and the setting that moves it, or no
 launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_FILE (if one did)?
   local nonce env
   nonce=$(cat "$NONCE_FILE" 2>/dev/null) || return 0   # pid files from before nonces: the command line decides
-  env=$(tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null) || return 1
+  env=$(tr '\0' '\n' 2>/dev/null <"/proc/$1/environ") || return 1
   [ -z "$env" ] || grep -qx "LAUNCH_NONCE=$nonce-[a-z0-9]*" <<<"$env"   # empty: exiting, as in ours()
 }
 
@@ -88,14 +88,14 @@ ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused 
   set -- ${stat##*) }                  # state, parent pid, ...
   [ "$1" != Z ] || return 1            # a zombie has exited; only its parent's wait is left
   [ "$2" != 2 ] || return 1            # a kernel thread (child of kthreadd) took the pid
-  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
   # an exiting process gives up its memory, and with it its command line, some time before it is
   # gone: an empty command line is still ours (else stop would return while it closes its files)
   [ -z "$cmd" ] || { grep -qE 'backend_(api|worker)\.py' <<<"$cmd" && launched_here "$pid"; }
 }
 
 wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
-  while ours "$1" && [ $SECONDS -lt "$2" ]; do sleep 0.2; done
+  while still_ours "$1" && [ $SECONDS -lt "$2" ]; do sleep 0.2 || true; done
 }
 
 # ---- stop, narrated ----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ stop_group() {  # deadline pidfile…: SIGTERM each, wait until gone (a second C
   shift
   for f in "$@"; do
     pidof_file "$f"
-    if ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; STOPPED=$((STOPPED + 1))
+    if still_ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; STOPPED=$((STOPPED + 1))
     else say "removing stale pid file $f"; rm -f "$f"; fi
   done
   for f in "$@"; do
