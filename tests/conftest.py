@@ -84,13 +84,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    """The tiny checkpoint set: the current one there (asked without importing torch), else built once (in a
-    subprocess: dist_checkpointing spawns helpers)."""
-    from songserve.pipeline.config import DEFAULT_TINY_DIR
-    from songserve.pipeline.tiny.manifest import is_built
-
-    if is_built(DEFAULT_TINY_DIR):
-        return DEFAULT_TINY_DIR
+    """The tiny checkpoint set, built once (in a subprocess: dist_checkpointing spawns helpers); a current
+    one there is answered without torch's import (``pipeline/tiny/manifest.py``)."""
     out = subprocess.run(
         [sys.executable, "-m", "songserve.pipeline.tiny"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from songserve.logs import level_from_env, setup_logging
 from songserve.pipeline.config import DEFAULT_TINY_DIR
 from songserve.pipeline.tiny.child import die_with_parent
-from songserve.pipeline.tiny.manifest import RELEASE_VERSION, is_built
+from songserve.pipeline.tiny.manifest import is_current
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is None and args.layout == "release":
         ap.error("--layout release needs an output folder")
     out = out or DEFAULT_TINY_DIR
-    release = args.layout == "release"
-    if not args.force and (is_built(out, "release_version", RELEASE_VERSION) if release else is_built(out)):
+    if not args.force and is_current(out, args.layout):
         print(out)  # a current set: said without torch's import (seconds), as the build would say it
         return 0
     import torch

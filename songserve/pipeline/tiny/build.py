@@ -34,7 +34,7 @@ import torch
 from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.numbers import BACKBONE_LEVELS, CODEBOOK, LEVELS, SUPERRES_LEVELS
 from songserve.pipeline.stages.codec import DecoderConfig
-from songserve.pipeline.tiny.manifest import RELEASE_VERSION, TINY_VERSION, is_built
+from songserve.pipeline.tiny.manifest import RELEASE_VERSION, TINY_VERSION, is_current
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +165,13 @@ def ensure_tiny_set(out: Path, force: bool = False, layout: str = "default") -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        release = layout == "release"
-        current = is_built(out, "release_version", RELEASE_VERSION) if release else is_built(out)
-        if current and not force:
+        if is_current(out, layout) and not force:
             return out
         tmp = out.parent / f".{out.name}.building"
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.perf_counter()
         log.info("building the tiny checkpoint set in %s", out)
-        (_build_release_into if release else _build_into)(tmp)
+        (_build_release_into if layout == "release" else _build_into)(tmp)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         log.info("tiny checkpoint set ready in %.1f s", time.perf_counter() - t0)

@@ -20,3 +20,8 @@ def is_built(out: Path, key: str = "tiny_version", version: int = TINY_VERSION) 
         return bool(json.loads((out / "MANIFEST.json").read_text()).get(key) == version)
     except (OSError, ValueError, AttributeError):  # AttributeError: a manifest that is no JSON object
         return False
+
+
+def is_current(out: Path, layout: str = "default") -> bool:
+    """Whether the set of ``layout`` (``default`` or ``release``) at ``out`` is this build's."""
+    return is_built(out, "release_version", RELEASE_VERSION) if layout == "release" else is_built(out)
