@@ -7,7 +7,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -38,27 +37,6 @@ class Timer:
 def report(pid: str, line: str) -> None:
     """The one summary line each benchmark prints (bench/run_all collects them)."""
     print(f"{pid} {line}", flush=True)
-
-
-def wait_healthy(server: Any, timeout: float = 300.0, want: tuple[str, ...] = ("idle", "ok")) -> dict:
-    """Until a ``tests.support.ServerProcess`` answers ``/health`` with a status in ``want``: its own
-    ``wait_healthy`` through one kept connection, since a bare ``httpx.get`` builds a TLS context per call
-    (~30 ms of CPU a poll, over the seconds a model worker takes to start)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2) as http:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
-            try:
-                r = http.get(server.url + "/health")
-                if r.status_code == 200 and r.json().get("status") in want:
-                    return dict(r.json())
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{server.url} not healthy in {timeout}s:\n{server.log_tail()}")
 
 
 def rss_mb(pid: int) -> float:

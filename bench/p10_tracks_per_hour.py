@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import args, report, wait_healthy
+from bench.common import args, report
 from tests.support import start_worker
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         w = start_worker(Path(tmp), "--runtime-mode", "keep_loaded", name="p10")
         try:
-            wait_healthy(w)
+            w.wait_healthy(timeout=300)
             if not a.smoke:  # warm-up: first-use costs are neither way's
                 httpx.post(w.url + "/generate", json={**body, "seed_override": 0}, timeout=600).raise_for_status()
             t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from bench.common import args, median, report, wait_healthy
+from bench.common import args, median, report
 from bench.p1_dispatcher_overhead import direct, through_dispatcher
 from tests.support import ServerProcess, free_port, start_worker
 
@@ -83,7 +83,7 @@ def start_dispatcher(
     ]
     env = store.env(f"p11-{name}", results or tmp / f"results_{store.name}")
     p = ServerProcess(argv, port, tmp / f"{name}.log", env)
-    wait_healthy(p, want=("ok",))
+    p.wait_healthy(timeout=300, want=("ok",))
     if workers:
         deadline = time.monotonic() + 60
         with httpx.Client(base_url=p.url, timeout=10) as http:  # one connection: a bare httpx.get costs ~30 ms CPU
@@ -336,7 +336,7 @@ def main() -> None:
         for w in workers:
             stack.callback(w.stop)
         for w in workers:
-            wait_healthy(w)
+            w.wait_healthy(timeout=300)
 
         # Seed each store through a dispatcher and the workers; check that PostgreSQL is really the store.
         ids: dict[str, list[str]] = {}

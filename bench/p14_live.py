@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import soundfile as sf
 
-from bench.common import args, report, wait_healthy
+from bench.common import args, report
 from tests.support import Cluster, cluster_of, start_worker
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "num_tracks": 1, "seed": 7}
@@ -97,7 +97,7 @@ def main() -> None:
                          "--preview-levels", str(a.preview_levels), name="p14")  # fmt: skip
         site: Cluster | None = None
         try:
-            wait_healthy(w, timeout=300)
+            w.wait_healthy(timeout=300)
             site = cluster_of(Path(tmp), [w])
             if not a.smoke:
                 run(site, seconds, None)  # warm-up: first-use costs are not the listener's

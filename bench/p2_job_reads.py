@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT, args, report, wait_healthy
+from bench.common import ROOT, args, report
 from tests.support import ServerProcess, free_port
 
 
@@ -135,7 +135,7 @@ def main() -> None:
             Path(tmp) / "bare.log",
         )
         try:
-            wait_healthy(ours, want=("ok",))
+            ours.wait_healthy(timeout=300, want=("ok",))
             import httpx as h
 
             for _ in range(100):

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import args, report, wait_healthy
+from bench.common import args, report
 from tests.support import start_worker
 
 
 def second_request(mode: str, tmp: Path, seconds: float, *extra: str) -> float:
     w = start_worker(tmp, "--runtime-mode", mode, *extra, name=mode)
     try:
-        wait_healthy(w)
+        w.wait_healthy(timeout=300)
         body = {"lyrics": "hello", "duration": seconds / 60, "seed_override": 1}
         httpx.post(w.url + "/generate", json=body, timeout=300).raise_for_status()
         t0 = time.perf_counter()

@@ -20,12 +20,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 
 from songserve.logs import LineFormatter
 from songserve.serving import header_timeout_protocol
-from tests.support import wait_for
+from tests.support import poll_health, wait_for
 
 START_TIMEOUT_SEC = 60.0
 
@@ -101,13 +100,7 @@ class ThreadServer:
             self._failed = exc
 
     def wait_healthy(self, timeout: float = 60.0, want: tuple[str, ...] = ("idle", "ok")) -> dict[str, Any]:
-        def healthy() -> dict[str, Any] | None:
-            r = httpx.get(self.url + "/health", timeout=5)
-            body: dict[str, Any] = r.json()
-            return body if r.status_code == 200 and body.get("status") in want else None
-
-        result: dict[str, Any] = wait_for(healthy, timeout=timeout, interval=0.05)
-        return result
+        return poll_health(self.url, want, timeout, lambda: None if self.running else f"{self.name} stopped")
 
     def log_tail(self, n: int = 4000) -> str:
         assert self.log_path is not None, f"{self.name}: a worker in a thread keeps no log of its own"

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,25 @@ def free_port() -> int:
         return port
 
 
+def poll_health(url: str, want: tuple[str, ...], timeout: float, exited: Callable[[], str | None]) -> dict:
+    """Until ``url``'s ``/health`` answers 200 with a status in ``want`` (its body), through one kept
+    connection (a client per poll costs a TLS context's CPU outside the test session); ``exited`` says
+    why the server can no longer answer (then RuntimeError), or None."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2) as http:
+        while time.monotonic() < deadline:
+            if why := exited():
+                raise RuntimeError(why)
+            try:
+                r = http.get(url + "/health")
+                if r.status_code == 200 and r.json().get("status") in want:
+                    return dict(r.json())
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy in {timeout}s")
+
+
 class ServerProcess:
     """A real server process on a free port: started, polled on /health, stopped at the end."""
 
@@ -83,18 +103,14 @@ class ServerProcess:
         )
 
     def wait_healthy(self, timeout: float = 120.0, want: tuple[str, ...] = ("idle", "ok")) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2)
-                if r.status_code == 200 and r.json().get("status") in want:
-                    return r.json()
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.url} not healthy in {timeout}s:\n{self.log_tail()}")
+        def exited() -> str | None:
+            code = self.proc.poll()
+            return None if code is None else f"server exited with {code}:\n{self.log_tail()}"
+
+        try:
+            return poll_health(self.url, want, timeout, exited)
+        except TimeoutError:
+            raise TimeoutError(f"{self.url} not healthy in {timeout}s:\n{self.log_tail()}") from None
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()
