@@ -35,10 +35,11 @@ TRACKS = 20
 TONE = ("--pipeline", "test", "--test-delay-s", "0.2")
 
 
-def healthy_and_bad(tmp: Path, mode: str, *api_args: str) -> Cluster:
-    """A dispatcher over the stand-in in ``mode`` (worker 0, picked first on a tie) and a healthy worker (1)."""
+def healthy_and_bad(tmp: Path, mode: str, *api_args: str, healthy_delay: str = "0.2") -> Cluster:
+    """A dispatcher over the stand-in in ``mode`` (worker 0, picked first on a tie) and a healthy worker (1)
+    taking ``healthy_delay`` seconds a track."""
     bad = start_bad_worker(tmp, mode, "bad", "--test-delay-s", "0.2")
-    healthy = start_worker(tmp, *TONE, name="healthy")
+    healthy = start_worker(tmp, "--pipeline", "test", "--test-delay-s", healthy_delay, name="healthy")
     return cluster_of(tmp, [bad, healthy], *api_args)
 
 
@@ -92,7 +93,10 @@ def test_our_workers_answer_says_each_files_size_and_checksum(tmp_path):
 
 @pytest.mark.parametrize("mode", ["garbage", "drip"])
 def test_a_worker_that_answers_garbage_or_drips_is_benched_and_every_track_completes(tmp_path, mode):
-    c = healthy_and_bad(tmp_path, mode, "--download-timeout-sec", "5")
+    # A drip's fault is charged when its copy's 5 s deadline passes: the healthy worker's tracks must
+    # outlast three of them. At 0.2 s a track it drained all 20 in 6 s on an idle machine, and the
+    # stand-in had been called twice (the test passed only on a loaded one).
+    c = healthy_and_bad(tmp_path, mode, "--download-timeout-sec", "5", healthy_delay="1" if mode == "drip" else "0.2")
     bad = c.workers[0]
     try:
         started = time.monotonic()
