@@ -83,6 +83,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.path.name not in longer)  # stable: each file keeps its order
 
 
+def pytest_sessionfinish() -> None:
+    from tests import zygote
+
+    zygote.stop_all()  # the server templates of this test process (tests/zygote.py)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     """The tiny checkpoint set, built once (in a subprocess: dist_checkpointing spawns helpers); a current

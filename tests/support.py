@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from tests import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -85,14 +87,25 @@ def poll_health(url: str, want: tuple[str, ...], timeout: float, exited: Callabl
 
 
 class ServerProcess:
-    """A real server process on a free port: started, polled on /health, stopped at the end."""
+    """A real server process on a free port: started, polled on /health, stopped at the end.
 
-    def __init__(self, args: list[str], port: int, log_path: Path, env: dict | None = None) -> None:
+    Our servers' scripts are forked from a template that has imported what they import
+    (``tests/zygote.py``: half a CPU-second a dispatcher, five a tiny-model worker); ``fresh=True``
+    starts a new interpreter, for what a cold start shows."""
+
+    def __init__(
+        self, args: list[str], port: int, log_path: Path, env: dict | None = None, fresh: bool = False
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "ab")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        kind = None if fresh else zygote.kind_of(args)
+        self.proc: subprocess.Popen[bytes] | zygote.Forked
+        if kind is not None:
+            self.proc = zygote.spawn(kind, args, ROOT, full_env, log_path)
+            return
         self.proc = subprocess.Popen(
             [sys.executable, *args],
             cwd=ROOT,
