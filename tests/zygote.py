@@ -40,21 +40,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-# What each kind imports before it forks (and what the server would otherwise import at its start).
+# What each kind imports before it forks: what the server would otherwise import at its start,
+# including what its ``main`` imports late (the app, uvicorn and the protocol and loop uvicorn picks).
+SERVING = (
+    "uvicorn",
+    "uvicorn.protocols.http.h11_impl",
+    "uvicorn.lifespan.on",
+    "uvicorn.loops.auto",
+    "songserve.serving",
+)
+WORKER = ("songserve.worker.main", "songserve.worker.runtime", "songserve.worker.app", *SERVING)
 PRELOAD: dict[str, tuple[str, ...]] = {
-    "api": ("songserve.api.main",),
-    "worker": (
-        "songserve.worker.main",
-        "songserve.worker.runtime",
-        "songserve.worker.device",
-        "songserve.pipeline.tone",
-        "soundfile",
-        "uvicorn",
-    ),
+    "api": ("songserve.api.main", "songserve.api.http.app", "songserve.api.acestep.app", *SERVING),
+    "worker": (*WORKER, "songserve.worker.device", "songserve.pipeline.tone", "soundfile"),
     "torch": (
-        "songserve.worker.main",
-        "songserve.worker.runtime",
-        "songserve.worker.device",
+        *WORKER,
         "torch",
         "megatron.core",
         "songserve.pipeline.checkpoints.layout",
@@ -217,6 +217,7 @@ def stop_all() -> None:
 
 
 def _serve(kind: str, path: Path) -> None:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # as ``python backend_api.py`` run from the root sees it
     for name in PRELOAD[kind]:
         importlib.import_module(name)
     parent = os.getppid()
