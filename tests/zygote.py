@@ -9,7 +9,9 @@ signals, kill -9, its exit status, its memory, its log file), runs its script's 
 own argv, environment and working folder, and imports the rest itself.
 
 What it is not: a fresh interpreter. What ran at import ran once, in the template, with the test
-process's environment; the template's warnings went to its own log. Tests about a cold start (the
+process's environment; the template's warnings went to its own log. ``/proc/PID/cmdline`` and
+``/proc/PID/environ`` show the template's (the server's own environment is ``os.environ``): tests
+that find processes by those (``tests/procs.py``) start them fresh. Tests about a cold start (the
 launcher, start-up noise, a missing package) start real ``python`` processes: ``ServerProcess(...,
 fresh=True)``, and the launcher's tests run ``run_backend.sh`` itself. ``SONGSERVE_TEST_FORK=0``
 starts every server fresh.
