@@ -1,4 +1,3 @@
-import fcntl
 import os
 import shutil
 import signal
@@ -103,21 +102,17 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def release_dir(tmp_path_factory, worker_id: str) -> Path:
     """The release-shaped tiny set (``tiny --layout release``), built once per run in a subprocess: the
-    test processes of one xdist run share it (their temporary folders' parent), the first one builds it
-    under a lock and the others find it current (answered without torch). Tests only read it."""
+    test processes of one xdist run share it (their temporary folders' parent); the build's own lock
+    (``ensure_tiny_set``) lets the first one build it, and the others find it current. Tests only read it."""
     root = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        root = root.parent
-    out = root / "release-set" / "khala"
-    with open(root / "release-set.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        run = subprocess.run(
-            [sys.executable, "-m", "songserve.pipeline.tiny", "--layout", "release", str(out)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+    out = (root.parent if worker_id != "master" else root) / "release-set" / "khala"
+    run = subprocess.run(
+        [sys.executable, "-m", "songserve.pipeline.tiny", "--layout", "release", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 
