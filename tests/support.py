@@ -90,7 +90,7 @@ class ServerProcess:
     """A real server process on a free port: started, polled on /health, stopped at the end.
 
     Our servers' scripts are forked from a template that has imported what they import
-    (``tests/zygote.py``: half a CPU-second a dispatcher, five a tiny-model worker); ``fresh=True``
+    (``tests/zygote.py``: 0.85 CPU-second less a dispatcher, 4 a tiny-model worker); ``fresh=True``
     starts a new interpreter, for what a cold start shows."""
 
     def __init__(
