@@ -16,9 +16,14 @@ launcher, start-up noise, a missing package) start real ``python`` processes: ``
 fresh=True)``, and the launcher's tests run ``run_backend.sh`` itself. ``SONGSERVE_TEST_FORK=0``
 starts every server fresh.
 
+The same template runs short commands too: ``run`` is ``subprocess.run`` for ``python -m MODULE
+...`` (the benchmarks' smoke runs), with its stdout and stderr apart.
+
 The protocol, one connection per server on a Unix socket: the client sends one JSON line (argv, env,
-cwd, log path), the template forks and answers ``pid N``, and, when the server exits, ``exit CODE``
-(``os.waitstatus_to_exitcode``: minus the signal's number for a signal, as ``subprocess``).
+cwd, log path, and a second path for stderr where it is kept apart), the template forks and answers
+``pid N``, and, when the server exits, ``exit CODE`` (``os.waitstatus_to_exitcode``: minus the
+signal's number for a signal, as ``subprocess``). An argv that starts with ``-m`` runs that module
+as ``python -m`` does.
 
     python tests/zygote.py KIND SOCKET      a template (started by ``spawn``, not by hand)
 """
@@ -81,6 +86,8 @@ def kind_of(args: list[str]) -> str | None:
         return "worker" if pipeline == "test" else "torch"
     if script in TONE_SCRIPTS:
         return "worker"
+    if script == "tests/held_worker.py":  # our model worker with hold points (tests/tiny_site.py)
+        return "torch"
     return None
 
 
@@ -160,10 +167,10 @@ class Template:
                 raise TimeoutError(f"the {kind} template did not start in 300 s: see {log}")
             time.sleep(0.02)
 
-    def spawn(self, args: list[str], cwd: Path, env: dict[str, str], log: Path) -> Forked:
+    def spawn(self, args: list[str], cwd: Path, env: dict[str, str], log: Path, err: Path | None = None) -> Forked:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(self.path))
-        request = {"argv": args, "cwd": str(cwd), "env": env, "log": str(log)}
+        request = {"argv": args, "cwd": str(cwd), "env": env, "log": str(log), "err": str(err or log)}
         conn.sendall(json.dumps(request).encode() + b"\n")
         conn.settimeout(60)
         reply = b""
@@ -197,14 +204,43 @@ _templates: dict[str, Template] = {}
 _start = threading.Lock()
 
 
-def spawn(kind: str, args: list[str], cwd: Path, env: dict[str, str], log: Path) -> Forked:
+def spawn(kind: str, args: list[str], cwd: Path, env: dict[str, str], log: Path, err: Path | None = None) -> Forked:
     """``python *args`` forked from this test process's template of ``kind`` (started on first use;
-    its log sits next to the first server's)."""
+    its log sits next to the first server's); stdout to ``log``, stderr there too unless ``err``."""
     with _start:
         t = _templates.get(kind)
         if t is None or not t.alive():
             t = _templates[kind] = Template(kind, log.parent / f"template-{kind}.log")
-    return t.spawn(args, cwd, env, log)
+    return t.spawn(args, cwd, env, log, err)
+
+
+def run(
+    kind: str, args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([python, *args], capture_output=True, text=True)``, forked from the template of
+    ``kind``, or a fresh ``python`` where forks are off (``SONGSERVE_TEST_FORK=0``)."""
+    env = dict(os.environ if env is None else env)
+    if os.environ.get("SONGSERVE_TEST_FORK", "1") == "0":
+        return subprocess.run(
+            [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    tmp = Path(tempfile.mkdtemp(prefix="zygote-run-"))  # kept while a template started here logs in it
+    out, err = tmp / "stdout", tmp / "stderr"
+    proc = spawn(kind, args, cwd, env, out, err)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise
+    done = subprocess.CompletedProcess(
+        [sys.executable, *args], code, out.read_text(errors="replace"), err.read_text(errors="replace")
+    )
+    out.unlink()
+    err.unlink()
+    if not any(tmp.iterdir()):
+        tmp.rmdir()
+    return done
 
 
 def stop_all() -> None:
@@ -278,10 +314,10 @@ def _become(request: dict[str, Any], conn: socket.socket, wake_r: int, wake_w: i
     os.close(wake_r)
     os.close(wake_w)
     os.setsid()
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -289,9 +325,15 @@ def _become(request: dict[str, Any], conn: socket.socket, wake_r: int, wake_w: i
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # the template's state would repeat in every server
-    sys.argv = list(request["argv"])
-    sys.path[0] = str(Path(sys.argv[0]).resolve().parent)
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    argv = list(request["argv"])
+    if argv[0] == "-m":  # as ``python -m MODULE``: the working folder first on the path
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
     sys.exit(0)
 
 
