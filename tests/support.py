@@ -146,7 +146,12 @@ class ServerProcess:
 
 
 def start_worker(
-    tmp: Path, *extra: str, env: dict | None = None, name: str = "worker", script: str = "backend_worker.py"
+    tmp: Path,
+    *extra: str,
+    env: dict | None = None,
+    name: str = "worker",
+    script: str = "backend_worker.py",
+    fresh: bool = False,
 ) -> ServerProcess:
     port = free_port()
     args = [
@@ -159,7 +164,7 @@ def start_worker(
         str(tmp / f"{name}_audio"),
         *extra,
     ]
-    return ServerProcess(args, port, tmp / f"{name}.log", env)
+    return ServerProcess(args, port, tmp / f"{name}.log", env, fresh)
 
 
 def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
