@@ -84,13 +84,19 @@ def test_attempts_run_out_with_a_clear_error(tmp_path):
 
 
 def test_dispatcher_killed_with_20_queued_and_2_running(tmp_path):
-    with Cluster(tmp_path, workers=2, delay=2.0, api_args=("--max-queue", "50")) as c:
+    # The two first tracks wait on the hold file (TEST_HOLD_FILE) until the dispatcher is dead, instead
+    # of a delay long enough for the submissions on a loaded machine (2 s a track, 22 s a test).
+    hold = tmp_path / "hold"
+    hold.touch()
+    flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
+    with Cluster(tmp_path, workers=2, worker_args=flags, api_args=("--max-queue", "50")) as c:
         jobs = [c.submit(num_tracks=1) for _ in range(2)]
         wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 2, timeout=10)
         jobs += [c.submit(num_tracks=2) for _ in range(10)]
         assert httpx.get(c.url + "/status").json()["queued_tracks"] == 20
         c.api.signal(signal.SIGKILL)
         c.api.proc.wait(10)
+        hold.unlink()
         # The two running tracks finish on their workers while no dispatcher is up.
         for w in c.workers:
             wait_for(lambda w=w: httpx.get(w.url + "/health").json()["tasks_done"] == 1, timeout=30)

@@ -197,9 +197,12 @@ def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, p
 
 
 def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(tmp_path, pg_url):
-    # Each track takes 15 s: B's start-up and the checks before the kill must fit in the first round
-    # (on a loaded 2-core machine a dispatcher's start took over 3 s, and once over 8 s).
-    workers = tone_workers(tmp_path, 3, delay=15.0)
+    # The first three tracks wait on the hold file until B has taken them over (TEST_HOLD_FILE): B's
+    # start-up and the checks before the kill need no round long enough for a loaded machine (it was
+    # 15 s a track, 45 s a test).
+    hold = tmp_path / "hold"
+    hold.touch()
+    workers = tone_workers(tmp_path, 3, 0.5, "--test-hold-file", str(hold))
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     b = None
     try:
@@ -215,6 +218,8 @@ def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(t
         assert status(b)["queued_tracks"] == 4  # B sees A's queue, but every worker is leased to A (all busy)
         assert "taking over task" not in b.log_tail(1_000_000)  # A is alive: its running tracks stay its own
         a.signal(signal.SIGKILL)
+        wait_for(lambda: b.log_tail(1_000_000).count("taking over task") == 3, timeout=60)  # still running
+        hold.unlink()
         jobs = [wait_done(b, j, timeout=120) for j in ids]
         assert all(j["status"] == "completed" for j in jobs)
         assert all(t["attempts"] == 1 for j in jobs for t in j["tracks"])  # the 3 running ones were reattached

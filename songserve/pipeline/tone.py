@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,15 +125,20 @@ class TonePipeline:
 
     def _delay(self, req: TrackRequest, ctx: TaskContext, audio: np.ndarray) -> None:
         """The phases over ``TEST_DELAY_S``. Live audio, when wanted, is the tone itself, written in
-        step with the backbone phase (its first third), as the model pipeline's preview is."""
+        step with the backbone phase (its first third), as the model pipeline's preview is. Where the
+        decoding would begin, the take waits while ``TEST_HOLD_FILE`` exists: a test keeps its tracks
+        running for as long as it needs, instead of a delay long enough for a loaded machine."""
         steps = max(1, int(self.s.test_delay_s / 0.01))
         backbone_steps = max(1, steps // 3)
+        hold_at = 2 * steps // 3
         live = ctx.live if self.s.preview_chunk_sec > 0 else None
         if live is not None and req.preview:
             live.want()
         try:
             for i in range(steps):
                 ctx.check()
+                if i == hold_at and self.s.test_hold_file:
+                    self._hold(Path(self.s.test_hold_file), ctx)
                 ctx.report(PHASES[min(2, 3 * i // steps)], i + 1, steps)
                 if live is not None and live.wanted() and i < backbone_steps:
                     if live.path is None:
@@ -149,6 +155,13 @@ class TonePipeline:
             ctx.live.fail(f"the take ended ({type(exc).__name__})")
             raise
         ctx.live.close_window()
+
+    @staticmethod
+    def _hold(path: Path, ctx: TaskContext) -> None:
+        """Until ``path`` is gone; a cancel still ends the take."""
+        while path.exists():
+            ctx.check()
+            time.sleep(0.02)
 
 
 def tone_codes(audio: np.ndarray) -> np.ndarray:

@@ -151,6 +151,9 @@ class WorkerSettings(BaseSettings):
     test_untrained: bool = Field(
         False, description="test pipeline: /config says it runs an untrained set, as a tiny-set worker does"
     )
+    test_hold_file: str = Field(
+        "", description="test pipeline: while this file exists, a track waits where its decoding would begin"
+    )
 
     # TOKENIZER_PATH and DECODER_*_PATH are not here: a relative one is under CHECKPOINTS_DIR (layout.py).
     _caller_paths = field_validator("checkpoints_dir", "output_dir", mode="before")(caller_path)
