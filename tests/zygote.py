@@ -70,6 +70,8 @@ PRELOAD: dict[str, tuple[str, ...]] = {
         "songserve.worker.torch_device",
     ),
 }
+# Where a test process's templates listen, for the processes it starts (SONGSERVE_TEST_TEMPLATE_TORCH, ...).
+ENV_SOCKET = "SONGSERVE_TEST_TEMPLATE_"
 # Scripts whose servers are forked, and from which template; any other script starts fresh.
 TONE_SCRIPTS = {"tests/bad_worker.py", "tests/late_worker.py", "tests/reference_worker.py"}
 
@@ -144,10 +146,15 @@ class Forked:
 
 
 class Template:
-    """One template process of a kind, started by this test process."""
+    """One template process of a kind, started by this test process (or, ``borrowed``, by the test
+    process this one was forked for: a benchmark's smoke run asks its parent's template for its workers)."""
 
-    def __init__(self, kind: str, log: Path) -> None:
+    def __init__(self, kind: str, log: Path, borrowed: Path | None = None) -> None:
         self.kind = kind
+        self.proc: subprocess.Popen[bytes] | None = None
+        if borrowed is not None:
+            self.path = borrowed
+            return
         self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "sock"
         self._log = open(log, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -166,6 +173,7 @@ class Template:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {kind} template did not start in 300 s: see {log}")
             time.sleep(0.02)
+        os.environ[f"{ENV_SOCKET}{kind.upper()}"] = str(self.path)  # for the processes this one starts
 
     def spawn(self, args: list[str], cwd: Path, env: dict[str, str], log: Path, err: Path | None = None) -> Forked:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -184,10 +192,13 @@ class Template:
         return Forked(conn, int(pid), args)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.path.exists() if self.proc is None else self.proc.poll() is None
 
     def stop(self) -> None:
-        """The template only: its servers are their tests' to stop."""
+        """The template only (not a borrowed one): its servers are their tests' to stop."""
+        if self.proc is None:
+            return
+        os.environ.pop(f"{ENV_SOCKET}{self.kind.upper()}", None)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -210,7 +221,12 @@ def spawn(kind: str, args: list[str], cwd: Path, env: dict[str, str], log: Path,
     with _start:
         t = _templates.get(kind)
         if t is None or not t.alive():
-            t = _templates[kind] = Template(kind, log.parent / f"template-{kind}.log")
+            lent = os.environ.get(f"{ENV_SOCKET}{kind.upper()}")
+            if lent and Path(lent).exists():
+                t = Template(kind, log, borrowed=Path(lent))
+            else:
+                t = Template(kind, log.parent / f"template-{kind}.log")
+            _templates[kind] = t
     return t.spawn(args, cwd, env, log, err)
 
 
