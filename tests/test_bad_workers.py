@@ -35,12 +35,12 @@ TRACKS = 20
 TONE = ("--pipeline", "test", "--test-delay-s", "0.2")
 
 
-def healthy_and_bad(tmp: Path, mode: str, *api_args: str, healthy_delay: str = "0.2") -> Cluster:
+def healthy_and_bad(tmp: Path, mode: str, *api_args: str, healthy: tuple[str, ...] = ()) -> Cluster:
     """A dispatcher over the stand-in in ``mode`` (worker 0, picked first on a tie) and a healthy worker (1)
-    taking ``healthy_delay`` seconds a track."""
+    taking 0.2 s a track (with ``healthy``'s flags)."""
     bad = start_bad_worker(tmp, mode, "bad", "--test-delay-s", "0.2")
-    healthy = start_worker(tmp, "--pipeline", "test", "--test-delay-s", healthy_delay, name="healthy")
-    return cluster_of(tmp, [bad, healthy], *api_args)
+    good = start_worker(tmp, *TONE, *healthy, name="healthy")
+    return cluster_of(tmp, [bad, good], *api_args)
 
 
 def run_tracks(c: Cluster, n: int, timeout: float = 120) -> list[dict]:
@@ -93,14 +93,22 @@ def test_our_workers_answer_says_each_files_size_and_checksum(tmp_path):
 
 @pytest.mark.parametrize("mode", ["garbage", "drip"])
 def test_a_worker_that_answers_garbage_or_drips_is_benched_and_every_track_completes(tmp_path, mode):
-    # A drip's fault is charged when its copy's 5 s deadline passes: the healthy worker's tracks must
-    # outlast three of them. At 0.2 s a track it drained all 20 in 6 s on an idle machine, and the
-    # stand-in had been called twice (the test passed only on a loaded one).
-    c = healthy_and_bad(tmp_path, mode, "--download-timeout-sec", "5", healthy_delay="1" if mode == "drip" else "0.2")
+    # A drip's fault is charged when its copy's 5 s deadline passes: the healthy worker holds its first
+    # track (TEST_HOLD_FILE) until three are, whatever the machine's speed. Timed instead (1 s a track),
+    # the test took 26-34 s; at 0.2 s a track the healthy worker drained all 20 in 6 s on an idle
+    # machine, and the stand-in had been called twice.
+    hold = tmp_path / "hold"
+    if mode == "drip":
+        hold.touch()
+    c = healthy_and_bad(tmp_path, mode, "--download-timeout-sec", "5", healthy=("--test-hold-file", str(hold)))
     bad = c.workers[0]
     try:
         started = time.monotonic()
-        finished = run_tracks(c, TRACKS)
+        jobs = [c.submit(num_tracks=1)["job_id"] for _ in range(TRACKS)]
+        if mode == "drip":
+            wait_for(lambda: faults_charged(c, 0) >= 3, timeout=120, interval=0.2)
+            hold.unlink()
+        finished = [c.wait_job(j, timeout=120) for j in jobs]
         seen = bad_worker_state(bad)
         if mode == "drip":  # every drip it started is abandoned (each within the copy's 5 s deadline)
             wait_for(lambda: len(bad_worker_state(bad)["streams"]) >= 3 * faults_charged(c, 0), timeout=60)
