@@ -62,24 +62,52 @@ LAUNCHER = {
     "test_announce.py",
     "test_reference_requests.py",
 }
+# The longest units, longest first (measured: seconds of a whole run on two cores), handed out before
+# the rest so that no long one starts near the end: the launcher's (about 230 s in one unit), then
+# these files, then the benchmarks' smoke runs (3 to 25 s each), then the other files with real-process
+# proofs, then everything else.
+LONGEST = (
+    "launcher",
+    "test_scaleout.py",  # 117
+    "test_split_brain.py",  # 82
+    "test_listeners.py",  # 79
+    "test_browser.py",  # 76
+    "test_soak.py",  # 61
+    "test_decode_modes.py",  # 65
+    "test_retake_model.py",  # 40
+    "test_bad_workers.py",  # 50
+    "test_dispatcher_http.py",  # 55
+    "test_security.py",  # 50
+    "test_live_http.py",  # 44
+    "test_faults.py",  # 45
+    "test_engine.py",  # 40
+    "test_release_decoder.py",  # 36
+)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test's unit after its mark
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Work units for ``pytest -n N --dist loadgroup`` (scripts/test): the launcher's ``process`` tests in
-    one unit, run in order on one worker; every other file a unit of its own (its module fixtures are
-    built once), but for the files in ``SPREAD``, whose every test is a unit. The files with real-process
-    proofs and ``SPREAD`` (the long units) are handed out first, so the short ones fill in at the end. Without xdist
+    """Work units for ``pytest -n N --dist loadgroup --no-loadscope-reorder`` (scripts/test): the
+    launcher's ``process`` tests in one unit, run in order on one worker; every other file a unit of its
+    own (its module fixtures are built once), but for the files in ``SPREAD``, whose every test is a
+    unit. Handed out in the order of ``LONGEST``, so the short ones fill in at the end. Without xdist
     the marks do nothing."""
-    longer = {item.path.name for item in items if item.get_closest_marker("process")} | SPREAD
+    process = {item.path.name for item in items if item.get_closest_marker("process")}
+    rank: dict[int, int] = {}
     for item in items:
-        if item.get_closest_marker("process") and item.path.name in LAUNCHER:
+        if item.path.name in process and item.path.name in LAUNCHER:
             group = "launcher"
         elif item.path.name in SPREAD:
             group = item.nodeid
         else:
             group = item.path.name
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.path.name not in longer)  # stable: each file keeps its order
+        first = group if group in LONGEST else item.path.name
+        if first in LONGEST:
+            rank[id(item)] = LONGEST.index(first)
+        else:
+            rank[id(item)] = len(LONGEST) + (0 if item.path.name in SPREAD else 1 if item.path.name in process else 2)
+    items.sort(key=lambda item: rank[id(item)])  # stable: each file keeps its order
 
 
 def pytest_sessionfinish() -> None:
