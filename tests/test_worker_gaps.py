@@ -167,6 +167,8 @@ def test_trickled_bytes_do_not_reset_the_deadline(worker) -> None:
                     break
             except TimeoutError:
                 continue
+            except ConnectionResetError:  # closed, and a byte sent after the close came back as a reset
+                break
         assert sent < 240  # closed before the trickle ended (≈ 48 s at one byte per 0.2 s)
     finally:
         s.close()
