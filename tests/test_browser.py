@@ -154,7 +154,7 @@ def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     """ "Listen live" is on by default: the first take's stream plays while the job is still running."""
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    open_song(page, site.url, "[verse]\nhear it live\nas it is made", "1")
+    open_song(page, site.url, "[verse]\nhear it live\nas it is made", "0.5")
     assert page.is_checked("#live")
     hold = site.workers[0].holds / "hold-1"  # the backbone waits at a third of the take until the page has played
     hold.touch()
