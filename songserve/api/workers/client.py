@@ -23,6 +23,7 @@ Two dialects, picked from the worker's ``/health`` (``WorkerHealth.kind``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ CONTROL_TIMEOUT = 5.0
 LIVE_READ_TIMEOUT = 20.0
 SONGSERVE, REFERENCE = "songserve", "reference"
 LEASE_HEADER = "Songserve-Lease"  # worker/fence.py reads it
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -220,11 +223,29 @@ class WorkerClient:
         """The bytes of one result file as they arrive (close it with ``contextlib.aclosing``).
 
         ``WorkerFault`` when the worker cannot serve it, when it announces or sends more than
-        ``max_bytes``, or when the transfer breaks (the copy is short).
+        ``max_bytes``, or when the transfer breaks (the copy is short). A connection that breaks before
+        the answer's status line is asked once more: a pooled keep-alive connection the worker closed
+        as it was reused (seen on loopback under load) is not the worker's fault.
         """
+        for last_try in (False, True):
+            try:
+                async for chunk in self._file_chunks_once(filename, max_bytes):
+                    yield chunk  # only after the status line: no chunk comes before a _NoAnswer
+                return
+            except _NoAnswer as exc:
+                if last_try:
+                    raise WorkerFault(
+                        f"Copying {filename} from worker {self.url} broke ({type(exc.__cause__).__name__})."
+                    ) from exc.__cause__
+                log.info("copying %s from worker %s: no answer (%s); asking once more", filename, self.url,
+                         type(exc.__cause__).__name__)  # fmt: skip
+
+    async def _file_chunks_once(self, filename: str, max_bytes: int) -> AsyncGenerator[bytes, None]:
         url = f"{self.url}/download/{filename}"
+        started = False
         try:
             async with self.http.work.stream("GET", url, timeout=FILE_TIMEOUT) as r:
+                started = True
                 # The reference worker answers a missing file with 200 and a JSON error body.
                 json_error = r.headers.get("content-type", "").startswith("application/json")
                 if r.status_code != 200 or (json_error and not filename.endswith(".json")):
@@ -239,4 +260,10 @@ class WorkerClient:
                         raise WorkerFault(f"{filename} grew past the cap of {max_bytes} bytes.")
                     yield chunk
         except httpx.HTTPError as exc:
+            if not started:
+                raise _NoAnswer() from exc
             raise WorkerFault(f"Copying {filename} from worker {self.url} broke ({type(exc).__name__}).") from exc
+
+
+class _NoAnswer(Exception):
+    """A download's connection broke before its status line (``WorkerClient.file_chunks``)."""
