@@ -69,6 +69,7 @@ LAUNCHER = {
 LONGEST = (
     "launcher",
     "test_scaleout.py",  # 117
+    "test_first_hour.py",  # 65 without its launcher tests
     "test_split_brain.py",  # 82
     "test_listeners.py",  # 79
     "test_browser.py",  # 76
@@ -95,7 +96,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     process = {item.path.name for item in items if item.get_closest_marker("process")}
     rank: dict[int, int] = {}
     for item in items:
-        if item.path.name in process and item.path.name in LAUNCHER:
+        only = getattr(item.module, "LAUNCHER_TESTS", None)  # a file with a few of the launcher's tests
+        if item.path.name in process and item.path.name in LAUNCHER and (only is None or item.originalname in only):
             group = "launcher"
         elif item.path.name in SPREAD:
             group = item.nodeid

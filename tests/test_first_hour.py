@@ -27,6 +27,13 @@ from tests.test_launcher import launcher_env
 from tests.tiny_site import lent, tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# The tests that run the launcher, in the launcher's serial unit (tests/conftest.py); the rest of
+# the file is a unit of its own.
+LAUNCHER_TESTS = {
+    "test_the_launcher_names_the_worker_token_file_and_stop_leaves_no_process",
+    "test_gpus_on_a_host_without_cuda_says_what_it_starts_instead",
+    "test_a_relative_checkpoints_dir_is_the_callers_and_its_error_is_the_full_path",
+}
 
 
 @pytest.fixture(scope="module")
