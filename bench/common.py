@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,32 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+async def timed_load(
+    url: str, call: Callable[..., Awaitable[object]], seconds: float, conns: int, **client: object
+) -> float:
+    """Requests/s of ``conns`` loops of ``await call(http, rng)`` (each checks its own answer) for ``seconds``.
+
+    The clock starts once the client is made, and each loop sends at least one request: a smoke run's
+    0.2 s can pass before a loaded machine sends one (a rate of zero)."""
+    import random
+
+    import httpx
+
+    done = 0
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=conns), **client) as http:
+
+        async def one() -> None:
+            nonlocal done
+            rng = random.Random()
+            while True:
+                await call(http, rng)
+                done += 1
+                if time.perf_counter() >= stop:
+                    break
+
+        t0 = time.perf_counter()
+        stop = t0 + seconds
+        await asyncio.gather(*(one() for _ in range(conns)))
+        return done / (time.perf_counter() - t0)

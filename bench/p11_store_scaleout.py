@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from bench.common import args, median, report
+from bench.common import args, median, report, timed_load
 from bench.p1_dispatcher_overhead import direct, through_dispatcher
 from tests.support import ServerProcess, free_port, start_worker
 
@@ -191,28 +192,15 @@ def wrk_many(urls: list[str], script: Path, seconds: float) -> float:
 
 async def python_load(url: str, kind: str, ids: list[str], seconds: float, conns: int = 16) -> float:
     """The fallback without wrk (as P2's): asyncio + httpx, fixed time."""
-    import random
 
-    done = 0
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=conns), timeout=30) as http:
+    async def one(http: httpx.AsyncClient, rng: random.Random) -> None:
+        if kind == "get":
+            r = await http.get(f"/job/{rng.choice(ids)}")
+        else:
+            r = await http.post("/generate", json=SUBMIT)
+        r.raise_for_status()
 
-        async def one() -> None:
-            nonlocal done
-            rng = random.Random()
-            while True:  # at least one request each: a smoke run's 0.2 s can pass before a loaded machine sends one
-                if kind == "get":
-                    r = await http.get(f"/job/{rng.choice(ids)}")
-                else:
-                    r = await http.post("/generate", json=SUBMIT)
-                r.raise_for_status()
-                done += 1
-                if time.perf_counter() >= stop:
-                    break
-
-        t0 = time.perf_counter()
-        stop = t0 + seconds  # from here: making the client is not the load's time
-        await asyncio.gather(*(one() for _ in range(conns)))
-        return done / (time.perf_counter() - t0)
+    return await timed_load(url, one, seconds, conns, timeout=30)
 
 
 def rate(urls: list[str], kind: str, ids: list[str], seconds: float, tmp: Path, use_wrk: bool) -> float:

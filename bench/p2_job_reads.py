@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ROOT, args, report
+from bench.common import ROOT, args, report, timed_load
 from tests.support import ServerProcess, free_port
 
 
@@ -88,23 +88,11 @@ def wrk_load(url: str, ids: list[str], seconds: float, tmp: Path, conns: int = 3
 
 
 async def load(url: str, ids: list[str], seconds: float, conns: int = 16) -> float:
-    done = 0
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=conns)) as http:
+    async def get(http: httpx.AsyncClient, rng: random.Random) -> None:
+        r = await http.get(f"/job/{rng.choice(ids)}")
+        assert r.status_code == 200
 
-        async def worker() -> None:
-            nonlocal done
-            rng = random.Random()
-            while True:  # at least one request each: a smoke run's 0.2 s can pass before a loaded machine sends one
-                r = await http.get(f"/job/{rng.choice(ids)}")
-                assert r.status_code == 200
-                done += 1
-                if time.perf_counter() >= stop:
-                    break
-
-        t0 = time.perf_counter()
-        stop = t0 + seconds  # from here: making the client is not the load's time
-        await asyncio.gather(*(worker() for _ in range(conns)))
-        return done / (time.perf_counter() - t0)
+    return await timed_load(url, get, seconds, conns)
 
 
 def main() -> None:
