@@ -200,6 +200,22 @@ def test_sigterm_drains_the_dispatcher(tmp_path):
         assert c.wait_job(queued["job_id"], timeout=30)["status"] == "completed"  # the queue was kept
 
 
+def test_a_drain_time_of_0_stops_the_dispatcher_without_waiting_for_its_running_track(tmp_path):
+    # DRAIN_TIMEOUT_SEC=0 once meant "wait without end": a held track kept the dispatcher up.
+    hold = tmp_path / "hold"
+    hold.touch()
+    flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
+    with Cluster(tmp_path, workers=1, worker_args=flags, api_args=("--drain-timeout-sec", "0")) as c:
+        job = c.submit(num_tracks=1)
+        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
+        c.api.signal(signal.SIGTERM)
+        assert c.api.proc.wait(10) == 0  # the track is held: only a drain that waits for none ends
+        assert "1 tracks still running are picked up again at the next start" in c.api.log_tail()
+        hold.unlink()
+        c.start_api()
+        assert c.wait_job(job["job_id"], timeout=30)["tracks"][0]["attempts"] == 1  # collected, not made again
+
+
 def test_sigterm_on_a_busy_worker_cancels_within_its_drain_time(tmp_path):
     w = start_worker(tmp_path, "--pipeline", "test", "--test-delay-s", "30", "--drain-timeout-sec", "1")
     w.wait_healthy()

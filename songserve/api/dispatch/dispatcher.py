@@ -136,7 +136,9 @@ class Dispatcher:
         running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
-            _, left = await asyncio.wait(set(running.values()), timeout=timeout or None)
+            left = set(running.values())
+            if timeout > 0:  # 0 waits for none (it once became asyncio.wait's None: without end)
+                _, left = await asyncio.wait(left, timeout=timeout)
             if left:
                 n = sum(task in left for task in running.values())
                 log.info("drained: %d tracks still running are picked up again at the next start", n)
