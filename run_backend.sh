@@ -333,9 +333,11 @@ fi
 
 # ---- follow the logs until stopped --------------------------------------------------------------
 # stop_all narrates, and a second Ctrl-C inside it stops at once. tail, a background job, ignores
-# SIGINT: it is ended here, else it would go on printing into the terminal after the launcher.
+# SIGINT: it is ended here, else it would go on printing into the terminal after the launcher, and
+# waited for (a kill only sends the signal: the launcher would exit while tail still lives).
 TAIL=""
-trap 'echo; stop_all; [ -z "$TAIL" ] || kill "$TAIL" 2>/dev/null || true; exit 0' INT TERM
+end_tail() { [ -z "$TAIL" ] || { kill "$TAIL" 2>/dev/null || true; wait "$TAIL" 2>/dev/null || true; }; }
+trap 'echo; stop_all; end_tail; exit 0' INT TERM
 tail -n 0 -F "${STARTED[@]}" &
 TAIL=$!
 while :; do
@@ -344,5 +346,5 @@ while :; do
   [ $alive = 1 ] || break
   sleep 1
 done
-kill "$TAIL" 2>/dev/null || true
+end_tail
 say "all processes have exited"

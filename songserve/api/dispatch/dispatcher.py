@@ -136,9 +136,8 @@ class Dispatcher:
         running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
-            left = set(running.values())
-            if timeout > 0:  # 0 waits for none (it once became asyncio.wait's None: without end)
-                _, left = await asyncio.wait(left, timeout=timeout)
+            left = set(running.values())  # 0 waits for none (asyncio.wait's None would wait without end)
+            _, left = await asyncio.wait(left, timeout=timeout) if timeout > 0 else (set(), left)
             if left:
                 n = sum(task in left for task in running.values())
                 log.info("drained: %d tracks still running are picked up again at the next start", n)
