@@ -34,9 +34,9 @@ def code_copy(tmp: Path) -> Path:
     return root
 
 
-def start_marked_worker(root: Path, tmp: Path, mark: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_marked_worker(root: Path, tmp: Path, mark: str, log_name: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log = open(tmp / "worker.log", "ab")
+    log = open(tmp / log_name, "ab")
     args = ["backend_worker.py", "--worker-port", str(port), "--master-port", "0", "--output-dir", str(tmp / "out")]
     env = {**os.environ, MARK: mark, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, *args], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -52,56 +52,47 @@ def healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> bool:
         return False
 
 
-def test_a_worker_killed_after_building_the_tiny_set_leaves_no_process(tmp_path):
-    root, mark = code_copy(tmp_path), uuid.uuid4().hex
-    proc, url = start_marked_worker(root, tmp_path, mark)
+def killed_leaves_nothing(proc: subprocess.Popen[bytes], mark: str, when: str) -> None:
+    before = marked(mark)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
     try:
-        wait_for(lambda: healthy(proc, url, tmp_path / "worker.log"), timeout=300, interval=0.5)
+        wait_for(lambda: not marked(mark), timeout=15, interval=0.2)
+    except TimeoutError:
+        pytest.fail(f"left behind after kill -9 {when}: {marked(mark)} (before the kill: {before})")
+
+
+def test_a_worker_killed_while_and_after_building_the_tiny_set_leaves_no_process(tmp_path):
+    """Two cold workers on one code copy: the first is killed while it builds the set; the second
+    builds it again from scratch (the half-built folder is replaced), serves, and is killed too.
+    (One test: each cold worker and build costs about 10 CPU-seconds.)"""
+    root, mark = code_copy(tmp_path), uuid.uuid4().hex
+    procs = []
+    try:
+        first, _ = start_marked_worker(root, tmp_path, mark, "first.log")
+        procs.append(first)
+
+        def building() -> bool:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            return (root / "checkpoints" / ".tiny.building").is_dir() and len(marked(mark)) > 1
+
+        wait_for(building, timeout=120, interval=0.05)
+        killed_leaves_nothing(first, mark, "during the build")
+
+        again, url = start_marked_worker(root, tmp_path, mark, "again.log")
+        procs.append(again)
+        wait_for(lambda: healthy(again, url, tmp_path / "again.log"), timeout=300, interval=0.5)
         assert (root / "checkpoints" / "tiny" / "MANIFEST.json").is_file()  # this worker built it
-        log = (tmp_path / "worker.log").read_text()
+        log = (tmp_path / "again.log").read_text()
         assert "building the tiny checkpoint set" in log
         assert "tiny checkpoint set ready" in log
         quiet = ("Transformer Engine", "Apex is not installed", "Megatron-FSDP")  # silenced unless LOG_LEVEL=debug
         assert not [n for n in quiet if n in log], log
-        before = marked(mark)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        try:
-            wait_for(lambda: not marked(mark), timeout=15, interval=0.2)
-        except TimeoutError:
-            pytest.fail(f"left behind after kill -9: {marked(mark)} (before the kill: {before})")
+        killed_leaves_nothing(again, mark, "after the build")
     finally:
         for pid in marked(mark):
             os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_a_worker_killed_while_building_the_tiny_set_leaves_no_process(tmp_path):
-    root, mark = code_copy(tmp_path), uuid.uuid4().hex
-    proc, url = start_marked_worker(root, tmp_path, mark)
-    try:
-
-        def building() -> bool:
-            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
-            return (root / "checkpoints" / ".tiny.building").is_dir() and len(marked(mark)) > 1
-
-        wait_for(building, timeout=120, interval=0.05)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-        try:
-            wait_for(lambda: not marked(mark), timeout=15, interval=0.2)
-        except TimeoutError:
-            pytest.fail(f"left behind after kill -9 during the build: {marked(mark)}")
-        # The next worker builds the set from scratch (the half-built folder is replaced) and serves.
-        again, url = start_marked_worker(root, tmp_path, mark)
-        wait_for(lambda: healthy(again, url, tmp_path / "worker.log"), timeout=300, interval=0.5)
-        again.terminate()
-        assert again.wait(timeout=60) == 0
-    finally:
-        for pid in marked(mark):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
