@@ -10,13 +10,12 @@ sets another's attributes (they read each other's state and call each other's me
 
 Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
 probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
-background lane: their own connections), the
-dispatch pass (queue order, packing a job's takes into one batch), the watchdog's repair of what a
-failed store write left behind (by asking the worker, never by guessing), and the few methods
-``JobService`` calls: ``add``, ``cancel``, ``active_job``, ``facts``, ``queue_position``, ``fleet``,
-admission (``queue_length``, ``queue_wait``, ``free_workers``), ``status`` and ``ready`` (answered
-by ``readiness.py`` from these parts' states). The gauges of ``metrics.py`` read the ``LiveState``
-methods at the end.
+background lane: their own connections), the dispatch pass (queue order, packing a job's takes into
+one batch), the watchdog's repair of what a failed store write left behind (by asking the worker,
+never by guessing), and the few methods ``JobService`` calls: ``add``, ``cancel``, ``active_job``,
+``facts``, ``queue_position``, ``fleet``, admission (``queue_length``, ``queue_wait``,
+``free_workers``), ``status`` and ``ready`` (answered by ``readiness.py`` from these parts' states).
+The gauges of ``metrics.py`` read the ``LiveState`` methods at the end.
 """
 
 from __future__ import annotations
@@ -136,8 +135,9 @@ class Dispatcher:
         running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
-            left = set(running.values())  # 0 waits for none (asyncio.wait's None would wait without end)
-            _, left = await asyncio.wait(left, timeout=timeout) if timeout > 0 else (set(), left)
+            left = set(running.values())
+            if timeout > 0:  # 0 waits for none (it once became asyncio.wait's None: without end)
+                _, left = await asyncio.wait(left, timeout=timeout)
             if left:
                 n = sum(task in left for task in running.values())
                 log.info("drained: %d tracks still running are picked up again at the next start", n)
