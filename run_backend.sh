@@ -71,10 +71,14 @@ check_ports() {  # one line naming the port and the setting that moves it, or no
 }
 
 launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_FILE (if one did)?
-  local nonce env
-  nonce=$(cat "$NONCE_FILE" 2>/dev/null) || return 0   # pid files from before nonces: the command line decides
-  env=$(tr '\0' '\n' 2>/dev/null <"/proc/$1/environ") || return 1
-  [ -z "$env" ] || grep -qx "LAUNCH_NONCE=$nonce-[a-z0-9]*" <<<"$env"   # empty: exiting, as in ours()
+  local nonce="" vars=() v
+  { read -r nonce <"$NONCE_FILE" || [ -n "$nonce" ]; } 2>/dev/null || return 0   # pid files from before nonces: the command line decides
+  mapfile -d '' vars 2>/dev/null <"/proc/$1/environ" || return 1
+  [ ${#vars[@]} -gt 0 ] || return 0   # empty: exiting, as in ours()
+  for v in "${vars[@]}"; do
+    [[ $v == "LAUNCH_NONCE=$nonce-"* && ${v#"LAUNCH_NONCE=$nonce-"} =~ ^[a-z0-9]*$ ]] && return 0
+  done
+  return 1
 }
 
 health_word() {  # url nonce: ready, starting, other (not the child given that nonce) or none
@@ -82,20 +86,30 @@ health_word() {  # url nonce: ready, starting, other (not the child given that n
 }
 
 # ---- stop -------------------------------------------------------------------------------------
+# The checks and naps of stopping are builtins only (no cat, tr, grep, command substitution): bash runs
+# an INT trap after a foreground child it waits for dies of the signal, and not at all when that child
+# exits normally instead (it assumes the child took the Ctrl-C); a helper that was exiting anyway as
+# the second Ctrl-C came lost it (a CI run on a loaded machine showed a second Ctrl-C unheard). A nap
+# is a background sleep waited for with the wait builtin, which a trapped signal interrupts at once.
 ours() {  # is pid $1 one of our processes and not yet gone (a stale pid reused by something else is not)?
-  local pid=$1 stat cmd
-  [ -n "$pid" ] && stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+  local pid=$1 stat="" args=()
+  [ -n "$pid" ] || return 1
+  { read -r stat <"/proc/$pid/stat" || [ -n "$stat" ]; } 2>/dev/null || return 1
   set -- ${stat##*) }                  # state, parent pid, ...
   [ "$1" != Z ] || return 1            # a zombie has exited; only its parent's wait is left
   [ "$2" != 2 ] || return 1            # a kernel thread (child of kthreadd) took the pid
-  cmd=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
+  mapfile -d '' args 2>/dev/null <"/proc/$pid/cmdline" || return 1
   # an exiting process gives up its memory, and with it its command line, some time before it is
   # gone: an empty command line is still ours (else stop would return while it closes its files)
-  [ -z "$cmd" ] || { grep -qE 'backend_(api|worker)\.py' <<<"$cmd" && launched_here "$pid"; }
+  [ ${#args[@]} -eq 0 ] || { [[ " ${args[*]} " =~ backend_(api|worker)\.py ]] && launched_here "$pid"; }
 }
 
+NAP=""
+nap() { sleep "$1" & NAP=$!; wait "$NAP" 2>/dev/null || true; kill "$NAP" 2>/dev/null || true; NAP=""; }
+end_nap() { [ -z "$NAP" ] || kill "$NAP" 2>/dev/null || true; }
+
 wait_gone() {  # until pid $1 is gone or the clock ($SECONDS) reaches $2
-  while still_ours "$1" && [ $SECONDS -lt "$2" ]; do sleep 0.2 || true; done
+  while ours "$1" && [ $SECONDS -lt "$2" ]; do nap 0.2; done
 }
 
 # ---- stop, narrated ----------------------------------------------------------------------------
@@ -124,33 +138,34 @@ stop_plan() {  # the one line: what stopping waits for, and how to stop at once
   say "stopping: waiting for ${line%, then }; press Ctrl-C again to stop at once"
 }
 
-# A Ctrl-C reaches the launcher's own helpers too (the terminal signals its whole process group): a
-# check killed by it reads as "gone", and a sleep killed by it fails (set -e). While stopping, the
-# check is asked twice (one Ctrl-C cannot kill both) and the sleep may fail.
-still_ours() { ours "$1" || ours "$1"; }
 
 pidof_file() { pid=""; read -r pid <"$1" 2>/dev/null || true; }  # a builtin: no helper a Ctrl-C could kill
 
 stop_group() {  # deadline pidfile…: SIGTERM each, wait until gone (a second Ctrl-C: signal again), else SIGKILL
-  local deadline=$1 f g pid resent=0
+  local deadline=$1 f g pid resent=0 naps=0
   shift
   for f in "$@"; do
     pidof_file "$f"
-    if still_ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; STOPPED=$((STOPPED + 1))
+    if ours "$pid"; then kill -TERM "$pid" 2>/dev/null || true; STOPPED=$((STOPPED + 1))
     else say "removing stale pid file $f"; rm -f "$f"; fi
   done
   for f in "$@"; do
     [ -f "$f" ] || continue
     pidof_file "$f"
-    while still_ours "$pid" && [ $SECONDS -lt "$deadline" ]; do
-      if [ "$STOP_NOW" = 1 ] && [ $resent = 0 ]; then
-        resent=1; deadline=$((SECONDS + 10))
-        for g in "$@"; do pidof_file "$g"; ! still_ours "$pid" || kill -TERM "$pid" 2>/dev/null || true; done
-        pidof_file "$f"
+    while ours "$pid" && [ $SECONDS -lt "$deadline" ]; do
+      # Stopping at once: the signal again, each second. Two signals that come before a process has
+      # taken the first count as one (a group stopped at once from its start gets both together).
+      if [ "$STOP_NOW" = 1 ]; then
+        [ $resent = 1 ] || { resent=1; deadline=$((SECONDS + 10)); naps=0; }
+        if [ $((naps % 5)) = 0 ]; then
+          for g in "$@"; do pidof_file "$g"; ! ours "$pid" || kill -TERM "$pid" 2>/dev/null || true; done
+          pidof_file "$f"
+        fi
+        naps=$((naps + 1))
       fi
-      sleep 0.2 || true
+      nap 0.2
     done
-    if still_ours "$pid"; then
+    if ours "$pid"; then
       say "$(basename "$f" .pid) did not stop in $([ $resent = 1 ] && echo 10 || echo "$STOP_TIMEOUT")s: killing"
       kill -KILL "$pid" 2>/dev/null || true
       wait_gone "$pid" $((SECONDS + 10))
@@ -337,14 +352,14 @@ fi
 # waited for (a kill only sends the signal: the launcher would exit while tail still lives).
 TAIL=""
 end_tail() { [ -z "$TAIL" ] || { kill "$TAIL" 2>/dev/null || true; wait "$TAIL" 2>/dev/null || true; }; }
-trap 'echo; stop_all; end_tail; exit 0' INT TERM
+trap 'echo; end_nap; stop_all; end_tail; exit 0' INT TERM
 tail -n 0 -F "${STARTED[@]}" &
 TAIL=$!
 while :; do
   alive=0
-  for f in "$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid; do [ -f "$f" ] && ours "$(cat "$f")" && alive=1; done
+  for f in "$LOG_DIR"/api.pid "$LOG_DIR"/worker_*.pid; do [ -f "$f" ] && pidof_file "$f" && ours "$pid" && alive=1; done
   [ $alive = 1 ] || break
-  sleep 1
+  nap 1
 done
 end_tail
 say "all processes have exited"
