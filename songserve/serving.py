@@ -55,6 +55,8 @@ class GracefulServer(uvicorn.Server):
         if self._draining or not self.started:
             self.should_exit = True
             self.force_exit = self._draining
+            if not self.started and not self._draining:  # it would end without a word otherwise
+                log.info("signal %d before start-up ended: stopping", sig)
             if self._draining:  # the second signal: stop at once, even with a thread mid-step
                 log.info("signal %d again: stopping at once", sig)
                 timer = threading.Timer(FORCED_EXIT_SEC, _exit_now)
