@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 _HANDED_OUT: set[int] = set()
-FIRST_TEST_PORT = 10_000
+# 10000-10999 are the container proof's (scripts/test-containers), which CI runs beside the suite.
+FIRST_TEST_PORT = 11_000
 
 
 def _test_ports() -> range:
