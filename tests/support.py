@@ -174,6 +174,12 @@ def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProc
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def results_files(root: Path, pattern: str = "*") -> list[Path]:
+    """The files under a results folder that match ``pattern``, but for the folder's own writable probe
+    (``.probe-*.tmp``, which the dispatcher writes, syncs and removes at any moment: results/folder.py)."""
+    return [p for p in root.rglob(pattern) if p.is_file() and not p.name.startswith(".probe-")]
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

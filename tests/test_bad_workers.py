@@ -23,6 +23,7 @@ from tests.support import (
     cluster_of,
     fill_disk,
     mount_tmpfs,
+    results_files,
     start_bad_worker,
     start_worker,
     wait_for,
@@ -68,7 +69,7 @@ def assert_served_by_the_healthy_worker(finished: list[dict]) -> None:
 
 
 def no_leftovers(results: Path, cap_bytes: int | None = None) -> None:
-    files = [p for p in results.rglob("*") if p.is_file()]
+    files = results_files(results)
     assert not [p for p in files if p.name.endswith(".tmp")], "a copy left a temporary file behind"
     if cap_bytes is not None:
         assert max(p.stat().st_size for p in files) <= cap_bytes
