@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from songserve.api.jobs.states import TrackStatus
 from songserve.api.service.job_service import GoneError, StoreUnavailable
 from songserve.api.store.protocol import StoreError
-from songserve.errors import FieldError
+from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import GenerateRequest, JobView
 from tests.fake_fleet import FakeFleet, Plan, until
 
@@ -349,6 +350,27 @@ async def test_a_done_tracks_missing_or_damaged_file_answers_gone(tmp_path):
             with pytest.raises(GoneError) as err:
                 await f.svc.track_file(view.job_id, 0, kind)
             assert err.value.http_status == 410
+
+
+@aio
+async def test_a_file_finished_in_the_store_is_served_while_memory_is_behind(tmp_path):
+    # With a shared store another dispatcher may finish a track a moment before this one's memory hears
+    # of it (test_scaleout.py, real processes): the file is served from what the store holds, not 404.
+    async with FakeFleet(tmp_path, n=2) as f:
+        hold = asyncio.Event()
+        f.workers[1].plans.append(Plan(release=hold))  # one track waits, so the job stays in memory
+        job_id = (await f.svc.submit(body(tracks=2))).job_id
+        job = f.svc.dispatcher.active_job(job_id)
+        assert job is not None
+        await until(lambda: any(t.status is TrackStatus.done for t in job.tracks))
+        done = next(t for t in job.tracks if t.status is TrackStatus.done)
+        done.status = TrackStatus.decoding  # memory behind the store, as on a dispatcher that did not run it
+        assert (await f.svc.track_file(job_id, done.index, "wav")).path.stat().st_size > 0
+        with pytest.raises(NotFoundError):  # the held track is not done in the store either
+            await f.svc.track_file(job_id, 1 - done.index, "wav")
+        done.status = TrackStatus.done
+        hold.set()
+        assert (await until_done(f, job_id)).status == "completed"
 
 
 @aio

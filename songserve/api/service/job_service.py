@@ -291,10 +291,13 @@ class JobService:
     async def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
         if kind not in MEDIA:
             raise NotFoundError(f"No such file kind {kind!r}; use mp3, wav, codes or render.")
-        view = await self.view(job_id)
-        if not 0 <= idx < len(view.tracks):
-            raise RequestError(f"Track index {idx} is out of range for a job of {len(view.tracks)} tracks.")
-        track = view.tracks[idx]
+        job = await self._load(job_id)
+        if not 0 <= idx < len(job.tracks):
+            raise RequestError(f"Track index {idx} is out of range for a job of {len(job.tracks)} tracks.")
+        track = job.tracks[idx]
+        if track.status != TrackStatus.done and self.dispatcher.active_job(job_id) is job:
+            # Memory follows a shared store by its events: another dispatcher may have just finished it.
+            track = (await self.store.load_job(job_id) or job).tracks[idx]
         if track.status != TrackStatus.done:
             raise NotFoundError(f"Track {idx} of job {job_id} is not done.")
         expected = (track.metadata.get("file_bytes") or {}).get(kind)
