@@ -61,16 +61,28 @@ class HealthWatch:
 
 
 def raw_request(
-    port: int, head: str, first: bytes = b"", rest: Iterable[bytes] = (), timeout: float = 30.0
+    port: int,
+    head: str,
+    first: bytes = b"",
+    rest: Iterable[bytes] = (),
+    timeout: float = 30.0,
+    rest_after_answer: bool = False,
 ) -> tuple[int, bytes, float]:
     """Send ``head`` (request line and headers, without the blank line) and ``first``; a thread sends
     ``rest`` meanwhile (a closed connection ends it quietly). Answers (status, body, seconds from the
-    first byte sent to the answer's first line)."""
+    first byte sent to the answer's first line).
+
+    ``rest_after_answer``: the thread sends ``rest`` only once the answer's first bytes are in, so an
+    answer at all proves the server did not wait for the body (one that waits times out here, whatever
+    the machine's speed)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     t0 = time.monotonic()
     sock.sendall(head.encode("latin-1") + b"\r\n\r\n" + first)
+    answered = threading.Event()
 
     def send_rest() -> None:
+        if rest_after_answer and not answered.wait(timeout):
+            return
         try:
             for piece in rest:
                 sock.sendall(piece)
@@ -87,6 +99,7 @@ def raw_request(
             if not piece:
                 break
             took = took if took is not None else time.monotonic() - t0
+            answered.set()
             got += piece
         header, _, body = got.partition(b"\r\n\r\n")
         length = next(
@@ -98,6 +111,7 @@ def raw_request(
                 break
             body += piece
     finally:
+        answered.set()  # a failed read lets a held sender go
         sock.close()
         sender.join(timeout)
     if not got:

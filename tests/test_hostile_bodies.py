@@ -65,12 +65,14 @@ def test_an_unauthenticated_multipart_flood_on_acestep_is_refused_unread(keyed, 
         pieces, size = [head, *([mib] * 100), tail], len(head) + 100 * MIB + len(tail)
     before = peak_mib(pid)
     with HealthWatch(keyed.url, f"http://127.0.0.1:{ace}") as health:
-        status, answer, took = raw_request(ace, release(keyed, size), rest=iter(pieces), timeout=120)
+        # the flood is sent only once the answer is in: an answer at all says the body was never waited for
+        status, answer, took = raw_request(
+            ace, release(keyed, size), rest=iter(pieces), timeout=60, rest_after_answer=True
+        )
     growth = peak_mib(pid) - before
     print(f"{flood}: {status} in {took:.3f} s, peak growth {growth:.0f} MiB, /health slowest {health.slowest:.2f} s")
     assert status == 401
     assert b"Missing ai_token or Authorization header (a body over MAX_BODY_BYTES" in answer
-    assert took < 1.0  # answered from the headers: the body was never waited for
     assert health.slowest < 2.0
     assert growth < 3 * size / MIB + 100
 
@@ -92,8 +94,10 @@ def test_with_the_key_a_multipart_of_too_many_parts_is_400_at_the_cap(keyed):
 def test_a_wrong_header_with_a_large_body_is_401_unread_and_a_small_body_may_carry_the_token(keyed):
     head, mib, tail = big_file_part(20)
     size = len(head) + 20 * MIB + len(tail)
-    status, answer, took = raw_request(keyed.ace_port, release(keyed, size, "Bearer wrong"), head, [mib] * 20 + [tail])
-    assert (status, took < 1.0) == (401, True)
+    status, answer, _ = raw_request(
+        keyed.ace_port, release(keyed, size, "Bearer wrong"), head, [mib] * 20 + [tail], rest_after_answer=True
+    )
+    assert status == 401  # answered from the headers and the body's first bytes: the rest was sent after
     assert b"Invalid API key (a body over MAX_BODY_BYTES" in answer
     small = httpx.post(
         f"http://127.0.0.1:{keyed.ace_port}/release_task",
@@ -112,7 +116,6 @@ def test_our_port_refuses_a_chunked_body_without_a_key_before_reading_it(keyed):
         "Transfer-Encoding: chunked"
     )
     first = b"%x\r\n%s\r\n" % (MIB, b"\0" * MIB)  # one chunk; the rest never comes
-    status, answer, took = raw_request(keyed.port, head, first, timeout=30)
+    status, answer, _ = raw_request(keyed.port, head, first, timeout=30)  # a server that waits times out here
     assert status == 401
     assert b"Missing or wrong credentials" in answer
-    assert took < 5.0
