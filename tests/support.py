@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from songserve.api.results.folder import PROBE_PREFIX
 from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,8 +177,8 @@ def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProc
 
 def results_files(root: Path, pattern: str = "*") -> list[Path]:
     """The files under a results folder that match ``pattern``, but for the folder's own writable probe
-    (``.probe-*.tmp``, which the dispatcher writes, syncs and removes at any moment: results/folder.py)."""
-    return [p for p in root.rglob(pattern) if p.is_file() and not p.name.startswith(".probe-")]
+    (``PROBE_PREFIX``, which the dispatcher writes, syncs and removes at any moment: results/folder.py)."""
+    return [p for p in root.rglob(pattern) if p.is_file() and not p.name.startswith(PROBE_PREFIX)]
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):

@@ -29,6 +29,7 @@ from songserve.errors import SongserveError
 log = logging.getLogger(__name__)
 PROBE_SEC = 10.0  # between probes while the folder is writable (every second while it is not)
 PROBE_BYTES = 4096
+PROBE_PREFIX = ".probe-"  # the probe's file in the folder: .probe-<8 hex>.tmp, gone once it passed
 
 
 class ResultsUnwritable(SongserveError):
@@ -87,7 +88,7 @@ class ResultsFolder:
 
     def _probe(self, need: int) -> str:
         """Write, sync and remove a small file, and check free space; returns what failed, or ""."""
-        path = self.root / f".probe-{secrets.token_hex(4)}.tmp"
+        path = self.root / f"{PROBE_PREFIX}{secrets.token_hex(4)}.tmp"
         try:
             with open(path, "wb") as f:
                 f.write(b"\0" * PROBE_BYTES)
