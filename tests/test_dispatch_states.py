@@ -357,6 +357,7 @@ async def test_a_file_finished_in_the_store_is_served_while_memory_is_behind(tmp
     # With a shared store another dispatcher may finish a track a moment before this one's memory hears
     # of it (test_scaleout.py, real processes): the file is served from what the store holds, not 404.
     async with FakeFleet(tmp_path, n=2) as f:
+        f.svc.store.shared = True  # as PostgreSQL's: only a shared store can be ahead of this dispatcher's memory
         hold = asyncio.Event()
         f.workers[1].plans.append(Plan(release=hold))  # one track waits, so the job stays in memory
         job_id = (await f.svc.submit(body(tracks=2))).job_id

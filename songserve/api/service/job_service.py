@@ -295,7 +295,7 @@ class JobService:
         if not 0 <= idx < len(job.tracks):
             raise RequestError(f"Track index {idx} is out of range for a job of {len(job.tracks)} tracks.")
         track = job.tracks[idx]
-        if track.status != TrackStatus.done and self.dispatcher.active_job(job_id) is job:
+        if track.status != TrackStatus.done and self.store.shared and self.dispatcher.active_job(job_id) is job:
             # Memory follows a shared store by its events: another dispatcher may have just finished it.
             track = (await self.store.load_job(job_id) or job).tracks[idx]
         if track.status != TrackStatus.done:
