@@ -10,11 +10,19 @@ What must hold whatever the interleaving (issue 35's soak):
 - every accepted job ends; none fails but what was cancelled;
 - the dispatcher and both workers are alive, and no worker's log holds a traceback;
 - every retake and continuation keeps its prefix: the first frames of its code grid are the
-  original's (or the upload's), all 64 levels.
+  original's (or the upload's), all 64 levels;
+- each worker's memory stays flat: its RSS after each step, less what its KV snapshot cache says it
+  holds (a cache bounded by ``KV_SNAPSHOT_MB``), grows by at most ``GROWTH_MB`` from the end of the
+  first third of the steps (the warm-up: models touched, first windows decoded) to the end, and by
+  at most ``LAST_THIRD_MB`` over the last third.
+
+``SOAK_STEPS`` runs a longer soak by hand (``SOAK_STEPS=240 bash scripts/test tests/test_soak.py -s``);
+the memory figures are printed either way.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -30,7 +38,9 @@ from tests.support import Cluster, cluster_of, free_port, start_worker, wait_for
 from tests.test_encoder import music, wav_bytes
 
 SEED = 20261203
-STEPS = 48
+STEPS = int(os.environ.get("SOAK_STEPS", "48"))
+GROWTH_MB = 150.0  # RSS less the snapshot cache, warm-up to end
+LAST_THIRD_MB = 60.0  # the same over the last third: not still rising
 THREADS = 4
 WAIT = 900.0  # seconds for the whole fleet to go quiet: generous, CI machines are shared
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -50,6 +60,9 @@ class Ledger:
     renders: list[int] = field(default_factory=list)
     listeners: int = 0
     notes: list[str] = field(default_factory=list)
+    memory: list[list[float]] = field(
+        default_factory=list
+    )  # per finished step: each worker's RSS less its snapshots, MB
 
     def add(self, job_id: str, kind: str) -> None:
         with self.lock:
@@ -222,6 +235,13 @@ def op_acestep(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     assert result.json()["data"][0]["status"] == 1, result.text
 
 
+def _memory_mb(worker) -> float:
+    """The worker's RSS less the bytes its KV snapshot cache holds (on the CPU, host memory), in MB."""
+    health = httpx.get(worker.url + "/health", timeout=30).json()
+    snapshots = (health.get("kv_snapshots") or {}).get("bytes", 0)
+    return float(health["rss_mb"]) - snapshots / 2**20
+
+
 OPS = [
     (op_generate, 3),
     (op_retake, 4),
@@ -247,6 +267,9 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
             op(fleet, ledger, random.Random(seed))
         except Exception as e:  # collected and asserted below, with every other step's
             errors.append(f"{op.__name__}: {type(e).__name__}: {e}")
+        sample = [_memory_mb(w) for w in fleet.workers]
+        with ledger.lock:
+            ledger.memory.append(sample)
 
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(run, plan))
@@ -286,6 +309,15 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
         assert "Traceback" not in Path(w.log_path).read_text(errors="replace"), w.log_tail()
     assert fleet.api is not None
     assert fleet.api.proc.poll() is None
+
+    # Each worker's memory, less its snapshot cache: flat after the warm-up, and not rising at the end.
+    warm, late = ledger.memory[STEPS // 3 - 1], ledger.memory[2 * STEPS // 3 - 1]
+    end = [_memory_mb(w) for w in fleet.workers]  # every job has ended: no batch's tensors in it
+    figures = [f"worker {i}: {warm[i]:.0f} -> {late[i]:.0f} -> {end[i]:.0f} MB" for i in range(len(end))]
+    print(f"\nsoak memory (RSS less KV snapshots, after steps {STEPS // 3}, {2 * STEPS // 3}, {STEPS}): {figures}")
+    for i in range(len(end)):
+        assert end[i] - warm[i] <= GROWTH_MB, figures
+        assert end[i] - late[i] <= LAST_THIRD_MB, figures
     kinds_run = sorted(set(ledger.jobs.values()))
     print(
         f"\nsoak: {len(ledger.jobs)} jobs ({kinds_run}), {len(ledger.origins)} retakes/continuations, "

@@ -35,6 +35,9 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
 
         log.info("test pipeline: a tone, computed on the CPU")
         return WorkerRuntime(s, TonePipeline(s, max_batch=s.max_batch), ToneDevice())
+    from songserve.worker import host_memory
+
+    log.info("host memory: %s", host_memory.apply(s.onednn_primitive_cache_capacity, s.malloc_mmap_threshold_kb))
     import torch
 
     from songserve.pipeline.checkpoints.layout import resolve
