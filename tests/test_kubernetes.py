@@ -70,7 +70,7 @@ def readers() -> dict[str, set[str]]:
     worker = settings_env(WorkerSettings) | common | python_reads(ROOT / "songserve" / "worker")
     # libpq reads PGPASSWORD (the password of STORE_URL's role), as docs/containers.md says.
     dispatcher = settings_env(DispatcherSettings) | common | python_reads(ROOT / "songserve" / "api") | {"PGPASSWORD"}
-    postgres = shell_reads(ROOT / "deploy" / "postgres-entrypoint") | {"PGDATA", "PGPORT"}  # postgres reads both
+    postgres = shell_reads(ROOT / "deploy" / "postgres-entrypoint")
     return {
         "songserve-dispatcher": dispatcher,
         "songserve-worker": worker,
