@@ -91,11 +91,13 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     assert abs(played[1] - 2.97) < 0.2
 
     # A second, long job: cancel it from its card.
-    page.fill("#duration", "50")  # read as 10 minutes, as the reference reads it, and said so on the card
+    page.fill("#duration", "15")  # read as 10 minutes, as the reference reads it, and said so on the card
     page.click("#generate")
     page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 2)
     long_card = page.locator(".job").first
-    assert long_card.locator(".job-note").inner_text() == "Adjusted: duration 50 → 10"
+    assert long_card.locator(".job-note").inner_text() == (
+        "Adjusted: duration 15 → 10. The duration is in minutes; 15 is past the maximum, so the song is 10 minutes."
+    )
     long_card.locator(".track .phase").wait_for()
     long_card.locator("button.cancel").click()
     page.wait_for_function(

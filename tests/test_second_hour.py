@@ -89,9 +89,9 @@ def test_a_duration_read_as_the_reference_reads_it_is_said_in_notes(cluster):
         httpx.delete(f"{cluster.url}/job/{r.json()['job_id']}")
         said[sent] = r.json()
     assert said[0]["adjusted"] == {"duration": {"from": 0, "to": 1.0}}
-    assert "duration 0 is not a length: the song is 1 minute, as the reference reads it." in said[0]["notes"]
+    assert "A duration of 0 is not a length: the song is 1 minute, as the reference reads it." in said[0]["notes"]
     assert said[15]["adjusted"] == {"duration": {"from": 15, "to": 10.0}}
-    assert "duration is in minutes; 15 is past the maximum, so the song is 10 minutes." in said[15]["notes"]
+    assert "The duration is in minutes; 15 is past the maximum, so the song is 10 minutes." in said[15]["notes"]
     r = httpx.post(cluster.url + "/generate", json={"lyrics": "la", "duration": 180})
     assert r.status_code == 422
     assert r.json()["error"].startswith("Field 'duration': is in minutes")

@@ -51,7 +51,7 @@ function titleOf(asked) {
 // What the server read differently from what was sent (out-of-range values, as the reference reads them).
 function adjustedNote(adjusted) {
   const parts = Object.entries(adjusted || {}).map(([field, c]) => `${field} ${JSON.stringify(c.from)} → ${JSON.stringify(c.to)}`);
-  return parts.length ? `Adjusted: ${parts.join(", ")}` : "";
+  return parts.length ? `Adjusted: ${parts.join(", ")}.` : "";
 }
 
 function makeCard(jobId, title, live) {

@@ -111,10 +111,10 @@ def _duration(value: float, limits: RequestLimits, strict: bool) -> tuple[float,
     if value <= 0:
         used = min(max(NON_POSITIVE_DURATION, low), high)
         unit = "minute" if used == 1 else "minutes"
-        return used, f"duration {value:g} is not a length: the song is {used:g} {unit}, as the reference reads it."
+        return used, f"A duration of {value:g} is not a length: the song is {used:g} {unit}, as the reference reads it."
     used = min(max(value, low), high)
     edge = "maximum" if value > high else "minimum"
-    return used, f"duration is in minutes; {value:g} is past the {edge}, so the song is {used:g} minutes."
+    return used, f"The duration is in minutes; {value:g} is past the {edge}, so the song is {used:g} minutes."
 
 
 def _word(name: str, value: str, allowed: tuple[str, str], strict: bool) -> str:
