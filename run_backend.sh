@@ -251,8 +251,13 @@ elif [ -z "${WORKER_TOKEN:-}" ]; then
   (umask 077; printf '%s\n' "$WORKER_TOKEN" >"$TOKEN_FILE")  # readable by this user only
   if [ $API = 0 ]; then say "generated WORKER_TOKEN=$WORKER_TOKEN: start the dispatcher with the same value"
   elif [ $WORKERS = 1 ]; then
-    say "worker token generated into $(full "$TOKEN_FILE"); a worker's /config needs it:" \
-      "curl -H \"Authorization: Bearer \$(cat $(full "$TOKEN_FILE"))\" http://127.0.0.1:$WORKER_BASE_PORT/config"
+    # Said where a person may need it: workers reachable from other hosts, or LOG_LEVEL=debug. Here the
+    # dispatcher is the only caller; a worker's 401 names the file too (docs/configuration.md).
+    case "$WORKER_HOST:${LOG_LEVEL:-}" in
+      127.0.0.1:|localhost:|::1:) ;;
+      *) say "worker token generated into $(full "$TOKEN_FILE"); a worker's /config needs it:" \
+           "curl -H \"Authorization: Bearer \$(cat $(full "$TOKEN_FILE"))\" http://127.0.0.1:$WORKER_BASE_PORT/config" ;;
+    esac
   else say "note: WORKER_TOKEN is unset; set it to the workers' token if they were started with one"; fi
 else
   say "WORKER_TOKEN is taken from the environment (the workers and the dispatcher share it)"
@@ -353,7 +358,7 @@ fi
 TAIL=""
 end_tail() { [ -z "$TAIL" ] || { kill "$TAIL" 2>/dev/null || true; wait "$TAIL" 2>/dev/null || true; }; }
 trap 'echo; end_nap; stop_all; end_tail; exit 0' INT TERM
-tail -n 0 -F "${STARTED[@]}" &
+tail -q -n 0 -F "${STARTED[@]}" &  # -q: no "==> file <==" headers; each line names its service
 TAIL=$!
 while :; do
   alive=0

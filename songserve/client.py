@@ -56,9 +56,29 @@ def _check(r: httpx.Response) -> dict[str, Any]:
         body: dict[str, Any] = r.json()
     except ValueError:
         body = {}
+    if r.status_code == 401:  # what to do, not only what the server found
+        said = body.get("error") or "HTTP 401"
+        if "Authorization" in r.request.headers:
+            raise ClientError(f"The server did not accept the API key given ({said}); pass the right one with "
+                              "--api-key KEY or set SONGSERVE_API_KEY.")  # fmt: skip
+        raise ClientError(f"The server needs an API key ({said}); pass it with --api-key KEY or set SONGSERVE_API_KEY.")
     if r.status_code >= 400:
         raise ClientError(body.get("error") or f"The server answered HTTP {r.status_code}.")
     return body
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def say_untrained(client: httpx.Client, out: TextIO) -> None:
+    """Once per command: the server's notice when its workers run an untrained set (the tiny test model)."""
+    try:
+        notice = _check(client.get("/config")).get("notice")
+    except (ClientError, httpx.HTTPError):  # the submit that follows says what is wrong
+        return
+    if notice:
+        print(f"note: {notice}", file=out)
 
 
 def _bar(progress: int, width: int = 24) -> str:
@@ -178,15 +198,38 @@ def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | N
     return f"/job/{job_id}/track/{track['index']}/render", params
 
 
+def save(client: httpx.Client, job_id: str, track: dict[str, Any], kind: str, loudness: float | None,
+         out_dir: Path) -> str:  # fmt: skip
+    """Download one file of a finished track into ``out_dir``; the line that says what was saved, and a
+    loudness that could not be reached without clipping (the render's ``X-Render-Limited``)."""
+    at = f"_{round(loudness, 1):g}LUFS" if kind not in STORED and loudness is not None else ""
+    dest = out_dir / f"{job_id}_track{track['index']}{at}.{kind}"  # as the server names the render
+    url, params = _file_url(job_id, track, kind, loudness)
+    with client.stream("GET", url, params=params, timeout=300) as r:
+        if r.status_code >= 400:
+            r.read()
+            _check(r)
+        with open(dest, "wb") as f:
+            for chunk in r.iter_bytes():
+                f.write(chunk)
+    if loudness is not None and r.headers.get("X-Render-Limited") == "true":
+        return (f"saved {dest} at {r.headers.get('X-Render-Loudness')} LUFS, not {loudness:g}: any louder would "
+                "clip (the take's peaks stop the gain at -1 dBFS)")  # fmt: skip
+    return f"saved {dest}"
+
+
 def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
     if args.cont is not None and args.cont_audio is not None:
         raise ClientError("--continue and --continue-audio: give one of them")
     listener = Listener(args.listen) if args.listen else None  # before anything is stored: a bad path stops here
     upload = upload_audio(client, audio_at(args.cont_audio)[0], out) if args.cont_audio is not None else None
     body = request_body(args, upload)
+    say_untrained(client, out)
     accepted = _check(_submit(client, body))
     job_id = accepted["job_id"]
-    print(f"job {job_id}: {accepted['status']} ({accepted['num_tracks']} tracks)", file=out)
+    print(f"job {job_id}: {accepted['status']} ({plural(accepted['num_tracks'], 'track')})", file=out)
+    for note in accepted.get("notes") or []:  # what the server read differently, in its own words
+        print(f"note: {note}", file=out)
     if listener is not None:
         listener.start(client, job_id)
     tty = out.isatty()
@@ -214,17 +257,7 @@ def generate(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.s
             print(f"track {t['index']}: {t['status']}: {t.get('error') or ''}".rstrip(": "), file=out)
             continue
         for kind in args.formats.split(","):
-            at = f"_{round(args.loudness, 1):g}LUFS" if kind not in STORED and args.loudness is not None else ""
-            dest = out_dir / f"{job_id}_track{t['index']}{at}.{kind}"  # as the server names the render
-            url, params = _file_url(job_id, t, kind, args.loudness)
-            with client.stream("GET", url, params=params, timeout=300) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    _check(r)
-                with open(dest, "wb") as f:
-                    for chunk in r.iter_bytes():
-                        f.write(chunk)
-            print(f"saved {dest}", file=out)
+            print(save(client, job_id, t, kind, args.loudness, out_dir), file=out)
             saved += 1
     print(f"job {job_id}: {job['status']}", file=out)
     return 0 if job["status"] == "completed" else 1
@@ -314,8 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol) as exc:
+        print(f"error: cannot reach {args.server} ({exc}): is the dispatcher running (bash run_backend.sh)? "
+              "Name another with --server URL or SONGSERVE_URL.", file=sys.stderr)  # fmt: skip
+        return 1
     except httpx.HTTPError as exc:
-        print(f"error: cannot reach {args.server}: {exc}", file=sys.stderr)
+        print(f"error: {args.server}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)

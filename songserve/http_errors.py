@@ -3,9 +3,15 @@
 Every error answer is ``{"status": "error", "error": "<sentence>"}`` (validation errors add
 ``detail``). Exceptions map to HTTP status here and nowhere else; tracebacks go to the log.
 
-Two answers say more than the framework's: a body that is not JSON names the line and column
-where it broke (``json_invalid`` carries only the character offset), and a 405 lists in ``Allow``
+Three answers say more than the framework's: a body that is not JSON names the line and column
+where it broke (``json_invalid`` carries only the character offset); a body sent under another
+Content-Type (curl's ``-d`` sends ``application/x-www-form-urlencoded``) is 415 naming the header to
+send, where the framework said only that the body is not an object; and a 405 lists in ``Allow``
 every method the path takes, across all its routes (the router names only the first route's).
+
+The body under another type is not read as JSON, though it may be JSON: FastAPI (the reference
+backend's framework) does not read it either, and a form or text body is what a browser sends
+cross-site without asking CORS first, so reading it would let any web page start jobs here.
 """
 
 from __future__ import annotations
@@ -72,6 +78,23 @@ def _json_invalid(error: Mapping[str, Any], doc: object) -> tuple[str, dict[str,
     return f"The body is not valid JSON: {reason} at {where}.", entry
 
 
+def is_json_type(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, as FastAPI decides whether to read a body as JSON."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _not_json_type(errors: Sequence[Mapping[str, Any]], body: object, content_type: str) -> str | None:
+    """The sentence for a body that was sent, unread, under a type that is not JSON; None otherwise."""
+    if not isinstance(body, bytes | bytearray) or not body or is_json_type(content_type):
+        return None
+    if not any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        return None
+    media = content_type.split(";", 1)[0].strip()[:100]
+    came = f"it came as {media!r} (curl -d sends that unless given -H 'Content-Type: application/json')"
+    return f"The body must be JSON sent with the header 'Content-Type: application/json'; {came if media else 'it came without one'}."
+
+
 PROBED_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
@@ -87,8 +110,10 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         raw = exc.errors()
+        if wrong_type := _not_json_type(raw, exc.body, request.headers.get("content-type", "")):
+            return error_response(415, wrong_type)
         if raw and (bad_json := _json_invalid(raw[0], exc.body)):
             message, entry = bad_json
             return error_response(422, message, detail=[entry])

@@ -91,11 +91,13 @@ def test_generate_play_and_cancel_in_the_page(site, page):
     assert abs(played[1] - 2.97) < 0.2
 
     # A second, long job: cancel it from its card.
-    page.fill("#duration", "50")  # read as 10 minutes, as the reference reads it, and said so on the card
+    page.fill("#duration", "15")  # read as 10 minutes, as the reference reads it, and said so on the card
     page.click("#generate")
     page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 2)
     long_card = page.locator(".job").first
-    assert long_card.locator(".job-note").inner_text() == "Adjusted: duration 50 → 10"
+    assert long_card.locator(".job-note").inner_text() == (
+        "Adjusted: duration 15 → 10. The duration is in minutes; 15 is past the maximum, so the song is 10 minutes."
+    )
     long_card.locator(".track .phase").wait_for()
     long_card.locator("button.cancel").click()
     page.wait_for_function(
@@ -344,3 +346,91 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     assert httpx.get(keyed.url + "/config", headers={"Authorization": "Bearer page-key-1"}).json()["notice"] is None
     assert not errors
     page.close()
+
+
+# Every control of the page with no name a person with a screen reader (or getByLabel) could find it by.
+UNNAMED_CONTROLS = """() => [...document.querySelectorAll('input, textarea, select, audio, canvas, button')]
+    .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
+      && !el.getAttribute('aria-labelledby') && !(el.tagName === 'BUTTON' && el.textContent.trim()))
+    .map((el) => el.id || el.className || el.tagName)"""
+
+
+def test_the_page_says_what_to_do_first_offers_a_short_song_on_cpus_and_keeps_the_form_over_a_reload(site, page):
+    browser = page.context.browser
+    assert browser is not None
+    context = browser.new_context()  # nothing kept from the tests before
+    page = context.new_page()
+    page.goto(site.url + "/")
+    page.wait_for_selector("#tag-chips button")
+    assert "press Generate" in page.locator("#first-step").inner_text()
+    # The shared worker runs the tiny set on the CPU (its /config says "cpu"): a short song first.
+    page.wait_for_function("document.querySelector('#duration').value === '0.5'")
+    page.get_by_label("Lyrics").fill("[verse]\nkept across a reload")
+    page.click("#tag-chips button >> nth=1")
+    page.fill("#duration", "0.07")
+    page.fill("#num_tracks", "1")
+    page.fill("#seed", "42")
+    page.uncheck("#live")
+    kept = {sel: page.input_value(sel) for sel in ("#lyrics", "#tags", "#duration", "#num_tracks", "#seed")}
+    page.reload()
+    page.wait_for_selector("#tag-chips button")
+    page.wait_for_selector("#jobs[data-listed]", state="attached")
+    assert {sel: page.input_value(sel) for sel in kept} == kept
+    assert not page.is_checked("#live")
+    assert page.input_value("#duration") == "0.07"  # the person's choice stays over the CPU default
+    # A finished take: its player shows its length before it is played, and every control has a name.
+    card = submitted(page)
+    audio = card.locator(".result audio")
+    audio.wait_for(state="visible", timeout=60_000)
+    page.wait_for_function("(a) => a.duration > 0 && a.paused", arg=audio.element_handle(), timeout=30_000)
+    assert audio.get_attribute("aria-label") == "Take 1"
+    assert page.evaluate(UNNAMED_CONTROLS) == []
+    context.close()
+
+
+def test_a_loudness_a_take_cannot_reach_is_said_beside_its_download_links(site, page):
+    from tests.test_second_hour import spiky
+
+    open_song(page, site.url, "[verse]\ntoo spiky to be loud", "0.05")
+    card = submitted(page)
+    card.locator(".result audio").wait_for(state="visible", timeout=60_000)
+    job_id = card.get_attribute("data-job-id")
+    spiky(site.tmp / "state" / "results" / job_id / "track_0.wav")
+    card.locator(".loudness").select_option("-14")
+    with page.expect_download():
+        card.locator(".dl-flac").click()
+    note = card.locator(".render-note")
+    note.wait_for(state="visible", timeout=30_000)
+    assert note.inner_text().startswith("Reached -")
+    assert "LUFS, not -14: any louder would clip" in note.inner_text()
+
+
+def test_behind_an_api_key_a_wrong_key_is_said_wrong_and_a_dismissed_prompt_says_the_key_is_missing(keyed, page):
+    browser = page.context.browser
+    assert browser is not None
+    for answers, header in (
+        (["wrong-key", None], "The API key given was not accepted; reload the page to enter the right one."),
+        ([None], "This server needs an API key and none was given; reload the page to enter it."),
+    ):
+        context = browser.new_context()
+        p = context.new_page()
+        asked: list[str] = []
+        left = list(answers)
+
+        def answer(d, asked=asked, left=left):
+            asked.append(d.message)
+            given = left.pop(0) if left else None
+            d.accept(given) if given else d.dismiss()
+
+        p.on("dialog", answer)
+        p.goto(keyed.url + "/")
+        status = p.locator("#server-status")
+        p.wait_for_function("!document.querySelector('#server-status').textContent.startsWith('connecting')")
+        p.wait_for_selector("#jobs[data-listed]", state="attached")
+        assert status.inner_text().startswith(header), status.inner_text()
+        assert "unreachable" not in status.inner_text()
+        expected = ["This server needs an API key:"]
+        if len(answers) == 2:
+            expected.append("The API key given was not accepted (wrong, or no longer valid). Enter the right key:")
+        assert asked == expected  # and not asked again by the page's own refreshes
+        context.close()

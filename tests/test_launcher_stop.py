@@ -93,6 +93,7 @@ def test_ctrl_c_says_what_it_waits_for_drains_once_and_leaves_no_file_on_the_wor
         assert said.count("run_backend: stopping") == 1, said
         assert "stopping at once" not in said
         assert "run_backend: stopped 2 processes in " in said
+        assert "==> " not in said  # the logs followed without tail's headers between the lines
         assert not marked(run.mark)
         api_log = (tmp_path / "logs" / "api.log").read_text()
         assert api_log.count("draining: waiting up to") == 1, api_log

@@ -11,8 +11,9 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from songserve.schemas.common import JOB_ID_PATTERN, NO_CONTROL
 
@@ -20,6 +21,7 @@ CODEBOOK_SIZE = 1024  # codes of every level are in [0, 1024)
 MAX_LEVELS = 64
 # 15 minutes (the worker's longest request) of 44,100 / 2,048 frames per second
 MAX_PREFIX_FRAMES = math.ceil(15 * 60 * 44_100 / 2_048)
+JOB_ID = re.compile(JOB_ID_PATTERN)
 MAX_PREFIX_CHARS = 4 * math.ceil(MAX_LEVELS * MAX_PREFIX_FRAMES * 2 / 3)  # base64 of that many int16 codes
 
 
@@ -29,17 +31,31 @@ class ContinueFrom(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # The pattern is checked by ``_an_id`` (a sentence, not the regex) and kept in the schema for clients.
     job_id: str | None = Field(
-        None, max_length=64, pattern=JOB_ID_PATTERN, description="the job of the take to continue"
+        None,
+        max_length=64,
+        json_schema_extra={"pattern": JOB_ID_PATTERN},
+        description="the job of the take to continue",
     )
     track_index: int = Field(0, ge=0, le=1000, description="which of its takes")
     upload_id: str | None = Field(
-        None, max_length=64, pattern=JOB_ID_PATTERN, description="or an upload (POST /uploads) to continue"
-    )
+        None, max_length=64, json_schema_extra={"pattern": JOB_ID_PATTERN},
+        description="or an upload (POST /uploads) to continue",
+    )  # fmt: skip
     at_sec: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="seconds into the take or upload: what comes before is kept (an upload: its end if left out)",
     )  # fmt: skip
+
+    @field_validator("job_id", "upload_id")
+    @classmethod
+    def _an_id(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not JOB_ID.match(value):
+            what, route = ("a job", "POST /generate") if info.field_name == "job_id" else ("an upload", "POST /uploads")
+            raise ValueError(f"{value!r} is not {what} id: ids are the 8 to 64 lowercase hex digits that {route} "
+                             f"answers as {info.field_name}")  # fmt: skip
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ContinueFrom:

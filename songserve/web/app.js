@@ -16,23 +16,42 @@ function keyCookie(key) {
 function rememberKey(key) { localStorage.setItem("songserve-api-key", key); keyCookie(key); }
 if (apiKey()) keyCookie(apiKey());
 
-async function api(path, options = {}, retried = false) {
-  const headers = { ...(options.headers || {}) };
-  const used = apiKey();
-  if (used) headers.Authorization = `Bearer ${used}`;
-  const response = await fetch(path, { ...options, headers });
-  if (response.status === 401 && !retried) {
-    if (apiKey() && apiKey() !== used) return api(path, options, true);  // given meanwhile, for another call
-    const key = window.prompt("This server needs an API key:");
-    if (key) { rememberKey(key.trim()); return api(path, options, true); }
+// A wrong key is said to be wrong when the key is asked again; a dismissed prompt is not asked again by
+// the page's own refreshes (its calls then fail saying the key is missing) until the person submits.
+const NEEDS_KEY = "This server needs an API key:";
+const WRONG_KEY = "The API key given was not accepted (wrong, or no longer valid). Enter the right key:";
+let keyDeclined = false;
+
+async function api(path, options = {}) {
+  for (let asked = 0; ; asked++) {
+    const headers = { ...(options.headers || {}) };
+    const used = apiKey();
+    if (used) headers.Authorization = `Bearer ${used}`;
+    const response = await fetch(path, { ...options, headers });
+    if (response.status === 401 && asked < 3) {
+      if (apiKey() !== used) continue;  // given meanwhile, for another call
+      if (!keyDeclined) {
+        const key = window.prompt(used ? WRONG_KEY : NEEDS_KEY);
+        if (key && key.trim()) { rememberKey(key.trim()); continue; }
+        keyDeclined = true;
+      }
+    }
+    return answer(response, used);
   }
+}
+
+async function answer(response, used) {
   let body = null;
   try { body = await response.json(); } catch (_) { /* not JSON */ }
-  if (!response.ok) {
-    const message = (body && body.error) || `The server answered HTTP ${response.status}.`;
-    throw new Error(message);
+  if (response.ok) return body;
+  let message = (body && body.error) || `The server answered HTTP ${response.status}.`;
+  if (response.status === 401) {
+    message = used ? "The API key given was not accepted; reload the page to enter the right one."
+      : "This server needs an API key and none was given; reload the page to enter it.";
   }
-  return body;
+  const error = new Error(message);
+  error.status = response.status;  // the server answered: it is reachable
+  throw error;
 }
 
 function showError(el, message) {
@@ -43,11 +62,43 @@ function showError(el, message) {
 // ---- the form ----------------------------------------------------------------------------------
 function promptMode() { return document.querySelector("input[name=prompt_mode]:checked").value; }
 
-document.querySelectorAll("input[name=prompt_mode]").forEach((r) => r.addEventListener("change", () => {
+function showMode() {
   const natural = promptMode() === "natural";
   $("tags").hidden = natural; $("tag-chips").hidden = natural; $("prompt").hidden = !natural;
-}));
-$("instrumental").addEventListener("change", () => { $("lyrics-set").hidden = $("instrumental").checked; });
+}
+function showInstrumental() { $("lyrics-set").hidden = $("instrumental").checked; }
+document.querySelectorAll("input[name=prompt_mode]").forEach((r) => r.addEventListener("change", showMode));
+$("instrumental").addEventListener("change", showInstrumental);
+
+// The form is kept in this browser (localStorage) as it is typed, so a reload finds it as it was.
+const FORM_KEY = "songserve-form";
+const KEPT_VALUES = ["tags", "prompt", "lyrics", "duration", "num_tracks", "seed"];
+const KEPT_CHECKS = ["instrumental", "live"];
+
+function saveForm() {
+  const saved = { prompt_mode: promptMode() };
+  KEPT_VALUES.forEach((id) => { saved[id] = $(id).value; });
+  KEPT_CHECKS.forEach((id) => { saved[id] = $(id).checked; });
+  try { localStorage.setItem(FORM_KEY, JSON.stringify(saved)); } catch (_) { /* storage off or full */ }
+}
+
+function restoreForm() {  // true when a kept duration was put back
+  let saved = null;
+  try { saved = JSON.parse(localStorage.getItem(FORM_KEY) || "null"); } catch (_) { /* not ours */ }
+  if (!saved || typeof saved !== "object") return false;
+  KEPT_VALUES.forEach((id) => { if (typeof saved[id] === "string") $(id).value = saved[id]; });
+  KEPT_CHECKS.forEach((id) => { if (typeof saved[id] === "boolean") $(id).checked = saved[id]; });
+  if (["tags", "natural"].includes(saved.prompt_mode)) {
+    document.querySelectorAll("input[name=prompt_mode]").forEach((r) => { r.checked = r.value === saved.prompt_mode; });
+  }
+  showMode(); showInstrumental();
+  return typeof saved.duration === "string" && saved.duration !== "";
+}
+
+let durationChosen = restoreForm();
+$("gen-form").addEventListener("input", saveForm);
+$("gen-form").addEventListener("change", saveForm);
+$("duration").addEventListener("input", () => { durationChosen = true; });
 
 // The catalogue from /tags (the reference's own tags.json by default), one row of chips per
 // group; the reference frontend's default selections are filled in when the field is empty.
@@ -84,6 +135,7 @@ async function loadTags() {
           if (at >= 0) parts.splice(at, 1); else parts.push(tag);
           $("tags").value = parts.join(", ");
           markChips();
+          saveForm();
         });
         group.appendChild(b);
       });
@@ -116,17 +168,25 @@ async function refreshStatus() {
     const s = await api("status");
     el.textContent = `${s.idle_gpus}/${s.total_gpus} workers idle · ${s.queued_jobs} jobs queued · as of ${at}`;
   } catch (e) {
-    el.textContent = `server unreachable at ${at}: ${e.message}`;
+    el.textContent = e.status ? `${e.message} (as of ${at})` : `server unreachable at ${at}: ${e.message}`;
   }
   el.title = `From GET /status, asked every ${STATUS_EVERY_MS / 1000} s while this page is open.`;
 }
 
 // The banner: what the workers run, when it is not music (GET /config's notice: an untrained set).
+// Where every worker runs on the CPU, a song's minute takes minutes to make: the length offered first is
+// CPU_DURATION, unless the person chose one (this visit, or kept from the last).
+const CPU_DURATION = "0.5";
 async function refreshConfig() {
   try {
     const config = await api("config");
     $("notice").textContent = config.notice || "";
     $("notice").hidden = !config.notice;
+    if (!durationChosen && config.workers > 0 && config.cpu_workers >= config.workers) {
+      $("duration").value = CPU_DURATION;
+      $("duration").title = "The workers run on the CPU: a short song first (longer ones take minutes).";
+      durationChosen = true;
+    }
   } catch (_) { /* the header says when the server cannot be reached */ }
 }
 
@@ -149,6 +209,7 @@ $("gen-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   showError($("form-error"), "");
   const body = formBody();
+  keyDeclined = false;  // a person's own click: ask for a key again if the server wants one
   $("generate").disabled = true;
   try {
     const accepted = await api("generate", {

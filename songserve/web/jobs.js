@@ -51,7 +51,7 @@ function titleOf(asked) {
 // What the server read differently from what was sent (out-of-range values, as the reference reads them).
 function adjustedNote(adjusted) {
   const parts = Object.entries(adjusted || {}).map(([field, c]) => `${field} ${JSON.stringify(c.from)} → ${JSON.stringify(c.to)}`);
-  return parts.length ? `Adjusted: ${parts.join(", ")}` : "";
+  return parts.length ? `Adjusted: ${parts.join(", ")}.` : "";
 }
 
 function makeCard(jobId, title, live) {
@@ -147,6 +147,8 @@ function render(card, job) {
       el = $("track-tpl").content.firstElementChild.cloneNode(true);
       el.dataset.index = t.index;
       el.querySelector(".track-name").textContent = `Take ${t.index + 1}`;
+      el.querySelector(".final-audio").setAttribute("aria-label", `Take ${t.index + 1}`);
+      el.querySelector(".live-audio").setAttribute("aria-label", `Take ${t.index + 1}, live`);
       box.appendChild(el);
     }
     el.dataset.status = t.status;
@@ -225,6 +227,20 @@ function showResult(card, el, t, handover) {
 }
 
 // FLAC and Opus are rendered by the server from the stored WAV (GET …/render), at a loudness if chosen.
+// A loudness the take cannot reach without clipping is said beside the links: a download link cannot
+// read the answer's headers, so the same render is asked for with HEAD (made once, then cached).
+async function sayRenderLimit(result, href, loudness) {
+  const note = result.querySelector(".render-note");
+  showError(note, "");
+  try {
+    const r = await fetch(href, { method: "HEAD" });
+    if (r.ok && r.headers.get("X-Render-Limited") === "true") {
+      showError(note, `Reached ${r.headers.get("X-Render-Loudness")} LUFS, not ${loudness}: any louder would clip `
+        + "(the take's peaks stop the gain at −1 dBFS).");
+    }
+  } catch (_) { /* the download itself says what went wrong */ }
+}
+
 function renderLinks(result, jobId, index) {
   const loudness = result.querySelector(".loudness").value;
   for (const format of ["flac", "opus"]) {
@@ -239,6 +255,13 @@ function renderLinks(result, jobId, index) {
 function setupResult(result, jobId, index, audio) {
   renderLinks(result, jobId, index);
   result.querySelector(".loudness").addEventListener("change", () => renderLinks(result, jobId, index));
+  for (const format of ["flac", "opus"]) {
+    const link = result.querySelector(`.dl-${format}`);
+    link.addEventListener("click", () => {
+      const loudness = result.querySelector(".loudness").value;
+      if (loudness) sayRenderLimit(result, link.getAttribute("href"), loudness);
+    });
+  }
   const button = result.querySelector(".continue");
   const label = () => {
     button.textContent = audio.currentTime > 0 ? `Continue from ${clock(audio.currentTime)}` : "Continue from here";

@@ -102,7 +102,8 @@ def not_the_api(s: WorkerSettings) -> str:
     where = ", ".join(dispatcher_urls(s.announce)) if s.announce else "its port, API_PORT, 8889 by default"
     return (
         f"This is a songserve worker (port {s.worker_port}), not the API: clients use the dispatcher ({where}); "
-        "only a dispatcher calls this port, with the worker token (WORKER_TOKEN)."
+        "only a dispatcher calls this port, with the worker token (WORKER_TOKEN; one the launcher generated "
+        "is in its LOG_DIR/worker_token)."
     )
 
 

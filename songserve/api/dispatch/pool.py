@@ -308,6 +308,10 @@ class WorkerPool:
         """Workers whose ``/config`` says they run an untrained set (the tiny set: noise of the right length)."""
         return sum(w.config is not None and w.config.untrained for w in self.workers)
 
+    def on_cpu(self) -> int:
+        """Workers whose ``/config`` names the CPU as their device (the page's default length is short then)."""
+        return sum(w.config is not None and (w.config.device or "").startswith("cpu") for w in self.workers)
+
     def models(self, kind: str) -> list[str]:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""
         names: list[str] = []

@@ -118,6 +118,8 @@ def config(s: DispatcherSettings, fleet: Fleet) -> dict[str, object]:
         # workers whose /config says they run an untrained set, and the sentence the page shows then
         "untrained_workers": fleet.untrained,
         "notice": untrained_notice(fleet),
+        # workers on the CPU: with every one there, the page offers a short song first (CPU_DURATION)
+        "cpu_workers": fleet.on_cpu,
         "version": __version__,
     }
 

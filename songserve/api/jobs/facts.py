@@ -25,3 +25,4 @@ class Fleet:
     context: tuple[int, int] | None  # (the longest backbone context in tokens, audio tokens per minute)
     workers: int
     untrained: int = 0  # workers running an untrained set (their /config says so): what they make is noise
+    on_cpu: int = 0  # workers whose /config names the CPU as their device: minutes of song take them minutes

@@ -9,7 +9,13 @@ and generates a vocal song whose lyrics are empty. ``normalize`` does the same, 
 configured duration range (fractions of a minute are our extension: zero or negative becomes the
 reference's 1 minute, a positive value below our minimum becomes that minimum), and reports every
 value it reads differently from how it was sent in ``adjusted`` (``{"duration": {"from": 15, "to":
-10.0}}``), coercions included, so a client can see what it will get.
+10.0}}``), coercions included, so a client can see what it will get; a duration it changed is said
+in ``notes`` too, in a sentence.
+
+One refusal the reference does not make: a ``duration`` of ``SECONDS_LIKE`` (30) or more, over the
+maximum, is a length in seconds by habit (``180`` for a 3-minute song), which the reference would
+read as its longest song; here it is a 422 naming ``duration`` and its unit. No client of the
+reference sends one: its frontend offers 2 to 10 minutes.
 
 One deliberate difference: for a ``mode`` that is neither ``vocal`` nor ``instrumental`` the
 reference keeps the vocal prompt but drops the lyrics (it cleans lyrics only when ``mode ==
@@ -45,6 +51,7 @@ from songserve.schemas import GenerateRequest
 TOP_K_BB_RANGE = (1, 200)
 TEMPERATURE_RANGE = (0.6, 1.4)
 NON_POSITIVE_DURATION = 1.0  # minutes: the reference's floor for 0 and below
+SECONDS_LIKE = 30.0  # minutes: over the maximum and at least this, a duration was meant as seconds
 STRICT_TEXT_CHARS = 1000  # strict mode only: the former limit on tags and prompt
 MODES = ("vocal", "instrumental")  # the first is what an unknown word reads as
 PROMPT_MODES = ("tags", "natural")
@@ -89,15 +96,25 @@ def _clamp(name: str, value: float, low: float, high: float, strict: bool) -> fl
     return min(max(value, low), high)
 
 
-def _duration(value: float, limits: RequestLimits, strict: bool) -> float:
+def _duration(value: float, limits: RequestLimits, strict: bool) -> tuple[float, str | None]:
+    """The minutes the song will last, and the sentence that says why they differ from ``value``."""
     low, high = limits.min_duration, limits.max_duration
     if low <= value <= high:
-        return value
+        return value, None
+    if value > high and value >= SECONDS_LIKE:
+        minutes = round(value / 60, 2)
+        hint = f"for {value:g} seconds send {minutes:g}" if low <= minutes <= high else f"at most {high:g}"
+        raise FieldError("duration", f"is in minutes, and {value:g} minutes is far over the {high:g}-minute "
+                         f"maximum (seconds by mistake?); {hint}")  # fmt: skip
     if strict:
         raise FieldError("duration", f"must be between {low:g} and {high:g} minutes")
     if value <= 0:
-        return min(max(NON_POSITIVE_DURATION, low), high)
-    return min(max(value, low), high)
+        used = min(max(NON_POSITIVE_DURATION, low), high)
+        unit = "minute" if used == 1 else "minutes"
+        return used, f"A duration of {value:g} is not a length: the song is {used:g} {unit}, as the reference reads it."
+    used = min(max(value, low), high)
+    edge = "maximum" if value > high else "minimum"
+    return used, f"The duration is in minutes; {value:g} is past the {edge}, so the song is {used:g} minutes."
 
 
 def _word(name: str, value: str, allowed: tuple[str, str], strict: bool) -> str:
@@ -132,10 +149,11 @@ def normalize(
         for name in ("tags", "prompt"):
             if len(getattr(req, name)) > STRICT_TEXT_CHARS:
                 raise FieldError(name, f"must be at most {STRICT_TEXT_CHARS} characters")
+    duration, duration_note = _duration(req.duration, limits, strict)
     used: dict[str, Any] = {
         "mode": mode,
         "prompt_mode": prompt_mode,
-        "duration": _duration(req.duration, limits, strict),
+        "duration": duration,
         "top_k_bb": int(_clamp("top_k_bb", req.top_k_bb, *TOP_K_BB_RANGE, strict)),
         "temperature": _clamp("temperature", req.temperature, *TEMPERATURE_RANGE, strict),
     }
@@ -166,6 +184,8 @@ def normalize(
         if _differs(sent, now):
             adjusted[name] = {"from": sent, "to": now}
     notes = unknown_notes(body.unknown, GenerateRequest.model_fields)
+    if duration_note:
+        notes.append(duration_note)
     if not body.sent:
         notes.append("The body sets none of the known fields, so every value is its default (docs/api.md).")
     if mode == "vocal" and not lyrics:

@@ -54,7 +54,7 @@ def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0, mas
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         where = start_world_of_one(backend, master_addr, master_port)
-        log.info("process group: %s, a world of one on %s", backend, where)
+        log.debug("process group: %s, a world of one on %s", backend, where)  # nothing to act on
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.type == "cuda":
