@@ -111,7 +111,8 @@ def test_every_module_and_package_has_a_docstring():
 # under the first prefix of anything under the second is an arrow that must never exist.
 API = "songserve.api"
 ROOMS = [
-    f"{API}.{r}" for r in ("jobs", "http", "service", "dispatch", "workers", "results", "webhooks", "store", "acestep", "mcp")
+    f"{API}.{r}"
+    for r in ("jobs", "http", "service", "dispatch", "workers", "results", "webhooks", "store", "acestep", "mcp")
 ]
 WALLS: list[tuple[str, tuple[str, ...], str]] = [
     (f"{API}.store", (f"{API}.dispatch", f"{API}.service", f"{API}.http", f"{API}.webhooks"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest, JobView
 
 log = logging.getLogger(__name__)
+NESTED = re.compile(r"^Field 'continue_from\.(\w+)': (.*)\.$", re.S)  # a retake's refusal, as the HTTP API names it
 Progress = Callable[[float, str], Awaitable[None]]  # percent of the job, a line saying where it is
 
 
@@ -75,7 +77,12 @@ async def retake(c: Call, args: Any) -> dict[str, Any]:
     sent = args.model_dump(exclude_unset=True)
     origin = {k: sent.pop(k) for k in ("job_id", "track_index", "at_sec") if k in sent}
     req = GenerateRequest.model_validate({**sent, "continue_from": origin})
-    accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+    try:
+        accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+    except FieldError as exc:  # the take is named by this tool's own arguments: job_id, track_index, at_sec
+        if (m := NESTED.match(str(exc))) is None:
+            raise
+        raise FieldError(m[1], m[2]) from None
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
 
 
