@@ -137,11 +137,10 @@ class JobService:
                              f"context of {context} tokens (max_sequence_length), which holds about "
                              f"{context / per_minute:.1f} minutes")  # fmt: skip
 
-    async def submit(
-        self, req: GenerateRequest, key: str | None = None, caller: Caller | None = None, strict: bool = False
-    ) -> GenerateAccepted:
-        """Accept a job (``key``: its Idempotency-Key; ``caller``: the API key that sent it, whose limits apply and
-        whose use it counts; ``strict``: refuse what the lenient reading would change, as ``STRICT_REQUESTS`` does)."""
+    async def submit(self, req: GenerateRequest, idempotency_key: str | None = None, caller: Caller | None = None,
+                     strict: bool = False) -> GenerateAccepted:  # fmt: skip
+        """Accept a job (``caller``: the API key that sent it, whose limits apply and whose use it counts; ``strict``:
+        refuse what the lenient reading would change, as ``STRICT_REQUESTS`` does)."""
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
@@ -159,7 +158,7 @@ class JobService:
         check_request(caller, req)
         if req.webhook:
             await self._check_webhook(req.webhook)
-        if key and (existing := await self.store.job_by_key(key)):
+        if idempotency_key and (existing := await self.store.job_by_key(idempotency_key)):
             return await self._existing(existing, req, norm, caller)
         queued = d.queue_length()
         if queued + req.num_tracks > self.s.max_queue:
@@ -175,7 +174,7 @@ class JobService:
                 request=req,
                 cleaned_lyrics=lyrics,
                 priority=req.priority,
-                idempotency_key=key or None,
+                idempotency_key=idempotency_key or None,
                 tracks=[Track(job_id, i, base_seed + i) for i in range(req.num_tracks)],
                 caller=caller.name if caller is not None else None,
             )
