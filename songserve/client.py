@@ -7,6 +7,7 @@ works from any folder (``python -m songserve`` is the same program).
     songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
     songserve generate --continue-audio demo.mp3@42.5 --tags "rock" --lyrics-file rest.txt --duration 3
     songserve status
+    songserve mcp                    # an MCP server on stdin/stdout for desktop clients (docs/mcp.md)
 
 Without ``--duration`` the song has the server's default length (``POST /generate``: 3 minutes).
 
@@ -299,7 +300,7 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("SONGSERVE_API_KEY"),
         help="sent as Authorization: Bearer <key> (default: $SONGSERVE_API_KEY; none when unset)",
     )
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,status}", help="what to do")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,status,mcp}", help="what to do")
     g = sub.add_parser("generate", help="submit a job, show progress, download the files")
     g.add_argument("--lyrics-file", metavar="FILE", help="read the lyrics from FILE (UTF-8; [verse], [chorus] …)")
     g.add_argument("--lyrics", metavar="TEXT", help="the lyrics on the command line (instead of --lyrics-file)")
@@ -332,12 +333,17 @@ def parser() -> argparse.ArgumentParser:
         "--poll", type=float, default=0.5, metavar="SEC", help="seconds between progress checks (default 0.5)"
     )
     sub.add_parser("status", help="show the workers and the queue")
+    sub.add_parser("mcp", help="serve the dispatcher's MCP tools on stdin/stdout, for desktop clients (docs/mcp.md)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.command == "mcp":  # the protocol owns stdout from here
+        from songserve.mcp_stdio import main as serve_mcp
+
+        return serve_mcp(args.server, args.api_key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)

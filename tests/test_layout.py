@@ -111,7 +111,8 @@ def test_every_module_and_package_has_a_docstring():
 # under the first prefix of anything under the second is an arrow that must never exist.
 API = "songserve.api"
 ROOMS = [
-    f"{API}.{r}" for r in ("jobs", "http", "service", "dispatch", "workers", "results", "webhooks", "store", "acestep")
+    f"{API}.{r}"
+    for r in ("jobs", "http", "service", "dispatch", "workers", "results", "webhooks", "store", "acestep", "mcp")
 ]
 WALLS: list[tuple[str, tuple[str, ...], str]] = [
     (f"{API}.store", (f"{API}.dispatch", f"{API}.service", f"{API}.http", f"{API}.webhooks"),
@@ -123,6 +124,8 @@ WALLS: list[tuple[str, tuple[str, ...], str]] = [
      "the worker client speaks to workers and knows nothing of what the dispatcher does with answers"),
     (f"{API}.webhooks", (f"{API}.dispatch", f"{API}.service"), "webhooks read the outbox, not the dispatcher"),
     (f"{API}.results", (f"{API}.dispatch",), "results are files; the dispatcher decides when to keep them"),
+    (f"{API}.mcp", (f"{API}.store", f"{API}.dispatch", f"{API}.http", f"{API}.workers", f"{API}.results", f"{API}.webhooks"),
+     "the MCP server is a client of the service, as the HTTP routes are"),
     (f"{API}.jobs", tuple(r for r in ROOMS if r != f"{API}.jobs") + (f"{API}.settings", f"{API}.metrics"),
      "the records import no other room"),
     (API, ("songserve.worker", "songserve.pipeline"), "the dispatcher never runs a model: workers do"),

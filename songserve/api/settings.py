@@ -128,6 +128,12 @@ class DispatcherSettings(BaseSettings):
     upload_max_mb: float = Field(
         128.0, gt=0, description="largest audio file POST /uploads takes (and an ACE-Step multipart body)"
     )
+    mcp_max_mb: float = Field(
+        16.0,
+        gt=0,
+        le=1024,
+        description="largest audio one MCP message carries: an upload_audio file, a take read as a resource",
+    )
     upload_concurrency: int = Field(
         2, ge=1, le=64, description="uploads decoded and stored at once, on their own threads (each costs a CPU core)"
     )

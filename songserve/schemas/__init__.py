@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from songserve.schemas.announce import WorkerAnnounced, WorkerAnnouncement
 from songserve.schemas.client import (
+    MAX_WAIT_SEC,
     AceStepExtras,
     GenerateAccepted,
     GenerateRequest,
@@ -65,6 +66,7 @@ __all__ = [
     "JOB_ID_PATTERN",
     "MAX_PREFIX_FRAMES",
     "MAX_SEED",
+    "MAX_WAIT_SEC",
     "NO_CONTROL",
     "SHA256_PATTERN",
     "WORD_PATTERN",

@@ -25,6 +25,7 @@ from songserve.body_fields import BodyFields, read_body
 from songserve.schemas.continuation import ContinueFrom
 
 WebhookEventName = Literal["start", "progress", "track", "completed"]
+MAX_WAIT_SEC = 60  # the longest a client may ask to wait for a job's end: ``Prefer: wait=N``, MCP's wait_for_job
 
 
 class AceStepExtras(BaseModel):
@@ -54,11 +55,19 @@ class GenerateRequest(BaseModel):
     prompt: str = Field("", description="natural-language style prompt (any length; the prompt builder shortens)")
     tags: str = Field("", description="comma-separated tags (any length; the prompt builder shortens)")
     lyrics: str = Field("", max_length=50_000, description="≤ 10,000 characters after cleaning")
-    duration: float = Field(3.0, allow_inf_nan=False, description="minutes; out of range is clamped")
-    top_k_bb: int = Field(80, description="backbone top-k; clamped into 1–200")
-    temperature: float = Field(1.0, allow_inf_nan=False, description="backbone temperature; clamped into 0.6–1.4")
-    num_tracks: int = Field(2, ge=1)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    duration: float = Field(
+        3.0, allow_inf_nan=False, description="minutes; out of range is clamped (refused: STRICT_REQUESTS, MCP)"
+    )
+    top_k_bb: int = Field(80, description="backbone top-k; clamped into 1–200 (refused: STRICT_REQUESTS, MCP)")
+    temperature: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="backbone temperature; clamped into 0.6–1.4 (refused: STRICT_REQUESTS, MCP)",
+    )
+    num_tracks: int = Field(2, ge=1, description="takes of the song, made in parallel (at most MAX_TRACKS)")
+    seed: int | None = Field(
+        None, ge=0, le=2**31 - 1, description="seed of take 0 (take i uses seed + i); left out: the dispatcher picks"
+    )
     top_k_sr: int = Field(10, ge=1, le=1024)
     backbone: str | None = None
     superres: str | None = None

@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.routing import Route
 
 from songserve import __version__
 from songserve.api.http.api_docs import docs_router
 from songserve.api.http.page import FILES, page_router
 from songserve.api.http.routes import router
 from songserve.api.http.tags import TAGS, load_catalogue
+from songserve.api.mcp.server import McpServer, body_limit, too_large
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import ApiKeys, KeyAuth
@@ -46,8 +48,15 @@ async def open_store(s: DispatcherSettings) -> JobStore:
     return SqliteStore(s.state_dir / "jobs.sqlite3")
 
 
+DESCRIPTION = (
+    "Song generation dispatcher: jobs of tracks over a pool of GPU workers. Assistants call it as an MCP server at "
+    "/mcp (Streamable HTTP, the same API keys as bearer tokens; docs/mcp.md)."
+)
+
+
 def create_app(s: DispatcherSettings) -> FastAPI:
     keys = ApiKeys.load(s.api_key, s.api_keys_file)  # a bad keys file refuses start-up (main.py reads it first)
+    mcp = McpServer(s, lambda: app.state.service, lambda: app.state.tags)  # /mcp: the tools over the same service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,7 +68,8 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             watch = asyncio.create_task(keys.watch()) if s.api_keys_file else None  # keys change without a restart
             try:
                 await svc.start()
-                yield
+                async with mcp.running():
+                    yield
             finally:
                 if watch is not None:
                     watch.cancel()
@@ -71,7 +81,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         title="songserve",
         version=__version__,
         lifespan=lifespan,
-        description="Song generation dispatcher: jobs of tracks over a pool of GPU workers.",
+        description=DESCRIPTION,
         docs_url=None,  # /docs and /redoc: http/api_docs.py, from a package's files, not a CDN (they work offline)
         redoc_url=None,
     )
@@ -86,7 +96,11 @@ def create_app(s: DispatcherSettings) -> FastAPI:
     )
     app.state.keys = keys  # the ACE-Step dialect checks the same keys
     # The body limit inside the key check: a caller without a key gets its 401 before a byte is read.
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, paths={"/uploads": upload_limit(s)})
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=s.max_body_bytes,
+        paths={"/uploads": upload_limit(s), "/mcp": (body_limit(s), too_large(s))},
+    )
     if keys.enabled or s.api_keys_file:  # a keys file may gain its first key later (ApiKeys.watch)
         app.add_middleware(
             KeyAuth,
@@ -95,6 +109,7 @@ def create_app(s: DispatcherSettings) -> FastAPI:
             exempt_prefixes=("/workers",),  # workers announce with the worker token, checked by the route
         )
     app.include_router(router)
+    app.router.routes.append(Route("/mcp", mcp, include_in_schema=False))  # an ASGI app at the exact path
     app.include_router(page_router())
     app.include_router(docs_router(app.title))
     return app

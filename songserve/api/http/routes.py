@@ -16,6 +16,7 @@ from songserve.api.service.keys import CALLER, Caller
 from songserve.api.service.live import LiveResponse
 from songserve.http_errors import error_response
 from songserve.schemas import (
+    MAX_WAIT_SEC,
     GenerateAccepted,
     GenerateRequest,
     JobList,
@@ -56,7 +57,6 @@ OwnJob = [Depends(visible_job)]  # on every /job/{job_id} route
 
 # A fixed ASCII text: the names themselves are in the body's ``ignored`` (a header cannot carry them safely).
 IGNORED_WARNING = '299 songserve "unknown fields were ignored; the answer lists them in ignored"'
-MAX_WAIT_SEC = 60
 WAIT = re.compile(r"(?:^|,)\s*wait\s*=\s*\"?(\d{1,6})\"?\s*(?:[;,]|$)", re.IGNORECASE)
 
 

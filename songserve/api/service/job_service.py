@@ -47,13 +47,7 @@ from songserve.api.workers.client import WorkerHttp
 from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
 from songserve.logs import safe
-from songserve.schemas import (
-    GenerateAccepted,
-    GenerateRequest,
-    JobList,
-    JobView,
-    UsageView,
-)
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobList, JobView, UsageView
 
 log = logging.getLogger(__name__)
 MEDIA = {
@@ -117,8 +111,8 @@ class JobService:
         self.uploads.gate.close()
 
     # ---- submit ---------------------------------------------------------------------------------
-    def _normalize(self, req: GenerateRequest) -> NormalizedRequest:
-        """The request as it will be served (``requests.normalize``)."""
+    def _normalize(self, req: GenerateRequest, strict: bool) -> NormalizedRequest:
+        """The request as it will be served (``requests.normalize``; ``strict``: refuse what it would change)."""
         s, fleet = self.s, self.dispatcher.fleet()
         limits = RequestLimits(
             s.min_duration,
@@ -128,7 +122,7 @@ class JobService:
             tuple(fleet.backbone_models),
             tuple(fleet.superres_models),
         )
-        norm = normalize(req, limits, strict=s.strict_requests, cleaning=s.lyrics_cleaning)
+        norm = normalize(req, limits, strict=strict, cleaning=s.lyrics_cleaning)
         self._check_context(norm.request.duration, fleet.context)
         return norm
 
@@ -139,16 +133,14 @@ class JobService:
         context, per_minute = known
         need = math.ceil(per_minute * minutes)
         if need > context:
-            raise FieldError(
-                "duration",
-                f"{minutes:g} minutes need about {need} audio tokens, more than the model's context of {context} "
-                f"tokens (max_sequence_length), which holds about {context / per_minute:.1f} minutes",
-            )
+            raise FieldError("duration", f"{minutes:g} minutes need about {need} audio tokens, more than the model's "
+                             f"context of {context} tokens (max_sequence_length), which holds about "
+                             f"{context / per_minute:.1f} minutes")  # fmt: skip
 
-    async def submit(
-        self, req: GenerateRequest, idempotency_key: str | None = None, caller: Caller | None = None
-    ) -> GenerateAccepted:
-        """Accept a job (``caller``: the API key that sent it, whose limits apply and whose use it counts)."""
+    async def submit(self, req: GenerateRequest, idempotency_key: str | None = None, caller: Caller | None = None,
+                     strict: bool = False) -> GenerateAccepted:  # fmt: skip
+        """Accept a job (``caller``: the API key that sent it, whose limits apply and whose use it counts; ``strict``:
+        refuse what the lenient reading would change, as ``STRICT_REQUESTS`` does)."""
         d = self.dispatcher
         if not d.accepting:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
@@ -161,7 +153,7 @@ class JobService:
             retake = await retakes.resolve(req, own_job, self.artifacts, own_upload)
         if retake is not None:
             req = retake.request  # what it did not send comes from the take it continues
-        norm = self._normalize(req)
+        norm = self._normalize(req, strict or self.s.strict_requests)
         req, lyrics = norm.request, norm.cleaned_lyrics
         check_request(caller, req)
         if req.webhook:
@@ -359,16 +351,23 @@ class JobService:
             if await changes.wait(before, timeout=KEEPALIVE_SEC) == before:
                 yield ": keep-alive\n\n"
 
-    async def wait_for_end(self, job_id: str, seconds: float) -> JobView | None:
-        """``Prefer: wait``: the job's view once it has ended, or None after ``seconds``."""
+    async def watch(self, job_id: str, seconds: float) -> AsyncIterator[JobView]:
+        """The job's view now, then after each change (a second at most: a job ended elsewhere), until it has
+        ended or ``seconds`` have passed: what ``Prefer: wait`` and MCP's waits follow."""
         changes, deadline = self.dispatcher.changes, time.monotonic() + seconds
         while True:
             before = changes.version
-            view = await self.view(job_id)
-            left = deadline - time.monotonic()
-            if _ended(view) or left <= 0:
-                return view if _ended(view) else None
-            await changes.wait(before, timeout=min(left, 1.0))  # a second at most: a job ended elsewhere
+            yield (view := await self.view(job_id))
+            if _ended(view) or (left := deadline - time.monotonic()) <= 0:
+                return
+            await changes.wait(before, timeout=min(left, 1.0))
+
+    async def wait_for_end(self, job_id: str, seconds: float) -> JobView | None:
+        """``Prefer: wait``: the job's view once it has ended, or None after ``seconds``."""
+        async for view in self.watch(job_id, seconds):
+            if _ended(view):
+                return view
+        return None
 
     async def usage(self, caller: Caller | None) -> UsageView:
         """``GET /usage``: the caller's limits and use, counted from the store (the whole fleet's)."""

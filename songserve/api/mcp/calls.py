@@ -1,0 +1,150 @@
+"""What each MCP tool does, over the same ``JobService`` the HTTP routes call.
+
+A call is the HTTP API's call with the caller's key: the key's limits and quota apply, another key's
+job is not found, and every refusal is the HTTP API's own sentence (``server.py`` turns it into the
+tool's error). A submitted song is checked strictly (``JobService.submit``'s ``strict``): an assistant
+is told a value is out of range rather than getting a song it did not ask for.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus
+from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import Caller
+from songserve.errors import FieldError
+from songserve.schemas import GenerateRequest, JobView
+
+log = logging.getLogger(__name__)
+NESTED = re.compile(r"^Field 'continue_from\.(\w+)': (.*)\.$", re.S)  # a retake's refusal, as the HTTP API names it
+Progress = Callable[[float, str], Awaitable[None]]  # percent of the job, a line saying where it is
+
+
+@dataclass(frozen=True)
+class Call:
+    """One tool call: the service, who calls, the dispatcher's URL as the caller reaches it, a progress sink."""
+
+    svc: JobService
+    caller: Caller | None
+    base_url: str
+    tags: Callable[[], dict[str, Any]]
+    progress: Progress
+
+
+def take_uri(job_id: str, index: int, kind: str = "mp3") -> str:
+    return f"song://{job_id}/{index}" + ("" if kind == "mp3" else f".{kind}")
+
+
+def job_answer(view: JobView, base_url: str) -> dict[str, Any]:
+    """A job's view with, for each finished take, its resource and its HTTP downloads (absolute)."""
+    body = view.model_dump(mode="json")
+    body["takes"] = [
+        {
+            "index": t.index,
+            "resource": take_uri(view.job_id, t.index),
+            "wav_resource": take_uri(view.job_id, t.index, "wav"),
+            "mp3_url": base_url + t.files.mp3,
+            "wav_url": base_url + t.files.wav,
+            "duration_sec": t.duration_sec,
+        }
+        for t in view.tracks
+        if t.status == TrackStatus.done and t.files is not None
+    ]
+    return body
+
+
+def overall(view: JobView) -> tuple[float, str]:
+    """The job's percent (the mean of its takes') and one line naming each take's phase."""
+    percent = sum(t.progress for t in view.tracks) / max(1, len(view.tracks))
+    phases = "; ".join(f"take {t.index}: {t.phase_display}" for t in view.tracks)
+    return percent, f"{view.status}: {phases}"
+
+
+async def make_song(c: Call, args: Any) -> dict[str, Any]:
+    req = GenerateRequest.model_validate(args.model_dump(exclude_unset=True))
+    accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+    return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
+
+
+async def retake(c: Call, args: Any) -> dict[str, Any]:
+    sent = args.model_dump(exclude_unset=True)
+    origin = {k: sent.pop(k) for k in ("job_id", "track_index", "at_sec") if k in sent}
+    req = GenerateRequest.model_validate({**sent, "continue_from": origin})
+    try:
+        accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+    except FieldError as exc:  # the take is named by this tool's own arguments: job_id, track_index, at_sec
+        if (m := NESTED.match(str(exc))) is None:
+            raise
+        raise FieldError(m[1], m[2]) from None
+    return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
+
+
+async def wait_for_job(c: Call, args: Any) -> dict[str, Any]:
+    """The job's views as it changes, each new percent or phase sent as progress, up to the timeout."""
+    job_id: str = args.job_id
+    await c.svc.visible(job_id, c.caller)
+    said, view = None, None
+    async for view in c.svc.watch(job_id, args.timeout_sec):
+        now = overall(view)
+        if now != said:
+            said = now
+            await c.progress(*now)
+    assert view is not None  # watch gives the view at least once
+    answer = job_answer(view, c.base_url)
+    answer["ended"] = JobStatus(view.status) in TERMINAL_JOB and all(
+        TrackStatus(t.status).terminal for t in view.tracks
+    )
+    return answer
+
+
+async def get_job(c: Call, args: Any) -> dict[str, Any]:
+    job_id: str = args.job_id
+    await c.svc.visible(job_id, c.caller)
+    return job_answer(await c.svc.view(job_id), c.base_url)
+
+
+async def list_jobs(c: Call, args: Any) -> dict[str, Any]:
+    page = await c.svc.jobs(c.caller, args.limit, args.cursor)
+    return page.model_dump(mode="json")
+
+
+async def cancel_job(c: Call, args: Any) -> dict[str, Any]:
+    job_id: str = args.job_id
+    await c.svc.visible(job_id, c.caller)
+    return job_answer(await c.svc.cancel(job_id), c.base_url)
+
+
+async def list_style_tags(c: Call, _: Any) -> dict[str, Any]:
+    return c.tags()
+
+
+async def upload_audio(c: Call, args: Any) -> dict[str, Any]:
+    try:
+        data = base64.b64decode(args.audio_base64, validate=True)
+    except (binascii.Error, ValueError):
+        raise FieldError("audio_base64", "is not base64 (A–Z, a–z, 0–9, +, / and = padding)") from None
+    if not data:
+        raise FieldError("audio_base64", "is empty: send the audio file's bytes")
+    view = await c.svc.uploads.create(data, args.filename, c.caller)
+    answer = view.model_dump(mode="json")
+    answer["continue_with"] = {"upload_id": view.upload_id}
+    return answer
+
+
+CALLS: dict[str, Callable[[Call, Any], Awaitable[dict[str, Any]]]] = {
+    "make_song": make_song,
+    "wait_for_job": wait_for_job,
+    "get_job": get_job,
+    "list_jobs": list_jobs,
+    "retake": retake,
+    "cancel_job": cancel_job,
+    "list_style_tags": list_style_tags,
+    "upload_audio": upload_audio,
+}
