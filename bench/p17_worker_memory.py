@@ -180,10 +180,10 @@ def main() -> None:
                    for s in settings}  # fmt: skip
             for s, r in got.items():
                 rows.append(f"  {kind:9s} {s:6s} loaded {r['loaded']:.0f}: {show(r)}")
+                print(rows[-1], flush=True)  # each series as it ends: a long run stopped early still says something
                 worst[s] = max(worst.get(s, float("-inf")), r["end"] - r["warm"])
             if len(got) == 2:
                 cost.append(got["after"]["sec"] / got["before"]["sec"])
-    print("\n".join(rows))
     figures = ", ".join(f"{s}: largest growth after warm-up {worst[s]:+.0f} MB" for s in settings)
     ratio = f"; time per job after/before {statistics.median(cost):.2f}x (median of series)" if cost else ""
     report("P17", f"worker RSS over {jobs} jobs x {len(kinds)} series, warm-up {warmup}: {figures}{ratio}")

@@ -16,10 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.errors import FieldError
+from songserve.http_errors import validation_message
 from songserve.schemas import GenerateRequest, JobView
 
 log = logging.getLogger(__name__)
@@ -76,11 +79,12 @@ async def make_song(c: Call, args: Any) -> dict[str, Any]:
 async def retake(c: Call, args: Any) -> dict[str, Any]:
     sent = args.model_dump(exclude_unset=True)
     origin = {k: sent.pop(k) for k in ("job_id", "track_index", "at_sec") if k in sent}
-    req = GenerateRequest.model_validate({**sent, "continue_from": origin})
-    try:
+    try:  # the take is named by this tool's own arguments (job_id, track_index, at_sec), not continue_from's
+        req = GenerateRequest.model_validate({**sent, "continue_from": origin})
         accepted = await c.svc.submit(req, caller=c.caller, strict=True)
-    except FieldError as exc:  # the take is named by this tool's own arguments: job_id, track_index, at_sec
-        if (m := NESTED.match(str(exc))) is None:
+    except (ValidationError, FieldError) as exc:
+        said = validation_message(exc.errors()) if isinstance(exc, ValidationError) else str(exc)
+        if (m := NESTED.match(said)) is None:
             raise
         raise FieldError(m[1], m[2]) from None
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
