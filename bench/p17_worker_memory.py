@@ -130,8 +130,17 @@ class Series:
 
 def run_series(tmp: Path, kind: str, setting: str, jobs: int, warmup: int, seconds: float) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(dir=tmp))
-    w = start_worker(folder, "--runtime-mode", "keep_loaded", "--kv-snapshot-mb", "0", "--eoa-min-share", "1",
-                     *SETTINGS[setting], name=f"p17-{kind}-{setting}")  # fmt: skip
+    w = start_worker(
+        folder,
+        "--runtime-mode",
+        "keep_loaded",
+        "--kv-snapshot-mb",
+        "0",
+        "--eoa-min-share",
+        "1",
+        *SETTINGS[setting],
+        name=f"p17-{kind}-{setting}",
+    )
     site: Cluster | None = None
     try:
         w.wait_healthy(timeout=300)
@@ -151,8 +160,16 @@ def run_series(tmp: Path, kind: str, setting: str, jobs: int, warmup: int, secon
         (site or w).stop()
     after_warmup = rss[min(warmup, jobs) - 1]
     per_100 = (rss[-1] - after_warmup) / max(1, jobs - warmup) * 100
-    return {"loaded": loaded, "first": rss[0], "warm": after_warmup, "end": rss[-1], "peak": peak,
-            "per_100": per_100, "sec": statistics.mean(sec), "rss": rss}  # fmt: skip
+    return {
+        "loaded": loaded,
+        "first": rss[0],
+        "warm": after_warmup,
+        "end": rss[-1],
+        "peak": peak,
+        "per_100": per_100,
+        "sec": statistics.mean(sec),
+        "rss": rss,
+    }
 
 
 def show(r: dict[str, Any]) -> str:
@@ -176,8 +193,10 @@ def main() -> None:
     cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in kinds:
-            got = {s: run_series(Path(tmp), kind, s, jobs, warmup, 6.0 if kind in ("plain", "preview") else seconds)
-                   for s in settings}  # fmt: skip
+            got = {
+                s: run_series(Path(tmp), kind, s, jobs, warmup, 6.0 if kind in ("plain", "preview") else seconds)
+                for s in settings
+            }
             for s, r in got.items():
                 rows.append(f"  {kind:9s} {s:6s} loaded {r['loaded']:.0f}: {show(r)}")
                 print(rows[-1], flush=True)  # each series as it ends: a long run stopped early still says something

@@ -60,8 +60,10 @@ def _check(r: httpx.Response) -> dict[str, Any]:
     if r.status_code == 401:  # what to do, not only what the server found
         said = body.get("error") or "HTTP 401"
         if "Authorization" in r.request.headers:
-            raise ClientError(f"The server did not accept the API key given ({said}); pass the right one with "
-                              "--api-key KEY or set SONGSERVE_API_KEY.")  # fmt: skip
+            raise ClientError(
+                f"The server did not accept the API key given ({said}); pass the right one with "
+                "--api-key KEY or set SONGSERVE_API_KEY."
+            )
         raise ClientError(f"The server needs an API key ({said}); pass it with --api-key KEY or set SONGSERVE_API_KEY.")
     if r.status_code >= 400:
         raise ClientError(body.get("error") or f"The server answered HTTP {r.status_code}.")
@@ -199,8 +201,9 @@ def _file_url(job_id: str, track: dict[str, Any], kind: str, loudness: float | N
     return f"/job/{job_id}/track/{track['index']}/render", params
 
 
-def save(client: httpx.Client, job_id: str, track: dict[str, Any], kind: str, loudness: float | None,
-         out_dir: Path) -> str:  # fmt: skip
+def save(
+    client: httpx.Client, job_id: str, track: dict[str, Any], kind: str, loudness: float | None, out_dir: Path
+) -> str:
     """Download one file of a finished track into ``out_dir``; the line that says what was saved, and a
     loudness that could not be reached without clipping (the render's ``X-Render-Limited``)."""
     at = f"_{round(loudness, 1):g}LUFS" if kind not in STORED and loudness is not None else ""
@@ -214,8 +217,10 @@ def save(client: httpx.Client, job_id: str, track: dict[str, Any], kind: str, lo
             for chunk in r.iter_bytes():
                 f.write(chunk)
     if loudness is not None and r.headers.get("X-Render-Limited") == "true":
-        return (f"saved {dest} at {r.headers.get('X-Render-Loudness')} LUFS, not {loudness:g}: any louder would "
-                "clip (the take's peaks stop the gain at -1 dBFS)")  # fmt: skip
+        return (
+            f"saved {dest} at {r.headers.get('X-Render-Loudness')} LUFS, not {loudness:g}: any louder would "
+            "clip (the take's peaks stop the gain at -1 dBFS)"
+        )
     return f"saved {dest}"
 
 
@@ -354,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol) as exc:
-        print(f"error: cannot reach {args.server} ({exc}): is the dispatcher running (bash run_backend.sh)? "
-              "Name another with --server URL or SONGSERVE_URL.", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: cannot reach {args.server} ({exc}): is the dispatcher running (bash run_backend.sh)? "
+            "Name another with --server URL or SONGSERVE_URL.",
+            file=sys.stderr,
+        )
         return 1
     except httpx.HTTPError as exc:
         print(f"error: {args.server}: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, no module over 400 lines, a docstring each, and the walls between the
-dispatcher's rooms.
+"""The package's shape: no import cycles, a docstring each, and the walls between the dispatcher's rooms.
+
+Modules are sized by the concept they hold, not by a line count: no cap is checked here.
 
 Imports are read from the source (every ``import``/``from … import`` of a ``songserve`` module,
 at module level, inside functions and under ``TYPE_CHECKING`` alike): a cycle hidden behind a lazy
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "songserve"
-MAX_LINES = 400
 
 pytestmark = pytest.mark.quick
 
@@ -95,11 +95,6 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycles():
     cycle = _find_cycle(_graph())
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
-
-
-def test_no_module_is_over_400_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert long == {}
 
 
 def test_every_module_and_package_has_a_docstring():

@@ -73,8 +73,16 @@ def test_the_tools_are_listed_with_their_schemas(site):
     async def go() -> None:
         async with session(site) as c:
             tools = {t.name: t for t in (await c.list_tools()).tools}
-            assert set(tools) == {"make_song", "wait_for_job", "get_job", "list_jobs", "retake", "cancel_job",
-                                  "list_style_tags", "upload_audio"}  # fmt: skip
+            assert set(tools) == {
+                "make_song",
+                "wait_for_job",
+                "get_job",
+                "list_jobs",
+                "retake",
+                "cancel_job",
+                "list_style_tags",
+                "upload_audio",
+            }
             song = tools["make_song"].input_schema
             assert song["additionalProperties"] is False
             assert {"tags", "lyrics", "duration", "num_tracks", "seed"} <= set(song["properties"])
@@ -146,8 +154,11 @@ def test_a_two_take_song_with_progress_its_takes_as_resources_a_retake_and_a_can
 
 
 def test_without_a_key_nothing_is_served(site):
-    r = httpx.post(site.url + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
-                   headers={"Accept": "application/json, text/event-stream"})  # fmt: skip
+    r = httpx.post(
+        site.url + "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+        headers={"Accept": "application/json, text/event-stream"},
+    )
     assert r.status_code == 401
     assert r.json()["error"].startswith("Missing or wrong credentials")
     wrong = httpx.post(site.url + "/mcp", content=b"{" * 10_000_000, headers=bearer("k-nobody"))
@@ -166,8 +177,12 @@ def test_another_keys_job_is_not_found_and_a_quota_applies_as_on_http(site):
         async with session(site, "k-alice") as alice, session(site, "k-bob") as bob:
             made = await alice.call_tool("make_song", {**SONG, "num_tracks": 1})
             job = made.structured_content["job_id"]
-            for name, args in (("get_job", {"job_id": job}), ("wait_for_job", {"job_id": job, "timeout_sec": 5}),
-                               ("cancel_job", {"job_id": job}), ("retake", {"job_id": job, "at_sec": 1.0})):  # fmt: skip
+            for name, args in (
+                ("get_job", {"job_id": job}),
+                ("wait_for_job", {"job_id": job, "timeout_sec": 5}),
+                ("cancel_job", {"job_id": job}),
+                ("retake", {"job_id": job, "at_sec": 1.0}),
+            ):
                 got = await bob.call_tool(name, args)
                 assert got.is_error, name
                 assert job in text(got), (name, text(got))
@@ -240,8 +255,12 @@ def test_an_unknown_tool_a_bad_resource_and_a_message_over_the_body_limit(site):
                 await c.read_resource("song://0123456789abcdef/0")
 
     run(go())
-    huge = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-            "params": {"name": "upload_audio", "arguments": {"audio_base64": "A" * 3_000_000}}}  # fmt: skip
+    huge = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "upload_audio", "arguments": {"audio_base64": "A" * 3_000_000}},
+    }
     r = httpx.post(
         site.url + "/mcp", json=huge, headers={**bearer("k-alice"), "Accept": "application/json, text/event-stream"}
     )
@@ -258,8 +277,9 @@ def test_a_small_upload_is_stored_and_can_be_continued(site, tmp_path):
 
     async def go() -> None:
         async with session(site) as c:
-            up = await c.call_tool("upload_audio", {"audio_base64": base64.b64encode(path.read_bytes()).decode(),
-                                                    "filename": "tone.wav"})  # fmt: skip
+            up = await c.call_tool(
+                "upload_audio", {"audio_base64": base64.b64encode(path.read_bytes()).decode(), "filename": "tone.wav"}
+            )
             assert not up.is_error, text(up)
             made = await c.call_tool(
                 "make_song", {**SONG, "num_tracks": 1, "continue_from": up.structured_content["continue_with"]}

@@ -19,18 +19,39 @@ pytestmark = pytest.mark.quick
 
 # tool → {argument: where the HTTP API keeps it}
 MIRRORS: dict[str, dict[str, tuple[str, str]]] = {
-    "make_song": {name: ("GenerateRequest", name) for name in
-                  ("tags", "prompt", "prompt_mode", "mode", "lyrics", "duration", "num_tracks", "seed", "continue_from")},
-    "retake": {"job_id": ("ContinueFrom", "job_id"), "track_index": ("ContinueFrom", "track_index"),
-               "at_sec": ("ContinueFrom", "at_sec"),
-               **{n: ("GenerateRequest", n) for n in ("tags", "prompt", "prompt_mode", "lyrics", "duration",
-                                                      "num_tracks", "seed")}},
+    "make_song": {
+        name: ("GenerateRequest", name)
+        for name in (
+            "tags",
+            "prompt",
+            "prompt_mode",
+            "mode",
+            "lyrics",
+            "duration",
+            "num_tracks",
+            "seed",
+            "continue_from",
+        )
+    },
+    "retake": {
+        "job_id": ("ContinueFrom", "job_id"),
+        "track_index": ("ContinueFrom", "track_index"),
+        "at_sec": ("ContinueFrom", "at_sec"),
+        **{
+            n: ("GenerateRequest", n)
+            for n in ("tags", "prompt", "prompt_mode", "lyrics", "duration", "num_tracks", "seed")
+        },
+    },
     "list_jobs": {"limit": ("GET /jobs", "limit"), "cursor": ("GET /jobs", "cursor")},
-}  # fmt: skip
+}
 # A path's job id (GET /job/{job_id}: no model on HTTP) has continue_from.job_id's limits (test below).
 JOB_PATHS = {"wait_for_job", "get_job", "cancel_job"}
-UNMIRRORED = {("wait_for_job", "timeout_sec"), ("upload_audio", "audio_base64"), ("upload_audio", "filename"),
-              *((name, "job_id") for name in JOB_PATHS)}  # fmt: skip
+UNMIRRORED = {
+    ("wait_for_job", "timeout_sec"),
+    ("upload_audio", "audio_base64"),
+    ("upload_audio", "filename"),
+    *((name, "job_id") for name in JOB_PATHS),
+}
 
 
 def _plain(schema: dict[str, Any]) -> dict[str, Any]:
@@ -52,11 +73,13 @@ def http_side(tmp_path_factory) -> dict[str, dict[str, Any]]:
     return {
         "GenerateRequest": GenerateRequest.model_json_schema()["properties"],
         "ContinueFrom": ContinueFrom.model_json_schema()["properties"],
-        "GET /jobs": {name: {**schema, "description": p.get("description")} for name, schema, p in
-                      ((p["name"], p["schema"], p) for p in openapi["paths"]["/jobs"]["get"]["parameters"])},
+        "GET /jobs": {
+            name: {**schema, "description": p.get("description")}
+            for name, schema, p in ((p["name"], p["schema"], p) for p in openapi["paths"]["/jobs"]["get"]["parameters"])
+        },
         "openapi": openapi["components"]["schemas"],
         "jobs": jobs,
-    }  # fmt: skip
+    }
 
 
 def test_every_tool_argument_is_the_http_apis_field_or_named_as_its_own(http_side):

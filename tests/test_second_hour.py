@@ -40,8 +40,9 @@ def cluster(tmp_path_factory):
 
 
 def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "songserve", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "songserve", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 # ---- what a request is answered ----------------------------------------------------------------------
@@ -52,8 +53,12 @@ def test_a_json_body_sent_under_curls_default_type_is_415_naming_the_header(clus
     url = cluster.url if service == "dispatcher" else cluster.workers[0].url
     body = json.dumps({"tags": "pop", "lyrics": "la", "duration": 0.05})
     assert shutil.which("curl"), "curl is the client this answer is written for"
-    out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", url + "/generate", "-d", body],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", url + "/generate", "-d", body],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     text, code = out.stdout.rsplit("\n", 1)
     assert code == "415", out.stdout
     error = json.loads(text)["error"]
@@ -71,8 +76,9 @@ def test_a_json_body_sent_under_curls_default_type_is_415_naming_the_header(clus
 LIMITS = RequestLimits(min_duration=0.05, max_duration=10.0)
 
 
-@pytest.mark.parametrize(("sent", "hint"), [(180, "for 180 seconds send 3"), (45, "for 45 seconds send 0.75"),
-                                            (1000, "at most 10")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sent", "hint"), [(180, "for 180 seconds send 3"), (45, "for 45 seconds send 0.75"), (1000, "at most 10")]
+)
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_duration_that_only_makes_sense_in_seconds_is_refused_in_minutes(sent, hint, strict):
     with pytest.raises(FieldError) as err:
@@ -105,8 +111,10 @@ def test_a_continue_from_id_that_is_not_an_id_is_answered_in_a_sentence(cluster)
         assert "pattern" not in error, error
         assert "^[" not in error
         what = "a job" if field == "job_id" else "an upload"
-        assert error.startswith(f"Field 'continue_from.{field}': {sent[field]!r} is not {what} id: ids are the 8 "
-                                "to 64 lowercase hex digits that "), error  # fmt: skip
+        assert error.startswith(
+            f"Field 'continue_from.{field}': {sent[field]!r} is not {what} id: ids are the 8 "
+            "to 64 lowercase hex digits that "
+        ), error
     schema = httpx.get(cluster.url + "/openapi.json").json()["components"]["schemas"]["ContinueFrom"]
     assert "[a-f0-9]{8,64}" in json.dumps(schema["properties"]["job_id"])  # the pattern still told to clients
     unknown = httpx.post(cluster.url + "/generate", json={"continue_from": {"job_id": "0" * 16, "at_sec": 3}})
@@ -139,8 +147,21 @@ def test_the_cli_says_one_track_and_says_once_that_the_tiny_model_is_in_use(tmp_
     flags = ("--pipeline", "test", "--test-delay-s", "0.05", "--test-untrained", "true")
     tiny = Cluster(tmp_path, workers=1, threads=True, worker_args=flags)
     try:
-        out = cli("--server", tiny.url, "generate", "--lyrics", "la", "--duration", "0.05", "--tracks", "1",
-                  "--formats", "mp3", "--out", str(tmp_path / "out"))  # fmt: skip
+        out = cli(
+            "--server",
+            tiny.url,
+            "generate",
+            "--lyrics",
+            "la",
+            "--duration",
+            "0.05",
+            "--tracks",
+            "1",
+            "--formats",
+            "mp3",
+            "--out",
+            str(tmp_path / "out"),
+        )
         assert out.returncode == 0, out.stderr
         assert re.search(r"^job [0-9a-f]+: (accepted|queued) \(1 track\)$", out.stdout, re.M), out.stdout
         assert out.stdout.count("note: Tiny test model: the audio is noise of the right length.") == 1, out.stdout
@@ -167,8 +188,11 @@ def test_a_loudness_a_render_could_not_reach_is_said_beside_the_saved_file(clust
     with httpx.Client(base_url=cluster.url, timeout=60) as client:
         line = save(client, job["job_id"], done["tracks"][0], "flac", -14.0, tmp_path)
         plain = save(client, job["job_id"], done["tracks"][0], "flac", None, tmp_path)
-    assert re.fullmatch(r"saved \S+_-14LUFS\.flac at -\d+\.\d\d LUFS, not -14: any louder would clip "
-                        r"\(the take's peaks stop the gain at -1 dBFS\)", line), line  # fmt: skip
+    assert re.fullmatch(
+        r"saved \S+_-14LUFS\.flac at -\d+\.\d\d LUFS, not -14: any louder would clip "
+        r"\(the take's peaks stop the gain at -1 dBFS\)",
+        line,
+    ), line
     assert plain == f"saved {tmp_path / (job['job_id'] + '_track0.flac')}"
 
 
@@ -180,14 +204,19 @@ def test_pips_missing_index_pages_go_to_the_log_not_the_console(tmp_path):
     pip = ["sh", "-c", f'echo "{warn}"; echo "{warn}"; echo "ERROR: a real one" >&2; exit 3']
     log = tmp_path / "setup.log"
     env = {k: v for k, v in os.environ.items() if k != "SETUP_VERBOSE"}
-    quiet = subprocess.run(["bash", str(ROOT / "scripts" / "pip-quiet"), str(log), *pip], capture_output=True,
-                           text=True, env=env)  # fmt: skip
+    quiet = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "pip-quiet"), str(log), *pip], capture_output=True, text=True, env=env
+    )
     assert quiet.returncode == 3  # pip's own status
     assert quiet.stdout == ""
     assert quiet.stderr == "ERROR: a real one\n"
     assert "pip skipped 2 index pages" in log.read_text()
-    loud = subprocess.run(["bash", str(ROOT / "scripts" / "pip-quiet"), str(log), *pip], capture_output=True,
-                          text=True, env={**env, "SETUP_VERBOSE": "1"})  # fmt: skip
+    loud = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "pip-quiet"), str(log), *pip],
+        capture_output=True,
+        text=True,
+        env={**env, "SETUP_VERBOSE": "1"},
+    )
     assert "pip skipped 2 index pages" in loud.stdout
 
 

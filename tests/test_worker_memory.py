@@ -31,9 +31,20 @@ BOUND_MB = 25.0  # measured with the worker's defaults: within ±8 MB of the war
 @pytest.fixture(scope="module")
 def site(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("worker_memory")
-    w = start_worker(tmp, "--checkpoints-dir", str(tiny_dir), "--runtime-mode", "keep_loaded",
-                     "--kv-snapshot-mb", "0", "--preview-chunk-sec", "0.5", "--eoa-min-share", "1",
-                     name="memory")  # fmt: skip
+    w = start_worker(
+        tmp,
+        "--checkpoints-dir",
+        str(tiny_dir),
+        "--runtime-mode",
+        "keep_loaded",
+        "--kv-snapshot-mb",
+        "0",
+        "--preview-chunk-sec",
+        "0.5",
+        "--eoa-min-share",
+        "1",
+        name="memory",
+    )
     w.wait_healthy(timeout=300)
     c = cluster_of(tmp, [w])
     yield c
@@ -52,8 +63,14 @@ def _hang_up(url: str, after: float) -> None:
 
 
 def _job(site, rng: random.Random, i: int, done: list[tuple[str, float]]) -> str:
-    body = {"tags": "pop", "lyrics": "[verse]\nround it goes", "num_tracks": 2, "preview": True,
-            "duration": rng.uniform(2.0, 5.0) / 60, "seed": rng.randrange(1, 10_000)}  # fmt: skip
+    body = {
+        "tags": "pop",
+        "lyrics": "[verse]\nround it goes",
+        "num_tracks": 2,
+        "preview": True,
+        "duration": rng.uniform(2.0, 5.0) / 60,
+        "seed": rng.randrange(1, 10_000),
+    }
     if i % 4 == 3 and done:
         job_id, seconds = rng.choice(done)
         body["continue_from"] = {

@@ -40,9 +40,11 @@ class ContinueFrom(BaseModel):
     )
     track_index: int = Field(0, ge=0, le=1000, description="which of its takes")
     upload_id: str | None = Field(
-        None, max_length=64, json_schema_extra={"pattern": JOB_ID_PATTERN},
+        None,
+        max_length=64,
+        json_schema_extra={"pattern": JOB_ID_PATTERN},
         description="or an upload (POST /uploads) to continue",
-    )  # fmt: skip
+    )
     at_sec: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="seconds into the take or upload: what comes before is kept (an upload: its end if left out)",
@@ -53,8 +55,10 @@ class ContinueFrom(BaseModel):
     def _an_id(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and not JOB_ID.match(value):
             what, route = ("a job", "POST /generate") if info.field_name == "job_id" else ("an upload", "POST /uploads")
-            raise ValueError(f"{value!r} is not {what} id: ids are the 8 to 64 lowercase hex digits that {route} "
-                             f"answers as {info.field_name}")  # fmt: skip
+            raise ValueError(
+                f"{value!r} is not {what} id: ids are the 8 to 64 lowercase hex digits that {route} "
+                f"answers as {info.field_name}"
+            )
         return value
 
     @model_validator(mode="after")

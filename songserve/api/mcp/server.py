@@ -60,8 +60,9 @@ def tool(spec: ToolSpec) -> types.Tool:
     schema = spec.arguments.model_json_schema()
     schema.pop("title", None)
     hints = types.ToolAnnotations(title=spec.title, read_only_hint=spec.read_only, destructive_hint=spec.destructive)
-    return types.Tool(name=spec.name, title=spec.title, description=spec.description, input_schema=schema,
-                      annotations=hints)  # fmt: skip
+    return types.Tool(
+        name=spec.name, title=spec.title, description=spec.description, input_schema=schema, annotations=hints
+    )
 
 
 def refused(message: str) -> types.CallToolResult:
@@ -72,8 +73,14 @@ def answered(body: dict[str, Any]) -> types.CallToolResult:
     """The answer as JSON text (what every client shows) and structured, with a link to each finished take."""
     content: list[types.ContentBlock] = [types.TextContent(text=json.dumps(body, ensure_ascii=False))]
     for take in body.get("takes", []):
-        content.append(types.ResourceLink(uri=take["resource"], name=f"take {take['index']}", mime_type="audio/mpeg",
-                                          description=f"the MP3; over HTTP: {take['mp3_url']}"))  # fmt: skip
+        content.append(
+            types.ResourceLink(
+                uri=take["resource"],
+                name=f"take {take['index']}",
+                mime_type="audio/mpeg",
+                description=f"the MP3; over HTTP: {take['mp3_url']}",
+            )
+        )
     return types.CallToolResult(content=content, structured_content=body)
 
 
@@ -91,18 +98,22 @@ class McpServer:
             version=__version__,
             title="songserve",
             instructions=INSTRUCTIONS,
-            get_tool_input_schema=lambda name: self.specs[name].arguments.model_json_schema() if name in self.specs
-            else None,
+            get_tool_input_schema=lambda name: (
+                self.specs[name].arguments.model_json_schema() if name in self.specs else None
+            ),
             on_list_tools=self._list_tools,
             on_call_tool=self._call_tool,
             on_list_resources=self._list_resources,
             on_list_resource_templates=self._list_templates,
             on_read_resource=self._read_resource,
-        )  # fmt: skip
+        )
         local = s.host in ("127.0.0.1", "localhost", "::1")  # a DNS-rebinding page could reach a loopback server
         origins = [f"http://{h}:*" for h in LOOPBACK] + [o.strip() for o in s.cors_origins.split(",") if o.strip()]
-        security = TransportSecuritySettings(enable_dns_rebinding_protection=local, allowed_origins=origins,
-                                             allowed_hosts=[*LOOPBACK, *(f"{h}:*" for h in LOOPBACK)])  # fmt: skip
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=local,
+            allowed_origins=origins,
+            allowed_hosts=[*LOOPBACK, *(f"{h}:*" for h in LOOPBACK)],
+        )
         self.manager = StreamableHTTPSessionManager(
             self.server, stateless=True, security_settings=security, max_request_body_size=body_limit(s)
         )
@@ -120,11 +131,16 @@ class McpServer:
         if small:
             return await self.manager.handle_request(scope, receive, send)
         if self._large.locked():
-            log.warning("mcp: a large message refused: %d are being read (UPLOAD_CONCURRENCY) (503)",
-                        self.s.upload_concurrency)  # fmt: skip
-            return await send_error(send, 503, f"{self.s.upload_concurrency} large MCP messages are being read "
-                                    "(UPLOAD_CONCURRENCY); try again shortly.",
-                                    [(b"retry-after", str(RETRY_AFTER_SEC).encode())])  # fmt: skip
+            log.warning(
+                "mcp: a large message refused: %d are being read (UPLOAD_CONCURRENCY) (503)", self.s.upload_concurrency
+            )
+            return await send_error(
+                send,
+                503,
+                f"{self.s.upload_concurrency} large MCP messages are being read "
+                "(UPLOAD_CONCURRENCY); try again shortly.",
+                [(b"retry-after", str(RETRY_AFTER_SEC).encode())],
+            )
         async with self._large:
             await self.manager.handle_request(scope, receive, send)
 

@@ -82,10 +82,16 @@ def upload_arguments(s: DispatcherSettings) -> type[BaseModel]:
     return _arguments(
         "UploadAudio",
         "POST /uploads's file, as base64.",
-        audio_base64=(str, Field(max_length=4 * math.ceil(cap / 3), description=f"the audio file's bytes as base64 "
-                                 f"(WAV, FLAC, OGG, MP3, …; at most {cap / 2**20:g} MB before encoding)")),
+        audio_base64=(
+            str,
+            Field(
+                max_length=4 * math.ceil(cap / 3),
+                description=f"the audio file's bytes as base64 "
+                f"(WAV, FLAC, OGG, MP3, …; at most {cap / 2**20:g} MB before encoding)",
+            ),
+        ),
         filename=(str, Field("upload", max_length=200, pattern=NO_CONTROL, description="its name, shown only")),
-    )  # fmt: skip
+    )
 
 
 def max_audio_bytes(s: DispatcherSettings) -> int:
@@ -120,30 +126,66 @@ def tool_specs(s: DispatcherSettings) -> list[ToolSpec]:
         "and an HTTP download link."
     )
     return [
-        ToolSpec("make_song", "Make a song",
-                 "Start a song from a style (tags such as 'pop, piano' — list_style_tags names them — or a prompt with "
-                 "prompt_mode 'natural') and lyrics ([verse], [chorus] sections; mode 'instrumental' for none). "
-                 f"num_tracks takes are made in parallel, each a different version. {limits} Answers at once with "
-                 "the job_id: follow it with wait_for_job. continue_from continues a take or an upload_audio file.",
-                 MakeSong),
-        ToolSpec("wait_for_job", "Wait for a song",
-                 "Wait until the job has ended or timeout_sec passed, reporting the takes' progress as it goes, then "
-                 f"answer the job's state. {takes} A job still running after the timeout is answered as it is: "
-                 "wait again.", WaitForJob, read_only=True),
-        ToolSpec("get_job", "A song's state",
-                 f"The job's state now: each take's status, progress and phase. {takes}", JobRef, read_only=True),
-        ToolSpec("list_jobs", "My songs", "The jobs made with this API key, newest first, a page at a time.",
-                 ListJobs, read_only=True),
-        ToolSpec("retake", "Retake from a second",
-                 "Keep a finished take up to at_sec seconds and generate the rest again as a new job (new lyrics or "
-                 f"style if given; what is left out stays the original's). {limits}", Retake),
-        ToolSpec("cancel_job", "Cancel a song",
-                 "Stop the job: its queued and running takes end (finished ones stay). Cancelling a finished job "
-                 "changes nothing.", JobRef, destructive=True),
-        ToolSpec("list_style_tags", "Style tags",
-                 "The tags the model was trained on, by group (genre, vocals and instruments, mood, production): "
-                 "choose make_song's tags from these.", NoArguments, read_only=True),
-        ToolSpec("upload_audio", "Upload audio",
-                 "Store a person's own audio (base64 of the file) so a song can continue it: make_song with "
-                 f"continue_from {{'upload_id': …, 'at_sec': …}}. {NOT_FETCHED}", upload_arguments(s)),
-    ]  # fmt: skip
+        ToolSpec(
+            "make_song",
+            "Make a song",
+            "Start a song from a style (tags such as 'pop, piano' — list_style_tags names them — or a prompt with "
+            "prompt_mode 'natural') and lyrics ([verse], [chorus] sections; mode 'instrumental' for none). "
+            f"num_tracks takes are made in parallel, each a different version. {limits} Answers at once with "
+            "the job_id: follow it with wait_for_job. continue_from continues a take or an upload_audio file.",
+            MakeSong,
+        ),
+        ToolSpec(
+            "wait_for_job",
+            "Wait for a song",
+            "Wait until the job has ended or timeout_sec passed, reporting the takes' progress as it goes, then "
+            f"answer the job's state. {takes} A job still running after the timeout is answered as it is: "
+            "wait again.",
+            WaitForJob,
+            read_only=True,
+        ),
+        ToolSpec(
+            "get_job",
+            "A song's state",
+            f"The job's state now: each take's status, progress and phase. {takes}",
+            JobRef,
+            read_only=True,
+        ),
+        ToolSpec(
+            "list_jobs",
+            "My songs",
+            "The jobs made with this API key, newest first, a page at a time.",
+            ListJobs,
+            read_only=True,
+        ),
+        ToolSpec(
+            "retake",
+            "Retake from a second",
+            "Keep a finished take up to at_sec seconds and generate the rest again as a new job (new lyrics or "
+            f"style if given; what is left out stays the original's). {limits}",
+            Retake,
+        ),
+        ToolSpec(
+            "cancel_job",
+            "Cancel a song",
+            "Stop the job: its queued and running takes end (finished ones stay). Cancelling a finished job "
+            "changes nothing.",
+            JobRef,
+            destructive=True,
+        ),
+        ToolSpec(
+            "list_style_tags",
+            "Style tags",
+            "The tags the model was trained on, by group (genre, vocals and instruments, mood, production): "
+            "choose make_song's tags from these.",
+            NoArguments,
+            read_only=True,
+        ),
+        ToolSpec(
+            "upload_audio",
+            "Upload audio",
+            "Store a person's own audio (base64 of the file) so a song can continue it: make_song with "
+            f"continue_from {{'upload_id': …, 'at_sec': …}}. {NOT_FETCHED}",
+            upload_arguments(s),
+        ),
+    ]

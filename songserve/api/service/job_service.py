@@ -133,12 +133,20 @@ class JobService:
         context, per_minute = known
         need = math.ceil(per_minute * minutes)
         if need > context:
-            raise FieldError("duration", f"{minutes:g} minutes need about {need} audio tokens, more than the model's "
-                             f"context of {context} tokens (max_sequence_length), which holds about "
-                             f"{context / per_minute:.1f} minutes")  # fmt: skip
+            raise FieldError(
+                "duration",
+                f"{minutes:g} minutes need about {need} audio tokens, more than the model's "
+                f"context of {context} tokens (max_sequence_length), which holds about "
+                f"{context / per_minute:.1f} minutes",
+            )
 
-    async def submit(self, req: GenerateRequest, idempotency_key: str | None = None, caller: Caller | None = None,
-                     strict: bool = False) -> GenerateAccepted:  # fmt: skip
+    async def submit(
+        self,
+        req: GenerateRequest,
+        idempotency_key: str | None = None,
+        caller: Caller | None = None,
+        strict: bool = False,
+    ) -> GenerateAccepted:
         """Accept a job (``caller``: the API key that sent it, whose limits apply and whose use it counts; ``strict``:
         refuse what the lenient reading would change, as ``STRICT_REQUESTS`` does)."""
         d = self.dispatcher

@@ -104,8 +104,11 @@ def _duration(value: float, limits: RequestLimits, strict: bool) -> tuple[float,
     if value > high and value >= SECONDS_LIKE:
         minutes = round(value / 60, 2)
         hint = f"for {value:g} seconds send {minutes:g}" if low <= minutes <= high else f"at most {high:g}"
-        raise FieldError("duration", f"is in minutes, and {value:g} minutes is far over the {high:g}-minute "
-                         f"maximum (seconds by mistake?); {hint}")  # fmt: skip
+        raise FieldError(
+            "duration",
+            f"is in minutes, and {value:g} minutes is far over the {high:g}-minute "
+            f"maximum (seconds by mistake?); {hint}",
+        )
     if strict:
         raise FieldError("duration", f"must be between {low:g} and {high:g} minutes")
     if value <= 0:
