@@ -4,12 +4,12 @@ Real processes: for each series a fresh tiny-set worker (keep_loaded, ``KV_SNAPS
 snapshot cache is out of the picture) behind a fresh dispatcher, one job at a time, the worker's
 RSS read from ``/proc`` after each job. Each series runs twice, interleaved: with the worker's
 defaults (``after``) and with oneDNN's and glibc's own (``before``: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
-1024, ``MALLOC_MMAP_THRESHOLD_KB`` 0; ``worker/host_memory.py`` says why they grow a worker).
+1024, ``MALLOC_TRIM`` 0; ``worker/host_memory.py`` says why they grow a worker).
 
 The figures per series and setting: RSS after the first job, after the warm-up (``--warmup`` jobs),
 at the end, and the growth after the warm-up scaled to 100 jobs; the peak (``VmHWM``); the mean
 seconds per job, and after/before as a ratio measured in the same run (the cost of building oneDNN
-kernels again and of mapping large blocks).
+kernels again and of trimming the heap).
 
 Series: ``plain`` 1-take 6 s; ``preview`` 1-take 6 s with live audio; ``two_take`` 2-take 3-12 s;
 ``retake`` retakes of one 12 s take from random seconds; ``upload`` continuations of one upload;
@@ -37,7 +37,7 @@ from tests.support import Cluster, cluster_of, start_worker
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 SETTINGS = {
     "after": [],
-    "before": ["--onednn-primitive-cache-capacity", "1024", "--malloc-mmap-threshold-kb", "0"],
+    "before": ["--onednn-primitive-cache-capacity", "1024", "--malloc-trim", "0"],
 }
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nround and round\nit goes"}
 

@@ -37,7 +37,7 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
         return WorkerRuntime(s, TonePipeline(s, max_batch=s.max_batch), ToneDevice())
     from songserve.worker import host_memory
 
-    log.info("host memory: %s", host_memory.apply(s.onednn_primitive_cache_capacity, s.malloc_mmap_threshold_kb))
+    log.info("host memory: %s", host_memory.apply(s.onednn_primitive_cache_capacity, s.malloc_trim))
     import torch
 
     from songserve.pipeline.checkpoints.layout import resolve
@@ -51,7 +51,7 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
         log.info("CUDA is not available or not asked for: running on the CPU")
     ckpt = resolve(s)
     init_megatron(device, s.master_port, s.seed, s.master_addr)
-    return WorkerRuntime(s, ModelPipeline(s, ckpt, device), TorchDevice(device, s.torch_threads))
+    return WorkerRuntime(s, ModelPipeline(s, ckpt, device), TorchDevice(device, s.torch_threads, s.malloc_trim))
 
 
 def split_megatron_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -108,18 +108,14 @@ class WorkerSettings(BaseSettings):
     )
     torch_threads: int = Field(1, ge=1, description="CPU threads for torch (1 is fastest for small models)")
     onednn_primitive_cache_capacity: int = Field(
-        16,
+        64,
         ge=0,
         le=4096,
         description="oneDNN's cache of CPU kernels, one per convolution and input length (its own default, 1024, "
         "held ~0.7 GB on the tiny set with live audio); the variable oneDNN itself reads",
     )
-    malloc_mmap_threshold_kb: int = Field(
-        1024,
-        ge=0,
-        le=32768,
-        description="host allocations of at least this many KiB are mapped and given back whole when freed "
-        "(glibc's M_MMAP_THRESHOLD, held fixed); 0 = glibc's own threshold, which grows and fragments the heap",
+    malloc_trim: bool = Field(
+        True, description="after each batch and encoding, give the heap's freed pages back to the system (glibc)"
     )
     worker_token: str = Field(
         "", description="shared secret: every route but /health needs Authorization: Bearer <token>"

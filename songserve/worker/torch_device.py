@@ -6,11 +6,13 @@ so a worker started with ``--pipeline test`` never loads torch.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
 from songserve.errors import ConfigError
+from songserve.worker import host_memory
 
 
 def pick_device(choice: str) -> torch.device:
@@ -24,9 +26,10 @@ def pick_device(choice: str) -> torch.device:
 class TorchDevice:
     """A ``torch.device`` and the CPU threads torch may use on the model thread."""
 
-    def __init__(self, device: torch.device, threads: int) -> None:
+    def __init__(self, device: torch.device, threads: int, trim: bool = True) -> None:
         self.device = device
         self.threads = threads
+        self.trim = trim  # MALLOC_TRIM: the heap's freed pages back to the system after each run
 
     @property
     def name(self) -> str:
@@ -36,7 +39,17 @@ class TorchDevice:
         torch.set_num_threads(self.threads)
 
     def inference(self) -> AbstractContextManager[None]:
-        return torch.inference_mode()
+        return self._run()
+
+    @contextmanager
+    def _run(self) -> Iterator[None]:
+        """One run under inference mode; then what it freed goes back to the system (``host_memory``)."""
+        try:
+            with torch.inference_mode():
+                yield
+        finally:
+            if self.trim:
+                host_memory.trim()
 
     def memory_mb(self) -> dict[str, float]:
         if self.device.type != "cuda":
