@@ -91,7 +91,7 @@ class Encodings:
             except StoreError as exc:
                 log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
                 break
-            w.encoding = u.upload_id
+            w.start_encoding(u.upload_id)
             able.remove(w)
             free = [x for x in free if x is not w]
             log.info("upload %s: attempt %d on worker %d (%.1f s of audio)", u.upload_id, u.attempts + 1, w.worker_id,
