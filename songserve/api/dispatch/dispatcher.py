@@ -27,8 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from songserve.api.dispatch import readiness
-from songserve.api.dispatch.attempt_ends import USER_CANCEL
-from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.attempts import USER_CANCEL, Attempts
 from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
@@ -132,7 +131,7 @@ class Dispatcher:
         if self._drained:
             return
         self._drained = True
-        running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
+        running = {key: a.task for key, a in self.attempts.running.items()}  # the takes of a batch share one task
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
             left = set(running.values())
@@ -148,7 +147,7 @@ class Dispatcher:
         self.accepting = False
         await self.pool.stop()
         await self.encodings.stop()
-        tasks = self._tasks + list(self.attempts.running.values())
+        tasks = self._tasks + list({a.task for a in self.attempts.running.values()})
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -183,7 +182,7 @@ class Dispatcher:
             for t in job.tracks:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
                     w = self.pool.by_id(t.worker_id)
-                    if w is not None and w.leased and w.lease_epoch and self.attempts.reconcile(job, t):
+                    if w is not None and w.leased and w.lease_epoch and self.attempts.reattach(job, t):
                         log.info("track %s/%d: no attempt behind it; asking worker %d about task %s", *t.key,
                                  w.worker_id, t.task_id)  # fmt: skip
             try:

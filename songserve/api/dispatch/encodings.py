@@ -31,7 +31,7 @@ import numpy as np
 
 from songserve import codes
 from songserve.api.dispatch import retakes
-from songserve.api.dispatch.attempt_ends import AttemptEnds
+from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Job
 from songserve.api.results.artifacts import ArtifactStore
@@ -55,7 +55,7 @@ class Encodings:
         me: str,
         store: JobStore,
         artifacts: ArtifactStore,
-        fences: AttemptEnds,
+        fences: Attempts,
         kick: Callable[[], None],
     ) -> None:
         self.s = s

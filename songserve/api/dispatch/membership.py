@@ -36,8 +36,7 @@ import logging
 import math
 import time
 
-from songserve.api.dispatch.attempt_ends import LEASE_LOST, USER_CANCEL
-from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.attempts import LEASE_LOST, USER_CANCEL, Attempts
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
 from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.settings import DispatcherSettings
