@@ -32,12 +32,13 @@ from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
 from songserve.api.dispatch.membership import Membership
-from songserve.api.dispatch.placement import pack, pick
+from songserve.api.dispatch.placement import Facts, plan
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
 from songserve.api.jobs.facts import Fleet, JobFacts
 from songserve.api.jobs.records import Job, Key
-from songserve.api.jobs.states import JobStatus, TrackStatus, job_status
+from songserve.api.jobs.states import JobStatus, job_status
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
@@ -234,6 +235,9 @@ class Dispatcher:
             await self._dispatch_pass()
 
     async def _dispatch_pass(self) -> None:
+        """Gather the facts, plan (``placement.plan``: pure), apply the plan (start its attempts). A
+        claim another dispatcher won leaves its worker free: the rest of the queue is planned again for
+        it, without the tracks this pass already tried."""
         if not self.accepting:
             return
         book = self.book
@@ -252,42 +256,33 @@ class Dispatcher:
             book.reorder()
             return
         ordered = book.ordered()
-        taken: set[Key] = set()
         try:
-            for entry in ordered:
-                free = [w for w in free if w.available]  # the claims below await: re-read what may have moved
-                if not free:
+            facts = Facts(self.s.pack_tracks, self.pool.workers, await self._frames(ordered))
+            tried: set[Key] = set()
+            while free:
+                p = plan(ordered, book.jobs, book.queue, free, facts, tried)
+                lost = False
+                for a in p.assignments:
+                    tried.update(a.keys)
+                    # The claims below await: a worker the plan chose may have moved meanwhile.
+                    if a.worker.available and await self.attempts.begin(a.job, a.tracks, a.worker, a.missing):
+                        free.remove(a.worker)
+                    else:
+                        lost = True
+                if not lost:
                     break
-                key = (entry.job_id, entry.index)
-                job = book.jobs.get(entry.job_id)
-                if key in taken or key not in book.queue or job is None:
-                    continue  # another dispatcher's track now, or its job ended meanwhile
-                t = job.tracks[entry.index]
-                if t.status is not TrackStatus.queued:
-                    continue
-                missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
-                if missing is None:
-                    continue
-                # Not back to the worker it just failed on while another can take it; a retake to one that can continue it.
-                w = pick(free, job, t, self.pool.workers)
-                if w is None:
-                    continue
-                tracks = [
-                    t,
-                    *pack(
-                        job,
-                        w,
-                        self.s.pack_tracks,
-                        len(ordered) - len(taken) - 1,
-                        len(free) - 1,
-                        taken | {(job.job_id, t.index)},
-                    ),  # fmt: skip
-                ]
-                taken.update((job.job_id, x.index) for x in tracks)
-                if await self.attempts.begin(job, tracks, w, missing):
-                    free.remove(w)
+                free = [w for w in free if w.available]
         finally:
             book.reorder()
+
+    async def _frames(self, ordered: list[QueueEntry]) -> dict[str, str | None]:
+        """For each queued job that continues an upload: whether its kept frames are cut (``Encodings.frames_for``)."""
+        frames: dict[str, str | None] = {}
+        for e in ordered:
+            job = self.book.jobs.get(e.job_id)
+            if job is not None and e.job_id not in frames and job.request.continue_from is not None:
+                frames[e.job_id] = await self.encodings.frames_for(job)
+        return frames
 
     # ---- what the service asks ------------------------------------------------------------------
     @property
