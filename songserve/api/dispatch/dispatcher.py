@@ -4,15 +4,15 @@ It holds these parts, each given what it needs when it is made; no part inherits
 sets another's attributes (they read each other's state and call each other's methods):
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
-- the attempts (``attempts.py``, ``attempt_ends.py``): one attempt's start, answer, stop and fence;
+- the attempts (``attempts.py``): one record per running track, and its start, answer, stop and fence;
 - the membership (``membership.py``): presence, the worker registry, leases and take-overs;
 - the encodings (``encodings.py``): uploads to encode, served before tracks.
 
 Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
 probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
-background lane: their own connections), the dispatch pass (queue order, packing a job's takes into
-one batch), the watchdog's repair of what a failed store write left behind (by asking the worker,
-never by guessing), and the few methods ``JobService`` calls: ``add``, ``cancel``, ``active_job``,
+background lane: their own connections), the dispatch pass (the facts gathered, ``placement.plan``
+asked, its assignments started), the watchdog's repair of what a failed store write left behind (by
+asking the worker, never by guessing), and the few methods ``JobService`` calls: ``add``, ``cancel``, ``active_job``,
 ``facts``, ``queue_position``, ``fleet``, admission (``queue_length``, ``queue_wait``,
 ``free_workers``), ``status`` and ``ready`` (answered by ``readiness.py`` from these parts' states).
 The gauges of ``metrics.py`` read the ``LiveState`` methods at the end.
