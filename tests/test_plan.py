@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from songserve.api.dispatch.placement import NO_PREFIX, NO_WORKER, NOT_ENCODED, NOT_THERE_AGAIN, Facts, Plan, plan
+from songserve.api.dispatch.placement import NO_PREFIX, NO_WORKER, NOT_ENCODED, NOT_THERE_AGAIN, Plan, PlanFacts, plan
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.dispatch.queue_order import QueueEntry, order
 from songserve.api.jobs.records import Job, Key, Track
@@ -50,7 +50,7 @@ def plan_of(jobs: list[Job], free: list[WorkerHandle], pack: str = "auto", **fac
     ordered = order(entries, {})
     queued = {(e.job_id, e.index) for e in ordered}
     fleet = facts.pop("fleet", free)
-    return plan(ordered, {j.job_id: j for j in jobs}, queued, free, Facts(pack, fleet, **facts))  # type: ignore[arg-type]
+    return plan(ordered, {j.job_id: j for j in jobs}, queued, free, PlanFacts(pack, fleet, **facts))  # type: ignore[arg-type]
 
 
 def placed(p: Plan) -> list[tuple[int, list[Key]]]:
@@ -125,10 +125,10 @@ def test_tracks_tried_already_in_this_pass_or_no_longer_queued_here_are_skipped(
     j = job(A, 3, 1)
     j.tracks[2].status = TrackStatus.generating  # another dispatcher's claim, merged meanwhile
     entries = order([QueueEntry(A, i, 0, 1) for i in range(3)], {})
-    p = plan(entries, {A: j}, {(A, 0), (A, 1), (A, 2)}, [worker(0), worker(1)], Facts("never"), taken={(A, 0)})
+    p = plan(entries, {A: j}, {(A, 0), (A, 1), (A, 2)}, [worker(0), worker(1)], PlanFacts("never"), taken={(A, 0)})
     assert placed(p) == [(0, [(A, 1)])]
     assert p.waiting == {}
-    gone = plan(entries, {}, {(A, 0)}, [worker(0)], Facts("never"))  # its job ended meanwhile
+    gone = plan(entries, {}, {(A, 0)}, [worker(0)], PlanFacts("never"))  # its job ended meanwhile
     assert gone == Plan()
 
 

@@ -32,7 +32,7 @@ from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
 from songserve.api.dispatch.membership import Membership
-from songserve.api.dispatch.placement import Facts, plan
+from songserve.api.dispatch.placement import PlanFacts, plan
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
@@ -257,7 +257,7 @@ class Dispatcher:
             return
         ordered = book.ordered()
         try:
-            facts = Facts(self.s.pack_tracks, self.pool.workers, await self._frames(ordered))
+            facts = PlanFacts(self.s.pack_tracks, self.pool.workers, await self._frames(ordered))
             tried: set[Key] = set()
             while free:
                 p = plan(ordered, book.jobs, book.queue, free, facts, tried)

@@ -2,9 +2,10 @@
 
 Most tracks take the first free worker (in the pool's order). A retried track does not go back to
 the worker its last attempt failed on (``Track.avoid_worker``) while another worker can take it: it
-waits for that one, even when the worker that failed it is the only one free (issue 35: a retry sent
-straight back to a worker whose downloads dripped waited out a second 45 s deadline). A retake is pickier: only our workers can continue a song
-(a reference worker knows nothing of a prefix), and among them one whose ``/health`` lists a KV
+waits for that one, even when the worker that failed it is the only one free (sent straight back, a
+retry meets the same fault again: a worker whose downloads drip makes it wait out a second deadline).
+A retake is pickier: only our workers can continue a song (a reference worker knows nothing of a
+prefix), and among them one whose ``/health`` lists a KV
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
 same song, only the prefill is longer.
@@ -105,7 +106,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Facts:
+class PlanFacts:
     """What a plan needs besides the queue and the free workers."""
 
     pack_tracks: str  # ``PACK_TRACKS``: auto, always, never
@@ -119,7 +120,7 @@ def plan(
     jobs: Mapping[str, Job],
     queued: Collection[Key],
     free: Sequence[WorkerHandle],
-    facts: Facts,
+    facts: PlanFacts,
     taken: Collection[Key] = (),
 ) -> Plan:
     """Pair ``ordered`` (the queue in dispatch order) with ``free`` (the workers that may take a track
