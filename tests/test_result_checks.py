@@ -193,7 +193,7 @@ async def test_a_cancel_stops_a_download_in_progress(tmp_path):
     async with FakeFleet(tmp_path, n=1) as f:
         f.workers[0].drip = True  # the copy would take until DOWNLOAD_TIMEOUT_SEC (45 s)
         job_id = (await f.svc.submit(body())).job_id
-        await until(lambda: bool(f.svc.dispatcher.attempts._collecting))
+        await until(lambda: any(a.collecting for a in f.svc.dispatcher.attempts.running.values()))
         await f.svc.cancel(job_id)
         await until(lambda: f.holds(job_id, lambda v: v.tracks[0].status == "cancelled"))  # the view: at once
         await until(lambda: not f.svc.dispatcher.attempts.running)  # the copy stops (not after the 45 s drip)

@@ -164,6 +164,13 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
         stop_all(*apis, *workers)
 
 
+def one_each(api: ServerProcess) -> list[str] | None:
+    """The workers' lease holders as ``api`` sees them, once A and B hold one each; else None. A worker
+    between holders (A gave it back, B has not taken it yet) has none (``leased_by`` null): not yet."""
+    owners = [w["leased_by"] for w in httpx.get(api.url + "/status").json()["workers"]]
+    return owners if len(owners) == 2 and owners.count("A") == 1 and owners.count("B") == 1 else None
+
+
 def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, pg_url):
     """A holds both workers and keeps them busy; B joins: A hands one lease back when that worker's
     task ends (no new task goes to it meanwhile), and B runs part of the remaining queue."""
@@ -180,11 +187,7 @@ def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, p
         ]  # 8 s of work on two workers, never idle between tracks
         wait_for(lambda: all(w["status"] == "busy" for w in httpx.get(a.url + "/status").json()["workers"]), 30)
         b = start_dispatcher(tmp_path, "B", pg_url, workers)
-        owners = wait_for(
-            lambda: (o := [w["leased_by"] for w in httpx.get(b.url + "/status").json()["workers"]])
-            and sorted(o) == ["A", "B"] and o,
-            timeout=30, interval=0.2,
-        )  # fmt: skip
+        owners = wait_for(lambda: one_each(b), timeout=30, interval=0.2)
         assert sorted(owners) == ["A", "B"]
         jobs = [wait_done(a, j) for j in ids]
         assert all(j["status"] == "completed" for j in jobs)

@@ -1,29 +1,48 @@
 """Attempts: one attempt of a track (or of a batch of one job's takes) on one worker, top to bottom.
 
-The story of an attempt, in the order it happens: chapters 1 and 2 below, 3 and 4 in
-``attempt_ends.py`` (mixed into ``Attempts``, which holds the state).
-1. Its start (``begin``): the dispatch pass's placement hands it a worker; each take gets a fresh
-   task id and is claimed in the store under the worker's lease (``TrackBook.claim`` with the
-   attempt's ``Fence``); the takes won are assigned to the worker and one asyncio task sends the
-   request (``_spawn``: never a second for a track, so nothing else acts on a track an attempt
-   holds). A retake's kept frames are read before the claim. ``reattach`` follows a track already
-   running on its worker (``/tasks/{id}``) after a restart, a lease take-over or a failed write;
-   ``abandon`` sends one whose worker left the pool back to the queue.
+An attempt is one record (``Attempt``: its worker, task id, fence, deadline, stop reason, asyncio task,
+when its progress was last stored, whether its files are being copied), held in one map keyed by
+track (``Attempts.running``) from its start until its asyncio task ends. Its story, in the order it
+happens:
+1. Its start (``begin``): the dispatch pass's plan hands it a worker; each take gets a fresh task id
+   and is claimed in the store under the worker's lease (``TrackBook.claim`` with the attempt's
+   ``Fence``); the takes won are assigned to the worker and one asyncio task sends the request
+   (``_spawn``: never a second for a track, so nothing else acts on a track an attempt holds). A
+   retake's kept frames are read before the claim. ``reattach`` follows a track already running on
+   its worker (``/tasks/{id}``) after a restart, a lease take-over or a failed write; ``abandon``
+   sends one whose worker left the pool back to the queue.
 2. Its answer (``_run``): progress while it runs, from the health poll (``on_health``: a new phase is
    a state change, the rest reaches the store at most once a second); then one ``Outcome`` per take,
    the worker released at once (its next track starts while the files are copied), and each applied
-   (``_apply``): done → the files copied and checked (``ArtifactStore.collect``) and the track done;
-   a clear model error → error; cancelled, busy, an environment failure → a retry. Only the current
-   task id's outcome is applied, so a retried track finishes once. A worker's own fault (an answer
-   out of contract, files not what it said) is charged to its breaker (``_charge``) and costs no try;
-   a results folder we cannot write is ours: the track waits.
-3. Its stop: from outside (the watchdog, the health poll, the user, the pool, a lost lease), or after
-   a failure: a retry, or the end of the track's tries.
-4. Its fence: the lease every write carries, and what a write refused under it ends.
+   (``_apply``). What the answer means for the track is ``retries.next_state``'s (pure): done → the
+   files copied and checked (``ArtifactStore.collect``) and the track done; a clear model error →
+   error; cancelled, busy, an environment failure → a retry. Only the current task id's outcome is
+   applied, so a retried track finishes once. A worker's own fault (an answer out of contract, files
+   not what it said) is charged to its breaker (``_charge``) and costs no try; a results folder we
+   cannot write is ours: the track waits.
+3. Its stop. From outside, once per attempt (``stop``; later stops of the same attempt are no-ops):
+   the watchdog (no progress for ``STALL_TIMEOUT_SEC``, past its deadline: ``watch``), the health
+   poll (its worker went offline or stalled: ``on_health``), the user's cancel (``cancel_running``),
+   its worker leaving the pool, its lease lost. The attempt's own task then cancels the task on the
+   worker (shielded from further cancels: ``_cancel_on_worker``) and turns the stop into a retry.
+   From inside, every failure on the way is a retry of the tracks it touched (``RetryTrack``,
+   ``_retry_after``): the track is not sent back to the worker that failed it while another can take
+   it, and ``retries.next_state`` gives it its next state: cancelled if its job was, an error when
+   its tries ran out, else queued again; ``_end`` writes it.
+4. Its fence. Every write an attempt makes for its tracks carries the lease it was claimed under
+   (``Attempt.fence``: this dispatcher, the worker, the lease's epoch; the worker is told it too,
+   ``lease_header``, and refuses a task sent under an older one: ``worker/fence.py``). A write
+   refused for a lost lease (``LeaseLost``) or for a track another dispatcher changed first
+   (``StaleTrack``) ends this dispatcher's part without touching the track, as do the silent stops
+   (``SILENT``): the lease's holder takes it over with the worker. No error escapes the handling of
+   an answer (``_conclude``): an outcome the store could not take leaves the track running here, for
+   the watchdog's repair to ask the worker again. The membership asks here whether a lease may be
+   given back (``fenced_on``) and moves the attempts onto a lease it re-took unchanged (``refence``).
 
 Not the story, and where it lives: each state write, store first (``tracks.py``); which failures cost
 a try (``retries.py``); what a worker's answer means (``workers/outcomes.py``); the files
-(``results/``); the leases and their epochs (``membership.py``).
+(``results/``); the leases and their epochs (``membership.py``); the worker's own fields (``pool.py``:
+asked through its methods).
 """
 
 from __future__ import annotations
@@ -32,16 +51,17 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from songserve.api.dispatch import retakes, retries
-from songserve.api.dispatch.attempt_ends import LEASE_LOST, SILENT, TAKEN_OVER, AttemptEnds
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
-from songserve.api.dispatch.retries import RetryTrack
+from songserve.api.dispatch.retries import Next, NextState, RetryTrack, Tries
 from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.jobs.phases import status_of_phase
 from songserve.api.jobs.records import Job, Key, Track
@@ -53,13 +73,36 @@ from songserve.api.store.members import Fence
 from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack, StoreError, background_context
 from songserve.api.workers.outcomes import Outcome, OutcomeKind, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.api.workers.to_worker import result_metadata, result_seed, worker_request
+from songserve.errors import SongserveError
+from songserve.schemas import WorkerGenerateResult
 
 log = logging.getLogger(__name__)
 PROGRESS_WRITE_SEC = 1.0  # a running track's progress reaches the store at most this often
+LEASE_LOST = "its worker's lease passed to another dispatcher"
+TAKEN_OVER = "another dispatcher changed it first"
+SILENT = (LEASE_LOST, TAKEN_OVER)  # stops that end an attempt without touching its tracks
+USER_CANCEL = "cancelled by the user"
+IDLE: dict[str, object] = {
+    "worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None, "preview_sec": 0.0,
+}  # fmt: skip
 
 
-class Attempts(AttemptEnds):
-    """This dispatcher's attempts: which run (``running``), how each goes, and why one stops."""
+@dataclass
+class Attempt:
+    """One attempt of one track, as this dispatcher runs it (the takes of a batch share its ``task``)."""
+
+    worker_id: int
+    task_id: str | None
+    task: asyncio.Task[None]  # the asyncio task that runs it
+    fence: Fence | None = None  # the lease its writes are made under (None: not on a worker leased here)
+    deadline: float = math.inf  # monotonic: past it, the watchdog stops it
+    stop_reason: str | None = None  # asked to stop, and why (the first reason wins)
+    progress_saved_at: float = 0.0  # monotonic: its progress last written to the store
+    collecting: bool = False  # its files are being copied (or wait for the results folder)
+
+
+class Attempts:
+    """This dispatcher's attempts (``running``, by track): how each starts, goes, stops and is fenced."""
 
     def __init__(
         self,
@@ -82,12 +125,7 @@ class Attempts(AttemptEnds):
         self.metrics = metrics
         self.speed = speed
         self.kick = kick  # a worker may be free now: the dispatch loop looks again
-        self.running: dict[Key, asyncio.Task[None]] = {}  # this dispatcher's attempts, by track
-        self._stopping: dict[Key, str] = {}  # attempts asked to stop, with the reason
-        self._deadlines: dict[Key, float] = {}  # monotonic
-        self._progress_saved: dict[Key, float] = {}  # monotonic time of a running track's last progress write
-        self._collecting: set[Key] = set()  # tracks whose files are being copied (or wait for the results folder)
-        self._fences: dict[Key, Fence] = {}  # the lease each running attempt's writes are made under
+        self.running: dict[Key, Attempt] = {}  # this dispatcher's attempts, by track, until their task ends
 
     # ---- 1. the start ---------------------------------------------------------------------------
     async def begin(self, job: Job, tracks: list[Track], w: WorkerHandle, missing: str = "") -> bool:
@@ -115,23 +153,23 @@ class Attempts(AttemptEnds):
         except LeaseLost:
             log.warning("worker %d: %s is not held here any more; no track sent (job %s)", w.worker_id, fence,
                         job.job_id)  # fmt: skip
-            w.lease_valid_until = 0.0  # not used again before the membership reads its leases
+            w.suspend_lease()  # not used again before the membership reads its leases
             return False
         if not started:
             return False
-        for t in started:
-            self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
-            self._fences[t.key] = fence
-            w.assign(t.key, t.task_id or "")
-            self._deadlines[t.key] = time.monotonic() + self.deadline(job)
-            log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
-                     t.task_id, len(started))  # fmt: skip
         reqs, lease = [worker_request(job, t, prefix) for t in started], self.lease_header(fence)
         if job.request.continue_from is not None and prefix is None:  # never a take of the prompt alone instead
             obtain: Callable[[], Awaitable[list[Outcome]]] = retakes.frames_gone(len(started), missing)
         else:
             obtain = functools.partial(w.client.generate_batch, reqs, lease)
-        self._spawn([t.key for t in started], self._run(job, started, w, obtain))
+        deadline = time.monotonic() + self.time_allowed(job)
+        if not self._spawn(started, w.worker_id, self._run(job, started, w, obtain), fence, deadline):
+            return False
+        for t in started:
+            self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
+            w.assign(t.key, t.task_id or "")
+            log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
+                     t.task_id, len(started))  # fmt: skip
         if job.started_at is None:
             job.started_at = now
             start = self.book.events.of(job, "start", None, self.book.positions)  # the job's webhook, if it asked
@@ -145,60 +183,68 @@ class Attempts(AttemptEnds):
         """After a restart, a lease take-over or a failed store write: follow a track already running on
         its worker through ``/tasks/{id}``: collected if finished, awaited if running, re-queued if the
         worker lost it. False when an attempt already holds the track."""
-        return self._spawn([t.key], self._follow(job, t))
-
-    reconcile = reattach  # the watchdog's repair: a track shown running here with no attempt behind it
+        return self._spawn([t], t.worker_id, self._follow(job, t))
 
     def abandon(self, job: Job, t: Track, reason: str) -> bool:
         """A running track whose worker is gone from the registry goes back to the queue (as an attempt
         of its own, so nothing else acts on it meanwhile). False when an attempt already holds it."""
-        return self._spawn([t.key], self._conclude(job, t, self.retry(job, t, reason, count=False)))
+        return self._spawn([t], t.worker_id, self._conclude(job, t, self.retry(job, t, reason, count=False)))
 
     async def _follow(self, job: Job, t: Track) -> None:
         w = self.pool.by_id(t.worker_id)
         if w is None or t.task_id is None:
             await self._conclude(job, t, self.retry(job, t, "its worker is no longer configured", count=False))
             return
-        key, task_id = (job.job_id, t.index), t.task_id
-        if (fence := self.fence_of(w)) is None:  # not leased here (any more): the holder reconciles it
+        key, task_id = t.key, t.task_id
+        if (fence := self.fence_of(w)) is None:  # not leased here (any more): the holder takes it over
             log.info("track %s/%d: not followed, worker %d is not leased here", *key, w.worker_id)
             return
-        self._fences[key] = fence
+        a = self.running[key]  # this task's own record (``_spawn``)
+        a.fence, a.deadline = fence, time.monotonic() + self.time_allowed(job)
         w.assign(key, task_id)
-        self._deadlines[key] = time.monotonic() + self.deadline(job)
 
         async def outcome() -> list[Outcome]:
             while True:
                 try:
-                    done = await w.client.task(task_id, self.lease_header(self._fences.get(key)))
+                    done = await w.client.task(task_id, self.lease_header(a.fence))
                 except WorkerUnreachable as exc:
                     if not w.online or isinstance(exc, WorkerFault):  # a bad answer is not waited out
                         raise
                     done = None
                 if done is not None:
-                    log.info("track %s/%d: reconciled task %s (%s)", *key, task_id, done.kind.value)
+                    log.info("track %s/%d: followed task %s to its end (%s)", *key, task_id, done.kind.value)
                     return [done]
                 await asyncio.sleep(self.s.health_interval)
 
         await self._run(job, [t], w, outcome)
 
-    def _spawn(self, keys: list[Key], coro: Coroutine[Any, Any, None]) -> bool:
-        """One asyncio task runs one attempt of ``keys`` (several: the takes of one batch), on the store's
-        background lane (a route that started it does not lend it its connections). Refused (False)
-        while an attempt already holds one of them."""
-        if any(k in self.running and not self.running[k].done() for k in keys):
+    def _spawn(
+        self,
+        tracks: list[Track],
+        worker_id: int,
+        coro: Coroutine[Any, Any, None],
+        fence: Fence | None = None,
+        deadline: float = math.inf,
+    ) -> bool:
+        """One asyncio task runs one attempt of ``tracks`` (several: the takes of one batch), on the
+        store's background lane (a route that started it does not lend it its connections); each track
+        gets its record in ``running`` until the task ends. Refused (False) while an attempt already
+        holds one of them."""
+        held = [t.key for t in tracks if t.key in self.running and not self.running[t.key].task.done()]
+        if held:
             coro.close()
-            log.info("track %s/%d: an attempt already holds it", *next(k for k in keys if k in self.running))
+            log.info("track %s/%d: an attempt already holds it", *held[0])
             return False
-        name = f"track-{keys[0][0]}-{'+'.join(str(k[1]) for k in keys)}"
+        name = f"track-{tracks[0].job_id}-{'+'.join(str(t.index) for t in tracks)}"
         task = asyncio.create_task(coro, name=name, context=background_context())
-        for key in keys:
-            self.running[key] = task
-            task.add_done_callback(functools.partial(self._task_done, key))
+        for t in tracks:
+            self.running[t.key] = Attempt(worker_id, t.task_id, task, fence, deadline)
+            task.add_done_callback(functools.partial(self._task_done, t.key))
         return True
 
     def _task_done(self, key: Key, task: asyncio.Task[None]) -> None:
-        if self.running.get(key) is task:
+        a = self.running.get(key)
+        if a is not None and a.task is task:
             del self.running[key]
         if not task.cancelled() and task.exception() is not None:
             log.error("track %s/%d: unexpected failure", *key, exc_info=task.exception())
@@ -210,17 +256,17 @@ class Attempts(AttemptEnds):
     ) -> None:
         """Get the attempt's outcomes from its worker (one per take), then apply each; every
         failure becomes a retry of the tracks it touched."""
-        keys = [(job.job_id, t.index) for t in tracks]
+        keys = [t.key for t in tracks]
         task_ids = [t.task_id for t in tracks]
         try:
             try:
                 outcomes = await obtain()
             except asyncio.CancelledError:
-                reason = next((self._stopping[k] for k in keys if k in self._stopping), None)
-                if reason is None:  # shutdown: the tracks stay running in the store and are reconciled
+                reason = next((r for k in keys if (r := self._stop_reason(k)) is not None), None)
+                if reason is None:  # shutdown: the tracks stay running in the store and are followed again
                     raise
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                if reason in SILENT:  # the worker's lease holder reconciles these tasks: leave them be
+                if reason in SILENT:  # the worker's lease holder takes these tasks over: leave them be
                     self.book.resync(job.job_id)  # and learn the state it leaves them in
                     return
                 for task_id in task_ids:
@@ -238,13 +284,13 @@ class Attempts(AttemptEnds):
             busy = any(o.kind is OutcomeKind.busy for o in outcomes)
             for task_id in task_ids:
                 w.release(task_id, answered=not busy)
-            w.collecting += 1
+            w.copy_started()
             self.kick()
             try:
                 for t, task_id, outcome in zip(tracks, task_ids, outcomes, strict=True):
                     await self._conclude(job, t, self._apply_or_retry(job, t, w, task_id, outcome))
             finally:
-                w.collecting -= 1
+                w.copy_ended()
         except RetryTrack as exc:
             for t in tracks:
                 await self._conclude(job, t, self._retry_after(job, t, w, exc))
@@ -252,13 +298,9 @@ class Attempts(AttemptEnds):
             log.exception("track %s/%d: internal error", *keys[0])
             for t in tracks:
                 await self._conclude(job, t, self.retry(job, t, f"internal error ({type(exc).__name__})",
-                                                        fence=self._fences.get(t.key)))  # fmt: skip
+                                                        fence=self._fence(t.key)))  # fmt: skip
         finally:
-            for key, task_id in zip(keys, task_ids, strict=True):
-                self._stopping.pop(key, None)
-                self._deadlines.pop(key, None)
-                self._progress_saved.pop(key, None)
-                self._fences.pop(key, None)
+            for task_id in task_ids:
                 w.release(task_id, answered=False)
             self.kick()
 
@@ -293,23 +335,26 @@ class Attempts(AttemptEnds):
                   "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec,
                   "preview_sec": take.preview_sec or 0.0}  # fmt: skip
         status = status_of_phase(take.phase)
+        a = self.running.get(t.key)
         if status is not t.status:
-            await self.book.change(t, status, fence=self._fences.get(t.key), **fields)
-            self._progress_saved[t.key] = time.monotonic()
+            await self.book.change(t, status, fence=self._fence(t.key), **fields)
+            if a is not None:
+                a.progress_saved_at = time.monotonic()
         elif self.book.show_progress(t, fields):
-            await self._save_progress(t)
+            await self._save_progress(t, a)
         else:
             return
         await self.book.progress_event(t)  # the job's webhook, if it asked for progress
 
-    async def _save_progress(self, t: Track) -> None:
+    async def _save_progress(self, t: Track, a: Attempt | None) -> None:
         """Other dispatchers show a track's progress from the store: write it, at most once a second."""
         if not self.store.shared:
             return
         now = time.monotonic()
-        if now - self._progress_saved.get(t.key, 0.0) >= PROGRESS_WRITE_SEC:
-            self._progress_saved[t.key] = now
-            await self.store.save_progress(t, self._fences.get(t.key))
+        if a is None or now - a.progress_saved_at >= PROGRESS_WRITE_SEC:
+            if a is not None:
+                a.progress_saved_at = now
+            await self.store.save_progress(t, self._fence(t.key))
 
     async def _apply_or_retry(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
         try:
@@ -318,62 +363,63 @@ class Attempts(AttemptEnds):
             await self._retry_after(job, t, w, exc)
 
     async def _apply(self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, outcome: Outcome) -> None:
-        """What the worker's answer means for the track (raises ``RetryTrack`` for another attempt)."""
+        """What the worker's answer means for the track (``retries.next_state``), written; a failure
+        while its files are copied raises ``RetryTrack`` for another attempt."""
         if t.task_id != task_id or t.status.terminal:
             log.info("track %s/%d: ignoring outcome of superseded task %s", job.job_id, t.index, task_id)
             return
-        fence = self._fences.get(t.key)
+        fence = self._fence(t.key)
         if fence is not None and (fence.epoch != w.lease_epoch or time.monotonic() >= w.lease_valid_until):
             # Lost, or not renewed in time (a pause?): not even the files. The repair asks the worker
             # again once the membership has read the lease (still ours: collected then).
             raise LeaseLost(t.key, fence)
-        if outcome.kind is OutcomeKind.done and outcome.result is not None and job.cancelled:
-            await self.book.change(t, TrackStatus.cancelled, fence=fence, finished_at=time.time(), owner=None)
-            await self._remove_worker_files(w, task_id)  # cancelled as it finished: its files are not wanted
-        elif outcome.kind is OutcomeKind.done and outcome.result is not None:
-            res, s = outcome.result, self.s
-            self._collecting.add(t.key)  # held while the results folder cannot be written: nobody is charged
-            try:
-                await self.artifacts.collect(w.client, res, job.job_id, t.index, int(s.max_result_mb * 2**20),
-                                             s.download_timeout_sec, s.download_floor_kb_per_sec * 1000)  # fmt: skip
-            except WorkerFault as exc:
-                raise self._charge(w, f"the files of task {task_id}: {exc}") from None
-            except asyncio.CancelledError:  # stopped while copying or held: the user cancelled
-                if (reason := self._stopping.get(t.key)) is None:  # shutdown: reconciled at the next start
-                    raise
-                asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                raise RetryTrack(reason) from None
-            finally:
-                self._collecting.discard(t.key)
-            now = time.time()
-            meta = result_metadata(res, w.worker_id)
-            meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-            await self.book.change(t, TrackStatus.done, fence=fence, finished_at=now, duration_sec=res.duration_sec,
-                                   metadata=meta, seed=result_seed(res, t.seed), owner=None)  # fmt: skip
-            models, wall = res.metadata.get("models"), now - (t.started_at or now)
-            self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
-            self.metrics.track_done(res.metadata, now - job.created_at, wall, t.duration_sec)
-            w.track_succeeded()
-            await self._remove_worker_files(w, task_id)
-            log.info("track %s/%d: done (%.1fs audio, %.1fs)", job.job_id, t.index, t.duration_sec, wall)
-        elif outcome.kind is OutcomeKind.cancelled:
-            # The job may have been cancelled at another dispatcher a moment ago: the store knows.
-            job.cancelled = job.cancelled or await self.store.is_cancelled(job.job_id)
-            if not job.cancelled:
-                raise RetryTrack(f"worker {w.worker_id} stopped the task")
-            await self.book.change(t, TrackStatus.cancelled, fence=fence, finished_at=time.time(), owner=None)
-        elif outcome.kind is OutcomeKind.busy:
-            raise RetryTrack(f"worker {w.worker_id} was busy", count=False)
-        else:
-            s = self.s
-            if w.track_failed(outcome.environment, s.bench_after_failures, s.bench_sec, outcome.error):
+        finished = outcome.kind is OutcomeKind.done and outcome.result is not None
+        if not finished and outcome.kind in (OutcomeKind.done, OutcomeKind.error):  # the worker's breaker counts it
+            if w.track_failed(outcome.environment, self.s.bench_after_failures, self.s.bench_sec, outcome.error):
                 self.kick()
-            workers = len(self.pool.workers)
-            if outcome.environment and t.env_failures + 1 < retries.environment_share(s.max_attempts, workers):
-                raise RetryTrack(f"worker {w.worker_id}: {outcome.error}", environment=True)
-            await self.book.change(t, TrackStatus.error, fence=fence, error=outcome.error, finished_at=time.time(),
-                                   owner=None)  # fmt: skip
-            log.warning("track %s/%d: error: %s", job.job_id, t.index, outcome.error)
+        # A job cancelled at another dispatcher a moment ago: the store knows (a finished take needs not ask).
+        cancelled = job.cancelled if finished else await self._job_cancelled(job)
+        step = retries.next_state(outcome, self._tries(t), cancelled, w.worker_id)
+        if step.next is Next.collect and outcome.result is not None:
+            await self._collect(job, t, w, task_id, outcome.result, fence)
+            return
+        if step.retried:
+            t.avoid_worker = w.worker_id  # not back there while another worker can take it (``placement.pick``)
+        await self._end(job, t, step, fence)
+        if finished:
+            await self._remove_worker_files(w, task_id)  # cancelled as it finished: its files are not wanted
+
+    async def _collect(
+        self, job: Job, t: Track, w: WorkerHandle, task_id: str | None, res: WorkerGenerateResult, fence: Fence | None
+    ) -> None:
+        """A finished take: its files copied and checked into the results folder, then the track done."""
+        s, a = self.s, self.running.get(t.key)
+        if a is not None:
+            a.collecting = True  # held while the results folder cannot be written: nobody is charged
+        try:
+            await self.artifacts.collect(w.client, res, job.job_id, t.index, int(s.max_result_mb * 2**20),
+                                         s.download_timeout_sec, s.download_floor_kb_per_sec * 1000)  # fmt: skip
+        except WorkerFault as exc:
+            raise self._charge(w, f"the files of task {task_id}: {exc}") from None
+        except asyncio.CancelledError:  # stopped while copying or held: the user cancelled
+            if (reason := self._stop_reason(t.key)) is None:  # shutdown: followed again at the next start
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise RetryTrack(reason) from None
+        finally:
+            if a is not None:
+                a.collecting = False
+        now = time.time()
+        meta = result_metadata(res, w.worker_id)
+        meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
+        await self.book.change(t, TrackStatus.done, fence=fence, finished_at=now, duration_sec=res.duration_sec,
+                               metadata=meta, seed=result_seed(res, t.seed), owner=None)  # fmt: skip
+        models, wall = res.metadata.get("models"), now - (t.started_at or now)
+        self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
+        self.metrics.track_done(res.metadata, now - job.created_at, wall, t.duration_sec)
+        w.track_succeeded()
+        await self._remove_worker_files(w, task_id)
+        log.info("track %s/%d: done (%.1fs audio, %.1fs)", job.job_id, t.index, t.duration_sec, wall)
         await self.book.finish_if_done(job)
 
     def _charge(self, w: WorkerHandle, reason: str) -> RetryTrack:
@@ -392,3 +438,153 @@ class Attempts(AttemptEnds):
             await w.client.remove_files(task_id)
         except WorkerUnreachable as exc:
             log.info("worker %d: files of %s not removed (%s)", w.worker_id, task_id, exc)
+
+    # ---- 3. the stop ----------------------------------------------------------------------------
+    def time_allowed(self, job: Job) -> float:
+        """Seconds an attempt of ``job``'s tracks may take."""
+        return self.s.deadline_base_sec + self.s.deadline_factor * job.request.duration * 60
+
+    def stop(self, key: Key, reason: str) -> None:
+        """Ask a running attempt to stop and retry; later requests for the same attempt are no-ops."""
+        a = self.running.get(key)
+        if a is None or a.task.done() or a.stop_reason is not None:
+            return
+        a.stop_reason = reason
+        log.warning("track %s/%d: %s", *key, reason)
+        a.task.cancel(reason)
+
+    def watch(self) -> None:
+        """The watchdog's part: no progress for stall_timeout, or past the deadline: the attempt stops
+        (and its track goes to another worker)."""
+        now = time.monotonic()
+        for w in self.pool.workers:
+            stalled = bool(w.assigned) and now - w.last_progress_at > self.s.stall_timeout_sec
+            for key in list(w.assigned.values()):
+                a = self.running.get(key)
+                if stalled:
+                    w.mark_stalled()
+                    self.stop(key, f"worker {w.worker_id} made no progress for {now - w.last_progress_at:.0f}s")
+                elif a is not None and now > a.deadline and (job := self.book.jobs.get(key[0])) is not None:
+                    self.stop(key, f"past its deadline of {self.time_allowed(job):.0f}s")
+
+    async def cancel_running(self, tracks: list[Track]) -> None:
+        """The user cancelled: each worker answers its running request with "cancelled" at its next
+        check; a track whose worker does not know the task (or cannot stop one), or whose files are
+        being copied (or wait for the results folder), stops here."""
+        for t in tracks:
+            if (a := self.running.get(t.key)) is not None and a.collecting:
+                self.stop(t.key, USER_CANCEL)
+                continue
+            w = self.pool.by_id(t.worker_id)
+            known = False
+            if w is not None and t.task_id is not None:
+                try:
+                    known = await w.client.cancel(t.task_id)
+                except SongserveError:
+                    known = False
+            if not known:
+                self.stop(t.key, USER_CANCEL)
+
+    def _stop_reason(self, key: Key) -> str | None:
+        a = self.running.get(key)
+        return a.stop_reason if a is not None else None
+
+    async def _cancel_on_worker(self, w: WorkerHandle, task_id: str | None) -> None:
+        """Tell the worker to stop; shielded, so a shutdown arriving meanwhile does not cut it short."""
+        if task_id is None:
+            return
+        try:
+            await asyncio.shield(w.client.cancel(task_id, timeout=2))
+        except WorkerUnreachable:
+            pass
+
+    async def _retry_after(self, job: Job, t: Track, w: WorkerHandle, exc: RetryTrack) -> None:
+        """A failure on ``w`` ended the attempt: the track's next state, not back on ``w`` while another can take it."""
+        if t.status.terminal:
+            return
+        t.avoid_worker = w.worker_id  # ``placement.pick``
+        step = retries.next_state(exc, self._tries(t), await self._job_cancelled(job), w.worker_id)
+        await self._end(job, t, step, self._fence(t.key))
+
+    async def retry(self, job: Job, t: Track, reason: str, count: bool = True, fence: Fence | None = None) -> None:
+        """The track runs again (queued), unless its job was cancelled or its attempts ran out."""
+        if t.status.terminal:
+            return
+        step = retries.next_state(
+            RetryTrack(reason, count), self._tries(t), await self._job_cancelled(job), t.worker_id
+        )
+        await self._end(job, t, step, fence)
+
+    async def _end(self, job: Job, t: Track, step: NextState, fence: Fence | None) -> None:
+        """Write the track's next state (cancelled, error or queued), store first; then its job may be finished."""
+        if step.retried:
+            self.metrics.retries.labels(str(t.worker_id)).inc()
+        t.env_failures = step.env_failures
+        now = time.time()
+        if step.next is Next.cancelled:
+            await self.book.change(t, TrackStatus.cancelled, fence, attempts=step.attempts, finished_at=now, owner=None)
+        elif step.next is Next.error:
+            await self.book.change(t, TrackStatus.error, fence, attempts=step.attempts, error=step.reason,
+                                   finished_at=now, owner=None)  # fmt: skip
+            log.warning("track %s/%d: error: %s", job.job_id, t.index, step.reason)
+        else:
+            log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, step.reason)
+            await self.book.change(t, TrackStatus.queued, fence, attempts=step.attempts, worker_id=-1, owner=None,
+                                   **IDLE)  # fmt: skip
+            self.book.enqueue(job, t)
+            self.book.reorder()
+        await self.book.finish_if_done(job)
+
+    def _tries(self, t: Track) -> Tries:
+        return Tries(t.attempts, t.env_failures, self.s.max_attempts, len(self.pool.workers))
+
+    async def _job_cancelled(self, job: Job) -> bool:
+        """Whether the job was cancelled, here or (the store says) at another dispatcher."""
+        job.cancelled = job.cancelled or await self.store.is_cancelled(job.job_id)
+        return job.cancelled
+
+    # ---- 4. the fence ---------------------------------------------------------------------------
+    async def _conclude(self, job: Job, t: Track, step: Awaitable[None]) -> None:
+        """Run one step that writes a track's outcome; no error escapes it. A lost lease or a track
+        changed elsewhere ends this dispatcher's part; a store failure leaves the track running here,
+        for the repair to ask its worker again; anything else is a retry of the track."""
+        try:
+            await step
+        except LeaseLost as exc:
+            log.warning("track %s/%d: %s is gone; this dispatcher stops acting for it (task %s)", *t.key, exc.fence,
+                        t.task_id)  # fmt: skip
+        except StaleTrack:
+            log.warning("track %s/%d: another dispatcher changed it first; leaving it to them", *t.key)
+        except StoreError as exc:
+            log.warning("track %s/%d: its outcome could not be stored (%s); the repair asks worker %d again",
+                        *t.key, exc, t.worker_id)  # fmt: skip
+        except Exception as exc:
+            log.exception("track %s/%d: internal error", *t.key)
+            try:
+                await self.retry(job, t, f"internal error ({type(exc).__name__})", fence=self._fence(t.key))
+            except Exception as again:  # the store: the repair comes back to it
+                log.warning("track %s/%d: its retry could not be stored (%s)", *t.key, again)
+
+    def _fence(self, key: Key) -> Fence | None:
+        a = self.running.get(key)
+        return a.fence if a is not None else None
+
+    def fence_of(self, w: WorkerHandle) -> Fence | None:
+        """The lease this dispatcher holds on ``w`` now (None: none)."""
+        return Fence(self.me, w.worker_id, w.lease_epoch) if w.leased and w.lease_epoch else None
+
+    def lease_header(self, fence: Fence | None) -> str | None:
+        """What the worker is told of the lease a call is made under (``worker/fence.py``)."""
+        return f"{self.store.ident} {fence.epoch}" if fence is not None and self.store.ident else None
+
+    def fenced_on(self, worker_id: int) -> bool:
+        """Whether an attempt of this dispatcher still writes under its lease on ``worker_id`` (the
+        worker may be free while its answer is applied): that lease is not given back yet."""
+        return any(a.fence is not None and a.fence.worker_id == worker_id for a in self.running.values())
+
+    def refence(self, w: WorkerHandle, old: int, new: int) -> None:
+        """This dispatcher re-took ``w``'s lease and nobody held it between (epoch ``old`` + 1 = ``new``):
+        the attempts there go on under the new epoch."""
+        for a in self.running.values():
+            if a.fence is not None and a.fence.worker_id == w.worker_id and a.fence.epoch == old:
+                a.fence = dataclasses.replace(a.fence, epoch=new)

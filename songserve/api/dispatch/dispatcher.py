@@ -4,15 +4,15 @@ It holds these parts, each given what it needs when it is made; no part inherits
 sets another's attributes (they read each other's state and call each other's methods):
 - the track book (``tracks.py``): the active jobs, the queue, every transition of a track;
 - the worker pool (``pool.py``): the workers and the health poll;
-- the attempts (``attempts.py``, ``attempt_ends.py``): one attempt's start, answer, stop and fence;
+- the attempts (``attempts.py``): one record per running track, and its start, answer, stop and fence;
 - the membership (``membership.py``): presence, the worker registry, leases and take-overs;
 - the encodings (``encodings.py``): uploads to encode, served before tracks.
 
 Here: the loops that drive them (dispatch, watchdog, membership, reconcile, store sync, the store
 probe, the results folder's probe; each supervised, see ``loops.py``, and all on the store's
-background lane: their own connections), the dispatch pass (queue order, packing a job's takes into
-one batch), the watchdog's repair of what a failed store write left behind (by asking the worker,
-never by guessing), and the few methods ``JobService`` calls: ``add``, ``cancel``, ``active_job``,
+background lane: their own connections), the dispatch pass (the facts gathered, ``placement.plan``
+asked, its assignments started), the watchdog's repair of what a failed store write left behind (by
+asking the worker, never by guessing), and the few methods ``JobService`` calls: ``add``, ``cancel``, ``active_job``,
 ``facts``, ``queue_position``, ``fleet``, admission (``queue_length``, ``queue_wait``,
 ``free_workers``), ``status`` and ``ready`` (answered by ``readiness.py`` from these parts' states).
 The gauges of ``metrics.py`` read the ``LiveState`` methods at the end.
@@ -27,18 +27,18 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from songserve.api.dispatch import readiness
-from songserve.api.dispatch.attempt_ends import USER_CANCEL
-from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.attempts import USER_CANCEL, Attempts
 from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
 from songserve.api.dispatch.membership import Membership
-from songserve.api.dispatch.placement import pack, pick
+from songserve.api.dispatch.placement import PlanFacts, plan
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
+from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
 from songserve.api.jobs.facts import Fleet, JobFacts
 from songserve.api.jobs.records import Job, Key
-from songserve.api.jobs.states import JobStatus, TrackStatus, job_status
+from songserve.api.jobs.states import JobStatus, job_status
 from songserve.api.metrics import DispatcherMetrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.settings import DispatcherSettings
@@ -132,7 +132,7 @@ class Dispatcher:
         if self._drained:
             return
         self._drained = True
-        running = dict(self.attempts.running)  # track → its attempt (the takes of a batch share one)
+        running = {key: a.task for key, a in self.attempts.running.items()}  # the takes of a batch share one task
         if running:
             log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
             left = set(running.values())
@@ -148,7 +148,7 @@ class Dispatcher:
         self.accepting = False
         await self.pool.stop()
         await self.encodings.stop()
-        tasks = self._tasks + list(self.attempts.running.values())
+        tasks = self._tasks + list({a.task for a in self.attempts.running.values()})
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -183,7 +183,7 @@ class Dispatcher:
             for t in job.tracks:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
                     w = self.pool.by_id(t.worker_id)
-                    if w is not None and w.leased and w.lease_epoch and self.attempts.reconcile(job, t):
+                    if w is not None and w.leased and w.lease_epoch and self.attempts.reattach(job, t):
                         log.info("track %s/%d: no attempt behind it; asking worker %d about task %s", *t.key,
                                  w.worker_id, t.task_id)  # fmt: skip
             try:
@@ -235,6 +235,9 @@ class Dispatcher:
             await self._dispatch_pass()
 
     async def _dispatch_pass(self) -> None:
+        """Gather the facts, plan (``placement.plan``: pure), apply the plan (start its attempts). A
+        claim another dispatcher won leaves its worker free: the rest of the queue is planned again for
+        it, without the tracks this pass already tried."""
         if not self.accepting:
             return
         book = self.book
@@ -253,42 +256,33 @@ class Dispatcher:
             book.reorder()
             return
         ordered = book.ordered()
-        taken: set[Key] = set()
         try:
-            for entry in ordered:
-                free = [w for w in free if w.available]  # the claims below await: re-read what may have moved
-                if not free:
+            facts = PlanFacts(self.s.pack_tracks, self.pool.workers, await self._frames(ordered))
+            tried: set[Key] = set()
+            while free:
+                p = plan(ordered, book.jobs, book.queue, free, facts, tried)
+                lost = False
+                for a in p.assignments:
+                    tried.update(a.keys)
+                    # The claims below await: a worker the plan chose may have moved meanwhile.
+                    if a.worker.available and await self.attempts.begin(a.job, a.tracks, a.worker, a.missing):
+                        free.remove(a.worker)
+                    else:
+                        lost = True
+                if not lost:
                     break
-                key = (entry.job_id, entry.index)
-                job = book.jobs.get(entry.job_id)
-                if key in taken or key not in book.queue or job is None:
-                    continue  # another dispatcher's track now, or its job ended meanwhile
-                t = job.tracks[entry.index]
-                if t.status is not TrackStatus.queued:
-                    continue
-                missing = await self.encodings.frames_for(job)  # a continued upload's, once it is encoded
-                if missing is None:
-                    continue
-                # Not back to the worker it just failed on while another can take it; a retake to one that can continue it.
-                w = pick(free, job, t, self.pool.workers)
-                if w is None:
-                    continue
-                tracks = [
-                    t,
-                    *pack(
-                        job,
-                        w,
-                        self.s.pack_tracks,
-                        len(ordered) - len(taken) - 1,
-                        len(free) - 1,
-                        taken | {(job.job_id, t.index)},
-                    ),  # fmt: skip
-                ]
-                taken.update((job.job_id, x.index) for x in tracks)
-                if await self.attempts.begin(job, tracks, w, missing):
-                    free.remove(w)
+                free = [w for w in free if w.available]
         finally:
             book.reorder()
+
+    async def _frames(self, ordered: list[QueueEntry]) -> dict[str, str | None]:
+        """For each queued job that continues an upload: whether its kept frames are cut (``Encodings.frames_for``)."""
+        frames: dict[str, str | None] = {}
+        for e in ordered:
+            job = self.book.jobs.get(e.job_id)
+            if job is not None and e.job_id not in frames and job.request.continue_from is not None:
+                frames[e.job_id] = await self.encodings.frames_for(job)
+        return frames
 
     # ---- what the service asks ------------------------------------------------------------------
     @property

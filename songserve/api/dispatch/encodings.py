@@ -31,7 +31,7 @@ import numpy as np
 
 from songserve import codes
 from songserve.api.dispatch import retakes
-from songserve.api.dispatch.attempt_ends import AttemptEnds
+from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Job
 from songserve.api.results.artifacts import ArtifactStore
@@ -55,7 +55,7 @@ class Encodings:
         me: str,
         store: JobStore,
         artifacts: ArtifactStore,
-        fences: AttemptEnds,
+        fences: Attempts,
         kick: Callable[[], None],
     ) -> None:
         self.s = s
@@ -91,7 +91,7 @@ class Encodings:
             except StoreError as exc:
                 log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
                 break
-            w.encoding = u.upload_id
+            w.start_encoding(u.upload_id)
             able.remove(w)
             free = [x for x in free if x is not w]
             log.info("upload %s: attempt %d on worker %d (%.1f s of audio)", u.upload_id, u.attempts + 1, w.worker_id,

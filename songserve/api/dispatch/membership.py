@@ -36,8 +36,7 @@ import logging
 import math
 import time
 
-from songserve.api.dispatch.attempt_ends import LEASE_LOST, USER_CANCEL
-from songserve.api.dispatch.attempts import Attempts
+from songserve.api.dispatch.attempts import LEASE_LOST, USER_CANCEL, Attempts
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool
 from songserve.api.dispatch.tracks import TrackBook
 from songserve.api.settings import DispatcherSettings
@@ -120,12 +119,10 @@ class Membership:
                 self._new_epoch(w, held[w.worker_id])
         taken = await self._take_leases(held, rows)
         for w in self.pool.workers:
-            w.leased = w.worker_id in held
-            w.lease_epoch = held.get(w.worker_id, 0)
-            if w.leased:
-                w.lease_owner = self.me
+            if w.worker_id in held:
+                w.lease_held(held[w.worker_id], self.me)
             else:
-                w.handing_back = False
+                w.lease_gone()
         self._live = {r.worker_id for r in rows}
         # At start, every worker leased here may run tracks of this dispatcher's previous life.
         self._take_over_due |= {w.worker_id for w in (self.pool.workers if first else taken) if w.leased}
@@ -139,7 +136,7 @@ class Membership:
         while the tracks are to be read again (after a pause or a lost lease)."""
         until = (self._renewed_at or 0.0) + self.ttl
         for w in self.pool.workers:
-            w.lease_valid_until = until if w.leased and not self._reload else 0.0
+            w.lease_usable_until(0.0 if self._reload else until)
 
     async def reconcile(self) -> None:
         """The membership's work on the job tables, after a step: read every track again after a pause
@@ -166,7 +163,7 @@ class Membership:
         log.warning("worker %d: lease re-taken at epoch %d, held elsewhere since epoch %d: its tracks are read "
                     "again from the store and the worker", w.worker_id, epoch, w.lease_epoch)  # fmt: skip
         self._lease_lost(w)
-        w.leased, w.lease_epoch = True, epoch  # ours again, under the new epoch
+        w.lease_held(epoch, self.me)  # ours again, under the new epoch
         self._take_over_due.add(w.worker_id)
 
     async def leave(self) -> None:
@@ -195,18 +192,18 @@ class Membership:
         mine = [w for w in self.pool.workers if w.worker_id in held]
         for w in sorted(mine, key=lambda w: (bool(w.assigned), w.worker_id)):  # idle ones go first
             if extra <= 0:
-                w.handing_back = False
+                w.hand_back(False)
                 continue
             extra -= 1
             if w.assigned or self.attempts.fenced_on(w.worker_id):  # its last answers are still being applied
                 if not w.handing_back:
                     log.info("worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
                              w.worker_id, share, len(self.alive))  # fmt: skip
-                w.handing_back = True
+                w.hand_back(True)
                 continue
             await self.store.members.release_lease(self.me, w.worker_id)
             held.pop(w.worker_id, None)
-            w.handing_back = False
+            w.hand_back(False)
             log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,
                      len(self.alive))  # fmt: skip
         return taken
@@ -214,7 +211,7 @@ class Membership:
     def _lease_lost(self, w: WorkerHandle) -> None:
         log.warning("worker %d: lease (epoch %d) lost: this dispatcher stalled past LEASE_TTL_SEC? It stops "
                     "acting for the %d tracks it ran there", w.worker_id, w.lease_epoch, len(w.assigned))  # fmt: skip
-        w.leased, w.lease_epoch, w.lease_valid_until = False, 0, 0.0
+        w.lease_gone()
         self._reload = True
         for key in list(w.assigned.values()):
             self.attempts.stop(key, LEASE_LOST)

@@ -2,9 +2,10 @@
 
 Most tracks take the first free worker (in the pool's order). A retried track does not go back to
 the worker its last attempt failed on (``Track.avoid_worker``) while another worker can take it: it
-waits for that one, even when the worker that failed it is the only one free (issue 35: a retry sent
-straight back to a worker whose downloads dripped waited out a second 45 s deadline). A retake is pickier: only our workers can continue a song
-(a reference worker knows nothing of a prefix), and among them one whose ``/health`` lists a KV
+waits for that one, even when the worker that failed it is the only one free (sent straight back, a
+retry meets the same fault again: a worker whose downloads drip makes it wait out a second deadline).
+A retake is pickier: only our workers can continue a song (a reference worker knows nothing of a
+prefix), and among them one whose ``/health`` lists a KV
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
 same song, only the prefill is longer.
@@ -12,16 +13,28 @@ same song, only the prefill is longer.
 ``pack`` (``PACK_TRACKS``): a job's queued takes go to one worker as one batch when more are
 queued than workers are free (``auto``), always, or never; retakes of one prefix always go
 together, so the prefix is prefilled once.
+
+``plan`` does this for the whole queue at once and returns what it decided (``Plan``: which takes go
+to which worker, and why each other queued track waits); it awaits nothing and changes nothing, so a
+dispatch pass is "gather the facts, plan, apply" (``Dispatcher._dispatch_pass``), and the plan is
+tested over tables of cases without an event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.retakes import origin_of
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
+
+NO_WORKER = "no free worker"
+NOT_ENCODED = "its upload is not encoded yet"
+NO_PREFIX = "no free worker can continue a song (a reference worker knows no prefix)"
+NOT_THERE_AGAIN = "it waits for a worker other than the one its last attempt failed on"
 
 
 def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
@@ -70,3 +83,77 @@ def pack(job: Job, w: WorkerHandle, mode: str, queued_after: int, free_after: in
     if mode == "auto":
         room = min(room, queued_after - free_after)  # leave the free workers their share
     return more[: max(0, room)]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Takes of one job to start on one worker as one attempt (the first is the one whose turn it was)."""
+
+    job: Job
+    tracks: list[Track]
+    worker: WorkerHandle
+    missing: str = ""  # why a continuation's kept frames never will be there (its takes fail so)
+
+    @property
+    def keys(self) -> list[Key]:
+        return [t.key for t in self.tracks]
+
+
+@dataclass(frozen=True)
+class Plan:
+    assignments: list[Assignment] = field(default_factory=list)
+    waiting: dict[Key, str] = field(default_factory=dict)  # queued tracks not started now, and why
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What a plan needs besides the queue and the free workers."""
+
+    pack_tracks: str  # ``PACK_TRACKS``: auto, always, never
+    fleet: Sequence[WorkerHandle] = ()  # the whole pool: a worker busy now may take a track later
+    frames: Mapping[str, str | None] = field(default_factory=dict)  # job id → ``Encodings.frames_for``'s
+    # answer for a continued upload ("" or absent: ready or not needed; None: still encoding)
+
+
+def plan(
+    ordered: Sequence[QueueEntry],
+    jobs: Mapping[str, Job],
+    queued: Collection[Key],
+    free: Sequence[WorkerHandle],
+    facts: PlanFacts,
+    taken: Collection[Key] = (),
+) -> Plan:
+    """Pair ``ordered`` (the queue in dispatch order) with ``free`` (the workers that may take a track
+    now, in preference order). Entries no longer in ``queued`` (another dispatcher's now), of a job
+    no longer active, not queued in memory or in ``taken`` (tried already in this pass) are skipped;
+    every other one is assigned or waits with its reason."""
+    left = list(free)
+    done: set[Key] = set(taken)
+    out = Plan()
+    for entry in ordered:
+        key = (entry.job_id, entry.index)
+        job = jobs.get(entry.job_id)
+        if key in done or key not in queued or job is None:
+            continue
+        t = job.tracks[entry.index]
+        if t.status is not TrackStatus.queued:
+            continue
+        if not left:
+            out.waiting[key] = NO_WORKER
+            continue
+        missing = facts.frames.get(job.job_id, "")
+        if missing is None:
+            out.waiting[key] = NOT_ENCODED
+            continue
+        w = pick(left, job, t, facts.fleet)
+        if w is None:
+            cf = job.request.continue_from
+            ours = any(not x.client.reference for x in left)
+            out.waiting[key] = NO_PREFIX if cf is not None and not ours else NOT_THERE_AGAIN
+            continue
+        more = pack(job, w, facts.pack_tracks, len(ordered) - len(done) - 1, len(left) - 1, done | {key})
+        tracks = [t, *more]
+        done.update(x.key for x in tracks)
+        out.assignments.append(Assignment(job, tracks, w, missing))
+        left.remove(w)
+    return out

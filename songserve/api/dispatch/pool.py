@@ -209,6 +209,42 @@ class WorkerHandle:
         """Its connection broke: not used again until a health poll answers."""
         self.online = False
 
+    def mark_stalled(self) -> None:
+        """Our watchdog saw no progress of its tasks: stalled until it is given a task again."""
+        self.stalled = True
+
+    def start_encoding(self, upload_id: str) -> None:
+        """It encodes ``upload_id`` for us now: busy, as with a track, until ``encoded``."""
+        self.encoding = upload_id
+
+    def copy_started(self) -> None:
+        """A result of its attempt is being copied from it (it gets new work while few are)."""
+        self.collecting += 1
+
+    def copy_ended(self) -> None:
+        self.collecting -= 1
+
+    # ---- its lease, as the membership learns it (read by the dispatch pass and the attempts) ----
+    def lease_held(self, epoch: int, owner: str) -> None:
+        """This dispatcher (``owner``) holds its lease under ``epoch``."""
+        self.leased, self.lease_epoch, self.lease_owner = True, epoch, owner
+
+    def lease_gone(self) -> None:
+        """Its lease is not held here (lost, given back, never taken): nothing is sent to it from here."""
+        self.leased, self.lease_epoch, self.lease_valid_until, self.handing_back = False, 0, 0.0, False
+
+    def lease_usable_until(self, until: float) -> None:
+        """Tasks go to it until ``until`` (monotonic: the last renewal + TTL); 0: not before the next renewal."""
+        self.lease_valid_until = until if self.leased else 0.0
+
+    def suspend_lease(self) -> None:
+        """A write under its lease was refused: nothing is sent to it before the membership reads its leases."""
+        self.lease_valid_until = 0.0
+
+    def hand_back(self, over_share: bool) -> None:
+        """Over this dispatcher's fair share (``over_share``): no new tasks, its lease goes back once idle."""
+        self.handing_back = over_share
+
     def note_health(self, health: WorkerHealth, sent_at: float) -> None:
         self.health, self.online, self.failures, self.answered = health, True, 0, False
         self.health_sent_at = sent_at

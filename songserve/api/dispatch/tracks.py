@@ -6,7 +6,7 @@ A track's lifetime (the legal moves are in ``jobs/states.py``; who makes them is
       ▲                     │ the model failed with a clear sentence ──▶ error     (attempts.py)
       └──── retry ◀─────────┤ worker lost / unreachable / lost the task / stalled / past deadline
                             │ / failed for an environment reason (while tries remain, else error:
-                            │ attempt_ends.py, with the rules of retries.py)
+                            │ attempts.py, with the rules of retries.py)
                             └ the user cancelled ──────────────────▶ cancelled
 
 Store first: a state change is written before it shows in memory (``change`` writes the new state,
@@ -14,8 +14,8 @@ then applies it), so memory never claims what the store does not hold. Writes ar
 on the (status, owner) this dispatcher last saw, and those for a track on a worker carry the lease
 they are made under (a ``Fence``, checked by the store): when another dispatcher changed the track
 first, or the lease is gone (``StaleTrack``, ``LeaseLost``), nothing is applied and the job is read
-again from the store. The book decides none of the moves: the attempts (``attempts.py`` and
-``attempt_ends.py``: claim, progress, done, error, retry), the user's cancel, the dispatcher's
+again from the store. The book decides none of the moves: the attempts (``attempts.py``: claim,
+progress, done, error, retry), the user's cancel, the dispatcher's
 repairs and the membership's take-overs ask for them here.
 
 With a shared store (PostgreSQL) the active jobs in memory are this dispatcher's view of the shared
