@@ -163,9 +163,13 @@ class PgConnections:
             return (await conn.execute(sql, params)).rowcount
 
     async def _together(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[list[dict[str, Any]]]:
-        async with self.tx() as conn:
-            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            return [await (await conn.execute(sql, params)).fetchall() for sql, params in statements]
+        """The reads in one read-only snapshot, sent as one pipeline: one round trip, not one per statement."""
+        async with self.tx(transaction=False) as conn:
+            async with conn.pipeline():
+                await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                cursors = [await conn.execute(sql, params) for sql, params in statements]
+                await conn.execute("COMMIT")
+            return [await cur.fetchall() for cur in cursors]
 
     async def read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """One read; on a dead connection, once more after the pool has replaced its dead ones."""
