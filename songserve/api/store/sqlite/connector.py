@@ -92,7 +92,7 @@ class SqliteTx:
 
 
 class SqliteConnector:
-    """``Connector`` over one SQLite file; ``open`` blocks (start-up), everything else is awaited."""
+    """``Connector`` over one SQLite file; opening it blocks (start-up work), every call after is awaited."""
 
     dialect = SQLITE
 
