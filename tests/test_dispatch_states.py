@@ -269,7 +269,11 @@ async def test_metrics_record_queue_waits_stages_retries_and_finished_tracks(tmp
     async with FakeFleet(tmp_path) as f:
         f.workers[0].plans.append(Plan("drop"))
         await run_job(f)
-        text = f.svc.dispatcher.metrics.render().decode()
+        metrics = f.svc.dispatcher.metrics
+        await until(
+            lambda: "songserve_tracks_finished_total{" in metrics.render().decode()
+        )  # the job's finish is stored
+        text = metrics.render().decode()
     assert "songserve_queue_wait_seconds_count 2.0" in text  # the first attempt and the retry
     assert 'songserve_stage_seconds_count{stage="backbone"} 1.0' in text
     assert "songserve_track_seconds_count 1.0" in text

@@ -165,7 +165,7 @@ async def test_an_attempt_whose_lease_is_taken_ends_without_touching_its_track(t
         job_id = (await f.svc.submit(body())).job_id
         await until(lambda: bool(f.workers[0].running))
         # Another dispatcher takes the worker's lease (as after this one stalled past it).
-        store.db.execute(
+        await store.db.execute(
             "UPDATE workers SET lease_owner='B', lease_epoch=lease_epoch+1, lease_until=?", (time.time() + 600,)
         )
         release.set()

@@ -31,13 +31,19 @@ def test_a_settings_refusal_has_no_pydantic_prefix():
 
 
 def test_a_fresh_store_says_it_was_created_in_one_line_and_a_migration_in_one_line(tmp_path, caplog):
+    import asyncio
     import logging
-    import sqlite3
 
-    from songserve.api.store.sqlite.migrations import MIGRATIONS, migrate
+    from songserve.api.store.migrations import migrate as run_steps
+    from songserve.api.store.sqlite.connector import SqliteConnector
+    from songserve.api.store.sqlite.migrations import MIGRATIONS
 
-    caplog.set_level(logging.INFO, logger="songserve.api.store.sqlite.migrations")
-    db = sqlite3.connect(tmp_path / "jobs.sqlite3", isolation_level=None)
+    caplog.set_level(logging.INFO, logger="songserve.api.store.migrations")
+    db = SqliteConnector(tmp_path / "jobs.sqlite3")
+
+    def migrate(conn, steps=MIGRATIONS):
+        return asyncio.run(run_steps(conn, steps))
+
     assert migrate(db, MIGRATIONS[:2]) == [MIGRATIONS[0].version, MIGRATIONS[1].version]
     assert [r.getMessage() for r in caplog.records] == [f"job store: created (schema version {MIGRATIONS[1].version})"]
     caplog.clear()
@@ -49,4 +55,4 @@ def test_a_fresh_store_says_it_was_created_in_one_line_and_a_migration_in_one_li
     caplog.clear()
     assert migrate(db) == []
     assert not caplog.records  # the usual start: nothing applied, nothing said
-    db.close()
+    db.shutdown()

@@ -205,6 +205,7 @@ async def test_a_cancel_stops_a_download_in_progress(tmp_path):
 async def test_a_results_folder_that_cannot_be_written_holds_the_track_and_resumes_by_itself(tmp_path):
     async with FakeFleet(tmp_path, n=1) as f:
         results = f.svc.artifacts.root
+        await until(lambda: f.svc.dispatcher.results._probed_at > 0)  # the start's probe passed: a copy finds it
         shutil.rmtree(results)
         results.write_text("not a folder")  # every write under it fails (NotADirectoryError), even as root
         job_id = (await f.svc.submit(body())).job_id

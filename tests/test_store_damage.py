@@ -18,9 +18,11 @@ import pytest
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.results.artifacts import ArtifactStore
-from songserve.api.store.migrations import Migration
+from songserve.api.store.migrations import Migration, migrate
+from songserve.api.store.protocol import StoreError
 from songserve.api.store.sqlite import migrations
 from songserve.api.store.sqlite.check import diagnose, move_aside, prepare_store
+from songserve.api.store.sqlite.connector import SqliteConnector
 from songserve.api.store.sqlite.migrations import SCHEMA_VERSION
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.errors import ConfigError
@@ -55,6 +57,24 @@ def _filled_store(state: Path, jobs: int = 60) -> Path:
     asyncio.run(fill())
     assert not path.with_name(STORE + "-wal").exists() or path.with_name(STORE + "-wal").stat().st_size == 0
     return path
+
+
+def _migrate(path: Path, steps: tuple[Migration, ...]) -> list[int]:
+    """Run the store's migration runner with ``steps`` on the file at ``path``."""
+    conn = SqliteConnector(path)
+    try:
+        return asyncio.run(migrate(conn, steps))
+    finally:
+        conn.shutdown()
+
+
+def _version(path: Path) -> int:
+    """The file's schema version, read on a connection of its own."""
+    db = sqlite3.connect(path)
+    try:
+        return migrations.user_version(db)
+    finally:
+        db.close()
 
 
 def _garble_data_pages(path: Path) -> None:
@@ -159,7 +179,8 @@ def test_move_aside_starts_a_fresh_store_and_says_so(tmp_path: Path) -> None:
 def test_missing_and_empty_without_results_are_new(tmp_path: Path) -> None:
     path = tmp_path / STORE
     assert prepare_store(path, "refuse", tmp_path / "results") is None
-    assert SqliteStore(path).db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    SqliteStore(path).db.shutdown()
+    assert _version(path) == SCHEMA_VERSION
     other = tmp_path / "b" / STORE
     other.parent.mkdir()
     other.write_bytes(b"")
@@ -180,7 +201,7 @@ def test_move_aside_keeps_wal_and_data(tmp_path: Path) -> None:
     assert moved.read_bytes() == garbled
     store = SqliteStore(path)
     assert asyncio.run(store.active_jobs()) == []
-    store.db.close()
+    store.db.shutdown()
     second = _filled_store(tmp_path / "again")
     _garble_data_pages(second)
     (tmp_path / "again" / f"{STORE}.damaged-x").write_bytes(b"")
@@ -203,8 +224,8 @@ def test_move_aside_takes_the_side_files(tmp_path: Path) -> None:
 def test_unversioned_store_is_migrated_with_its_rows(tmp_path: Path) -> None:
     """A store from before versioning (user_version 0, version 1's tables) comes forward intact."""
     path = tmp_path / STORE
+    _migrate(path, migrations.MIGRATIONS[:1])
     db = sqlite3.connect(path, isolation_level=None)
-    migrations.migrate(db, migrations.MIGRATIONS[:1])
     for i in range(3):
         db.execute(
             "INSERT INTO jobs (job_id, seq, created_at, request, cleaned_lyrics, num_tracks) VALUES (?, ?, 1, ?, 'x', 1)",
@@ -215,18 +236,18 @@ def test_unversioned_store_is_migrated_with_its_rows(tmp_path: Path) -> None:
     db.close()
     assert prepare_store(path) is None
     store = SqliteStore(path)
-    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert _version(path) == SCHEMA_VERSION
     assert len(asyncio.run(store.active_jobs())) == 3
-    store.db.close()
+    store.db.shutdown()
 
 
 def test_a_new_migration_applies_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _filled_store(tmp_path, jobs=2)
     step = Migration(SCHEMA_VERSION + 1, "track notes", ("ALTER TABLE tracks ADD COLUMN note TEXT",))
     extended = (*migrations.MIGRATIONS, step)
+    assert _migrate(path, extended) == [SCHEMA_VERSION + 1]
+    assert _migrate(path, extended) == []  # a second start applies nothing
     db = sqlite3.connect(path, isolation_level=None)
-    assert migrations.migrate(db, extended) == [SCHEMA_VERSION + 1]
-    assert migrations.migrate(db, extended) == []  # a second start applies nothing
     cols = [r[1] for r in db.execute("PRAGMA table_info(tracks)")]
     assert "note" in cols
     assert migrations.user_version(db) == SCHEMA_VERSION + 1
@@ -236,9 +257,9 @@ def test_a_new_migration_applies_once(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_failing_migration_leaves_the_old_version(tmp_path: Path) -> None:
     path = _filled_store(tmp_path, jobs=1)
     bad = Migration(SCHEMA_VERSION + 1, "broken", ("ALTER TABLE tracks ADD COLUMN a TEXT", "NOT SQL AT ALL"))
+    with pytest.raises(StoreError):
+        _migrate(path, (*migrations.MIGRATIONS, bad))
     db = sqlite3.connect(path, isolation_level=None)
-    with pytest.raises(sqlite3.OperationalError):
-        migrations.migrate(db, (*migrations.MIGRATIONS, bad))
     assert migrations.user_version(db) == SCHEMA_VERSION
     assert "a" not in [r[1] for r in db.execute("PRAGMA table_info(tracks)")]
     db.close()

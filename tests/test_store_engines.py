@@ -298,3 +298,55 @@ def test_both_engines_walk_the_same_schema_versions() -> None:
 
     assert [(m.version, m.what) for m in pg.MIGRATIONS] == [(m.version, m.what) for m in sqlite.MIGRATIONS]
     assert pg.SCHEMA_VERSION == sqlite.SCHEMA_VERSION
+
+
+def test_an_older_store_is_brought_forward_with_its_rows_by_the_one_runner(engine: str) -> None:
+    """A store left at schema version 4 (before webhooks, keys and uploads) by an older build opens:
+    the one runner applies 5 to 7 on either engine, and the job stored before is read back whole."""
+    from songserve.api.store.migrations import migrate
+
+    old_job = (
+        "INSERT INTO jobs (job_id, created_at, request, cleaned_lyrics, num_tracks) VALUES (?, 1, ?, 'la', 1)",
+        ("aaaa000000000020", GenerateRequest(lyrics="la").model_dump_json()),
+    )
+    old_track = ("INSERT INTO tracks (job_id, idx, status, seed) VALUES (?, 0, 'queued', 7)", ("aaaa000000000020",))
+
+    async def go() -> None:
+        if engine.startswith("postgresql://"):
+            import psycopg
+            from psycopg.rows import dict_row
+
+            from songserve.api.store.postgres import migrations as pg
+            from songserve.api.store.postgres.connector import PgSession
+
+            async with await psycopg.AsyncConnection.connect(engine, autocommit=True, row_factory=dict_row) as c:
+                session = PgSession(c, "A")
+                assert await migrate(session, pg.MIGRATIONS[:4]) == [1, 2, 3, 4]
+                async with session.transaction() as tx:
+                    await tx.execute(*old_job)
+                    await tx.execute(*old_track)
+        else:
+            from songserve.api.store.sqlite import migrations as lite
+            from songserve.api.store.sqlite.connector import SqliteConnector
+
+            conn = SqliteConnector(Path(engine))
+            assert await migrate(conn, lite.MIGRATIONS[:4]) == [1, 2, 3, 4]
+            async with conn.transaction() as tx:
+                await tx.execute(
+                    old_job[0].replace("(job_id,", "(seq, job_id,").replace("VALUES (", "VALUES (1, "), old_job[1]
+                )
+                await tx.execute(*old_track)
+            await conn.close()
+        store = await open_store(engine)
+        try:
+            job = await store.load_job("aaaa000000000020")
+            assert job is not None
+            assert (job.caller, job.tracks[0].seed, job.tracks[0].status) == (None, 7, TrackStatus.queued)
+            assert await store.uploads.ids() == set()  # the uploads table of version 6 exists
+            later = new_job("aaaa000000000021", tracks=1)
+            await store.insert_job(later)
+            assert later.seq == 2
+        finally:
+            await store.close()
+
+    run(go)

@@ -17,18 +17,23 @@ lease that lapses, and the row is claimed again (at least once, with the same ``
 the oldest pending row of a job can be claimed, so a job's events arrive in the order they were
 written, each after the one before it was delivered or given up.
 
-Each engine keeps the outbox in a small connector (``store.outbox``, the ``Outbox`` protocol below:
-``store/sqlite/outbox.py``, ``store/postgres/outbox.py``); the events a state change reports are
-written by the jobs store in that change's own transaction, with the engine's outbox helper.
+``OutboxRepo`` keeps it over either engine's connector (``store.outbox``, the ``Outbox`` protocol
+below; its SQL: ``store/queries/outbox.py``). Claims lock the due rows (``FOR UPDATE SKIP LOCKED`` on
+PostgreSQL, the write lock on SQLite) and lease them on the store's clock, so one dispatcher of a
+fleet sends each event. The events a state change reports are written by the jobs store in that
+change's own transaction, with ``insert_events``.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
+
+from songserve.api.store.connector import Connector, Tx
+from songserve.api.store.queries import outbox as q
 
 EVENT_KINDS = ("start", "progress", "track", "completed")
 DEFAULT_EVENTS = ("completed",)
@@ -80,20 +85,14 @@ def retry_delay(failures: int, base: float, draw: Callable[[], float] = random.r
     return min(MAX_RETRY_SEC, base * 2.0 ** max(0, min(failures - 1, 30))) * (1.0 - JITTER * draw())
 
 
-def event_columns(events: list[WebhookEvent]) -> list[list[object]]:
-    """The events as one list per column (id, job, kind, url, body, time): both engines insert these."""
-    return [
-        [e.event_id for e in events],
-        [e.job_id for e in events],
-        [e.kind for e in events],
-        [e.url for e in events],
-        [e.body for e in events],
-        [e.created_at for e in events],
-    ]
+async def insert_events(tx: Tx, events: Sequence[WebhookEvent]) -> None:
+    """Write ``events`` in the caller's transaction (that of the change they report)."""
+    rows = [(e.event_id, e.job_id, e.kind, e.url, e.body, e.created_at) for e in events]
+    await tx.execute_many(q.INSERT_EVENT, rows)
 
 
 def delivery_from_row(r: Any) -> Delivery:
-    """A ``Delivery`` from a ``webhook_events`` row (``sqlite3.Row`` or a dict: read by column name)."""
+    """A ``Delivery`` from a ``webhook_events`` row (read by column name)."""
     event = WebhookEvent(r["event_id"], r["job_id"], r["kind"], r["url"], r["body"], float(r["created_at"]))
     return Delivery(int(r["id"]), event, int(r["attempts"]))
 
@@ -119,3 +118,44 @@ class Outbox(Protocol):
 
     async def sweep(self, ended_before: float) -> int:
         """Remove delivered and given-up events that ended before ``ended_before``; returns how many."""
+
+
+class OutboxRepo:
+    """``Outbox`` over the store's connector."""
+
+    def __init__(self, conn: Connector) -> None:
+        self.conn = conn
+
+    async def add_progress(self, event: WebhookEvent, min_gap: float) -> bool:
+        async with self.conn.transaction() as tx:
+            if await tx.execute(q.MARK_PROGRESS, (event.job_id, min_gap)) != 1:
+                return False
+            await insert_events(tx, [event])
+        return True
+
+    async def claim(self, owner: str, limit: int, lease_sec: float) -> list[Delivery]:
+        if await self.conn.fetch_one(q.ANY_DUE) is None:
+            return []  # the usual answer, without a write transaction
+        async with self.conn.transaction() as tx:
+            rows = await tx.fetch_all(q.CLAIM_DUE, (limit,))
+            await tx.execute_many(q.LEASE, [(owner, lease_sec, r["id"]) for r in rows])
+        return [delivery_from_row(r) for r in rows]
+
+    async def delivered(self, row: int) -> None:
+        await self.conn.execute(q.DELIVERED, (row,))
+
+    async def failed(self, row: int, owner: str, error: str, retry_in: float | None) -> None:
+        if retry_in is None:
+            await self.conn.execute(q.GIVEN_UP, (error, row, owner))
+        else:
+            await self.conn.execute(q.RETRY, (retry_in, error, row, owner))
+
+    async def release(self, owner: str) -> None:
+        await self.conn.execute(q.RELEASE, (owner,))
+
+    async def stats(self) -> OutboxStats:
+        row = await self.conn.fetch_one(q.STATS)
+        return OutboxStats(int(row["n"]), row["oldest"]) if row else OutboxStats()
+
+    async def sweep(self, ended_before: float) -> int:
+        return await self.conn.execute(q.SWEEP, (ended_before,))

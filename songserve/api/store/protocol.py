@@ -1,10 +1,10 @@
 """The job store's interface: what the dispatcher keeps so that a restart, or another dispatcher, can go on.
 
-Two engines behind one ``JobStore`` protocol (every method async), each a jobs-and-tracks store with one
-small connector per other concern, reached as its attributes (``store.outbox``, ``store.uploads``,
-``store.members``; their protocols live beside their records):
+One ``JobStore`` protocol (every method async), implemented once (``store/jobs.py``) over a narrow
+connector per engine, with one repository per other concern reached as its attributes
+(``store.outbox``, ``store.uploads``, ``store.members``; their protocols live beside their records):
 - SQLite (``store/sqlite/store.py``, the default): one file under the state folder, nothing to install, one
-  dispatcher;
+  dispatcher; its statements run on a thread of its own, never on the event loop;
 - PostgreSQL (``store/postgres/store.py``, ``STORE_URL=postgresql://…``): several dispatchers share one queue. A
   track is claimed by exactly one of them (``FOR UPDATE SKIP LOCKED``), each worker is leased to one
   dispatcher at a time (a lease row renewed by a heartbeat), and every change is announced with
@@ -14,8 +14,8 @@ The rules both engines keep, so the dispatcher's code is the same over either:
 - a track row changes only by compare-and-set on its (status, owner) as the writer last saw them
   (``save_track`` raises ``StaleTrack`` when another dispatcher changed it first);
 - fencing: a claim, and every later write for a track on a worker, carries the ``Fence`` its writer
-  holds (the worker's lease epoch), and the engine checks it against the lease row, and the lease's
-  expiry on the store's clock, in the same statement (``LeaseLost`` otherwise). The epoch grows
+  holds (the worker's lease epoch), and the store checks it against the lease row, and the lease's
+  expiry on the store's clock, in the write's own transaction (``LeaseLost`` otherwise). The epoch grows
   whenever a lease changes hands or is re-taken after it expired, so a dispatcher that was paused past
   its lease cannot write for a track under a lease it no longer holds, whatever its memory says;
 - a queued track leaves the queue only through ``claim`` (or ``save_track`` to cancelled/error);

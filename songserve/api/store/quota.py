@@ -3,14 +3,17 @@
 Why in the store: the count must be right across a dispatcher's restart and across a fleet, so it
 is read from the stored jobs (each carries its key's name, ``jobs.caller``), and checked in the same
 transaction as the insert of the job it admits (SQLite's write lock; on PostgreSQL an advisory lock
-per key name), so two submissions at two dispatchers cannot both take the last track. Both engines
-call ``check`` with what they read; it raises ``OverQuota`` naming the limit.
+per key name), so two submissions at two dispatchers cannot both take the last track: the jobs store
+calls ``check_quota`` in its insert's transaction, which raises ``OverQuota`` naming the limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from songserve.api.store.connector import Reader, Tx
+from songserve.api.store.queries import quota as q
 
 WINDOW_SEC = 3600.0  # tracks_per_hour counts the tracks submitted in the last hour (a sliding window)
 
@@ -68,3 +71,16 @@ def check(quota: Quota, usage: Usage, wanted: int, now: float) -> None:
     if quota.tracks_per_hour is not None and usage.tracks + wanted > quota.tracks_per_hour:
         wait = free_in(usage.recent, quota.tracks_per_hour, wanted, now)
         raise OverQuota("tracks_per_hour", quota.tracks_per_hour, usage.tracks, wait)
+
+
+async def read_usage(db: Reader, caller: str | None, since: float) -> Usage:
+    """A key name's unfinished jobs, and (submitted at, tracks) of its jobs since ``since``, oldest first."""
+    active = await db.fetch_one(q.ACTIVE, (caller,))
+    recent = await db.fetch_all(q.RECENT, (caller, since))
+    return Usage(int(active["n"]) if active else 0, [(float(r["created_at"]), int(r["num_tracks"])) for r in recent])
+
+
+async def check_quota(tx: Tx, quota: Quota, wanted: int, now: float) -> None:
+    """In the insert's transaction, under the key's lock: raise ``OverQuota`` if the job is over a limit."""
+    await tx.lock(q.QUOTA_LOCK, quota.caller)
+    check(quota, await read_usage(tx, quota.caller, now - WINDOW_SEC), wanted, now)

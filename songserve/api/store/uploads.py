@@ -11,8 +11,8 @@ rules both engines keep, as for tracks:
   writer, so an upload deleted, or taken over after its dispatcher was thought dead, is not written;
 - ``requeue_stale`` sends back to the queue what a dead dispatcher (not among the live
   ones) or this one before a restart (owner itself, no attempt running) left ``encoding``.
-Each engine keeps them in a small connector (``store.uploads``, the ``UploadStore`` protocol below):
-``store/sqlite/uploads.py`` and ``store/postgres/uploads.py``.
+``Uploads`` keeps them over either engine's connector (``store.uploads``, the ``UploadStore`` protocol
+below; its SQL: ``store/queries/uploads.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from songserve.api.store.members import Fence
+from songserve.api.store.connector import Connector
+from songserve.api.store.members import Fence, holds
+from songserve.api.store.queries import uploads as q
+from songserve.api.store.queries.uploads import UPLOAD_COLUMNS
 from songserve.schemas import UploadStatus
-
-UPLOAD_COLUMNS = (
-    "upload_id", "created_at", "status", "filename", "ext", "bytes", "duration_sec", "frames", "source", "error",
-    "attempts", "owner", "worker_id", "started_at", "finished_at", "caller",
-)  # fmt: skip
 
 
 @dataclass
@@ -94,3 +92,59 @@ class UploadStore(Protocol):
 
     async def ids(self) -> set[str]: ...
     async def counts(self) -> dict[str, int]: ...
+
+
+class Uploads:
+    """``UploadStore`` over the store's connector."""
+
+    def __init__(self, conn: Connector) -> None:
+        self.conn = conn
+
+    async def insert(self, u: UploadRecord) -> None:
+        await self.conn.execute(q.INSERT, u.values())
+
+    async def load(self, upload_id: str) -> UploadRecord | None:
+        row = await self.conn.fetch_one(q.LOAD, (upload_id,))
+        return upload_from_row(row) if row else None
+
+    async def queued(self, limit: int) -> list[UploadRecord]:
+        return [upload_from_row(r) for r in await self.conn.fetch_all(q.QUEUED, (limit,))]
+
+    async def claim(self, upload_id: str, fence: Fence) -> bool:
+        async with self.conn.transaction() as tx:
+            if not await holds(tx, fence) or await tx.fetch_one(q.LOCK_QUEUED, (upload_id,)) is None:
+                return False
+            return await tx.execute(q.CLAIM, (fence.owner, fence.worker_id, upload_id)) == 1
+
+    async def finish(self, u: UploadRecord, owner: str) -> bool:
+        params = (u.status.value, u.frames, u.error, u.finished_at, u.upload_id, owner)
+        return await self.conn.execute(q.FINISH, params) == 1
+
+    async def requeue(self, upload_id: str, owner: str, error: str, count: bool = True) -> bool:
+        return await self.conn.execute(q.REQUEUE, (error, 0 if count else 1, upload_id, owner)) == 1
+
+    async def requeue_stale(self, alive: set[str], me: str, running: set[str]) -> int:
+        async with self.conn.transaction() as tx:
+            rows = await tx.fetch_all(q.ENCODING)
+            stale = [
+                r["upload_id"]
+                for r in rows
+                if r["owner"] not in alive or (r["owner"] == me and r["upload_id"] not in running)
+            ]
+            await tx.execute_many(q.REQUEUE_STALE, [(upload_id,) for upload_id in stale])
+        return len(stale)
+
+    async def delete(self, upload_id: str) -> bool:
+        return await self.conn.execute(q.DELETE, (upload_id,)) == 1
+
+    async def expired(self, older_than: float) -> list[str]:
+        return [r["upload_id"] for r in await self.conn.fetch_all(q.EXPIRED, (older_than,))]
+
+    async def finished_oldest_first(self) -> list[tuple[str, str]]:
+        return [(r["kind"], r["id"]) for r in await self.conn.fetch_all(q.FINISHED_OLDEST_FIRST)]
+
+    async def ids(self) -> set[str]:
+        return {r["upload_id"] for r in await self.conn.fetch_all(q.IDS)}
+
+    async def counts(self) -> dict[str, int]:
+        return {UploadStatus(r["status"]).value: int(r["n"]) for r in await self.conn.fetch_all(q.COUNTS)}

@@ -1,9 +1,9 @@
 """The PostgreSQL store's connections: psycopg 3's async pool, one call per statement or transaction,
 and what a dead connection means.
 
-Kept apart from the store's SQL (``store/postgres/store.py`` and its connectors ``outbox.py``,
-``uploads.py``, ``members.py``, each holding the store's ``PgLanes``), which calls only ``rows`` (one
-statement), ``read`` (one read, retried once) and ``tx`` (one transaction):
+Kept apart from the connector (``connector.py``, the store's narrow interface), which calls only
+``rows`` and ``count`` (one statement), ``read`` and ``read_together`` (reads, retried once) and ``tx``
+(one transaction):
 - two pools, one for the routes and one for the background loops and attempts (``BACKGROUND``
   picks, per call), so routes stalled on a locked table cannot take every connection the loops need;
 - a single statement runs in autocommit, which is one implicit transaction and saves the
@@ -34,6 +34,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
+from songserve.api.store.connector import Conflict
 from songserve.api.store.protocol import BACKGROUND, DuplicateKey, StaleTrack, StoreError
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class PgConnections:
                     yield conn  # type: ignore[misc]
         except (DuplicateKey, StaleTrack):
             raise
+        except psycopg.errors.UniqueViolation as exc:
+            raise Conflict(str(exc).strip().splitlines()[0] if str(exc).strip() else "unique violation") from exc
         except (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.DiskFull) as exc:
             if (why := (limits or self.limits).reason(exc)) is not None:
                 raise StoreError(why) from exc
@@ -154,23 +157,48 @@ class PgConnections:
             cur = await conn.execute(sql, params)
             return await cur.fetchall()
 
+    async def count(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One write statement in autocommit; the rows it changed."""
+        async with self.tx(transaction=False) as conn:
+            return (await conn.execute(sql, params)).rowcount
+
+    async def _together(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[list[dict[str, Any]]]:
+        """The reads in one read-only snapshot, sent as one pipeline: one round trip, not one per statement."""
+        async with self.tx(transaction=False) as conn:
+            async with conn.pipeline():
+                await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                cursors = [await conn.execute(sql, params) for sql, params in statements]
+                await conn.execute("COMMIT")
+            return [await cur.fetchall() for cur in cursors]
+
     async def read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """One read; on a dead connection, once more after the pool has replaced its dead ones."""
+        return (await self.read_together([(sql, params)]))[0]
+
+    async def read_together(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[list[dict[str, Any]]]:
+        """Reads seen at one moment (one statement alone, or a read-only snapshot); on a dead
+        connection, once more after the pool has replaced its dead ones."""
+
+        async def once() -> list[list[dict[str, Any]]]:
+            if len(statements) == 1:
+                return [await self.rows(*statements[0])]
+            return await self._together(statements)
+
         try:
-            return await self.rows(sql, params)
+            return await once()
         except ConnectionLost as lost:
             try:
                 await asyncio.shield(self.recheck())
             except (psycopg.Error, PoolClosed) as exc:  # the pool is closing, or cannot test its connections
                 raise StoreError(f"no database connection ({exc})") from lost
-            return await self.rows(sql, params)
+            return await once()
 
 
 class PgLanes:
     """The store's two pools: the routes' and the background loops' (``BACKGROUND`` picks per call).
 
-    Its ``rows``, ``read``, ``tx`` and ``connection`` are the calling lane's, so the jobs store and
-    each connector hold this one object and never pick a pool themselves."""
+    Its ``rows``, ``count``, ``read``, ``read_together``, ``tx`` and ``connection`` are the calling lane's,
+    so the connector holds this one object and never picks a pool itself."""
 
     def __init__(self, url: str, pool_size: int, limits: StoreLimits) -> None:
         self.routes = PgConnections(url, pool_size, limits, "songserve-routes")
@@ -198,5 +226,11 @@ class PgLanes:
     async def rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         return await self.lane.rows(sql, params)
 
+    async def count(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return await self.lane.count(sql, params)
+
     async def read(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         return await self.lane.read(sql, params)
+
+    async def read_together(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[list[dict[str, Any]]]:
+        return await self.lane.read_together(statements)

@@ -1,22 +1,13 @@
-"""Forward-only schema migrations for the PostgreSQL job store (the same versions as SQLite's).
+"""The PostgreSQL job store's schema steps, in PostgreSQL's SQL (the same numbered versions as SQLite's).
 
-Why: several dispatchers start against one database, perhaps of different builds. Each step runs in
-one transaction holding a transaction-level advisory lock, together with the version bump, so one
-dispatcher migrates and the others wait, then find the new version and skip. A database whose
-version is above this build's was written by a newer build and is refused. The step, the refusal
-and the log line are shared with SQLite's runner (``store/migrations.py``).
+The steps are run by the store's one runner (``store/migrations.py``), each in one transaction with
+its version bump (a row of ``songserve_schema``) under the schema's advisory lock, so when several
+dispatchers, perhaps of different builds, start against one database, one migrates and the others wait.
 """
 
 from __future__ import annotations
 
-import logging
-
-import psycopg
-
-from songserve.api.store.migrations import Migration, NewerSchemaError, log_migrated
-
-log = logging.getLogger(__name__)
-LOCK = 0x50_4E_47_53  # the advisory-lock key of schema changes ("SGNP")
+from songserve.api.store.migrations import Migration
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -149,31 +140,3 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
-
-
-async def _version(conn: psycopg.AsyncConnection[object]) -> int:
-    await conn.execute("CREATE TABLE IF NOT EXISTS songserve_schema (version INTEGER NOT NULL)")
-    cur = await conn.execute("SELECT COALESCE(MAX(version), 0) AS version FROM songserve_schema")
-    row = await cur.fetchone()
-    return int(row["version"]) if row else 0  # type: ignore[index]  # the pool gives dict rows
-
-
-async def migrate(conn: psycopg.AsyncConnection[object]) -> list[int]:
-    """Bring the database to the last version (``conn`` in autocommit); returns the versions applied."""
-    applied: list[int] = []
-    said: list[str] = []
-    async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK,))
-        current = await _version(conn)
-        if current > SCHEMA_VERSION:
-            raise NewerSchemaError(current, SCHEMA_VERSION)
-        for step in MIGRATIONS:
-            if step.version <= current:
-                continue
-            for sql in step.statements:
-                await conn.execute(sql)
-            await conn.execute("INSERT INTO songserve_schema (version) VALUES (%s)", (step.version,))
-            applied.append(step.version)
-            said.append(step.what)
-    log_migrated(log, current, applied, said)
-    return applied

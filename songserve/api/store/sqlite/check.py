@@ -126,5 +126,5 @@ def _prepare(path: Path, on_damage: DamagePolicy, results_dir: Path | None) -> P
                 )
             moved = move_aside(path)
             log.warning("job store %s %s: moved aside to %s; a fresh store begins", path, problem, moved)
-        SqliteStore(path).db.close()  # creates or migrates under the lock
+        SqliteStore(path).db.shutdown()  # creates or migrates under the lock
     return moved

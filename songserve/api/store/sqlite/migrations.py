@@ -1,23 +1,17 @@
-"""Forward-only schema migrations for the SQLite job store, versioned by SQLite's ``PRAGMA user_version``.
+"""The SQLite job store's schema steps, in SQLite's SQL; its version is SQLite's ``PRAGMA user_version``.
 
-Why: a later build adds columns; an old store must be brought forward at start-up, exactly once,
-even when two dispatchers start on one state folder. Each step runs in one ``BEGIN IMMEDIATE``
-transaction (SQLite's write lock) together with the version bump, so a crash mid-step leaves the
-store at the previous version, and a second process waits, then sees the new version and skips.
-
-To change the schema: append a step with the next number; never edit a step that has shipped.
-A store whose version is above ``SCHEMA_VERSION`` was written by a newer build and is refused. The
-step, the refusal and the log line are shared with PostgreSQL's runner (``store/migrations.py``).
+The steps are run by the store's one runner (``store/migrations.py``), each in its own ``BEGIN
+IMMEDIATE`` transaction with its version bump; PostgreSQL walks the same numbered steps in its own SQL
+(``store/postgres/migrations.py``). To change the schema: append a step with the next number to both;
+never edit a step that has shipped. ``user_version`` is read by the start-up check (``check.py``) on a
+connection of its own, before the store is opened.
 """
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 
-from songserve.api.store.migrations import Migration, NewerSchemaError, log_migrated
-
-log = logging.getLogger(__name__)
+from songserve.api.store.migrations import Migration
 
 # Version 1 is the schema every store had before versioning (user_version 0): ``IF NOT EXISTS``
 # makes it a no-op on such a store and a creation on a new one.
@@ -166,35 +160,5 @@ SCHEMA_VERSION = MIGRATIONS[-1].version
 
 
 def user_version(db: sqlite3.Connection) -> int:
+    """The schema version of the file ``db`` is open on."""
     return int(db.execute("PRAGMA user_version").fetchone()[0])
-
-
-def migrate(db: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
-    """Bring ``db`` (autocommit connection) to the last version; returns the versions applied.
-
-    Raises ``NewerSchemaError`` for a store above the last known version.
-    """
-    known = migrations[-1].version
-    applied: list[int] = []
-    first = user_version(db)
-    for step in migrations:
-        if user_version(db) >= step.version:  # cheap read first: the usual start applies nothing
-            continue
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            current = user_version(db)  # re-read under the write lock: another process may have won
-            if current < step.version:
-                for sql in step.statements:
-                    db.execute(sql)
-                db.execute(f"PRAGMA user_version = {int(step.version)}")
-                applied.append(step.version)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-    said = [step.what for step in migrations if step.version in applied]
-    log_migrated(log, first, applied, said)
-    found = user_version(db)
-    if found > known:
-        raise NewerSchemaError(found, known)
-    return applied
