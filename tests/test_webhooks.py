@@ -434,11 +434,11 @@ async def test_a_key_over_its_hourly_tracks_gets_429_another_key_does_not_and_us
         assert 3000 < int(over.value.headers["Retry-After"]) <= 3600
         assert over.value.extra == {"limit": {"name": "tracks_per_hour", "value": 2, "used": 2}}
         await f.svc.submit(body(), caller=other)
-        use = await f.svc.usage(studio)
+        use = await f.parts.usage.view(studio)
         assert (use.name, use.tracks_last_hour, use.tracks_left) == ("studio", 2, 0)
     restarted = f.new_service()  # the same store file: a dispatcher's restart
     try:
-        use = await restarted.usage(studio)
+        use = await f.parts.usage.view(studio)  # the restarted dispatcher's parts
         assert (use.tracks_last_hour, use.tracks_left) == (2, 0)
         assert use.next_track_in_sec > 3000
         with pytest.raises(OverLimit):
