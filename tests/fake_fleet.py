@@ -23,8 +23,11 @@ from pathlib import Path
 
 import httpx
 
+from songserve.api.compose import Checked, Parts, assemble
+from songserve.api.http.tags import TAGS
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.service.job_service import JobService
+from songserve.api.service.keys import ApiKeys
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
@@ -217,7 +220,8 @@ class FakeWorker:
 
 
 class FakeFleet:
-    """N fake workers and a ``JobService`` wired to them through one ``MockTransport``."""
+    """N fake workers and a dispatcher's parts (``compose.assemble``) wired to them through one ``MockTransport``:
+    ``parts``, and ``svc``, its job service."""
 
     def __init__(self, tmp: Path, n: int = 1, max_batch: int = 1, **settings: object) -> None:
         self.workers = [FakeWorker(f"http://worker{i}.test", max_batch=max_batch) for i in range(n)]
@@ -232,23 +236,32 @@ class FakeFleet:
         )
         self.tmp = tmp
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(route))
-        self.svc = self.new_service()
+        self.parts = assemble_parts(self.settings, self.tmp, self.http)
+        self.svc = self.parts.jobs
 
     def new_service(self) -> JobService:
-        store = SqliteStore(self.tmp / "jobs.sqlite3")
-        return JobService(self.settings, store, ArtifactStore(self.tmp / "results"), WorkerHttp.shared(self.http))
+        """A restarted dispatcher: new parts over the same store file and results folder."""
+        self.parts = assemble_parts(self.settings, self.tmp, self.http)
+        return self.parts.jobs
 
     async def __aenter__(self) -> FakeFleet:
-        await self.svc.start()
+        await self.parts.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.svc.stop()
-        await self.svc.store.close()
+        await self.parts.stop()
+        await self.parts.store.close()
 
     async def holds(self, job_id: str, check: Callable[[JobView], bool]) -> bool:
         """Whether the job's current view passes ``check`` (for ``until``)."""
         return check(await self.svc.view(job_id))
+
+
+def assemble_parts(s: DispatcherSettings, tmp: Path, http: httpx.AsyncClient) -> Parts:
+    """``compose.assemble`` over a SQLite store in ``tmp`` and ``http`` (a ``MockTransport`` client)."""
+    checked = Checked(s, ApiKeys.load(s.api_key, s.api_keys_file), TAGS)
+    store = SqliteStore(tmp / "jobs.sqlite3")
+    return assemble(checked, store, ArtifactStore(tmp / "results"), WorkerHttp.shared(http))
 
 
 async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0) -> None:

@@ -139,13 +139,13 @@ def tone_worker(tmp: Path, *flags: str, name: str = "worker") -> ThreadServer:
 
 
 def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api") -> ThreadServer:
-    """Our dispatcher over ``worker_urls`` with its store in ``tmp/state``, from the dispatcher's own flags
-    (what ``main`` checks before it serves is checked here too)."""
-    from songserve.api.http import tags
+    """Our dispatcher over ``worker_urls`` with its store in ``tmp/state``, from the dispatcher's own flags:
+    ``main``'s checks (``compose.check``: a bad setting raises its ``ConfigError``), its app and its
+    ACE-Step port, served in a thread."""
+    from songserve.api.acestep.app import with_acestep
+    from songserve.api.compose import check
     from songserve.api.http.app import create_app
-    from songserve.api.main import check_webhooks
     from songserve.api.settings import DispatcherSettings
-    from songserve.api.store.sqlite.check import prepare_store
     from songserve.settings import load_settings
 
     sock = bound_socket()
@@ -155,16 +155,13 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2",
             "--drain-timeout-sec", "0", *workers, *flags]  # fmt: skip
     s = load_settings(DispatcherSettings, args)
-    assert not s.store_url, "in a thread: the SQLite store (PostgreSQL's checks run in main)"
-    check_webhooks(s)
-    tags.load_catalogue(s.tags_file or tags.BUILTIN)
-    prepare_store(s.state_dir / "jobs.sqlite3", s.store_damaged, s.results_path())
-    app = create_app(s)
-    served, sockets = app, [sock]
+    try:
+        app = create_app(check(s))
+    except BaseException:
+        sock.close()
+        raise
+    sockets = [sock]
     if s.acestep_port is not None:  # ACE-Step's dialect on a second port, as main serves it
-        from songserve.api.acestep.app import ByPort, create_acestep_app
-
         sockets.append(bound_socket(s.acestep_port))
-        served = ByPort(app, {s.acestep_port: create_acestep_app(s, app)})
     log = LogFile(tmp / f"{name}.log", "api", ("songserve.api",))
-    return ThreadServer(served, sockets, name, s.header_timeout_sec, log)
+    return ThreadServer(with_acestep(s, app), sockets, name, s.header_timeout_sec, log)

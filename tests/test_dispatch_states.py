@@ -254,10 +254,10 @@ async def test_a_background_loop_survives_failing_iterations_and_reports_them(tm
                 raise OSError("results disk unreadable")
             return 0
 
-        f.svc.retention.sweep = sweep  # type: ignore[method-assign]
+        f.parts.retention.sweep = sweep  # type: ignore[method-assign]
         await until(lambda: len(calls) >= 3)
         await until(lambda: "retention" in f.svc.dispatcher.loops.failing())
-        ok, reason = f.svc.ready()
+        ok, reason = f.parts.readings.ready()
         assert not ok
         assert "retention loop keeps failing" in reason
         await until(lambda: len(calls) >= 5, timeout=15)
@@ -312,7 +312,7 @@ async def test_a_worker_failing_tracks_for_environment_reasons_is_benched_and_sh
         second = (await f.svc.submit(body())).job_id
         await until(lambda: f.svc.dispatcher.pool.workers[0].view.value == "degraded")
         assert len(f.workers[0].generated) == 2
-        assert "failures of its own in a row" in (await f.svc.status())["workers"][0]["degraded_reason"]
+        assert "failures of its own in a row" in (await f.parts.readings.status())["workers"][0]["degraded_reason"]
         hold.set()  # worker 1 frees up and takes both tracks; worker 0 stays benched
         for job_id in (first, second):
             assert (await until_done(f, job_id)).status == "completed"
@@ -390,7 +390,7 @@ async def test_retention_removes_results_folders_that_no_job_owns(tmp_path):
         (orphan / "track_0.wav").write_bytes(b"x")
         old = time.time() - 3600
         os.utime(orphan, (old, old))
-        await f.svc.retention.sweep()
+        await f.parts.retention.sweep()
         assert not orphan.exists()
         assert f.svc.artifacts.has(kept.job_id, 0, "wav")
 

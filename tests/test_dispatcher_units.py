@@ -12,14 +12,12 @@ from songserve.api.dispatch import queue_order, retries
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
-from songserve.api.results.artifacts import ArtifactStore
-from songserve.api.service.job_service import JobService, QueueFull
+from songserve.api.service.job_service import QueueFull
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.sqlite.store import SqliteStore
-from songserve.api.workers.client import WorkerHttp
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
+from tests.fake_fleet import assemble_parts
 
 pytestmark = pytest.mark.quick
 
@@ -169,18 +167,14 @@ def test_fifo_within_a_job_and_priority_beats_fairness():
 def service(tmp_path):
     async def make(**settings):
         s = DispatcherSettings(state_dir=tmp_path, num_workers=0, **settings)
-        client = httpx.AsyncClient()
-        svc = JobService(
-            s, SqliteStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), WorkerHttp.shared(client)
-        )
-        return svc
+        return assemble_parts(s, tmp_path, httpx.AsyncClient())  # compose.assemble, not started
 
     return make
 
 
 def test_validation_names_the_field(service):
     async def go():
-        svc = await service(max_duration=5.0, max_tracks=3, strict_requests=True)
+        svc = (await service(max_duration=5.0, max_tracks=3, strict_requests=True)).jobs
         for body, field in [
             ({"duration": 6.0, "lyrics": "x"}, "duration"),
             ({"num_tracks": 4, "lyrics": "x"}, "num_tracks"),
@@ -198,7 +192,7 @@ def test_validation_names_the_field(service):
 
 def test_queue_bound_answers_queue_full_with_retry_after(service):
     async def go():
-        svc = await service(max_queue=5)
+        svc = (await service(max_queue=5)).jobs
         await svc.submit(GenerateRequest(lyrics="x", num_tracks=4))
         with pytest.raises(QueueFull) as err:
             await svc.submit(GenerateRequest(lyrics="x", num_tracks=2))
@@ -210,7 +204,8 @@ def test_queue_bound_answers_queue_full_with_retry_after(service):
 
 def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(service, tmp_path):
     async def go():
-        svc = await service(result_ttl_sec=3600, results_max_mb=1.0)
+        parts = await service(result_ttl_sec=3600, results_max_mb=1.0)
+        svc = parts.jobs
         ids = [(await svc.submit(GenerateRequest(lyrics="x", num_tracks=1))).job_id for _ in range(4)]
         # Finish three of them by hand: a day old, fresh with a big file, fresh with a small file.
         for n, (job_id, age, size) in enumerate(zip(ids[:3], (86400, 10, 5), (10, 900_000, 600_000), strict=True)):
@@ -221,7 +216,7 @@ def test_retention_removes_old_and_oversized_finished_jobs_never_active_ones(ser
             p = svc.artifacts.path(job_id, 0, "wav")
             p.parent.mkdir(parents=True)
             p.write_bytes(b"\0" * size)
-        removed = await svc.retention.sweep()
+        removed = await parts.retention.sweep()
         assert removed == 2  # the expired one, then the oldest fresh one until under 1 MB
         assert await svc.store.load_job(ids[0]) is None
         assert await svc.store.load_job(ids[1]) is None

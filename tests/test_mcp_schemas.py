@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from songserve.api.compose import check_settings
 from songserve.api.http.app import create_app
 from songserve.api.mcp.server import tool
 from songserve.api.mcp.tools import tool_specs
@@ -68,7 +69,7 @@ def _plain(schema: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def http_side(tmp_path_factory) -> dict[str, dict[str, Any]]:
     s = DispatcherSettings(state_dir=tmp_path_factory.mktemp("schemas"))
-    openapi = create_app(s).openapi()
+    openapi = create_app(check_settings(s)).openapi()
     jobs = {p["name"]: p["schema"] for p in openapi["paths"]["/jobs"]["get"]["parameters"]}
     return {
         "GenerateRequest": GenerateRequest.model_json_schema()["properties"],

@@ -173,7 +173,7 @@ async def test_a_garbage_answer_costs_the_track_no_attempt_and_charges_its_worke
         assert view.tracks[0].attempts == 1
         assert view.tracks[0].metadata["worker_id"] == 1
         assert f.svc.dispatcher.pool.workers[0].faults == 1
-        assert 'songserve_worker_faults_total{worker="0"} 1.0' in f.svc.metrics().decode()
+        assert 'songserve_worker_faults_total{worker="0"} 1.0' in f.parts.readings.metrics().decode()
 
 
 @aio
@@ -209,8 +209,8 @@ async def test_a_results_folder_that_cannot_be_written_holds_the_track_and_resum
         shutil.rmtree(results)
         results.write_text("not a folder")  # every write under it fails (NotADirectoryError), even as root
         job_id = (await f.svc.submit(body())).job_id
-        await until(lambda: not f.svc.ready()[0] and "results folder" in f.svc.ready()[1])
-        reason = f.svc.ready()[1]
+        await until(lambda: not f.parts.readings.ready()[0] and "results folder" in f.parts.readings.ready()[1])
+        reason = f.parts.readings.ready()[1]
         assert str(results) in reason
         assert "Not a directory" in reason
         await until(lambda: f.svc.dispatcher.pool.workers[0].view.value == "idle")  # generated, then released
@@ -224,7 +224,7 @@ async def test_a_results_folder_that_cannot_be_written_holds_the_track_and_resum
             await until(lambda j=j: f.holds(j, lambda v: v.status == "completed"), timeout=20)
         assert len(f.workers[0].generated) == 2  # nothing generated twice
         assert (await f.svc.view(job_id)).tracks[0].attempts == 1
-        assert f.svc.ready()[0]
+        assert f.parts.readings.ready()[0]
 
 
 @aio
@@ -234,7 +234,7 @@ async def test_a_held_track_that_is_cancelled_ends_cancelled(tmp_path):
         shutil.rmtree(results)
         results.write_text("not a folder")
         job_id = (await f.svc.submit(body())).job_id
-        await until(lambda: not f.svc.ready()[0])
+        await until(lambda: not f.parts.readings.ready()[0])
         await f.svc.cancel(job_id)
         await until(lambda: f.holds(job_id, lambda v: v.tracks[0].status == "cancelled"))
         assert (await f.svc.view(job_id)).status == "cancelled"

@@ -347,9 +347,12 @@ async def test_a_receiver_failing_twice_gets_the_event_three_times_with_one_id(t
             await f.svc.submit(body(webhook=rx.url))
             await until(lambda: len(rx.hits) == 3, timeout=30)
             await until(
-                lambda: metric(f.svc.metrics().decode(), 'songserve_webhook_deliveries_total{event="completed"}') == 1
+                lambda: (
+                    metric(f.parts.readings.metrics().decode(), 'songserve_webhook_deliveries_total{event="completed"}')
+                    == 1
+                )
             )
-            text = f.svc.metrics().decode()
+            text = f.parts.readings.metrics().decode()
         assert len({h.id for h in rx.hits}) == 1
         assert [h.event["type"] for h in rx.hits] == ["completed"] * 3
         assert metric(text, 'songserve_webhook_failures_total{reason="status"}') == 2
@@ -364,8 +367,10 @@ async def test_a_slow_receiver_times_out_and_the_event_is_tried_again(tmp_path):
         async with FakeFleet(tmp_path, **HOOKS, webhook_timeout_sec=0.3) as f:
             await f.svc.submit(body(webhook=rx.url))
             done = 'songserve_webhook_deliveries_total{event="completed"}'
-            await until(lambda: metric(f.svc.metrics().decode(), done) == 1, timeout=30)
-            assert metric(f.svc.metrics().decode(), 'songserve_webhook_failures_total{reason="timeout"}') == 1
+            await until(lambda: metric(f.parts.readings.metrics().decode(), done) == 1, timeout=30)
+            assert (
+                metric(f.parts.readings.metrics().decode(), 'songserve_webhook_failures_total{reason="timeout"}') == 1
+            )
         assert len({h.id for h in rx.hits}) == 1
         assert len(rx.hits) == 2
 
@@ -375,7 +380,9 @@ async def test_an_event_never_answered_2xx_is_given_up_after_the_limit(tmp_path)
     with Receiver(default=503) as rx:
         async with FakeFleet(tmp_path, **HOOKS, webhook_max_age_sec=0.3) as f:
             view = await f.svc.submit(body(webhook=rx.url))
-            await until(lambda: metric(f.svc.metrics().decode(), "songserve_webhook_given_up_total") == 1, timeout=30)
+            await until(
+                lambda: metric(f.parts.readings.metrics().decode(), "songserve_webhook_given_up_total") == 1, timeout=30
+            )
             assert (await f.svc.view(view.job_id)).status == "completed"  # the job never waited on it
 
 
@@ -427,11 +434,11 @@ async def test_a_key_over_its_hourly_tracks_gets_429_another_key_does_not_and_us
         assert 3000 < int(over.value.headers["Retry-After"]) <= 3600
         assert over.value.extra == {"limit": {"name": "tracks_per_hour", "value": 2, "used": 2}}
         await f.svc.submit(body(), caller=other)
-        use = await f.svc.usage(studio)
+        use = await f.parts.usage.view(studio)
         assert (use.name, use.tracks_last_hour, use.tracks_left) == ("studio", 2, 0)
     restarted = f.new_service()  # the same store file: a dispatcher's restart
     try:
-        use = await restarted.usage(studio)
+        use = await f.parts.usage.view(studio)  # the restarted dispatcher's parts
         assert (use.tracks_last_hour, use.tracks_left) == (2, 0)
         assert use.next_track_in_sec > 3000
         with pytest.raises(OverLimit):

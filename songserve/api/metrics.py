@@ -32,6 +32,8 @@ from songserve.api.store.outbox import OutboxStats
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds: from a second (queue waits, small stages) to an hour (a long song on a busy fleet).
 BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
+# Seconds the event loop woke late (``loop_lag.py``): from a millisecond (healthy) to seconds (a held loop).
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class LiveState(Protocol):
@@ -114,6 +116,12 @@ class DispatcherMetrics:
         self.webhook_given_up = Counter(
             "songserve_webhook_given_up", "Webhook events given up after WEBHOOK_MAX_AGE_SEC.", registry=r
         )
+        self.loop_lag = Histogram(
+            "songserve_event_loop_lag_seconds",
+            "Seconds the event loop woke later than asked (a 100 ms sleep, measured continuously).",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
 
     def track_done(self, meta: dict[str, Any], end_to_end: float, wall: float, audio: float) -> None:
         """A finished track: its worker's stage timings (``meta``), and seconds end to end, on the worker, of audio."""
@@ -131,6 +139,10 @@ class DispatcherMetrics:
     def watch_outbox(self, stats: Callable[[], OutboxStats]) -> None:
         """The outbox's gauges, read from ``stats`` (the webhooks loop's last count) at scrape time."""
         self.registry.register(_OutboxGauges(stats))
+
+    def watch_loop_lag(self, worst: Callable[[], float]) -> None:
+        """The worst event-loop lag of the last minute, read from ``worst`` (``loop_lag.LoopLag``) at scrape time."""
+        self.registry.register(_WorstLag(worst))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -197,4 +209,18 @@ class _OutboxGauges(Collector):
         age = max(0.0, time.time() - st.oldest) if st.oldest is not None else 0.0
         yield GaugeMetricFamily(
             "songserve_webhook_oldest_event_seconds", "Age of the oldest webhook event not yet delivered.", value=age
+        )
+
+
+class _WorstLag(Collector):
+    """The worst event-loop lag of the recent window: a burst stays visible between two scrapes."""
+
+    def __init__(self, worst: Callable[[], float]) -> None:
+        self.worst = worst
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "songserve_event_loop_lag_max_seconds",
+            "The largest event-loop lag of the last 60 s.",
+            value=self.worst(),
         )

@@ -4,7 +4,7 @@
 and no sockets, so nothing changes; with it, both ports are bound here (a port in use refuses
 start-up in one line naming the setting) and one uvicorn server serves both through ``ByPort``,
 which sends each connection to the app of the port it came in on. One server means one event loop,
-one lifespan (our app's: the ``JobService`` the dialect's routes use), one drain on SIGTERM and the
+one lifespan (our app's: ``compose.build``, the parts the dialect's routes use), one drain on SIGTERM and the
 same header timeout on both ports.
 
 CORS is our port's (``CORS_ORIGINS`` and any localhost origin), so ACE-Step's Studio page served
@@ -30,7 +30,7 @@ from songserve.errors import ConfigError
 
 
 def create_acestep_app(s: DispatcherSettings, host: FastAPI) -> FastAPI:
-    """ACE-Step's routes over ``host``'s service (``host.state.service``, set by its lifespan)."""
+    """ACE-Step's routes over ``host``'s parts (``host.state.parts``, set by its lifespan)."""
     app = FastAPI(
         title="songserve: ACE-Step 1.5's API",
         version=__version__,
@@ -79,6 +79,13 @@ def listen(host: str, port: int, setting: str) -> socket.socket:
     return sock
 
 
+def with_acestep(s: DispatcherSettings, app: FastAPI) -> ASGIApp:
+    """Our app, and with ``ACESTEP_PORT`` ACE-Step's on that port of the same server (``ByPort``)."""
+    if s.acestep_port is None:
+        return app
+    return ByPort(app, {s.acestep_port: create_acestep_app(s, app)})
+
+
 def serving_plan(s: DispatcherSettings, app: FastAPI) -> tuple[ASGIApp, list[socket.socket] | None]:
     """The app to serve and the sockets to serve it on (None: uvicorn binds ``API_PORT`` itself)."""
     if s.acestep_port is None:
@@ -89,4 +96,4 @@ def serving_plan(s: DispatcherSettings, app: FastAPI) -> tuple[ASGIApp, list[soc
     except ConfigError:
         sockets[0].close()
         raise
-    return ByPort(app, {s.acestep_port: create_acestep_app(s, app)}), sockets
+    return with_acestep(s, app), sockets

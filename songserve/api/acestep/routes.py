@@ -1,7 +1,9 @@
 """The dialect's routes: each checks the key, reads its body as ACE-Step does, calls one function, wraps.
 
 Served at the root of ``ACESTEP_PORT``, so a client configured with ``http://host:PORT`` works as
-against ACE-Step. docs/api.md ("ACE-Step's dialect") lists the routes and what each answers.
+against ACE-Step. docs/api.md ("ACE-Step's dialect") lists the routes and what each answers. Each
+route takes the parts it uses as dependencies, from the dispatcher app's parts (``compose.Parts``,
+made in that app's lifespan): the job service, the upload service, the read-only readings.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 from contextlib import AsyncExitStack
 from typing import Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from songserve import __version__
@@ -25,9 +27,11 @@ from songserve.api.acestep.stats import JobTally
 from songserve.api.acestep.tasks import continue_from, find, source_take, submit
 from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
+from songserve.api.compose import Parts
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import ApiKeys, Caller
-from songserve.api.service.uploads import upload_limit
+from songserve.api.service.readings import Readings
+from songserve.api.service.uploads import UploadService, upload_limit
 from songserve.api.settings import DispatcherSettings
 from songserve.forms import FormLimits
 
@@ -36,9 +40,24 @@ SERVICE = "ACE-Step API (songserve)"
 Authorization = Header(None)
 
 
-def _service(request: Request) -> JobService:
-    svc: JobService = request.app.state.host.state.service  # the dispatcher app's, made in its lifespan
-    return svc
+def _parts(request: Request) -> Parts:
+    parts: Parts = request.app.state.host.state.parts  # the dispatcher app's, made in its lifespan
+    return parts
+
+
+async def _jobs(request: Request) -> JobService:
+    return _parts(request).jobs
+
+
+async def _uploads(request: Request) -> UploadService:
+    return _parts(request).uploads
+
+
+async def _readings(request: Request) -> Readings:
+    return _parts(request).readings
+
+
+JobsDep, UploadsDep, ReadingsDep = Depends(_jobs), Depends(_uploads), Depends(_readings)
 
 
 def _settings(request: Request) -> DispatcherSettings:
@@ -47,22 +66,24 @@ def _settings(request: Request) -> DispatcherSettings:
 
 
 def _keys(request: Request) -> ApiKeys:
-    keys: ApiKeys = request.app.state.host.state.keys  # our port's keys (create_app read them)
-    return keys
+    return _parts(request).keys  # our port's keys
 
 
 def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
-    tags: dict[str, dict[str, Any]] = request.app.state.host.state.tags
-    return tags
+    return _parts(request).tags
 
 
 async def _authorized(
-    request: Request, authorization: str | None, files: bool, line: AsyncExitStack | None = None
+    request: Request,
+    authorization: str | None,
+    files: bool,
+    line: AsyncExitStack | None = None,
+    uploads: UploadService | None = None,
 ) -> tuple[Body, Caller | None]:
     """The body and its caller, the key checked before the body is read: a key in the header lets a
     multipart body of ``/release_task`` (``files``) up to the upload cap in; without one, the body may
     still carry ``ai_token``, so it is read only up to ``MAX_BODY_BYTES`` (a longer one is a 401 unread).
-    A multipart body for ``line`` takes its place in the uploads' line (``UploadGate``) once the header
+    A multipart body for ``line`` takes its place in the line of ``uploads`` (``UploadGate``) once the header
     passed and before a byte is read, held until ``line`` closes (503 with ``Retry-After`` when full)."""
     s, keys = _settings(request), _keys(request)
     ct = request.headers.get("content-type")
@@ -74,8 +95,8 @@ async def _authorized(
     try:
         if not trusted and declared.isdigit() and int(declared) > small:
             raise _Unread
-        if line is not None and is_multipart(ct):
-            await line.enter_async_context(_service(request).uploads.gate.ticket())
+        if line is not None and uploads is not None and is_multipart(ct):
+            await line.enter_async_context(uploads.gate.ticket())
         if is_multipart(ct):
             form = FormLimits(limit, small, int(s.upload_max_mb * 2**20), too_large if trusted else "")
             body = await stream_multipart(request, form)
@@ -122,39 +143,47 @@ def _task_ids(value: Any) -> list[str]:
 
 
 @router.post("/release_task")
-async def release_task(request: Request, authorization: str | None = Authorization) -> JSONResponse:
-    s, svc = _settings(request), _service(request)
+async def release_task(
+    request: Request,
+    authorization: str | None = Authorization,
+    svc: JobService = JobsDep,
+    uploads: UploadService = UploadsDep,
+    readings: Readings = ReadingsDep,
+) -> JSONResponse:
+    s = _settings(request)
     async with AsyncExitStack() as line:  # a multipart body may carry a source audio: a place in the uploads' line
-        body, caller = await _authorized(request, authorization, files=True, line=line)
+        body, caller = await _authorized(request, authorization, files=True, line=line, uploads=uploads)
         try:
-            return await _release(svc, s, request, body, caller)
+            models = tuple(readings.fleet().backbone_models)
+            ctx = Context(_catalogue(request), s.max_tracks, models, s.strict_requests)
+            return await _release(svc, uploads, ctx, body, caller)
         finally:
             body.close()
 
 
 async def _release(
-    svc: JobService, s: DispatcherSettings, request: Request, body: Body, caller: Caller | None
+    svc: JobService, uploads: UploadService, ctx: Context, body: Body, caller: Caller | None
 ) -> JSONResponse:
-    ctx = Context(_catalogue(request), s.max_tracks, tuple(svc.dispatcher.fleet().backbone_models), s.strict_requests)
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
-        task = await continue_from(svc, task, caller)  # our retake of the source take from repainting_start
+        task = await continue_from(svc, uploads, task, caller)  # our retake of the source take from repainting_start
     elif task.source is not None:
         await source_take(svc, task.source, task.keys["src_audio_path"], caller)
     try:
         accepted = await submit(svc, task, caller)
     except BaseException:
         if task.upload_id is not None:  # the repaint's source was stored for it: nothing of a refusal stays
-            await svc.uploads.delete(task.upload_id)
+            await uploads.delete(task.upload_id)
         raise
     data = {"task_id": accepted.job_id, "status": "queued", "queue_position": max(1, accepted.queue_position)}
     return JSONResponse(wrap(data, extra=task.extra()))
 
 
 @router.post("/query_result")
-async def query_result(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+async def query_result(
+    request: Request, authorization: str | None = Authorization, svc: JobService = JobsDep
+) -> JSONResponse:
     body, caller = await _authorized(request, authorization, files=False)
-    svc = _service(request)
     items = []
     for task_id in _task_ids(body.fields.get("task_id_list", [])):
         found = await find(svc, task_id, caller)  # another key's task is unknown here
@@ -163,22 +192,29 @@ async def query_result(request: Request, authorization: str | None = Authorizati
 
 
 @router.get("/health")
-async def health(request: Request) -> JSONResponse:
-    svc = _service(request)
-    return JSONResponse(wrap({"status": "ok", "service": SERVICE, "version": __version__, "accepting": svc.accepting}))
+async def health(readings: Readings = ReadingsDep) -> JSONResponse:
+    accepting = readings.accepting
+    return JSONResponse(wrap({"status": "ok", "service": SERVICE, "version": __version__, "accepting": accepting}))
 
 
 @router.get("/v1/stats")
-async def stats(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+async def stats(
+    request: Request,
+    authorization: str | None = Authorization,
+    svc: JobService = JobsDep,
+    readings: Readings = ReadingsDep,
+) -> JSONResponse:
     check_header(_keys(request), authorization)
     tally: JobTally = request.app.state.tally
-    return JSONResponse(wrap(await tally.stats(_service(request))))
+    return JSONResponse(wrap(await tally.stats(svc, readings)))
 
 
 @router.get("/v1/models")
-async def models(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+async def models(
+    request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
+) -> JSONResponse:
     check_header(_keys(request), authorization)
-    names = list(_service(request).dispatcher.fleet().backbone_models)
+    names = list(readings.fleet().backbone_models)
     listed = [{"name": n, "is_default": i == 0} for i, n in enumerate(names)]
     return JSONResponse(wrap({"models": listed, "default_model": names[0] if names else None}))
 
@@ -198,8 +234,11 @@ async def format_input_route(request: Request, authorization: str | None = Autho
 
 @router.api_route("/v1/audio", methods=["GET", "HEAD"])
 async def audio(
-    request: Request, path: str = Query(..., max_length=200), authorization: str | None = Authorization
+    request: Request,
+    path: str = Query(..., max_length=200),
+    authorization: str | None = Authorization,
+    svc: JobService = JobsDep,
 ) -> FileResponse:
     caller = check_header(_keys(request), authorization)
-    file, media = await audio_file(_service(request), path, caller)
+    file, media = await audio_file(svc, path, caller)
     return FileResponse(file, media_type=media)

@@ -1,7 +1,7 @@
 """``GET /v1/stats``: jobs by ACE-Step's five words, the queue, the mean run time.
 
 ACE-Step counts the jobs of its in-memory store (kept 24 h); the same here are the jobs of our
-store (kept ``RESULT_TTL_SEC``), read through the ``JobService``. A finished job never changes, so
+store (kept ``RESULT_TTL_SEC``), read through the ``JobService``; the queue through the readings. A finished job never changes, so
 ``JobTally`` reads each from the store once and remembers its word and run time; only unfinished
 jobs are looked at again (from memory while this dispatcher has them). ``queued`` counts jobs
 waiting for any worker, ``running`` jobs with a take on a worker; ``succeeded`` includes partly
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from songserve.api.jobs.records import Job
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, job_status
 from songserve.api.service.job_service import JobService
+from songserve.api.service.readings import Readings
+from songserve.errors import NotFoundError
 
 WINDOW = 50  # ACE-Step's ACESTEP_AVG_WINDOW default
 WORDS = {
@@ -41,8 +43,8 @@ class JobTally:
     def __init__(self) -> None:
         self._finished: dict[str, Finished] = {}
 
-    async def stats(self, svc: JobService) -> dict[str, object]:
-        ids = await svc.store.job_ids()
+    async def stats(self, svc: JobService, readings: Readings) -> dict[str, object]:
+        ids = await svc.ids()
         for gone in set(self._finished) - ids:
             del self._finished[gone]
         counts = dict.fromkeys(("queued", "running", "succeeded", "failed"), 0)
@@ -51,15 +53,17 @@ class JobTally:
             if done is not None:
                 counts[done.word] += 1
                 continue
-            job = svc.dispatcher.active_job(job_id) or await svc.store.load_job(job_id)
-            if job is not None:  # else removed between the two reads
-                counts[self._look(job)] += 1
+            try:
+                job = await svc.load(job_id)
+            except NotFoundError:  # removed between the two reads
+                continue
+            counts[self._look(job)] += 1
         recent = sorted((f for f in self._finished.values() if f.run_sec is not None), key=lambda f: f.ended)
         runs = [f.run_sec for f in recent[-WINDOW:] if f.run_sec is not None]
         return {
             "jobs": {"total": sum(counts.values()), **counts},
-            "queue_size": svc.dispatcher.queue_length(),
-            "queue_maxsize": svc.s.max_queue,
+            "queue_size": readings.queue_length(),
+            "queue_maxsize": readings.max_queue,
             "avg_job_seconds": round(sum(runs) / len(runs), 3) if runs else 0.0,
         }
 

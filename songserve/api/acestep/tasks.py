@@ -26,10 +26,9 @@ from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.translate import ACE_NAMES, Repaint, Task
 from songserve.api.jobs.records import Job
-from songserve.api.jobs.views import job_view
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
-from songserve.api.service.uploads import UploadTooLarge
+from songserve.api.service.uploads import UploadService, UploadTooLarge
 from songserve.errors import FieldError, NotFoundError
 from songserve.http_errors import clean_msg
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
@@ -71,8 +70,7 @@ async def find(svc: JobService, task_id: str, caller: Caller | None = None) -> t
         job = await svc.visible(task_id, caller)
     except NotFoundError:
         return None
-    facts = svc.dispatcher.facts(job)
-    return job, job_view(job, facts.positions, facts.eta)
+    return job, svc.view_of(job)
 
 
 async def _source(svc: JobService, ref: AudioRef, key: str, caller: Caller | None) -> tuple[Job, TrackView]:
@@ -90,7 +88,9 @@ async def source_take(svc: JobService, ref: AudioRef, key: str, caller: Caller |
     return (await _source(svc, ref, key, caller))[1].duration_sec
 
 
-async def continue_from(svc: JobService, repaint: Repaint, caller: Caller | None = None) -> Task:
+async def continue_from(
+    svc: JobService, uploads: UploadService, repaint: Repaint, caller: Caller | None = None
+) -> Task:
     """A repaint to the end as the task to submit: a retake of the source take from ``start``.
 
     Everything about the request is checked by now but the source itself; an uploaded source is
@@ -103,7 +103,7 @@ async def continue_from(svc: JobService, repaint: Repaint, caller: Caller | None
         raise field_error(start_key, "must be more than 0 seconds: a repaint keeps the source before it "
                           "(text2music makes a new song)")  # fmt: skip
     if isinstance(repaint.source, Upload):
-        return await _from_upload(svc, task, repaint.source, repaint.start, start_key, caller)
+        return await _from_upload(uploads, task, repaint.source, repaint.start, start_key, caller)
     key = task.keys.get("src_audio_path", "src_audio_path")
     source, take = await _source(svc, repaint.source, key, caller)
     if repaint.start > take.duration_sec:
@@ -116,18 +116,18 @@ async def continue_from(svc: JobService, repaint: Repaint, caller: Caller | None
 
 
 async def _from_upload(
-    svc: JobService, task: Task, upload: Upload, start: float, start_key: str, caller: Caller | None
+    uploads: UploadService, task: Task, upload: Upload, start: float, start_key: str, caller: Caller | None
 ) -> Task:
     """A repaint of an uploaded file: our upload of it (``caller``'s), continued from ``start``."""
     try:
-        view = await svc.uploads.create(upload.file, upload.filename, caller)
+        view = await uploads.create(upload.file, upload.filename, caller)
     except FieldError as exc:
         raise field_error(upload.field, str((exc.detail or [{}])[0].get("msg", exc))) from None
     except UploadTooLarge as exc:
         raise AceError(413, str(exc)) from None
     task.upload_id = view.upload_id
     if start > view.duration_sec:
-        await svc.uploads.delete(view.upload_id)
+        await uploads.delete(view.upload_id)
         raise field_error(start_key, f"is past the end of the source ({view.duration_sec:.2f} s)")
     caption = task.request.acestep.caption if task.request.acestep is not None else ""
     task.request = _retake(task, {"upload_id": view.upload_id, "at_sec": start}, caption, upload.field)

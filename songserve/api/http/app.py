@@ -1,8 +1,7 @@
-"""The dispatcher's application: the service's lifespan, middleware, routes and the page."""
+"""The dispatcher's application: its lifespan (``compose.build``), middleware, routes and the page."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,22 +10,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from songserve import __version__
+from songserve.api.compose import Checked, build
 from songserve.api.http.api_docs import docs_router
 from songserve.api.http.page import FILES, page_router
 from songserve.api.http.routes import router
-from songserve.api.http.tags import TAGS, load_catalogue
 from songserve.api.mcp.server import McpServer, body_limit, too_large
-from songserve.api.results.artifacts import ArtifactStore
-from songserve.api.service.job_service import JobService
-from songserve.api.service.keys import ApiKeys, KeyAuth
+from songserve.api.service.keys import KeyAuth
 from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.api.store.protocol import JobStore
-from songserve.api.store.sqlite.store import SqliteStore
-from songserve.api.workers.client import WorkerHttp
 from songserve.http_errors import install_error_handlers
 from songserve.http_guard import BodyLimit
-from songserve.serving import CLIENT_KEEPALIVE_SEC
 
 PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
@@ -37,45 +30,23 @@ def cors_origins(s: DispatcherSettings) -> list[str]:
     return [o.strip() for o in s.cors_origins.split(",") if o.strip()]
 
 
-async def open_store(s: DispatcherSettings) -> JobStore:
-    """The store the settings name: PostgreSQL when ``STORE_URL`` is set, else SQLite in the state folder."""
-    if s.store_url:
-        from songserve.api.store.postgres.conn import StoreLimits
-        from songserve.api.store.postgres.store import PgStore  # psycopg is needed only here
-
-        limits = StoreLimits(s.store_statement_timeout_sec, s.store_lock_timeout_sec)
-        return await PgStore.open(s.store_url, s.my_id(), s.store_pool_size, limits=limits)
-    return SqliteStore(s.state_dir / "jobs.sqlite3")
-
-
 DESCRIPTION = (
     "Song generation dispatcher: jobs of tracks over a pool of GPU workers. Assistants call it as an MCP server at "
     "/mcp (Streamable HTTP, the same API keys as bearer tokens; docs/mcp.md)."
 )
 
 
-def create_app(s: DispatcherSettings) -> FastAPI:
-    keys = ApiKeys.load(s.api_key, s.api_keys_file)  # a bad keys file refuses start-up (main.py reads it first)
-    mcp = McpServer(s, lambda: app.state.service, lambda: app.state.tags)  # /mcp: the tools over the same service
+def create_app(checked: Checked) -> FastAPI:
+    """The app over the parts ``compose.build`` makes in its lifespan (``app.state.parts``)."""
+    s, keys = checked.s, checked.keys
+    mcp = McpServer(s, lambda: app.state.parts)  # /mcp: the tools over the same parts
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        headers = {"Authorization": f"Bearer {s.worker_token}"} if s.worker_token else {}
-        async with WorkerHttp.open(headers, s.live_listeners_max, CLIENT_KEEPALIVE_SEC) as http:
-            store = await open_store(s)
-            app.state.tags = load_catalogue(s.tags_file) if s.tags_file else TAGS
-            app.state.service = svc = JobService(s, store, ArtifactStore(s.results_path()), http)
-            watch = asyncio.create_task(keys.watch()) if s.api_keys_file else None  # keys change without a restart
-            try:
-                await svc.start()
-                async with mcp.running():
-                    yield
-            finally:
-                if watch is not None:
-                    watch.cancel()
-                await svc.drain(s.drain_timeout_sec)
-                await svc.stop()
-                await store.close()
+        async with build(checked) as parts:
+            app.state.parts = parts
+            async with mcp.running():
+                yield
 
     app = FastAPI(
         title="songserve",
@@ -94,7 +65,6 @@ def create_app(s: DispatcherSettings) -> FastAPI:
         allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Prefer", "Range"],
         expose_headers=["Preference-Applied", "Retry-After"],
     )
-    app.state.keys = keys  # the ACE-Step dialect checks the same keys
     # The body limit inside the key check: a caller without a key gets its 401 before a byte is read.
     app.add_middleware(
         BodyLimit,

@@ -1,4 +1,7 @@
-"""The dispatcher's routes (docs/api.md): each validates, calls one service method, shapes the answer."""
+"""The dispatcher's routes (docs/api.md): each validates, calls one service method, shapes the answer.
+
+Each takes the part it uses as a dependency (``deps.py``): jobs, uploads, usage, announcements, or
+the read-only readings for the probes and reports."""
 
 from __future__ import annotations
 
@@ -8,12 +11,25 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from songserve import __version__
 from songserve.api import metrics
+from songserve.api.http.deps import (
+    AnnouncementsDep,
+    JobsDep,
+    KeysDep,
+    ReadingsDep,
+    TagsDep,
+    UploadsDep,
+    UsageDep,
+    caller,
+)
 from songserve.api.service import job_list
+from songserve.api.service.announcements import Announcements
 from songserve.api.service.job_service import JobService, TrackFile
-from songserve.api.service.keys import CALLER, Caller
+from songserve.api.service.keys import ApiKeys
 from songserve.api.service.live import LiveResponse
+from songserve.api.service.readings import Readings
+from songserve.api.service.uploads import UploadService
+from songserve.api.service.usage import UsageService
 from songserve.http_errors import error_response
 from songserve.schemas import (
     MAX_WAIT_SEC,
@@ -30,22 +46,7 @@ from songserve.schemas import (
 router = APIRouter()
 
 
-async def service(request: Request) -> JobService:
-    """The service behind the routes. Async: FastAPI runs a sync dependency in a thread, a hop per request."""
-    svc: JobService = request.app.state.service
-    return svc
-
-
-Service = Depends(service)
-
-
-def caller(request: Request) -> Caller | None:
-    """The API key's caller (``keys.KeyAuth`` found it), or None without keys."""
-    found: Caller | None = request.scope.get(CALLER)
-    return found
-
-
-async def visible_job(job_id: str, request: Request, svc: JobService = Service) -> None:
+async def visible_job(job_id: str, request: Request, svc: JobService = JobsDep) -> None:
     """A job another API key made is not found here, as one that does not exist (``keys.py``: ``sees``)."""
     who = caller(request)
     if who is not None and not who.sees_all:
@@ -77,7 +78,7 @@ async def generate(
     response: Response,
     idempotency_key: str | None = Header(None, max_length=200),
     prefer: str | None = Header(None, max_length=200, description="wait=N (≤ 60): answer when the job ends"),
-    svc: JobService = Service,
+    svc: JobService = JobsDep,
 ) -> Any:
     """Accept a job; with ``Prefer: wait=N``, answer its view (200) once it ended, or at N s 202."""
     accepted = await svc.submit(req, idempotency_key, caller(request))
@@ -93,9 +94,9 @@ async def generate(
 
 
 @router.get("/usage", response_model=UsageView)
-async def usage(request: Request, svc: JobService = Service) -> UsageView:
+async def usage(request: Request, use: UsageService = UsageDep) -> UsageView:
     """The caller's key: its limits and its use (the last hour's tracks, its unfinished jobs)."""
-    return await svc.usage(caller(request))
+    return await use.view(caller(request))
 
 
 @router.get("/jobs", response_model=JobList)
@@ -103,19 +104,19 @@ async def jobs(
     request: Request,
     limit: int = Query(job_list.DEFAULT_LIMIT, ge=1, le=job_list.MAX_LIMIT, description="jobs in one page"),
     cursor: str | None = Query(None, pattern=job_list.CURSOR_PATTERN, description="a page's next_cursor: older jobs"),
-    svc: JobService = Service,
+    svc: JobService = JobsDep,
 ) -> JobList:
     """The caller's jobs, newest first: its key's own, or every job for a key that sees all (or no keys)."""
     return await svc.jobs(caller(request), limit, cursor)
 
 
 @router.get("/job/{job_id}", response_model=JobView, dependencies=OwnJob)
-async def job(job_id: str, svc: JobService = Service) -> JobView:
+async def job(job_id: str, svc: JobService = JobsDep) -> JobView:
     return await svc.view(job_id)
 
 
 @router.delete("/job/{job_id}", response_model=JobView, dependencies=OwnJob)
-async def cancel(job_id: str, svc: JobService = Service) -> JobView:
+async def cancel(job_id: str, svc: JobService = JobsDep) -> JobView:
     return await svc.cancel(job_id)
 
 
@@ -129,7 +130,7 @@ async def render(
     loudness: float | None = Query(None, description="integrated loudness in LUFS (EBU R128), -70 to -5"),
     start: float | None = Query(None, ge=0, description="seconds into the take"),
     end: float | None = Query(None, gt=0, description="seconds into the take"),
-    svc: JobService = Service,
+    svc: JobService = JobsDep,
 ) -> FileResponse:
     """The take in another format, at a loudness, over a time range; made once, then from the cache."""
     f, headers = await svc.render(job_id, idx, format, loudness, start, end)
@@ -140,7 +141,7 @@ async def render(
 
 @router.head("/job/{job_id}/track/{idx}/stream", dependencies=OwnJob)
 async def stream_head(
-    job_id: str, idx: int, format: str = Query("mp3", max_length=8), svc: JobService = Service
+    job_id: str, idx: int, format: str = Query("mp3", max_length=8), svc: JobService = JobsDep
 ) -> Response:
     """What GET would answer, without the body (a live stream's generator is made, never started)."""
     got = await svc.stream(job_id, idx, format, listen=False)
@@ -156,7 +157,7 @@ async def stream(
     job_id: str,
     idx: int,
     format: str = Query("mp3", max_length=8, description="mp3 (plays as it arrives) or wav (16-bit PCM)"),
-    svc: JobService = Service,
+    svc: JobService = JobsDep,
 ) -> Response:
     """The track from its start as it is made, to its end (``api/service/live.py``); once done, its final file."""
     got = await svc.stream(job_id, idx, format)
@@ -171,13 +172,13 @@ async def stream(
 
 @router.get("/job/{job_id}/track/{idx}/{kind}", dependencies=OwnJob)
 @router.head("/job/{job_id}/track/{idx}/{kind}", dependencies=OwnJob)
-async def track_file(job_id: str, idx: int, kind: str, svc: JobService = Service) -> FileResponse:
+async def track_file(job_id: str, idx: int, kind: str, svc: JobService = JobsDep) -> FileResponse:
     f = await svc.track_file(job_id, idx, kind)
     return FileResponse(f.path, media_type=f.media_type, filename=f.filename, content_disposition_type=f.disposition)
 
 
 @router.get("/job/{job_id}/events", dependencies=OwnJob)
-async def events(job_id: str, request: Request, svc: JobService = Service) -> StreamingResponse:
+async def events(job_id: str, request: Request, svc: JobService = JobsDep) -> StreamingResponse:
     await svc.view(job_id)  # 404 before the stream starts
     return StreamingResponse(
         svc.events(job_id, request.is_disconnected),
@@ -194,77 +195,76 @@ UPLOAD_FORM = {"content": {"multipart/form-data": {"schema": {
 
 
 @router.post("/uploads", response_model=UploadView, openapi_extra={"requestBody": UPLOAD_FORM})
-async def upload(request: Request, svc: JobService = Service) -> UploadView:
+async def upload(request: Request, uploads: UploadService = UploadsDep) -> UploadView:
     """Store a person's own audio and queue its encoding; continue from it with ``continue_from.upload_id``."""
-    return await svc.uploads.receive(request, caller(request))
+    return await uploads.receive(request, caller(request))
 
 
 @router.get("/uploads/{upload_id}", response_model=UploadView)
-async def upload_view(upload_id: str, request: Request, svc: JobService = Service) -> UploadView:
-    return await svc.uploads.view(upload_id, caller(request))
+async def upload_view(upload_id: str, request: Request, uploads: UploadService = UploadsDep) -> UploadView:
+    return await uploads.view(upload_id, caller(request))
 
 
 @router.get("/uploads/{upload_id}/codes")
 @router.head("/uploads/{upload_id}/codes")
-async def upload_codes(upload_id: str, request: Request, svc: JobService = Service) -> FileResponse:
-    path = await svc.uploads.codes(upload_id, caller(request))
+async def upload_codes(upload_id: str, request: Request, uploads: UploadService = UploadsDep) -> FileResponse:
+    path = await uploads.codes(upload_id, caller(request))
     return FileResponse(path, media_type="application/octet-stream", filename=f"{upload_id}.codes")
 
 
 @router.delete("/uploads/{upload_id}", response_model=UploadView)
-async def upload_delete(upload_id: str, request: Request, svc: JobService = Service) -> UploadView:
-    return await svc.uploads.delete(upload_id, caller(request))
+async def upload_delete(upload_id: str, request: Request, uploads: UploadService = UploadsDep) -> UploadView:
+    return await uploads.delete(upload_id, caller(request))
 
 
 @router.get("/status")
-async def status(svc: JobService = Service) -> dict[str, object]:
-    return await svc.status()
+async def status(readings: Readings = ReadingsDep) -> dict[str, object]:
+    return await readings.status()
 
 
 @router.get("/tags")
-async def tags(request: Request) -> dict[str, dict[str, object]]:
-    catalogue: dict[str, dict[str, object]] = request.app.state.tags
+async def tags(catalogue: dict[str, dict[str, Any]] = TagsDep) -> dict[str, dict[str, Any]]:
     return catalogue
 
 
 @router.get("/health")
-async def health(svc: JobService = Service) -> dict[str, object]:
-    nonce = {"launch_nonce": svc.s.launch_nonce} if svc.s.launch_nonce else {}  # run_backend.sh's id for us
-    return {"status": "ok", "version": __version__, "accepting": svc.accepting, **nonce}
+async def health(readings: Readings = ReadingsDep) -> dict[str, object]:
+    return readings.health()
 
 
 @router.get("/ready")
-async def ready(request: Request, svc: JobService = Service) -> JSONResponse:
+async def ready(request: Request, readings: Readings = ReadingsDep, keys: ApiKeys = KeysDep) -> JSONResponse:
     """Answered without a key (a load balancer's probe has none); the reason and the count, which name
     folders and the fleet's size, only to a caller with a key, or when the dispatcher has none."""
-    ok, reason = svc.ready()
-    keys = request.app.state.keys
+    ok, reason = readings.ready()
     told = not keys.enabled or keys.from_bearer(request.headers.get("authorization", "").encode()) is not None
     if not ok:
         return error_response(503, reason if told else "Not ready.")
-    return JSONResponse({"status": "ready", **({"workers_ready": svc.workers_ready()} if told else {})})
+    return JSONResponse({"status": "ready", **({"workers_ready": readings.workers_ready()} if told else {})})
 
 
 @router.get("/config")
-async def config(svc: JobService = Service) -> dict[str, object]:
-    return svc.config()
+async def config(readings: Readings = ReadingsDep) -> dict[str, object]:
+    return readings.config()
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def prom(svc: JobService = Service) -> Response:
-    return Response(svc.metrics(), media_type=metrics.CONTENT_TYPE)
+async def prom(readings: Readings = ReadingsDep) -> Response:
+    return Response(readings.metrics(), media_type=metrics.CONTENT_TYPE)
 
 
 @router.post("/workers", response_model=WorkerAnnounced)
 async def announce(
-    body: WorkerAnnouncement, authorization: str | None = Header(None), svc: JobService = Service
+    body: WorkerAnnouncement,
+    authorization: str | None = Header(None),
+    announcements: Announcements = AnnouncementsDep,
 ) -> WorkerAnnounced:
     """A worker started with ``--announce`` joins the pool (the worker token, not the API key)."""
-    return await svc.announcements.announce(body, authorization)
+    return await announcements.announce(body, authorization)
 
 
 @router.delete("/workers/{worker_id}")
 async def withdraw(
-    worker_id: int, authorization: str | None = Header(None), svc: JobService = Service
+    worker_id: int, authorization: str | None = Header(None), announcements: Announcements = AnnouncementsDep
 ) -> dict[str, object]:
-    return await svc.announcements.withdraw(worker_id, authorization)
+    return await announcements.withdraw(worker_id, authorization)

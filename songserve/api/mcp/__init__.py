@@ -1,4 +1,4 @@
-"""The dispatcher's MCP server (``/mcp``): songs for assistants, over the same ``JobService`` as the HTTP API.
+"""The dispatcher's MCP server (``/mcp``): songs for assistants, over the same job and upload services as the HTTP API.
 
 - ``tools.py``: the tools, their words, and their arguments, copied from the HTTP API's models;
 - ``calls.py``: what each tool does (the service's calls, with the caller's key);

@@ -1,4 +1,4 @@
-"""What each MCP tool does, over the same ``JobService`` the HTTP routes call.
+"""What each MCP tool does, over the same job and upload services the HTTP routes call.
 
 A call is the HTTP API's call with the caller's key: the key's limits and quota apply, another key's
 job is not found, and every refusal is the HTTP API's own sentence (``server.py`` turns it into the
@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
+from songserve.api.service.uploads import UploadService
 from songserve.errors import FieldError
 from songserve.http_errors import validation_message
 from songserve.schemas import GenerateRequest, JobView
@@ -32,12 +33,14 @@ Progress = Callable[[float, str], Awaitable[None]]  # percent of the job, a line
 
 @dataclass(frozen=True)
 class Call:
-    """One tool call: the service, who calls, the dispatcher's URL as the caller reaches it, a progress sink."""
+    """One tool call: the services, who calls, the dispatcher's URL as the caller reaches it, the style
+    catalogue, a progress sink."""
 
-    svc: JobService
+    jobs: JobService
+    uploads: UploadService
     caller: Caller | None
     base_url: str
-    tags: Callable[[], dict[str, Any]]
+    tags: dict[str, dict[str, Any]]
     progress: Progress
 
 
@@ -72,7 +75,7 @@ def overall(view: JobView) -> tuple[float, str]:
 
 async def make_song(c: Call, args: Any) -> dict[str, Any]:
     req = GenerateRequest.model_validate(args.model_dump(exclude_unset=True))
-    accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+    accepted = await c.jobs.submit(req, caller=c.caller, strict=True)
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
 
 
@@ -81,7 +84,7 @@ async def retake(c: Call, args: Any) -> dict[str, Any]:
     origin = {k: sent.pop(k) for k in ("job_id", "track_index", "at_sec") if k in sent}
     try:  # the take is named by this tool's own arguments (job_id, track_index, at_sec), not continue_from's
         req = GenerateRequest.model_validate({**sent, "continue_from": origin})
-        accepted = await c.svc.submit(req, caller=c.caller, strict=True)
+        accepted = await c.jobs.submit(req, caller=c.caller, strict=True)
     except (ValidationError, FieldError) as exc:
         said = validation_message(exc.errors()) if isinstance(exc, ValidationError) else str(exc)
         if (m := NESTED.match(said)) is None:
@@ -93,9 +96,9 @@ async def retake(c: Call, args: Any) -> dict[str, Any]:
 async def wait_for_job(c: Call, args: Any) -> dict[str, Any]:
     """The job's views as it changes, each new percent or phase sent as progress, up to the timeout."""
     job_id: str = args.job_id
-    await c.svc.visible(job_id, c.caller)
+    await c.jobs.visible(job_id, c.caller)
     said, view = None, None
-    async for view in c.svc.watch(job_id, args.timeout_sec):
+    async for view in c.jobs.watch(job_id, args.timeout_sec):
         now = overall(view)
         if now != said:
             said = now
@@ -110,23 +113,23 @@ async def wait_for_job(c: Call, args: Any) -> dict[str, Any]:
 
 async def get_job(c: Call, args: Any) -> dict[str, Any]:
     job_id: str = args.job_id
-    await c.svc.visible(job_id, c.caller)
-    return job_answer(await c.svc.view(job_id), c.base_url)
+    await c.jobs.visible(job_id, c.caller)
+    return job_answer(await c.jobs.view(job_id), c.base_url)
 
 
 async def list_jobs(c: Call, args: Any) -> dict[str, Any]:
-    page = await c.svc.jobs(c.caller, args.limit, args.cursor)
+    page = await c.jobs.jobs(c.caller, args.limit, args.cursor)
     return page.model_dump(mode="json")
 
 
 async def cancel_job(c: Call, args: Any) -> dict[str, Any]:
     job_id: str = args.job_id
-    await c.svc.visible(job_id, c.caller)
-    return job_answer(await c.svc.cancel(job_id), c.base_url)
+    await c.jobs.visible(job_id, c.caller)
+    return job_answer(await c.jobs.cancel(job_id), c.base_url)
 
 
 async def list_style_tags(c: Call, _: Any) -> dict[str, Any]:
-    return c.tags()
+    return c.tags
 
 
 async def upload_audio(c: Call, args: Any) -> dict[str, Any]:
@@ -136,7 +139,7 @@ async def upload_audio(c: Call, args: Any) -> dict[str, Any]:
         raise FieldError("audio_base64", "is not base64 (A–Z, a–z, 0–9, +, / and = padding)") from None
     if not data:
         raise FieldError("audio_base64", "is empty: send the audio file's bytes")
-    view = await c.svc.uploads.create(data, args.filename, c.caller)
+    view = await c.uploads.create(data, args.filename, c.caller)
     answer = view.model_dump(mode="json")
     answer["continue_with"] = {"upload_id": view.upload_id}
     return answer

@@ -60,7 +60,7 @@ TEMPLATES = [
 
 @dataclass(frozen=True)
 class Reader:
-    svc: JobService
+    jobs: JobService
     caller: Caller | None
     base_url: str
     max_bytes: int
@@ -73,7 +73,7 @@ class Reader:
                 "song://<job_id>/lyrics and song://<job_id>/style."
             )
         job_id = m["job"]
-        job = await self.svc.visible(job_id, self.caller)
+        job = await self.jobs.visible(job_id, self.caller)
         if m["text"]:
             r = job.request
             text = job.cleaned_lyrics if m["text"] == "lyrics" else (r.prompt if r.prompt_mode == "natural" else r.tags)
@@ -81,7 +81,7 @@ class Reader:
                 contents=[types.TextResourceContents(uri=uri, mime_type="text/plain", text=text)]
             )
         kind, index = m["kind"] or "mp3", int(m["track"])
-        f = await self.svc.track_file(job_id, index, kind)
+        f = await self.jobs.track_file(job_id, index, kind)
         size = await asyncio.to_thread(lambda: f.path.stat().st_size)
         if size > self.max_bytes:
             raise RequestError(
@@ -95,7 +95,7 @@ class Reader:
 
     async def recent(self) -> list[types.Resource]:
         """The finished takes of the caller's newest jobs (one page of ``GET /jobs``), for clients that browse."""
-        page = await self.svc.jobs(self.caller, 20, None)
+        page = await self.jobs.jobs(self.caller, 20, None)
         return [
             types.Resource(
                 uri=take_uri(j.job_id, t.index),

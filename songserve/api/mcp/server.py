@@ -21,7 +21,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
@@ -38,6 +38,7 @@ from songserve.api.mcp.resources import TEMPLATES, Reader
 from songserve.api.mcp.tools import ToolSpec, max_audio_bytes, tool_specs
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import CALLER, Caller
+from songserve.api.service.uploads import UploadService
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import NotFoundError, SongserveError
 from songserve.http_errors import validation_message
@@ -84,13 +85,21 @@ def answered(body: dict[str, Any]) -> types.CallToolResult:
     return types.CallToolResult(content=content, structured_content=body)
 
 
-class McpServer:
-    """The tools and resources over one dispatcher's ``JobService``, served at ``/mcp``."""
+class Services(Protocol):
+    """What the tools use of a running dispatcher's parts (``compose.Parts`` has them)."""
 
-    def __init__(
-        self, s: DispatcherSettings, service: Callable[[], JobService], tags: Callable[[], dict[str, Any]]
-    ) -> None:
-        self.s, self.service, self.tags = s, service, tags
+    jobs: JobService
+    uploads: UploadService
+    tags: dict[str, dict[str, Any]]
+
+
+class McpServer:
+    """The tools and resources over one dispatcher's job and upload services, served at ``/mcp``.
+
+    ``services``: the running dispatcher's, asked per request (they are made in the app's lifespan)."""
+
+    def __init__(self, s: DispatcherSettings, services: Callable[[], Services]) -> None:
+        self.s, self.services = s, services
         self.specs = {spec.name: spec for spec in tool_specs(s)}
         self.tools = [tool(spec) for spec in self.specs.values()]
         self.server: Server[Any] = Server(
@@ -169,7 +178,8 @@ class McpServer:
         async def progress(percent: float, line: str) -> None:
             await ctx.session.report_progress(percent, 100.0, line)
 
-        call = Call(self.service(), caller, base, self.tags, progress)
+        got = self.services()
+        call = Call(got.jobs, got.uploads, caller, base, got.tags, progress)
         try:
             args = spec.arguments.model_validate(params.arguments or {})
             body = await CALLS[spec.name](call, args)
@@ -189,7 +199,7 @@ class McpServer:
 
     def _reader(self, ctx: ServerRequestContext[Any, Any]) -> Reader:
         caller, base = self._who(ctx)
-        return Reader(self.service(), caller, base, max_audio_bytes(self.s))
+        return Reader(self.services().jobs, caller, base, max_audio_bytes(self.s))
 
     async def _list_resources(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None

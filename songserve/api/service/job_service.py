@@ -1,11 +1,12 @@
-"""The job service: what the dispatcher's routes call.
+"""The job service: the jobs' logic the routes of both dialects and the MCP tools call.
 
-Submit, view, cancel, a track's files, a job's event stream, status, readiness, config, and
-workers announcing themselves. The service talks to the dispatcher (``dispatch/dispatcher.py``) through a few
-methods only (``add``, ``cancel``, ``active_job``, ``facts``, ``status``, ``ready``, …), never to a
-worker or the pool; retention is ``retention.py``. Active jobs live in memory and in the store;
-finished ones only in the store and the results folder. With a shared store any dispatcher answers
-for any job: what is not in its memory is read from the store.
+Submit, view, list, cancel, a track's files, its live stream and renders, a job's event stream and
+waits. It is given its parts (``compose.py`` makes them); it makes none. The probes and reports read
+``readings.py``, uploads are ``uploads.py``, announcements ``announcements.py``, usage ``usage.py``.
+It talks to the dispatcher (``dispatch/dispatcher.py``) through a few methods only (``add``, ``cancel``,
+``active_job``, ``facts``, ``fleet``, admission), never to a worker or the pool. Active jobs live in
+memory and in the store; finished ones only in the store and the results folder. With a shared store
+any dispatcher answers for any job: what is not in its memory is read from the store.
 """
 
 from __future__ import annotations
@@ -21,33 +22,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from songserve import codes as codes_file
-from songserve.api.dispatch import readiness, retakes
+from songserve.api.dispatch import retakes
 from songserve.api.dispatch.dispatcher import Dispatcher
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus, job_status
 from songserve.api.jobs.views import job_view
 from songserve.api.results import render
 from songserve.api.results.artifacts import JOB_ID, ArtifactStore
-from songserve.api.results.retention import Retention
 from songserve.api.service import job_list
-from songserve.api.service.announcements import Announcements
 from songserve.api.service.keys import Caller, may_see
 from songserve.api.service.live import Listening, LiveStreams, NoAudio
 from songserve.api.service.refusals import GoneError, QueueFull, StoreUnavailable
 from songserve.api.service.requests import NormalizedRequest, RequestLimits, normalize
 from songserve.api.service.uploads import UploadService
-from songserve.api.service.usage import OverLimit, check_request, quota, usage_view
+from songserve.api.service.usage import OverLimit, check_request, quota
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.protocol import DuplicateKey, JobStore, StoreError
-from songserve.api.store.quota import WINDOW_SEC, OverQuota
-from songserve.api.webhooks.events import JobEvents
-from songserve.api.webhooks.sender import WebhookSender
+from songserve.api.store.quota import OverQuota
 from songserve.api.webhooks.targets import Refused, WebhookPolicy
-from songserve.api.workers.client import WorkerHttp
 from songserve.body_fields import MAX_NAME_CHARS
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
 from songserve.logs import safe
-from songserve.schemas import GenerateAccepted, GenerateRequest, JobList, JobView, UsageView
+from songserve.schemas import GenerateAccepted, GenerateRequest, JobList, JobView
 
 log = logging.getLogger(__name__)
 MEDIA = {
@@ -66,49 +62,37 @@ class TrackFile:
     disposition: str
 
 
+async def load_job(dispatcher: Dispatcher, store: JobStore, job_id: str) -> Job:
+    """A job from this dispatcher's memory while active, else from the store; not found otherwise."""
+    job = dispatcher.active_job(job_id)
+    if job is None and JOB_ID.match(job_id):
+        job = await store.load_job(job_id)
+    if job is None:
+        raise NotFoundError(f"Job {job_id} not found.")
+    return job
+
+
 class JobService:
-    def __init__(self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, http: WorkerHttp) -> None:
+    """The jobs' logic over the parts it is given (``compose.py`` makes them, once per dispatcher)."""
+
+    def __init__(
+        self,
+        s: DispatcherSettings,
+        store: JobStore,
+        artifacts: ArtifactStore,
+        dispatcher: Dispatcher,
+        uploads: UploadService,
+        renders: render.Renders,
+        live: LiveStreams,
+    ) -> None:
         self.s = s
         self.store = store
         self.artifacts = artifacts
-        events = JobEvents()
-        self.dispatcher = Dispatcher(s, store, artifacts, http, events)
-        self.webhooks = WebhookSender(s, store, self.dispatcher.me, self.dispatcher.metrics, events)
+        self.dispatcher = dispatcher
+        self.uploads = uploads  # a retake may continue from a person's upload
+        self.renders = renders
+        self.live = live
         self.webhook_policy = WebhookPolicy(s.webhook_allow)
-        self.retention = Retention(store, artifacts, s.result_ttl_sec, s.results_max_mb)
-        self.renders = render.Renders(artifacts, s.render_concurrency, s.render_queue)
-        self.announcements = Announcements(s, store, self.dispatcher)  # workers that join and leave
-        self.live = LiveStreams(self._load, self.dispatcher.live_client, lambda j, i: artifacts.path(j, i, "wav"),
-                                self.dispatcher.changes, s.state_dir / "live", s.live_listeners_per_track,
-                                s.live_listeners_max)  # fmt: skip
-        self.uploads = UploadService(s, store, artifacts, self.dispatcher)  # a person's own audio (uploads.py)
-
-    @property
-    def accepting(self) -> bool:
-        return self.dispatcher.accepting
-
-    # ---- lifecycle ------------------------------------------------------------------------------
-    async def start(self) -> None:
-        async def sweep() -> None:
-            async with self.store.exclusive("retention") as mine:
-                if mine:  # with several dispatchers on one store, one sweeps at a time
-                    await self.retention.sweep()
-
-        await self.webhooks.start()
-        await self.dispatcher.start(
-            [("retention", sweep, self.s.sweep_interval_sec), ("webhooks", self.webhooks.step, 0.0)]
-        )
-
-    async def drain(self, timeout: float) -> None:
-        """Stop accepting; let running tracks finish up to ``timeout``; the queue stays persisted."""
-        await self.dispatcher.drain(timeout)
-
-    async def stop(self) -> None:
-        await self.live.close()
-        await self.dispatcher.stop()
-        await self.webhooks.stop()
-        self.renders.close()
-        self.uploads.gate.close()
 
     # ---- submit ---------------------------------------------------------------------------------
     def _normalize(self, req: GenerateRequest, strict: bool) -> NormalizedRequest:
@@ -240,7 +224,7 @@ class JobService:
         self, job_id: str, req: GenerateRequest, norm: NormalizedRequest, caller: Caller | None
     ) -> GenerateAccepted:
         """The answer to a repeated Idempotency-Key: the job it made, if the body (and the key) is the same."""
-        fields, job = set(GenerateRequest.model_fields), await self._load(job_id)
+        fields, job = set(GenerateRequest.model_fields), await self.load(job_id)
         if not may_see(caller, job.caller):
             raise FieldError("Idempotency-Key", "was already used by another API key; choose another")
         if job.request.model_dump(include=fields) != req.model_dump(include=fields):
@@ -257,32 +241,35 @@ class JobService:
         )
 
     # ---- view and cancel ------------------------------------------------------------------------
-    async def _load(self, job_id: str) -> Job:
-        job = self.dispatcher.active_job(job_id)
-        if job is None and JOB_ID.match(job_id):
-            job = await self.store.load_job(job_id)
-        if job is None:
-            raise NotFoundError(f"Job {job_id} not found.")
-        return job
+    async def load(self, job_id: str) -> Job:
+        """The job, whoever sent it (``visible`` checks the caller)."""
+        return await load_job(self.dispatcher, self.store, job_id)
+
+    async def ids(self) -> set[str]:
+        """The ids of every job in the store (finished ones until retention removes them)."""
+        return await self.store.job_ids()
 
     async def visible(self, job_id: str, caller: Caller | None) -> Job:
         """The job, if ``caller``'s key may see it (``keys.py``: ``sees``); another key's is not found either."""
-        job = await self._load(job_id)
+        job = await self.load(job_id)
         if not may_see(caller, job.caller):
             raise NotFoundError(f"Job {job_id} not found.")
         return job
 
     async def view(self, job_id: str) -> JobView:
-        job = await self._load(job_id)
+        return self.view_of(await self.load(job_id))
+
+    def view_of(self, job: Job) -> JobView:
+        """A job's view as this dispatcher sees it now (queue positions, estimates)."""
         facts = self.dispatcher.facts(job)
         return job_view(job, facts.positions, facts.eta)
 
     async def jobs(self, caller: Caller | None, limit: int, cursor: str | None) -> JobList:
         """``GET /jobs``: the jobs ``caller`` may see, newest first (``service/job_list.py``)."""
-        return await job_list.list_jobs(self.store, self._load, self.dispatcher.facts, caller, limit, cursor)
+        return await job_list.list_jobs(self.store, self.load, self.dispatcher.facts, caller, limit, cursor)
 
     async def cancel(self, job_id: str) -> JobView:
-        job = await self._load(job_id)
+        job = await self.load(job_id)
         if job.terminal or job_status((t.status for t in job.tracks), job.cancelled) in TERMINAL_JOB:
             return await self.view(job_id)  # finished: a no-op
         await self.dispatcher.cancel(job)
@@ -291,7 +278,7 @@ class JobService:
     async def track_file(self, job_id: str, idx: int, kind: str) -> TrackFile:
         if kind not in MEDIA:
             raise NotFoundError(f"No such file kind {kind!r}; use mp3, wav, codes or render.")
-        job = await self._load(job_id)
+        job = await self.load(job_id)
         if not 0 <= idx < len(job.tracks):
             raise RequestError(f"Track index {idx} is out of range for a job of {len(job.tracks)} tracks.")
         track = job.tracks[idx]
@@ -334,7 +321,7 @@ class JobService:
     ) -> tuple[TrackFile, dict[str, str]]:
         """A finished take in another format, loudness or range (``render.py``), from the cache or made now."""
         await self.track_file(job_id, idx, "wav")  # done, present, of its recorded size
-        job = await self._load(job_id)
+        job = await self.load(job_id)
         spec = render.parse(fmt, loudness, start, end, job.tracks[idx].duration_sec)
         r = job.request
         style = (r.prompt if r.prompt_mode == "natural" else r.tags).strip()
@@ -376,30 +363,6 @@ class JobService:
             if _ended(view):
                 return view
         return None
-
-    async def usage(self, caller: Caller | None) -> UsageView:
-        """``GET /usage``: the caller's limits and use, counted from the store (the whole fleet's)."""
-        now = time.time()
-        return usage_view(caller, await self.store.usage(caller.name if caller else None, now - WINDOW_SEC), now)
-
-    # ---- reporting ------------------------------------------------------------------------------
-    async def status(self) -> dict[str, object]:
-        return await self.dispatcher.status()
-
-    def ready(self) -> tuple[bool, str]:
-        """Ready to serve: accepting, at least one worker ready, and no background loop failing."""
-        return self.dispatcher.ready()
-
-    def workers_ready(self) -> int:
-        """Workers idle or busy (able to run a track)."""
-        return self.dispatcher.workers_ready()
-
-    def metrics(self) -> bytes:
-        """``GET /metrics``: the Prometheus text."""
-        return self.dispatcher.metrics.render()
-
-    def config(self) -> dict[str, object]:
-        return readiness.config(self.s, self.dispatcher.fleet())
 
 
 def _ended(view: JobView) -> bool:

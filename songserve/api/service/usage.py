@@ -13,10 +13,12 @@ Two kinds of limit, two answers:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 from songserve.api.service.keys import Caller
-from songserve.api.store.quota import OverQuota, Quota, Usage, free_in
+from songserve.api.store.protocol import JobStore
+from songserve.api.store.quota import WINDOW_SEC, OverQuota, Quota, Usage, free_in
 from songserve.errors import FieldError, SongserveError
 from songserve.schemas import GenerateRequest, KeyLimits, UsageView
 
@@ -82,3 +84,14 @@ def usage_view(caller: Caller | None, usage: Usage, now: float) -> UsageView:
         jobs_left=None if jobs is None else max(0, jobs - usage.active_jobs),
         next_track_in_sec=0.0 if per_hour is None else round(free_in(usage.recent, per_hour, 1, now), 1),
     )
+
+
+class UsageService:
+    """``GET /usage``: a key's limits and its use, counted from the store (the whole fleet's)."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    async def view(self, caller: Caller | None) -> UsageView:
+        now = time.time()
+        return usage_view(caller, await self.store.usage(caller.name if caller else None, now - WINDOW_SEC), now)
