@@ -12,13 +12,13 @@ from songserve.api.dispatch import queue_order, retries
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
+from songserve.api.lyrics import clean_lyrics
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.service.job_service import JobService, QueueFull
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
 from songserve.errors import FieldError
-from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
 
 pytestmark = pytest.mark.quick

@@ -128,7 +128,7 @@ WALLS: list[tuple[str, tuple[str, ...], str]] = [
     (f"{API}.settings", (f"{API}.",), "settings are read by the features, never the reverse"),
     ("songserve.worker.settings", ("songserve.worker.", "songserve.pipeline."),
      "settings are read by the features, never the reverse"),
-    ("songserve.settings", ("songserve.api", "songserve.worker", "songserve.pipeline"), "the shared loader is below every program"),
+    ("songserve.process.settings", ("songserve.api", "songserve.worker", "songserve.pipeline"), "the shared loader is below every program"),
 ]  # fmt: skip
 
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.tone import TonePipeline
+from songserve.pipeline.testing.tone import TonePipeline
+from songserve.process.settings import load_settings
 from songserve.schemas import WorkerStatus
-from songserve.settings import load_settings
 from songserve.worker import runtime as runtime_mod
 from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime

@@ -14,8 +14,8 @@ from songserve.api.store.sqlite.check import prepare_store
 from songserve.api.webhooks.sign import signing_key
 from songserve.api.webhooks.targets import WebhookPolicy
 from songserve.errors import ConfigError
-from songserve.logs import setup_logging
-from songserve.settings import load_settings, log_non_default
+from songserve.process.logs import setup_logging
+from songserve.process.settings import load_settings, log_non_default
 
 log = logging.getLogger("songserve.api")
 
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from songserve.api.acestep.app import serving_plan
     from songserve.api.http.app import create_app
-    from songserve.serving import GracefulServer, header_timeout_protocol
+    from songserve.http.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(s)
     try:  # ACESTEP_PORT: ACE-Step's dialect on a second port of this process (unset: our port alone)

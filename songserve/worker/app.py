@@ -26,9 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from songserve import __version__
 from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError
-from songserve.forms import spool
-from songserve.http_errors import install_error_handlers
-from songserve.http_guard import BearerAuth, BodyLimit
+from songserve.http.errors import install_error_handlers
+from songserve.http.forms import spool
+from songserve.http.guard import BearerAuth, BodyLimit
 from songserve.schemas import (
     ID_PATTERN,
     TaskView,
@@ -42,13 +42,13 @@ from songserve.schemas import (
     WorkerStatus,
     WorkerTakeFailure,
 )
-from songserve.urls import dispatcher_urls, local_health_url
 from songserve.worker.announce import Announcer
 from songserve.worker.fence import HEADER, LeaseFences
 from songserve.worker.live_stream import follow, open_live
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
 from songserve.worker.to_pipeline import batch_result, generate_failure
+from songserve.worker.urls import dispatcher_urls, local_health_url
 
 log = logging.getLogger(__name__)
 TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))

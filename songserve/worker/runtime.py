@@ -23,7 +23,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-from songserve.audio_in import HOP, SAMPLE_RATE, AudioError, read_audio
+from songserve.audio.reading import HOP, SAMPLE_RATE, AudioError, read_audio
 from songserve.errors import (
     BusyError,
     NotFoundError,

@@ -29,7 +29,7 @@ from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import ApiKeys, Caller
 from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.forms import FormLimits
+from songserve.http.forms import FormLimits
 
 router = APIRouter()
 SERVICE = "ACE-Step API (songserve)"

@@ -24,9 +24,9 @@ from songserve.api.settings import DispatcherSettings
 from songserve.api.store.protocol import JobStore
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
-from songserve.http_errors import install_error_handlers
-from songserve.http_guard import BodyLimit
-from songserve.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.errors import install_error_handlers
+from songserve.http.guard import BodyLimit
+from songserve.http.serving import CLIENT_KEEPALIVE_SEC
 
 PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine

@@ -14,7 +14,7 @@ from songserve.api.service import job_list
 from songserve.api.service.job_service import JobService, TrackFile
 from songserve.api.service.keys import CALLER, Caller
 from songserve.api.service.live import LiveResponse
-from songserve.http_errors import error_response
+from songserve.http.errors import error_response
 from songserve.schemas import (
     MAX_WAIT_SEC,
     GenerateAccepted,

@@ -22,7 +22,7 @@ from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.errors import FieldError
-from songserve.http_errors import validation_message
+from songserve.http.errors import validation_message
 from songserve.schemas import GenerateRequest, JobView
 
 log = logging.getLogger(__name__)

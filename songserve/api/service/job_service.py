@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from songserve import codes as codes_file
 from songserve.api.dispatch import readiness, retakes
 from songserve.api.dispatch.dispatcher import Dispatcher
 from songserve.api.jobs.records import Job, Track
@@ -44,16 +43,17 @@ from songserve.api.webhooks.events import JobEvents
 from songserve.api.webhooks.sender import WebhookSender
 from songserve.api.webhooks.targets import Refused, WebhookPolicy
 from songserve.api.workers.client import WorkerHttp
-from songserve.body_fields import MAX_NAME_CHARS
+from songserve.audio import codes as codes_file
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
-from songserve.logs import safe
+from songserve.process.logs import safe
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobList, JobView, UsageView
+from songserve.schemas.body_fields import MAX_NAME_CHARS
 
 log = logging.getLogger(__name__)
 MEDIA = {
     "mp3": ("audio/mpeg", "inline"),
     "wav": ("audio/wav", "attachment"),
-    "codes": ("application/octet-stream", "attachment"),  # songserve/codes.py's file
+    "codes": ("application/octet-stream", "attachment"),  # songserve/audio/codes.py's file
 }
 KEEPALIVE_SEC = 15.0
 
