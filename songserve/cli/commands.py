@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from songserve.http.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?)$")

@@ -26,7 +26,7 @@ from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
 from songserve.http.errors import install_error_handlers
 from songserve.http.guard import BodyLimit
-from songserve.http.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine
