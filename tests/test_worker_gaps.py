@@ -101,6 +101,7 @@ def _busy_runtime(tmp_path: Path, stall: float) -> tuple[WorkerRuntime, TaskCont
     rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     ctx = TaskContext("t-stall")
     ctx.report("backbone", 1, 10)
+    rt.status = WorkerStatus.idle  # loaded, then claimed: the moves the table allows
     rt.tasks.batch, rt.status = [ctx], WorkerStatus.busy
     return rt, ctx
 
