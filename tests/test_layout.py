@@ -227,7 +227,7 @@ def test_the_package_top_is_its_rooms():
     assert len(_loose(PACKAGE / "pipeline")) <= 10, _loose(PACKAGE / "pipeline")
 
 
-ROOMS_LISTED = ["http", "audio", "cli", "process", "api", "pipeline", "pipeline/live_audio",
+ROOMS_LISTED = ["http", "audio", "cli", "process", "api", "worker", "pipeline", "pipeline/live_audio",
                 "pipeline/testing"]  # fmt: skip
 
 
