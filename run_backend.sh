@@ -25,7 +25,7 @@ set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")"
 # Every other relative path setting (API_KEYS_FILE, …) is resolved by the services against this folder
-# (songserve/settings.py, caller_path), so it too is the caller's, whichever setting it is.
+# (songserve/process/settings.py, caller_path), so it too is the caller's, whichever setting it is.
 export SONGSERVE_CALLER_DIR=$CALLER_DIR
 for name in CHECKPOINTS_DIR LOG_DIR STATE_DIR RESULTS_DIR OUTPUT_DIR TAGS_FILE; do
   value=${!name:-}
@@ -67,7 +67,7 @@ check_ports() {  # one line naming the port and the setting that moves it, or no
         "worker $i's process group" "BASE_MASTER_PORT (or unset it: no port)")
     done
   fi
-  problem=$($PY -m songserve.launcher_probe ports "${specs[@]}") || die "${problem:-checking the ports failed}"
+  problem=$($PY -m songserve.cli.launcher_probe ports "${specs[@]}") || die "${problem:-checking the ports failed}"
 }
 
 launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_FILE (if one did)?
@@ -82,7 +82,7 @@ launched_here() {  # does pid $1 carry the nonce of the launch that wrote NONCE_
 }
 
 health_word() {  # url nonce: ready, starting, other (not the child given that nonce) or none
-  $PY -m songserve.launcher_probe health "$1" "$2" 2>/dev/null || echo none
+  $PY -m songserve.cli.launcher_probe health "$1" "$2" 2>/dev/null || echo none
 }
 
 # ---- stop -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ by a stand-in whose ``LightningModule`` is ``torch.nn.Module`` (``DacRVQ`` uses 
 What is compared, for a stereo 44.1 kHz 16-bit WAV (``--wav``, or a generated one of ``--seconds``):
 - the reference: its YAML read (``${…}`` resolved), ``DacRVQ(configs)``, the checkpoint's
   ``generator.*`` tensors loaded with ``strict=True``, ``eval()``, ``encode`` of the WAV's samples;
-- ours: the samples as an upload reads them (``songserve/audio_in.py``), ``load_encoder`` → ``encode``;
+- ours: the samples as an upload reads them (``songserve/audio/reading.py``), ``load_encoder`` → ``encode``;
   with ``--url`` also a running dispatcher's ``POST /uploads`` then ``GET /uploads/{id}/codes``.
 Printed: frames on each side, the share of codes equal, and where the first difference is.
 """
@@ -98,8 +98,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from songserve import codes
-    from songserve.audio_in import read_audio
+    from songserve.audio import codes
+    from songserve.audio.reading import read_audio
     from songserve.pipeline.stages.encoder import load_encoder
     from songserve.pipeline.tiny.build import RELEASE_LAYOUT
     from songserve.pipeline.tiny.decoder_release import FULL_SIZES, write_release_decoder

@@ -1,7 +1,7 @@
-"""``python -m songserve``: the command-line client (``songserve/client.py``)."""
+"""``python -m songserve``: the command-line client (``songserve/cli/commands.py``)."""
 
 import sys
 
-from songserve.client import main
+from songserve.cli.commands import main
 
 sys.exit(main())

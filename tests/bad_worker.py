@@ -39,8 +39,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from songserve.logs import setup_logging  # noqa: E402
-from songserve.settings import load_settings  # noqa: E402
+from songserve.process.logs import setup_logging  # noqa: E402
+from songserve.process.settings import load_settings  # noqa: E402
 from songserve.worker.app import create_app  # noqa: E402
 from songserve.worker.main import build_runtime  # noqa: E402
 from songserve.worker.outputs import file_facts  # noqa: E402

@@ -33,7 +33,7 @@ HOLD_LIMIT_SEC = 300.0  # a test that never lets go fails on its own timeout, no
 def hold_backbone_at_thirds(hold_dir: Path) -> None:
     import torch
 
-    from songserve.pipeline.preview import Previewer
+    from songserve.pipeline.live_audio.previewer import Previewer
 
     heard = Previewer.tokens
 

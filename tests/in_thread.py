@@ -22,8 +22,8 @@ from typing import Any
 
 import uvicorn
 
-from songserve.logs import LineFormatter
-from songserve.serving import header_timeout_protocol
+from songserve.http.serving import header_timeout_protocol
+from songserve.process.logs import LineFormatter
 from tests.support import poll_health, wait_for
 
 START_TIMEOUT_SEC = 60.0
@@ -124,7 +124,7 @@ class ThreadServer:
 
 def tone_worker(tmp: Path, *flags: str, name: str = "worker") -> ThreadServer:
     """Our worker with the test pipeline (a tone, numpy on the CPU), from the worker's own flags."""
-    from songserve.settings import load_settings
+    from songserve.process.settings import load_settings
     from songserve.worker.app import create_app
     from songserve.worker.main import build_runtime
     from songserve.worker.settings import WorkerSettings
@@ -146,7 +146,7 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     from songserve.api.compose import check
     from songserve.api.http.app import create_app
     from songserve.api.settings import DispatcherSettings
-    from songserve.settings import load_settings
+    from songserve.process.settings import load_settings
 
     sock = bound_socket()
     port = sock.getsockname()[1]

@@ -24,7 +24,7 @@ from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.jobs.views import job_view
 from songserve.api.service.keys import ApiKeys
-from songserve.forms import FormLimits
+from songserve.http.forms import FormLimits
 from songserve.schemas import GenerateRequest
 
 pytestmark = pytest.mark.quick
@@ -403,7 +403,7 @@ def test_the_second_socket_is_tcp_so_its_answers_are_not_held_for_a_delayed_ack(
 def test_the_setting_needs_its_own_port_and_empty_is_unset(monkeypatch):
     from songserve.api.settings import DispatcherSettings
     from songserve.errors import ConfigError
-    from songserve.settings import load_settings
+    from songserve.process.settings import load_settings
 
     with pytest.raises(ConfigError, match="acestep_port: .*must differ from API_PORT"):
         load_settings(DispatcherSettings, ["--port", "9000", "--acestep-port", "9000"])

@@ -22,11 +22,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from songserve.errors import ConfigError
+from songserve.process.settings import load_settings
 from songserve.schemas import WorkerAnnounced, WorkerAnnouncement
-from songserve.settings import load_settings
-from songserve.urls import default_public_url, dispatcher_urls, local_health_url
 from songserve.worker import announce
 from songserve.worker.settings import WorkerSettings
+from songserve.worker.urls import default_public_url, dispatcher_urls, local_health_url
 from tests.support import ROOT, free_port, start_worker, wait_for, worker_refusal
 from tests.test_launcher import launcher_env
 

@@ -1,4 +1,4 @@
-"""A person's audio file as the codec takes it (songserve/audio_in.py): formats, rates, channels, refusals."""
+"""A person's audio file as the codec takes it (songserve/audio/reading.py): formats, rates, channels, refusals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from songserve.audio_in import SAMPLE_RATE, AudioError, _Samples, check_audio, downmix, read_audio
+from songserve.audio.reading import SAMPLE_RATE, AudioError, _Samples, check_audio, downmix, read_audio
 
 
 def tone(seconds: float, rate: int, channels: int = 2, level: float = 0.4) -> np.ndarray:

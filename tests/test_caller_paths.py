@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from songserve.api.settings import DispatcherSettings
-from songserve.settings import CALLER_DIR_ENV, load_settings
+from songserve.process.settings import CALLER_DIR_ENV, load_settings
 from songserve.worker.settings import WorkerSettings
 from tests.procs import MARK, marked
 from tests.support import ROOT

@@ -13,8 +13,8 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
-from songserve import codes
-from songserve.client import _submit
+from songserve.audio import codes
+from songserve.cli.commands import _submit
 from tests.support import ROOT, Cluster
 
 
@@ -171,7 +171,7 @@ def test_continue_audio_uploads_a_file_and_continues_it(cluster, tmp_path):
 
 
 def test_every_option_has_help():
-    from songserve.client import parser
+    from songserve.cli.commands import parser
 
     ap = parser()
     subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))

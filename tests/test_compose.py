@@ -59,7 +59,7 @@ def main_refusal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
 
 def test_main_and_the_in_thread_dispatcher_are_made_by_the_same_build(tmp_path, monkeypatch):
     made = Assembled(monkeypatch)
-    monkeypatch.setattr("songserve.serving.GracefulServer", Served)
+    monkeypatch.setattr("songserve.http.serving.GracefulServer", Served)
     monkeypatch.setattr(main, "setup_logging", lambda *a: None)
     assert main.main(["--port", "18555", *flags(tmp_path / "main")]) == 0
     with TestClient(Served.app) as client:  # the lifespan: compose.build

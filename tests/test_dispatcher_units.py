@@ -12,10 +12,10 @@ from songserve.api.dispatch import queue_order, retries
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
+from songserve.api.lyrics import clean_lyrics
 from songserve.api.service.job_service import QueueFull
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import FieldError
-from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
 from tests.fake_fleet import assemble_parts
 

@@ -16,7 +16,7 @@ import pytest
 from pydantic_settings import BaseSettings
 
 from songserve.api.settings import DispatcherSettings
-from songserve.settings import CALLER_DIR_ENV
+from songserve.process.settings import CALLER_DIR_ENV
 from songserve.worker.settings import WorkerSettings
 from tests.support import ROOT
 
@@ -42,7 +42,7 @@ def settings_env(cls: type[BaseSettings]) -> set[str]:
 
 def env_reads() -> dict[str, str]:
     """Each environment variable the code reads → where (for the failure message)."""
-    found: dict[str, str] = {CALLER_DIR_ENV: "songserve/settings.py caller_path"}  # read through a constant
+    found: dict[str, str] = {CALLER_DIR_ENV: "songserve/process/settings.py caller_path"}  # read through a constant
     for cls in (WorkerSettings, DispatcherSettings):
         for name in settings_env(cls):
             found.setdefault(name, f"{cls.__module__} {cls.__name__}")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from songserve.audio_in import read_audio
+from songserve.audio.reading import read_audio
 from songserve.errors import ConfigError
 from songserve.pipeline.checkpoints.encoder_config import EncoderConfig, read_encoder_config
 from songserve.pipeline.stages.encoder import load_encoder

@@ -1,4 +1,4 @@
-"""Request bodies as they arrive (songserve/forms.py) and the body limit (http_guard.BodyLimit), in process.
+"""Request bodies as they arrive (songserve/http/forms.py) and the body limit (http_guard.BodyLimit), in process.
 
 The streaming form reader against bodies httpx writes, fed in any pieces; every cap refuses with its
 status and sentence. ``BodyLimit`` over a tiny ASGI app: a chunked body past the limit is a 413 as
@@ -12,8 +12,8 @@ import asyncio
 import httpx
 import pytest
 
-from songserve.forms import MAX_FILES, MAX_PARTS, FormError, FormLimits, FormReader, read_form, spool
-from songserve.http_guard import BodyLimit
+from songserve.http.forms import MAX_FILES, MAX_PARTS, FormError, FormLimits, FormReader, read_form, spool
+from songserve.http.guard import BodyLimit
 
 pytestmark = pytest.mark.quick
 LIMITS = FormLimits(body_bytes=1 << 20, field_bytes=1000, file_bytes=10_000, too_large="too large, said the route")

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from songserve.launcher_probe import Port, health_word, port_problem
+from songserve.cli.launcher_probe import Port, health_word, port_problem
 from songserve.pipeline.checkpoints import process_group
 from tests.support import free_port
 

@@ -19,8 +19,8 @@ import torch
 
 from songserve.pipeline.checkpoints.gpt_load import load_model
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.live import LiveAudio, LiveState
-from songserve.pipeline.preview import Previewer, PreviewStages
+from songserve.pipeline.live_audio.previewer import Previewer, PreviewStages
+from songserve.pipeline.live_audio.take import LiveAudio, LiveState
 from songserve.pipeline.stages import tokenizer as tk
 from songserve.pipeline.stages.backbone import Backbone, Take
 from songserve.pipeline.stages.codec import load_decoder

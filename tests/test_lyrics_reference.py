@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from songserve.lyrics import clean_lyrics
+from songserve.api.lyrics import clean_lyrics
 
 pytestmark = pytest.mark.quick
 

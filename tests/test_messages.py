@@ -7,9 +7,9 @@ from pydantic import ValidationError
 
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import ConfigError
-from songserve.http_errors import validation_message
+from songserve.http.errors import validation_message
+from songserve.process.settings import load_settings
 from songserve.schemas import WorkerAnnouncement
-from songserve.settings import load_settings
 
 pytestmark = pytest.mark.quick
 

@@ -29,7 +29,7 @@ from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
 from songserve.pipeline.stages.tokenizer import BOS, EOD, duration_token, load_tokenizer
 from songserve.pipeline.tiny.decoder_release import FULL_SIZES, release_yaml
 from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
-from songserve.settings import load_settings
+from songserve.process.settings import load_settings
 from songserve.worker.launcher_flags import apply_launcher_flags, verdict
 from songserve.worker.settings import WorkerSettings
 from tests.support import start_worker

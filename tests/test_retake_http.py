@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from songserve import codes
+from songserve.audio import codes
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
 from tests.support import Cluster, cluster_of, start_reference_worker
 

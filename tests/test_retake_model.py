@@ -18,7 +18,7 @@ import pyloudnorm
 import pytest
 import soundfile as sf
 
-from songserve import codes
+from songserve.audio import codes
 from tests.support import Cluster, start_worker, wait_for
 from tests.tiny_site import SHARED_FLAGS, tiny_site
 

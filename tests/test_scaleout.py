@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from songserve.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 from tests.support import ServerProcess, free_port, start_worker, wait_for
 
 # Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.

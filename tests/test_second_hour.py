@@ -179,7 +179,7 @@ def spiky(wav: Path) -> None:
 
 
 def test_a_loudness_a_render_could_not_reach_is_said_beside_the_saved_file(cluster, tmp_path):
-    from songserve.client import save
+    from songserve.cli.commands import save
 
     job = cluster.submit(num_tracks=1)
     done = cluster.wait_job(job["job_id"])

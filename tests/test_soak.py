@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from songserve import codes
+from songserve.audio import codes
 from tests.support import Cluster, cluster_of, free_port, start_worker, wait_for
 from tests.test_encoder import music, wav_bytes
 

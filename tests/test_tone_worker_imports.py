@@ -16,13 +16,13 @@ from tests.support import ROOT
 
 START_AND_RUN_ONE_TONE = """
 import asyncio, json, sys
-from songserve.settings import load_settings
+from songserve.process.settings import load_settings
 from songserve.worker.settings import WorkerSettings
 from songserve.schemas import WorkerGenerateRequest
 from songserve.worker.launcher_flags import apply_launcher_flags
 from songserve.worker.main import build_runtime, split_megatron_flags
 from songserve.worker.app import create_app
-from songserve.serving import GracefulServer, header_timeout_protocol
+from songserve.http.serving import GracefulServer, header_timeout_protocol
 
 own, _ = split_megatron_flags(["--pipeline", "test", "--output-dir", sys.argv[1]])
 s = apply_launcher_flags(load_settings(WorkerSettings, own))

@@ -20,8 +20,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from songserve import codes
-from songserve.audio_in import read_audio
+from songserve.audio import codes
+from songserve.audio.reading import read_audio
 from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from songserve import codes
-from songserve.audio_in import read_audio
+from songserve.audio import codes
+from songserve.audio.reading import read_audio
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
-from songserve.pipeline.tone import tone_codes
+from songserve.pipeline.testing.tone import tone_codes
 from tests.support import Cluster, ServerProcess, free_port, start_reference_worker, start_worker, wait_for
 
 UPLOAD_MB = 2.0

@@ -21,10 +21,10 @@ from songserve.errors import NotFoundError, RequestError, TaskError
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.stages import export
 from songserve.pipeline.stages.export import ExportError, Mp3Options, write_track
-from songserve.pipeline.tone import TonePipeline
+from songserve.pipeline.testing.tone import TonePipeline
 from songserve.pipeline.types import TrackRequest, TrackResult
+from songserve.process.settings import load_settings
 from songserve.schemas import ErrorKind, TaskState, WorkerGenerateRequest
-from songserve.settings import load_settings
 from songserve.worker.device import ToneDevice
 from songserve.worker.failures import classify_failure
 from songserve.worker.outputs import sweep_outputs

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.tone import TonePipeline
+from songserve.pipeline.testing.tone import TonePipeline
+from songserve.process.settings import load_settings
 from songserve.schemas import WorkerStatus
-from songserve.settings import load_settings
 from songserve.worker import runtime as runtime_mod
 from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
@@ -101,6 +101,7 @@ def _busy_runtime(tmp_path: Path, stall: float) -> tuple[WorkerRuntime, TaskCont
     rt = WorkerRuntime(s, TonePipeline(s), ToneDevice())
     ctx = TaskContext("t-stall")
     ctx.report("backbone", 1, 10)
+    rt.status = WorkerStatus.idle  # loaded, then claimed: the moves the table allows
     rt.tasks.batch, rt.status = [ctx], WorkerStatus.busy
     return rt, ctx
 

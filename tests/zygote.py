@@ -54,12 +54,12 @@ SERVING = (
     "uvicorn.protocols.http.h11_impl",
     "uvicorn.lifespan.on",
     "uvicorn.loops.auto",
-    "songserve.serving",
+    "songserve.http.serving",
 )
 WORKER = ("songserve.worker.main", "songserve.worker.runtime", "songserve.worker.app", *SERVING)
 PRELOAD: dict[str, tuple[str, ...]] = {
     "api": ("songserve.api.main", "songserve.api.http.app", "songserve.api.acestep.app", *SERVING),
-    "worker": (*WORKER, "songserve.worker.device", "songserve.pipeline.tone", "soundfile"),
+    "worker": (*WORKER, "songserve.worker.device", "songserve.pipeline.testing.tone", "soundfile"),
     "torch": (
         *WORKER,
         "torch",

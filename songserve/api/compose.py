@@ -45,7 +45,7 @@ from songserve.api.webhooks.sign import signing_key
 from songserve.api.webhooks.targets import WebhookPolicy
 from songserve.api.workers.client import WorkerHttp
 from songserve.errors import ConfigError
-from songserve.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 log = logging.getLogger("songserve.api")
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from songserve.api.compose import check_settings, check_store
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import ConfigError
-from songserve.logs import setup_logging
-from songserve.settings import load_settings, log_non_default
+from songserve.process.logs import setup_logging
+from songserve.process.settings import load_settings, log_non_default
 
 log = logging.getLogger("songserve.api")
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from songserve.api.acestep.app import serving_plan
     from songserve.api.http.app import create_app
-    from songserve.serving import GracefulServer, header_timeout_protocol
+    from songserve.http.serving import GracefulServer, header_timeout_protocol
 
     app = create_app(checked)
     try:  # ACESTEP_PORT: ACE-Step's dialect on a second port of this process (unset: our port alone)

@@ -1,5 +1,5 @@
 """The dispatcher's settings (``backend_api.py``): one object, from the environment and flags through
-``songserve.settings.load_settings``."""
+``songserve.process.settings.load_settings``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from songserve.errors import ConfigError
-from songserve.settings import LAUNCH_NONCE, ROOT, caller_path
+from songserve.process.settings import LAUNCH_NONCE, ROOT, caller_path
 
 
 class DispatcherSettings(BaseSettings):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from songserve.errors import TaskCancelled
-from songserve.pipeline.live import LiveAudio
+from songserve.pipeline.live_audio.take import LiveAudio
 
 
 @dataclass

@@ -38,7 +38,7 @@ def continued(prefix: Prefix, frame_rate: float) -> dict[str, Any]:
 
 
 def codes_header(metadata: dict[str, Any], frame_rate: float) -> dict[str, Any]:
-    """The codes file's header (``songserve/codes.py``): which models made the grid, with which seed."""
+    """The codes file's header (``songserve/audio/codes.py``): which models made the grid, with which seed."""
     keys = ("job_id", "track_index", "task_id", "seed", "sample_rate")
     head: dict[str, Any] = {k: metadata[k] for k in keys if k in metadata}
     head["models"] = {k: v for k, v in metadata.get("models", {}).items() if k in ("backbone", "superres")}

@@ -3,7 +3,7 @@
 Orchestration only, as ``pipeline.py`` is for songs: the encoder where ``RUNTIME_MODE`` keeps it
 (``Residency.enter_encoder`` / ``end_encode``, however the encoding ends), progress by chunk into
 the task's context (a cancel lands between chunks), and the result with its timings. The audio has
-been read and resampled by then (``songserve/audio_in.py``, off the model thread).
+been read and resampled by then (``songserve/audio/reading.py``, off the model thread).
 """
 
 from __future__ import annotations

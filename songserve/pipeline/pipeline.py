@@ -29,8 +29,8 @@ from songserve.pipeline.encoding import encode_audio
 from songserve.pipeline.engine.decode_step import DecodeStep, choose_mode
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
 from songserve.pipeline.finish import BatchFacts, finish_take
+from songserve.pipeline.live_audio.previewer import Previewer, PreviewStages
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
-from songserve.pipeline.preview import Previewer, PreviewStages
 from songserve.pipeline.residency import Residency, mem_available
 from songserve.pipeline.stages.backbone import Backbone, Take
 from songserve.pipeline.stages.length import LengthPlan, plan_length

@@ -73,7 +73,7 @@ class TrackResult:
     backbone_tokens: int
     seed: int
     metadata: dict[str, Any]
-    codes_filename: str = ""  # the take's code grid (songserve/codes.py), beside its WAV
+    codes_filename: str = ""  # the take's code grid (songserve/audio/codes.py), beside its WAV
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Pipeline(Protocol):
         ...
 
     def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:
-        """44.1 kHz stereo samples (numpy (2, n) float32 in [-1, 1], ``songserve/audio_in.py``) as the
+        """44.1 kHz stereo samples (numpy (2, n) float32 in [-1, 1], ``songserve/audio/reading.py``) as the
         codec's code grid; raises ``UnavailableError`` when this pipeline has no encoder."""
         ...
 

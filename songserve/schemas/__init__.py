@@ -9,7 +9,9 @@ reference's workers; do not rename them. By concern:
   worker continues from);
 - ``uploads``: a person's own audio (``UploadView``, ``UploadStatus``; a worker's ``WorkerEncodeResult``);
 - ``common``: the patterns that bound names and ids, and a percent.
-Everything is re-exported here: importers name ``songserve.schemas`` only.
+Everything is re-exported here: importers name ``songserve.schemas`` only. Beside the models,
+``body_fields`` is how ``client``'s request models keep a body's fields as sent and its unknown
+names, bounded (no wire model: its importers name it).
 """
 
 from __future__ import annotations

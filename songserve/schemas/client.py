@@ -2,7 +2,7 @@
 
 Field names and status words here are the compatibility surface with existing frontends (the
 reference backend's); do not rename them. Unknown request fields are ignored (``GenerateRequest``'s are
-reported, bounded: ``songserve/body_fields.py``).
+reported, bounded: ``songserve/schemas/body_fields.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from songserve.body_fields import BodyFields, read_body
+from songserve.schemas.body_fields import BodyFields, read_body
 from songserve.schemas.continuation import ContinueFrom
 
 WebhookEventName = Literal["start", "progress", "track", "completed"]

@@ -3,7 +3,7 @@
 An upload is a file a client sends to continue from (docs/api.md, "Uploads"): stored, then encoded
 into the codec's code grid by a worker (``queued → encoding → ready | failed``), then continued with
 ``continue_from: {"upload_id": …}``. The worker receives the file's bytes as they were uploaded (it
-reads them with ``songserve/audio_in.py``, as the dispatcher did to check them) and answers the grid
+reads them with ``songserve/audio/reading.py``, as the dispatcher did to check them) and answers the grid
 as a ``PrefixCodes``: the same shape a retake's kept frames travel in.
 """
 

@@ -103,7 +103,7 @@ class WorkerGenerateResult(BaseModel):
     mp3_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
     wav_filename: str = Field(min_length=1, pattern=FILE_NAME_PATTERN)
     json_filename: str = Field("", pattern=FILE_NAME_PATTERN)
-    codes_filename: str = Field("", pattern=FILE_NAME_PATTERN)  # ext: the take's code grid (songserve/codes.py)
+    codes_filename: str = Field("", pattern=FILE_NAME_PATTERN)  # ext: the take's code grid (songserve/audio/codes.py)
     duration_sec: float
     backbone_tokens: int
     gpu_id: int

@@ -10,7 +10,7 @@ Announcing starts only once this worker answers its own ``/health``: a dispatche
 right after the registration must find it (``initializing`` while the models load is fine). One
 unreachable or refusing dispatcher never blocks the others and never stops the worker: each is
 retried with its own back-off, capped at the interval. Each target's state changes are logged once.
-The URL rules (``ANNOUNCE``'s targets, the default ``PUBLIC_URL``) are ``songserve/urls.py``, which
+The URL rules (``ANNOUNCE``'s targets, the default ``PUBLIC_URL``) are ``songserve/worker/urls.py``, which
 the settings share.
 """
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from songserve.errors import NotFoundError, RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.live import LiveAudio, LiveState
+from songserve.pipeline.live_audio.take import LiveAudio, LiveState
 from songserve.worker.tasks import TaskRegistry
 
 CHUNK = 1 << 16

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from songserve.errors import ConfigError
-from songserve.logs import level_from_env, setup_logging
-from songserve.settings import load_settings, log_non_default
+from songserve.process.logs import level_from_env, setup_logging
+from songserve.process.settings import load_settings, log_non_default
 from songserve.worker.launcher_flags import apply_launcher_flags
 from songserve.worker.settings import WorkerSettings
 
@@ -30,7 +30,7 @@ def build_runtime(s: WorkerSettings) -> WorkerRuntime:
     from songserve.worker.runtime import WorkerRuntime
 
     if s.pipeline == "test":
-        from songserve.pipeline.tone import TonePipeline
+        from songserve.pipeline.testing.tone import TonePipeline
         from songserve.worker.device import ToneDevice
 
         log.info("test pipeline: a tone, computed on the CPU")
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
 
-    from songserve.serving import GracefulServer, header_timeout_protocol
+    from songserve.http.serving import GracefulServer, header_timeout_protocol
     from songserve.worker.app import create_app
 
     server: uvicorn.Server | None = None

@@ -4,7 +4,10 @@ All model work (loading and generation) runs on one dedicated thread, so async r
 answering ``/health`` while a track generates. One batch at a time (a single task is a batch of
 one); another gets ``BusyError``. The tasks it knows are ``worker/tasks.py``'s ``TaskRegistry``.
 
-States (``WorkerStatus``):  initializing → idle ⇄ busy;  any → error (loading failed / thread died).
+Its status (``WorkerStatus``) moves only along ``worker/states.py``'s table: initializing → idle ⇄
+busy, initializing → error when loading fails; ``/health`` derives stalled. A batch and an encoding
+claim the thread the same way (``_claim_ids``), end the same way (``_end``) and fail the same way
+(``_failed``).
 
 A failed task carries an ``ErrorKind`` (``worker/failures.py``), so the dispatcher may try another
 worker when the fault is this one's. The worker reports its output disk in ``/health`` and removes
@@ -23,7 +26,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-from songserve.audio_in import HOP, SAMPLE_RATE, AudioError, read_audio
+from songserve.audio.reading import HOP, SAMPLE_RATE, AudioError, read_audio
 from songserve.errors import (
     BusyError,
     NotFoundError,
@@ -51,6 +54,7 @@ from songserve.worker.failures import ClassifiedTaskError, classify_failure, err
 from songserve.worker.metrics import WorkerMetrics
 from songserve.worker.outputs import disk_report, file_facts, names_from_metadata, remove_output, sweep_outputs
 from songserve.worker.settings import WorkerSettings
+from songserve.worker.states import check_transition
 from songserve.worker.tasks import TaskRegistry
 from songserve.worker.to_pipeline import encode_result, generate_result, track_request
 
@@ -71,7 +75,7 @@ class WorkerRuntime:
         self.s = settings
         self.pipeline = pipeline
         self.device = device
-        self.status = WorkerStatus.initializing
+        self._status = WorkerStatus.initializing
         self.phase = WorkerPhase.idle.value
         self.error: str | None = None
         self._started_mono = time.monotonic()
@@ -84,6 +88,16 @@ class WorkerRuntime:
         self.metrics.watch(self.health)
         pipeline.phase_hook = self._set_phase
         self._models = pipeline.describe()
+
+    @property
+    def status(self) -> WorkerStatus:
+        return self._status
+
+    @status.setter
+    def status(self, new: WorkerStatus) -> None:
+        """Every change of status passes the table (``states.check_transition``), or raises."""
+        check_transition(self._status, new)
+        self._status = new
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -158,6 +172,14 @@ class WorkerRuntime:
             self.status = WorkerStatus.busy
         return ctxs
 
+    def _end(self) -> None:
+        """A batch or an encoding is over, however it ended: no task runs, the worker is idle again."""
+        with self._lock:
+            self.tasks.end()
+            self.phase = WorkerPhase.idle.value
+            if self.status is WorkerStatus.busy:
+                self.status = WorkerStatus.idle
+
     async def generate(self, body: WorkerGenerateRequest) -> WorkerGenerateResult:
         """One take: its result, or the exception that ended it (raised)."""
         _, out = (await self._generate([body]))[0]
@@ -198,11 +220,7 @@ class WorkerRuntime:
         finally:
             for ctx in ctxs:  # a listener that has the live file open reads on to its end
                 ctx.live.remove()
-            with self._lock:
-                self.tasks.end()
-                self.phase = WorkerPhase.idle.value
-                if self.status is WorkerStatus.busy:
-                    self.status = WorkerStatus.idle
+            self._end()
         return [
             (ctx.task_id, self._settle(ctx.task_id, got, t0, files))
             for ctx, got, files in zip(ctxs, raw, facts, strict=True)
@@ -225,19 +243,12 @@ class WorkerRuntime:
             self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.error, error=str(exc)))
             raise
         except Exception as exc:
-            log.error("task %s: encoding failed", ctx.task_id, exc_info=exc)
-            kind, message = classify_failure(exc, self.s.output_dir, self.device.is_out_of_memory(exc))
-            self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.error, error=message, error_kind=kind))
-            raise ClassifiedTaskError(message, kind) from None
+            raise self._failed(ctx.task_id, exc, "encoding failed") from None
         finally:
-            with self._lock:
-                self.tasks.end()
-                self.phase = WorkerPhase.idle.value
-                if self.status is WorkerStatus.busy:
-                    self.status = WorkerStatus.idle
+            self._end()
         self.tasks.remember(TaskView(task_id=ctx.task_id, status=TaskState.done, progress=100))
-        log.info("task %s: encoded %.2f s of %s audio in %.2fs", ctx.task_id, facts.duration_sec, facts.format,
-                 time.perf_counter() - t0)  # fmt: skip
+        elapsed = time.perf_counter() - t0
+        log.info("task %s: encoded %.2f s of %s audio in %.2fs", ctx.task_id, facts.duration_sec, facts.format, elapsed)
         return encode_result(ctx.task_id, got, facts)
 
     def _encode(self, audio: object, ctx: TaskContext) -> EncodeResult:
@@ -273,17 +284,23 @@ class WorkerRuntime:
             self.metrics.tasks.labels(f"error_{kind.value}" if kind else "refused").inc()
             return got
         if isinstance(got, BaseException):  # out of memory, encoder or disk errors: local to this task
-            log.error("task %s: failed", task_id, exc_info=got)
-            kind, message = classify_failure(got, self.s.output_dir, self.device.is_out_of_memory(got))
-            self.tasks.remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
-            self.metrics.tasks.labels(f"error_{kind.value}").inc()
-            return ClassifiedTaskError(message, kind)
+            failure = self._failed(task_id, got, "failed")
+            self.metrics.tasks.labels(f"error_{failure.kind.value}").inc()
+            return failure
         self.tasks_done += 1
         out = generate_result(task_id, got, self.s.gpu_id, files)
         self.tasks.remember(TaskView(task_id=task_id, status=TaskState.done, result=out, progress=100))
         log.info("task %s: done in %.2fs (%.2fs audio)", task_id, time.perf_counter() - t0, got.duration_sec)
         self.metrics.task_done(time.perf_counter() - t0, got.duration_sec, got.metadata.get("timings") or {})
         return out
+
+    def _failed(self, task_id: str, exc: BaseException, what: str) -> ClassifiedTaskError:
+        """A take or an encoding that failed unasked (out of memory, the model, the disk): logged with its
+        traceback, its kind found (whose fault: ``failures.py``) and remembered; the error it answers."""
+        log.error("task %s: %s", task_id, what, exc_info=exc)
+        kind, message = classify_failure(exc, self.s.output_dir, self.device.is_out_of_memory(exc))
+        self.tasks.remember(TaskView(task_id=task_id, status=TaskState.error, error=message, error_kind=kind))
+        return ClassifiedTaskError(message, kind)
 
     def check_model_names(self, body: WorkerGenerateRequest) -> None:
         """Refuse an unknown model name before any work (not after the whole backbone stage)."""

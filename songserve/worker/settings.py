@@ -1,5 +1,5 @@
 """The worker's settings (``backend_worker.py``, one process per GPU): one object, from the environment
-and flags through ``songserve.settings.load_settings``."""
+and flags through ``songserve.process.settings.load_settings``."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from songserve.http_errors import clean_msg
+from songserve.http.errors import clean_msg
+from songserve.process.settings import LAUNCH_NONCE, ROOT, caller_path
 from songserve.schemas import WorkerAnnouncement
-from songserve.settings import LAUNCH_NONCE, ROOT, caller_path
-from songserve.urls import default_public_url, dispatcher_urls
+from songserve.worker.urls import default_public_url, dispatcher_urls
 
 
 class WorkerSettings(BaseSettings):

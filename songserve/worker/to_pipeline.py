@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from songserve.audio_in import AudioFacts
+from songserve.audio.reading import AudioFacts
 from songserve.errors import SongserveError, TaskCancelled
-from songserve.http_errors import error_response
+from songserve.http.errors import error_response
 from songserve.pipeline.types import EncodeResult, Prefix, TrackRequest, TrackResult
 from songserve.schemas import (
     PrefixCodes,

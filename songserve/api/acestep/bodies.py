@@ -11,7 +11,7 @@ At ACE-Step f30aee4c every form branch of ``/release_task`` answers a plain-text
 passed twice); the intent is plain, so here they work: values are strings, as in any form, and
 ``Params`` coerces them. Invalid JSON is a 400 naming the reason (ACE-Step: a plain-text 500 under
 ``application/json``). A JSON or urlencoded body is read up to ``MAX_BODY_BYTES`` (413 past it);
-multipart goes through the streaming form reader (``songserve/forms.py``: off the event loop, its
+multipart goes through the streaming form reader (``songserve/http/forms.py``: off the event loop, its
 files spooled to temporary files, caps on parts, fields and sizes), with the upload cap for
 ``/release_task``'s files. Who may send a body that large is the routes' business (``routes.py``:
 the key is checked before the body is read).
@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl
 from starlette.requests import Request
 
 from songserve.api.acestep.failures import AceError
-from songserve.forms import FilePart, Form, FormError, FormLimits, FormReader, read_form
+from songserve.http.forms import FilePart, Form, FormError, FormLimits, FormReader, read_form
 
 MISSING_TYPE = "(missing)"
 

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from songserve.api.acestep.wrapper import wrap
 from songserve.errors import FieldError, SongserveError
-from songserve.http_errors import validation_message
+from songserve.http.errors import validation_message
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from songserve.api.service.keys import ApiKeys, Caller
 from songserve.api.service.readings import Readings
 from songserve.api.service.uploads import UploadService, upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.forms import FormLimits
+from songserve.http.forms import FormLimits
 
 router = APIRouter()
 SERVICE = "ACE-Step API (songserve)"

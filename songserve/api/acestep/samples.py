@@ -23,7 +23,7 @@ from typing import Any
 
 from songserve.api.acestep.params import nested
 from songserve.api.acestep.translate import INSTRUMENTAL, tag_prompt
-from songserve.lyrics import CleaningMode, clean_lyrics
+from songserve.api.lyrics import CleaningMode, clean_lyrics
 
 EXAMPLES = Path(__file__).with_name("examples.json")
 SIMPLE = "simple_mode"

@@ -30,7 +30,7 @@ from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.api.service.uploads import UploadService, UploadTooLarge
 from songserve.errors import FieldError, NotFoundError
-from songserve.http_errors import clean_msg
+from songserve.http.errors import clean_msg
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobView, TrackView
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from songserve.api.acestep.bodies import Upload
 from songserve.api.acestep.failures import field_error
 from songserve.api.acestep.files import FORMATS, AudioRef, parse_source
 from songserve.api.acestep.params import Params
-from songserve.http_errors import clean_msg
+from songserve.http.errors import clean_msg
 from songserve.schemas import GenerateRequest
 
 TASK_TYPES = ("text2music", "repaint")

@@ -7,7 +7,7 @@ only what is left to tracks. Each upload is claimed in the store under the worke
 1. the file as it was uploaded, read from the results folder a block at a time as it is sent to the worker (``POST /encode``,
    with the lease header tracks carry), within ``DEADLINE_BASE_SEC`` + the audio's length;
 2. the answer checked (the codec's 64 levels of codes in range; the worker's frame count is the one kept);
-3. the grid written as ``codes.codes`` (``songserve/codes.py``, the format of a take's codes) and the
+3. the grid written as ``codes.codes`` (``songserve/audio/codes.py``, the format of a take's codes) and the
    row made ``ready``.
 The worker is busy meanwhile (``WorkerHandle.encoding``) and free again when it answers.
 
@@ -29,7 +29,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from songserve import codes
 from songserve.api.dispatch import retakes
 from songserve.api.dispatch.attempts import Attempts
 from songserve.api.dispatch.pool import WorkerHandle
@@ -40,6 +39,7 @@ from songserve.api.store.members import Fence
 from songserve.api.store.protocol import JobStore, StoreError, background_context
 from songserve.api.store.uploads import UploadRecord
 from songserve.api.workers.outcomes import EncodeRefused, WorkerBusy, WorkerFault, WorkerUnreachable
+from songserve.audio import codes
 from songserve.schemas import CODEBOOK_SIZE, UploadStatus, WorkerEncodeResult
 
 log = logging.getLogger(__name__)

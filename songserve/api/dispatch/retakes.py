@@ -27,13 +27,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from songserve import codes
 from songserve.api.jobs.records import Job
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.store.uploads import UploadRecord
 from songserve.api.workers.outcomes import Outcome, OutcomeKind
-from songserve.audio_in import HOP, SAMPLE_RATE
+from songserve.audio import codes
+from songserve.audio.reading import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus
 

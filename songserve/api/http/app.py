@@ -18,8 +18,8 @@ from songserve.api.mcp.server import McpServer, body_limit, too_large
 from songserve.api.service.keys import KeyAuth
 from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
-from songserve.http_errors import install_error_handlers
-from songserve.http_guard import BodyLimit
+from songserve.http.errors import install_error_handlers
+from songserve.http.guard import BodyLimit
 
 PAGE = {*FILES, "/tags"}
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # any port of this machine

@@ -30,7 +30,7 @@ from songserve.api.service.live import LiveResponse
 from songserve.api.service.readings import Readings
 from songserve.api.service.uploads import UploadService
 from songserve.api.service.usage import UsageService
-from songserve.http_errors import error_response
+from songserve.http.errors import error_response
 from songserve.schemas import (
     MAX_WAIT_SEC,
     GenerateAccepted,

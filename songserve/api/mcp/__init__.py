@@ -6,5 +6,5 @@
 - ``server.py``: the SDK's lowlevel server, stateless Streamable HTTP, errors as the tools' errors.
 
 It calls ``service/`` and reads ``jobs/``; never ``store/`` or ``dispatch/``, and never ``http/`` (which
-mounts it). Its stdio twin for desktop clients, ``songserve mcp``, is ``songserve/mcp_stdio.py``.
+mounts it). Its stdio twin for desktop clients, ``songserve mcp``, is ``songserve/cli/mcp_stdio.py``.
 """

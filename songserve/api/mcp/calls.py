@@ -23,7 +23,7 @@ from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.api.service.uploads import UploadService
 from songserve.errors import FieldError
-from songserve.http_errors import validation_message
+from songserve.http.errors import validation_message
 from songserve.schemas import GenerateRequest, JobView
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,8 @@ from songserve.api.service.keys import CALLER, Caller
 from songserve.api.service.uploads import UploadService
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import NotFoundError, SongserveError
-from songserve.http_errors import validation_message
-from songserve.http_guard import send_error
+from songserve.http.errors import validation_message
+from songserve.http.guard import send_error
 
 log = logging.getLogger(__name__)
 INTERNAL = "Internal error; see the server log."

@@ -67,7 +67,7 @@ class ArtifactStore:
         return self.root / job_id / f"track_{index}.{kind}"
 
     def prefix_path(self, job_id: str) -> Path:
-        """A retake's kept frames (``songserve/codes.py``'s file), written when it is submitted."""
+        """A retake's kept frames (``songserve/audio/codes.py``'s file), written when it is submitted."""
         if not JOB_ID.match(job_id):
             raise ValueError("invalid artifact address")
         return self.root / job_id / "prefix.codes"

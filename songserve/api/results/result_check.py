@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from songserve import codes
 from songserve.api.workers.outcomes import WorkerFault
+from songserve.audio import codes
 from songserve.schemas import ResultFile
 
 DURATION_SLACK_SEC = 0.05  # about one codec frame (2,048 samples at 44.1 kHz): rounding, never a cut song

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from songserve import codes as codes_file
 from songserve.api.dispatch import retakes
 from songserve.api.dispatch.dispatcher import Dispatcher
 from songserve.api.jobs.records import Job, Track
@@ -40,16 +39,17 @@ from songserve.api.settings import DispatcherSettings
 from songserve.api.store.protocol import DuplicateKey, JobStore, StoreError
 from songserve.api.store.quota import OverQuota
 from songserve.api.webhooks.targets import Refused, WebhookPolicy
-from songserve.body_fields import MAX_NAME_CHARS
+from songserve.audio import codes as codes_file
 from songserve.errors import FieldError, NotFoundError, RequestError, UnavailableError
-from songserve.logs import safe
+from songserve.process.logs import safe
 from songserve.schemas import GenerateAccepted, GenerateRequest, JobList, JobView
+from songserve.schemas.body_fields import MAX_NAME_CHARS
 
 log = logging.getLogger(__name__)
 MEDIA = {
     "mp3": ("audio/mpeg", "inline"),
     "wav": ("audio/wav", "attachment"),
-    "codes": ("application/octet-stream", "attachment"),  # songserve/codes.py's file
+    "codes": ("application/octet-stream", "attachment"),  # songserve/audio/codes.py's file
 }
 KEEPALIVE_SEC = 15.0
 

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from songserve.errors import ConfigError
-from songserve.http_guard import asks_no_key, unauthorized
+from songserve.http.guard import asks_no_key, unauthorized
 from songserve.schemas import KeyLimits
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ Our extensions (``num_tracks``, ``seed``, ``top_k_sr``, ``backbone``, ``superres
 are validated the same way in both modes.
 
 Unknown field names are answered too (``ignored``: at most 32, each cut to 64 characters, from
-``songserve/body_fields.py``), with the field each probably misspells in ``notes``; so are a body
+``songserve/schemas/body_fields.py``), with the field each probably misspells in ``notes``; so are a body
 that sets no known field and a vocal song left without lyrics, which the reference starts without
 a word. The request that comes out holds none of it: what is stored with the job is the values.
 
@@ -42,10 +42,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from songserve.body_fields import unknown_notes
+from songserve.api.lyrics import CLEANING_MODES, CleaningMode, clean_lyrics
 from songserve.errors import FieldError
-from songserve.lyrics import CLEANING_MODES, CleaningMode, clean_lyrics
 from songserve.schemas import GenerateRequest
+from songserve.schemas.body_fields import unknown_notes
 
 # The reference's ranges and defaults (its ``clamp_generate_request``).
 TOP_K_BB_RANGE = (1, 200)

@@ -1,8 +1,8 @@
 """Uploads: a person's own audio, checked, stored and queued for encoding; what the ``/uploads`` routes call.
 
 ``receive`` reads ``POST /uploads``'s multipart body as it arrives into a spooled temporary file
-(``songserve/forms.py``), never whole into memory. ``create`` decodes the whole file before anything is
-stored (``songserve/audio_in.py``'s ``check_audio``, block by block, keeping no samples: not audio,
+(``songserve/http/forms.py``), never whole into memory. ``create`` decodes the whole file before anything is
+stored (``songserve/audio/reading.py``'s ``check_audio``, block by block, keeping no samples: not audio,
 empty, cut short, less than a frame, longer than the longest song the model can continue, more to
 decode than that length allows: a 422 naming the field ``file``; over ``UPLOAD_MAX_MB``: 413), then
 copies it into the results folder (``uploads/<id>/source.<ext>``) and its row (``queued``) into the
@@ -39,10 +39,10 @@ from songserve.api.service.refusals import StoreUnavailable
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.protocol import JobStore, StoreError
 from songserve.api.store.uploads import UploadRecord
-from songserve.audio_in import HOP, AudioError, AudioFacts, check_audio
+from songserve.audio.reading import HOP, AudioError, AudioFacts, check_audio
 from songserve.errors import FieldError, NotFoundError, SongserveError, UnavailableError
-from songserve.forms import FormLimits, background_thread, read_form
-from songserve.logs import safe
+from songserve.http.forms import FormLimits, background_thread, read_form
+from songserve.process.logs import safe
 from songserve.schemas import UploadStatus, UploadView
 
 log = logging.getLogger(__name__)

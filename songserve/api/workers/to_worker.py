@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
-from songserve.http_errors import clean_msg
+from songserve.http.errors import clean_msg
 from songserve.schemas import (
     PrefixCodes,
     TaskState,

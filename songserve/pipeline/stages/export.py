@@ -1,7 +1,7 @@
 """Export: WAV, MP3, the code grid and JSON for one track, each written atomically into the output folder.
 
 Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``, plus ``.codes`` (the take's
-64 × frames code grid, ``songserve/codes.py``: what a later retake continues from). MP3 goes through
+64 × frames code grid, ``songserve/audio/codes.py``: what a later retake continues from). MP3 goes through
 ``soundfile``'s bundled libsndfile (no system package), constant bitrate, highest quality by
 default. Each file is written under a temporary name in the same folder, then renamed.
 
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from songserve import codes as codes_file
+from songserve.audio import codes as codes_file
 
 MP3_BLOCK_SEC = 10  # seconds of audio per MP3 write (a progress report after each)
 WAV_SHARE = 0.05  # of the export: writing 16-bit PCM is ~40× quicker than encoding MP3

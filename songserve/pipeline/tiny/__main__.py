@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from songserve.logs import level_from_env, setup_logging
 from songserve.pipeline.config import DEFAULT_TINY_DIR
 from songserve.pipeline.tiny.child import die_with_parent
 from songserve.pipeline.tiny.manifest import is_current
+from songserve.process.logs import level_from_env, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,13 +25,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-# Both services keep uvicorn's keep-alive: a connection idle for 5 s is closed (the reference's too).
-# Our HTTP clients (the dispatcher to its workers, the CLI to the dispatcher) drop an idle socket
-# sooner: at equal timeouts a request could go out on a connection the server was closing and fail
-# before the server saw it.
-CLIENT_KEEPALIVE_SEC = 2.0
-
-
 # After a second signal, how long the process may take to end by itself before it is ended: a model
 # thread mid-step, or a thread the event loop's shutdown joins, must not keep it alive (the launcher's
 # second Ctrl-C promises "at once").

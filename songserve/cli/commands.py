@@ -40,7 +40,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from songserve.serving import CLIENT_KEEPALIVE_SEC
+from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?)$")
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     if args.command == "mcp":  # the protocol owns stdout from here
-        from songserve.mcp_stdio import main as serve_mcp
+        from songserve.cli.mcp_stdio import main as serve_mcp
 
         return serve_mcp(args.server, args.api_key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -6,9 +6,9 @@ a child's traceback after the others are up. ``health``: is the process answerin
 one this launcher started? Each child is given a nonce (LAUNCH_NONCE) that its ``/health`` echoes;
 another instance on the same port (another nonce, or none) is never taken for our own.
 
-    python -m songserve.launcher_probe ports HOST PORT WHO SETTING [HOST PORT WHO SETTING …]
+    python -m songserve.cli.launcher_probe ports HOST PORT WHO SETTING [HOST PORT WHO SETTING …]
         nothing and exit 0 when all are free, else one line and exit 1
-    python -m songserve.launcher_probe health URL NONCE
+    python -m songserve.cli.launcher_probe health URL NONCE
         one word: ready (ours, serving), starting (ours, not yet), other (not ours), none (no answer)
 """
 

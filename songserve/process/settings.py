@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from songserve.errors import ConfigError
-from songserve.http_errors import clean_msg
+from songserve.http.errors import clean_msg
 
 ROOT = Path(__file__).resolve().parents[1]
 
