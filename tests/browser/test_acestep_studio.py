@@ -17,7 +17,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.support import ROOT, Cluster, free_port
+from tests.support.servers import ROOT, Cluster, free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FIXTURE = ROOT / "tests" / "fixtures" / "acestep"

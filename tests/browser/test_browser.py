@@ -10,8 +10,8 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, Cluster, wait_for
-from tests.tiny_site import tiny_site
+from tests.support.servers import ROOT, Cluster, wait_for
+from tests.support.tiny_site import tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = ROOT / "test-artifacts"
@@ -389,7 +389,7 @@ def test_the_page_says_what_to_do_first_offers_a_short_song_on_cpus_and_keeps_th
 
 
 def test_a_loudness_a_take_cannot_reach_is_said_beside_its_download_links(site, page):
-    from tests.test_second_hour import spiky
+    from tests.integration.test_second_hour import spiky
 
     open_song(page, site.url, "[verse]\ntoo spiky to be loud", "0.05")
     card = submitted(page)

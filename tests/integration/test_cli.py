@@ -15,7 +15,7 @@ import soundfile as sf
 
 from songserve import codes
 from songserve.client import _submit
-from tests.support import ROOT, Cluster
+from tests.support.servers import ROOT, Cluster
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import httpx
-import pytest
 
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import WorkerFault
-
-pytestmark = pytest.mark.quick
 
 BODY = b"x" * 100_000
 Handler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -17,9 +17,9 @@ import pytest
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.store.members import Fence
 from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack
-from tests.fake_fleet import FakeFleet, Plan, until
-from tests.test_dispatch_states import aio, body
-from tests.test_store_engines import engine, lease, new_job, run, running, two_stores
+from tests.integration.test_store_engines import engine, lease, new_job, run, running, two_stores
+from tests.support.fake_fleet import FakeFleet, Plan, until
+from tests.unit.test_dispatch_states import aio, body
 
 __all__ = ["engine"]  # the fixture, for pytest
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import Cluster
+from tests.support.servers import Cluster
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ import soundfile as sf
 
 from songserve.api.service.keys import ApiKeys
 from songserve.errors import ConfigError
-from tests import in_thread
-from tests.support import free_port, wait_for
+from tests.support import in_thread
+from tests.support.servers import free_port, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}, "k-ops": {"name": "ops", "sees": "all"}}
 BODY = {"lyrics": "[verse]\nmine alone", "duration": 0.05, "num_tracks": 1, "seed": 5}

@@ -13,9 +13,7 @@ import pytest
 
 from songserve.launcher_probe import Port, health_word, port_problem
 from songserve.pipeline.checkpoints import process_group
-from tests.support import free_port
-
-pytestmark = pytest.mark.quick
+from tests.support.servers import free_port
 
 
 def test_free_ports_have_no_problem():

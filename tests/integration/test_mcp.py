@@ -23,8 +23,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from tests import in_thread
-from tests.support import Cluster, wait_for
+from tests.support import in_thread
+from tests.support.servers import Cluster, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}, "k-capped": {"name": "capped", "tracks_per_hour": 2}}
 MCP_MAX_MB = 1.0

@@ -19,8 +19,8 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
-from tests import in_thread
-from tests.support import ROOT, wait_for
+from tests.support import in_thread
+from tests.support.servers import ROOT, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}}
 SONG = {"tags": "rock", "lyrics": "[verse]\nover stdio", "duration": 0.05}

@@ -160,7 +160,7 @@ def test_async_pool_runs_concurrent_claims_without_double_claims(pg_url):
 
 
 def test_a_missing_server_is_a_reason_naming_what_is_missing(monkeypatch):
-    from tests import pg
+    from tests.support import pg
 
     monkeypatch.setattr(pg, "find_bin_dir", lambda: None)
     why = pg.unavailable()

@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from songserve.api.results import render
-from tests.support import Cluster
+from tests.support.servers import Cluster
 
 
 @pytest.fixture(scope="module")

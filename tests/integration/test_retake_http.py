@@ -13,7 +13,7 @@ import pytest
 
 from songserve import codes
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
-from tests.support import Cluster, cluster_of, start_reference_worker
+from tests.support.servers import Cluster, cluster_of, start_reference_worker
 
 BODY = {"tags": "pop, piano", "lyrics": "[verse]\nhello world\nsecond line", "duration": 0.1, "num_tracks": 1}
 

@@ -1,11 +1,11 @@
 """The newcomer's second hour: the messages a new user trips on, and the README's examples as written.
 
-A dispatcher and tone workers in threads of this process (tests/in_thread.py, real sockets): a body
+A dispatcher and tone workers in threads of this process (tests/support/in_thread.py, real sockets): a body
 sent under curl's default Content-Type, a duration in seconds, a ``continue_from`` id that is not an
 id, the CLI's sentences (a key, a server, a plural, the tiny model, a loudness it could not reach),
 setup's pip noise, and every curl and CLI example of the README run in order as a person pastes
-them. The page's items are in tests/test_browser.py, the launcher's start and stop in
-tests/test_first_hour.py and tests/test_launcher_stop.py.
+them. The page's items are in tests/browser/test_browser.py, the launcher's start and stop in
+tests/process/test_first_hour.py and tests/process/test_launcher_stop.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import soundfile as sf
 from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest
-from tests.support import ROOT, Cluster
+from tests.support.servers import ROOT, Cluster
 
 README = ROOT / "README.md"
 JOB_PLACEHOLDER = "3f2a…"

@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 
 from songserve.schemas import GenerateRequest
-from tests.support import Cluster, wait_for
+from tests.support.servers import Cluster, wait_for
 
 
 @pytest.fixture(scope="module")

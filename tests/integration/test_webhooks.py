@@ -1,6 +1,6 @@
 """Webhooks, the wait mode and keys with limits, in process: signing, backoff, the target rule, the
 outbox's state machine on both store engines, and the job service with fake workers sending to a real
-receiver on the loopback (``tests/receiver.py``). The real-process proofs: ``test_webhooks_process.py``.
+receiver on the loopback (``tests/support/receiver.py``). The real-process proofs: ``test_webhooks_process.py``.
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ from songserve.api.webhooks.sign import headers, signature, signing_key, verify
 from songserve.api.webhooks.targets import Refused, WebhookPolicy
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest, KeyLimits
-from tests.fake_fleet import FakeFleet, Plan, until
-from tests.receiver import Receiver
-from tests.test_store_engines import lease, new_job, running, two_stores
-
-pytestmark = pytest.mark.quick
+from tests.integration.test_store_engines import lease, new_job, running, two_stores
+from tests.support.fake_fleet import FakeFleet, Plan, until
+from tests.support.receiver import Receiver
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the Standard Webhooks specification's test secret
 HOOKS = {"webhook_secret": SECRET, "webhook_allow": "127.0.0.1/32", "webhook_retry_base_sec": 0.05}

@@ -195,7 +195,7 @@ def test_a_worker_with_decode_mode_graphs_serves_through_its_captured_step(tiny_
     (batch 1 and MAX_BATCH at the first KV bucket), and a batch of takes is served through it."""
     import httpx
 
-    from tests.support import start_worker
+    from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", env={"DECODE_MODE": "graphs"}, name="graphs")
     try:

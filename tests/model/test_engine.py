@@ -501,9 +501,9 @@ def test_superres_batch_of_different_lengths_equals_each_take_alone(superres, ba
 
 @pytest.fixture(scope="module")
 def worker(shared_tiny):
-    from tests.tiny_site import lent
+    from tests.support.tiny_site import lent
 
-    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/tiny_site.py)
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/support/tiny_site.py)
         yield w
 
 
@@ -568,7 +568,7 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
 
     import httpx
 
-    from tests.support import wait_for
+    from tests.support.servers import wait_for
 
     takes = [_body(80 + i, f"c{i}", duration=1.0) for i in range(2)]
     with cf.ThreadPoolExecutor(1) as pool:
@@ -596,7 +596,7 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
     import httpx
     import numpy as np
 
-    from tests.support import start_worker
+    from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "park", "--park-backbone", "1", name="park")
     try:
@@ -738,7 +738,7 @@ def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
     """Scheduling tests run against tone workers: the batch endpoint works there too."""
     import httpx
 
-    from tests.support import start_worker
+    from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--pipeline", "test", "--max-batch", "3", name="tone")
     try:

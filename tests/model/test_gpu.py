@@ -150,7 +150,7 @@ def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_pat
     import httpx
     import soundfile as sf
 
-    from tests.support import cluster_of, start_worker
+    from tests.support.servers import cluster_of, start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "park", name="gpu")
     try:

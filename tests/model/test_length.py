@@ -14,8 +14,8 @@ from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import TOKENS_PER_MINUTE
 from songserve.pipeline.stages.length import plan_length
 from songserve.pipeline.types import TrackRequest
-from tests.support import start_worker
-from tests.tiny_site import lent
+from tests.support.servers import start_worker
+from tests.support.tiny_site import lent
 
 FPS = 44100 / 2048
 
@@ -125,7 +125,7 @@ def test_progress_detail_is_the_reference_token_count_with_the_rate_beside_it(pi
 
 
 def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(shared_tiny):
-    with lent(shared_tiny) as w:  # the process's tiny-model worker (tests/tiny_site.py)
+    with lent(shared_tiny) as w:  # the process's tiny-model worker (tests/support/tiny_site.py)
         done_before = httpx.get(w.url + "/health", timeout=10).json()["tasks_done"]
         cfg = httpx.get(w.url + "/config", timeout=10).json()
         assert cfg["max_sequence_length"] == 27648
@@ -161,7 +161,7 @@ def test_a_worker_with_the_references_token_flag_continues_a_take_longer_than_it
     """``--num-tokens-to-generate 128``: 64 new frames a take. A retake of a 64-frame take kept from 2 s
     (43 frames) asks for 0.1 minutes (129 frames); the kept frames are prefilled, not generated, so the take
     runs past 64 frames (it was cut at 64: the kept frames were counted against the budget)."""
-    from tests.support import cluster_of
+    from tests.support.servers import cluster_of
 
     worker = start_worker(tmp_path, "--num-tokens-to-generate", "128", name="tiny")  # as the reference launches
     with cluster_of(tmp_path, [worker]) as c:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, wait_for
-from tests.tiny_site import tiny_site
+from tests.support.servers import Cluster, wait_for
+from tests.support.tiny_site import tiny_site
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "duration": 0.5, "num_tracks": 1, "seed": 21}
 WAIT = 600.0
@@ -27,7 +27,7 @@ WAIT = 600.0
 @pytest.fixture(scope="module")
 def site(shared_tiny, tmp_path_factory):
     with tiny_site(shared_tiny, tmp_path_factory.mktemp("live_model")) as c:
-        yield c  # the process's held worker (tests/held_worker.py), with 2 s preview windows
+        yield c  # the process's held worker (tests/support/held_worker.py), with 2 s preview windows
 
 
 def post(site: Cluster) -> str:

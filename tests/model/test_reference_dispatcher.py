@@ -12,13 +12,13 @@ import threading
 
 import httpx
 
-from tests.tiny_site import lent
+from tests.support.tiny_site import lent
 
 REFERENCE_TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference dispatcher's pattern
 
 
 def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(shared_tiny):
-    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded, no WORKER_TOKEN (tests/tiny_site.py)
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded, no WORKER_TOKEN (support/tiny_site.py)
         health = w.health()
         body = {
             "genre": "",

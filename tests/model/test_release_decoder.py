@@ -286,7 +286,7 @@ def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_di
     """Real worker processes: the refusal names the setting; with it set, a track decodes through HTTP."""
     import httpx
 
-    from tests.support import start_worker, worker_refusal
+    from tests.support.servers import start_worker, worker_refusal
 
     blob = _blob(release[1])
     blob["callbacks"]["Custom"] = TrainerOnlyState()

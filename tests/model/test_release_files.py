@@ -32,10 +32,10 @@ from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 from songserve.settings import load_settings
 from songserve.worker.launcher_flags import apply_launcher_flags, verdict
 from songserve.worker.settings import WorkerSettings
-from tests.support import start_worker
+from tests.support.servers import start_worker
 
 REFERENCE_COMMIT = "f3992801722e78890d10470e32d821b52631024e"  # 2026-05-16, "Fix frontend progress display state"
-FIXTURES = Path(__file__).with_name("fixtures") / "khala"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "khala"
 GOLDEN = FIXTURES / "models" / "Decoder" / "dac_rvq_1024_64_golden.yaml"
 TOKENIZER = FIXTURES / "models" / "Tokenizer"
 # ``git ls-tree <REFERENCE_COMMIT>`` of the reference repository: the blob id of each file.

@@ -16,7 +16,7 @@ import soundfile as sf
 import torch
 
 from songserve.errors import ConfigError
-from tests.support import start_worker
+from tests.support.servers import start_worker
 
 T = 128256  # the Llama-3 text vocabulary of the release
 

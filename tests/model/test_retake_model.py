@@ -19,8 +19,8 @@ import pytest
 import soundfile as sf
 
 from songserve import codes
-from tests.support import Cluster, start_worker, wait_for
-from tests.tiny_site import SHARED_FLAGS, tiny_site
+from tests.support.servers import Cluster, start_worker, wait_for
+from tests.support.tiny_site import SHARED_FLAGS, tiny_site
 
 # Half a minute: the retakes from 20 s and 10 s still leave a new part to tell apart (a minute cost
 # this test 2.4 times the tiny-set work: 208 s of audio against 88).

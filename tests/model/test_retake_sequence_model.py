@@ -12,9 +12,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import Cluster, wait_for
-from tests.test_encoder import music, wav_bytes
-from tests.tiny_site import tiny_site
+from tests.model.test_encoder import music, wav_bytes
+from tests.support.servers import Cluster, wait_for
+from tests.support.tiny_site import tiny_site
 
 WAIT = 600.0  # seconds: generous, the machine is shared
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nagain and again", "duration": 0.2, "num_tracks": 1}

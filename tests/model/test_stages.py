@@ -353,7 +353,7 @@ def test_tiny_set_is_deterministic(tiny_dir, tmp_path):
     import subprocess
     import sys
 
-    from tests.support import ROOT
+    from tests.support.servers import ROOT
 
     out = tmp_path / "again"
     subprocess.run(

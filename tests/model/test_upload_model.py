@@ -25,9 +25,9 @@ from songserve.audio_in import read_audio
 from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes
-from tests.support import Cluster, wait_for
-from tests.test_encoder import _plain_codes, music, wav_bytes
-from tests.tiny_site import tiny_site
+from tests.model.test_encoder import _plain_codes, music, wav_bytes
+from tests.support.servers import Cluster, wait_for
+from tests.support.tiny_site import tiny_site
 
 WAIT = 600.0  # seconds: generous, the machine is shared
 
@@ -35,7 +35,7 @@ WAIT = 600.0  # seconds: generous, the machine is shared
 @pytest.fixture(scope="module")
 def site(shared_release, tmp_path_factory):
     with tiny_site(shared_release, tmp_path_factory.mktemp("upload_model")) as c:
-        yield c  # the process's worker on the release-shaped set, its KV snapshots cleared (tests/tiny_site.py)
+        yield c  # the process's worker on the release-shaped set, its KV snapshots cleared (tests/support/tiny_site.py)
 
 
 @pytest.fixture(scope="module")

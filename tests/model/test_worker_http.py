@@ -10,8 +10,8 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import start_worker, wait_for, worker_refusal
-from tests.tiny_site import lent
+from tests.support.servers import start_worker, wait_for, worker_refusal
+from tests.support.tiny_site import lent
 
 FRAME = 2048 / 44100
 
@@ -31,7 +31,7 @@ def one_shot(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keep_loaded(shared_tiny):
-    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/tiny_site.py)
+    with lent(shared_tiny) as w:  # the process's tiny-model worker: keep_loaded (tests/support/tiny_site.py)
         yield w
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 RUNNING = {"generating", "superres", "decoding"}
 SONG = {"lyrics": "[verse]\ncontainers hold the song\n", "tags": "pop", "duration": 0.05, "num_tracks": 2, "seed": 4242}

@@ -61,7 +61,7 @@ from typing import Any
 import httpx
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "deploy" / "kubernetes" / "overlays" / "cpu"
 PROOF_LABEL = "songserve.ci/proof"
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -98,7 +98,7 @@ def podman(*args: str, check: bool = True) -> str:
 
 
 def free_ports(n: int) -> list[int]:
-    """From 10000-10999: below the kernel's ephemeral range and the suite's own (tests/support.py
+    """From 10000-10999: below the kernel's ephemeral range and the suite's own (tests/support/servers.py
     picks from 11000 up), as scripts/test-containers picks the compose proof's."""
     picked: list[int] = []
     held = []

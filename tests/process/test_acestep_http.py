@@ -19,7 +19,7 @@ import psutil
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, ServerProcess, cluster_of, free_port, start_reference_worker, wait_for
+from tests.support.servers import Cluster, ServerProcess, cluster_of, free_port, start_reference_worker, wait_for
 
 ERROR_KEYS = {"status", "detail", "data", "code", "error", "timestamp", "extra"}
 

@@ -27,8 +27,8 @@ from songserve.settings import load_settings
 from songserve.urls import default_public_url, dispatcher_urls, local_health_url
 from songserve.worker import announce
 from songserve.worker.settings import WorkerSettings
-from tests.support import ROOT, free_port, start_worker, wait_for, worker_refusal
-from tests.test_launcher import launcher_env
+from tests.process.test_launcher import launcher_env
+from tests.support.servers import ROOT, free_port, start_worker, wait_for, worker_refusal
 
 TOKEN = "announce-secret"
 

@@ -1,6 +1,6 @@
 """Workers judged by what they do, local faults kept local (issue 22, items 3 and 4), through real processes.
 
-A stand-in of our worker that misbehaves on command (``tests/bad_worker.py``) beside a healthy tone
+A stand-in of our worker that misbehaves on command (``tests/support/bad_worker.py``) beside a healthy tone
 worker, and a dispatcher whose results folder is a tmpfs that fills up or goes read-only mid-run.
 Each test prints what it measured.
 """
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import (
+from tests.support.servers import (
     Cluster,
     bad_worker_state,
     cluster_of,
@@ -28,9 +28,6 @@ from tests.support import (
     start_worker,
     wait_for,
 )
-
-# Real-process proofs (full disks, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
 
 TRACKS = 20
 TONE = ("--pipeline", "test", "--test-delay-s", "0.2")

@@ -1,7 +1,7 @@
 """Each benchmark runs on a tiny input and prints its summary line (numbers are never checked).
 
 Each runs as ``python -m bench.pN --smoke``, forked from this test process's template that has torch
-and megatron-core imported (tests/zygote.py): about 4 CPU-seconds less each of the eight that load the
+and megatron-core imported (tests/support/zygote.py): about 4 CPU-seconds less each of the eight that load the
 model; what a benchmark measures in a child of its own (p12's and p13's memory) still starts fresh.
 """
 
@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from tests import zygote
-from tests.support import ROOT
+from tests.support import zygote
+from tests.support.servers import ROOT
 
 SCRIPTS = sorted((p.stem for p in (ROOT / "bench").glob("p[0-9]*_*.py")), key=lambda s: int(s[1:].split("_")[0]))
 

@@ -20,10 +20,10 @@ import pytest
 from songserve.api.settings import DispatcherSettings
 from songserve.settings import CALLER_DIR_ENV, load_settings
 from songserve.worker.settings import WorkerSettings
-from tests.procs import MARK, marked
-from tests.support import ROOT
-from tests.test_first_hour import run_launcher
-from tests.test_launcher import launcher_env
+from tests.process.test_first_hour import run_launcher
+from tests.process.test_launcher import launcher_env
+from tests.support.procs import MARK, marked
+from tests.support.servers import ROOT
 
 
 @pytest.mark.quick

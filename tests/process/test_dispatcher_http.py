@@ -10,8 +10,8 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, wait_for
-from tests.tiny_site import tiny_site
+from tests.support.servers import Cluster, wait_for
+from tests.support.tiny_site import tiny_site
 
 KHALA_BODY = {
     "mode": "vocal",

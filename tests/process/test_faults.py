@@ -8,12 +8,8 @@ import signal
 import time
 
 import httpx
-import pytest
 
-from tests.support import Cluster, ServerProcess, start_worker, wait_for
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.servers import Cluster, ServerProcess, start_worker, wait_for
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 

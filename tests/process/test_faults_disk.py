@@ -9,10 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Cluster, cluster_of, fill_disk, mount_tmpfs, start_worker, wait_for
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.servers import Cluster, cluster_of, fill_disk, mount_tmpfs, start_worker, wait_for
 
 
 @pytest.fixture

@@ -20,14 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import in_thread
-from tests.procs import MARK, marked
-from tests.support import ROOT, free_port, wait_for
-from tests.test_launcher import launcher_env
-from tests.tiny_site import lent, tiny_site
+from tests.process.test_launcher import launcher_env
+from tests.support import in_thread
+from tests.support.procs import MARK, marked
+from tests.support.servers import ROOT, free_port, wait_for
+from tests.support.tiny_site import lent, tiny_site
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# The tests that run the launcher, in the launcher's serial unit (tests/conftest.py); the rest of
+# The tests that run the launcher, in the launcher's serial unit (tests/support/schedule.py); the rest of
 # the file is a unit of its own.
 LAUNCHER_TESTS = {
     "test_the_launchers_first_start_says_only_what_a_person_can_act_on_and_stop_leaves_no_process",
@@ -150,7 +150,7 @@ def test_progress_moves_through_the_decode_and_the_files(site):
 
 def test_every_tiny_set_says_it_is_tiny(site, shared_release):
     assert httpx.get(site.workers[0].url + "/config").json()["tiny_checkpoints"] is True
-    with lent(shared_release) as w:  # the process's worker on the release-shaped set (tests/tiny_site.py)
+    with lent(shared_release) as w:  # the process's worker on the release-shaped set (tests/support/tiny_site.py)
         config = httpx.get(w.url + "/config").json()
         assert config["checkpoint_layout"] == "release"
         assert config["tiny_checkpoints"] is True
@@ -163,7 +163,7 @@ def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
     httpx.get(site.url + "/openapi.json").raise_for_status()  # where FastAPI warned of a duplicate operation id
     httpx.get(site.url + "/docs").raise_for_status()
     # The dispatcher's log from its start (FastAPI's duplicate operation id); a cold worker's whole log,
-    # from a fresh interpreter that builds the set and loads it: tests/test_left_behind.py.
+    # from a fresh interpreter that builds the set and loads it: tests/process/test_left_behind.py.
     logs = site.api.log_tail(200_000)
     assert "workers: " in logs, logs[-2000:]  # the log from the dispatcher's start
     assert not [n for n in NOISE if n in logs]
@@ -178,7 +178,7 @@ def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stderr
 
-    # Without LOG_LEVEL the build is quiet: tests/test_left_behind.py reads a worker's log of one.
+    # Without LOG_LEVEL the build is quiet: tests/process/test_left_behind.py reads a worker's log of one.
     loud = build("debug")
     assert "Transformer Engine and Apex are not installed" in loud
 

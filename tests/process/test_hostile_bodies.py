@@ -13,10 +13,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.load_probe import HealthWatch, peak_mib, raw_request
-from tests.support import ServerProcess, free_port
+from tests.support.load_probe import HealthWatch, peak_mib, raw_request
+from tests.support.servers import ServerProcess, free_port
 
-pytestmark = pytest.mark.process
 KEY = "s3cret"
 MIB = 2**20
 

@@ -12,10 +12,7 @@ import httpx
 import pytest
 import soundfile as sf
 
-from tests.support import ROOT, free_port, wait_for, wait_launched
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.servers import ROOT, free_port, wait_for, wait_launched
 
 
 def launcher_env(tmp: Path, **extra: str) -> dict:

@@ -17,13 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.listeners import holding_env, listening, not_on_loopback
-from tests.support import ROOT, wait_for, wait_launched
-from tests.test_launcher import launcher_env
-from tests.test_ports import REFERENCE_MASTER_PORT, held
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.process.test_launcher import launcher_env
+from tests.process.test_ports import REFERENCE_MASTER_PORT, held
+from tests.support.listeners import holding_env, listening, not_on_loopback
+from tests.support.servers import ROOT, wait_for, wait_launched
 
 
 class OtherInstance(ThreadingHTTPServer):

@@ -15,13 +15,10 @@ import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.procs import MARK, marked
-from tests.support import ROOT, wait_for
-from tests.test_launcher import launcher_env
-
-pytestmark = pytest.mark.process
+from tests.process.test_launcher import launcher_env
+from tests.support.procs import MARK, marked
+from tests.support.servers import ROOT, wait_for
 
 PLAN = (
     "run_backend: stopping: waiting for the dispatcher to finish its running tracks and collect their files "

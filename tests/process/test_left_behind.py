@@ -20,11 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import MARK, marked
-from tests.support import ROOT, free_port, wait_for
-from tests.test_first_hour import NOISE
-
-pytestmark = pytest.mark.process
+from tests.process.test_first_hour import NOISE
+from tests.support.procs import MARK, marked
+from tests.support.servers import ROOT, free_port, wait_for
 
 
 def code_copy(tmp: Path) -> Path:

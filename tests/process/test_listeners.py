@@ -17,12 +17,8 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.support import Cluster, wait_for
-
-# Real-process proofs under load: one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.servers import Cluster, wait_for
 
 LONG = {"tags": "pop", "lyrics": "[verse]\nla la", "duration": 1.0, "num_tracks": 1}  # a minute of audio
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
-from tests.test_scaleout import start_dispatcher, stop_all, tone_workers
+from tests.process.test_scaleout import start_dispatcher, stop_all, tone_workers
+from tests.support.servers import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 
 SECONDS = 12.0  # of audio per take
 BODY = {"tags": "pop", "lyrics": "[verse]\nla la", "duration": SECONDS / 60, "num_tracks": 1}
@@ -178,9 +178,9 @@ def test_a_track_on_a_reference_worker_streams_its_final_audio_when_done(tmp_pat
 
 def test_a_listener_who_asks_before_the_take_reaches_its_worker_hears_it_live(tmp_path):
     """The dispatcher marks the track generating before its request reaches the worker (held 1.5 s here,
-    tests/late_worker.py): the relay asks a worker that does not know the task yet, and asks again."""
+    tests/support/late_worker.py): the relay asks a worker that does not know the task yet, and asks again."""
     late = start_worker(
-        tmp_path, "--pipeline", "test", "--test-delay-s", "3", name="late", script="tests/late_worker.py",
+        tmp_path, "--pipeline", "test", "--test-delay-s", "3", name="late", script="tests/support/late_worker.py",
         env={"SONGSERVE_LATE_SEC": "1.5"},
     )  # fmt: skip
     site = cluster_of(tmp_path, [late])

@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.listeners import listening, not_on_loopback
-from tests.support import ROOT, ServerProcess, free_port
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.listeners import listening, not_on_loopback
+from tests.support.servers import ROOT, ServerProcess, free_port
 
 REFERENCE_MASTER_PORT = 8791  # the port the reference's launcher (and once ours) gave worker 0
 

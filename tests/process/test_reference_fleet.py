@@ -1,4 +1,4 @@
-"""Mixed fleets: our dispatcher driving the reference worker (its stand-in, tests/reference_worker.py)."""
+"""Mixed fleets: our dispatcher driving the reference worker (its stand-in, tests/support/reference_worker.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.support import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
+from tests.support.servers import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 
 
 def requests_seen(tmp, name: str = "reference") -> list[dict]:

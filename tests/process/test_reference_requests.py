@@ -20,7 +20,7 @@ from songserve.api.http import tags as tag_catalogue
 from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest
-from tests.support import ROOT, Cluster, ServerProcess, free_port, wait_for
+from tests.support.servers import ROOT, Cluster, ServerProcess, free_port, wait_for
 
 LIMITS = RequestLimits(min_duration=0.05, max_duration=10.0, max_tracks=4, max_lyrics_chars=100)
 KHALA_FRONTEND = {  # what the reference frontend sends

@@ -20,10 +20,9 @@ import psutil
 import pytest
 import soundfile as sf
 
-from tests.support import Cluster, wait_for
-from tests.test_encoder import music, wav_bytes
+from tests.model.test_encoder import music, wav_bytes
+from tests.support.servers import Cluster, wait_for
 
-pytestmark = pytest.mark.process
 RENDERS = 60
 
 

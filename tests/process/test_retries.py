@@ -1,6 +1,6 @@
 """Retries that learn (issue 35, item 9), through real processes.
 
-A stand-in of our worker whose result downloads drip a byte a second (``tests/bad_worker.py``) beside
+A stand-in of our worker whose result downloads drip a byte a second (``tests/support/bad_worker.py``) beside
 a healthy tone worker, under the default ``DOWNLOAD_TIMEOUT_SEC``: a copy that crawls is cut at the
 floor rate (``DOWNLOAD_FLOOR_KB_PER_SEC``) instead of the whole deadline, and the retried track waits
 for the other worker rather than going back to the one that just failed it.
@@ -11,13 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.support import cluster_of, start_bad_worker, start_worker, wait_for
-from tests.test_bad_workers import faults_charged
-
-# Real-process proofs: one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.process.test_bad_workers import faults_charged
+from tests.support.servers import cluster_of, start_bad_worker, start_worker, wait_for
 
 # The healthy worker holds its first track (TEST_HOLD_FILE) until the drip's first copy is cut: busy
 # then, as it was when a retry went back to the dripping worker. (It was 2.5 s a track, 20 tracks, for

@@ -18,10 +18,7 @@ import httpx
 import pytest
 
 from songserve.serving import CLIENT_KEEPALIVE_SEC
-from tests.support import ServerProcess, free_port, start_worker, wait_for
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.support.servers import ServerProcess, free_port, start_worker, wait_for
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 TOKEN = "scale-out-token"
@@ -291,7 +288,7 @@ def test_a_bad_store_url_refuses_start_up_in_one_line(tmp_path, bad):
     import subprocess
     import sys
 
-    from tests.support import ROOT
+    from tests.support.servers import ROOT
 
     out = subprocess.run(
         [sys.executable, "backend_api.py", "--port", str(free_port()), "--state-dir", str(tmp_path), "--store-url", bad],

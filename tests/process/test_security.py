@@ -7,7 +7,7 @@ import os
 import httpx
 import pytest
 
-from tests.support import Cluster, ServerProcess, free_port, start_worker
+from tests.support.servers import Cluster, ServerProcess, free_port, start_worker
 
 KEY = "test-api-key-123"
 TOKEN = "worker-token-456"
@@ -122,7 +122,7 @@ def test_workers_refuse_calls_without_the_token(secured):
 def test_track_files_reached_through_the_dispatcher_with_the_token(secured):
     r = httpx.post(secured.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
     job_id = r.json()["job_id"]
-    from tests.support import wait_for
+    from tests.support.servers import wait_for
 
     wait_for(
         lambda: httpx.get(f"{secured.url}/job/{job_id}", headers=auth()).json()["status"] == "completed", timeout=30
@@ -135,7 +135,7 @@ def test_a_browsers_reads_may_carry_the_key_in_a_cookie_and_nothing_else_may(sec
     url, cookie = secured.url, {"Cookie": f"theme=dark; songserve_key={KEY.replace('-', '%2D')}"}
     job = httpx.post(url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
     job_id = job.json()["job_id"]
-    from tests.support import wait_for
+    from tests.support.servers import wait_for
 
     wait_for(lambda: httpx.get(f"{url}/job/{job_id}", headers=cookie).json()["status"] == "completed", timeout=30)
     wav = httpx.get(f"{url}/job/{job_id}/track/0/wav", headers=cookie)

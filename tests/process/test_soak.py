@@ -16,7 +16,7 @@ What must hold whatever the interleaving (issue 35's soak):
   first third of the steps (the warm-up: models touched, first windows decoded) to the end, and by
   at most ``LAST_THIRD_MB`` over the last third.
 
-``SOAK_STEPS`` runs a longer soak by hand (``SOAK_STEPS=240 bash scripts/test tests/test_soak.py -s``);
+``SOAK_STEPS`` runs a longer soak by hand (``SOAK_STEPS=240 bash scripts/test tests/process/test_soak.py -s``);
 the memory figures are printed either way.
 """
 
@@ -34,8 +34,8 @@ import httpx
 import pytest
 
 from songserve import codes
-from tests.support import Cluster, cluster_of, free_port, start_worker, wait_for
-from tests.test_encoder import music, wav_bytes
+from tests.model.test_encoder import music, wav_bytes
+from tests.support.servers import Cluster, cluster_of, free_port, start_worker, wait_for
 
 SEED = 20261203
 STEPS = int(os.environ.get("SOAK_STEPS", "48"))

@@ -24,12 +24,9 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from tests.support import ServerProcess, wait_for
-from tests.test_scaleout import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
-
-pytestmark = pytest.mark.process
+from tests.process.test_scaleout import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
+from tests.support.servers import ServerProcess, wait_for
 
 DONE = re.compile(r"task ([0-9a-f]{16})-(\d+)-\d+-[0-9a-f]+: done in ")
 LEASE = 3.0  # start_dispatcher's --lease-ttl-sec

@@ -25,7 +25,7 @@ from songserve.api.store.sqlite.migrations import SCHEMA_VERSION
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.errors import ConfigError
 from songserve.schemas import GenerateRequest
-from tests.support import ROOT, ServerProcess, free_port
+from tests.support.servers import ROOT, ServerProcess, free_port
 
 STORE = "jobs.sqlite3"
 INFO_LINE = re.compile(r"^\d{4}-\d\d-\d\d \S+ INFO ")

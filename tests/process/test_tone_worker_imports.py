@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import ROOT
+from tests.support.servers import ROOT
 
 START_AND_RUN_ONE_TONE = """
 import asyncio, json, sys

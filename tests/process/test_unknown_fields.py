@@ -22,7 +22,7 @@ from songserve.api.service.requests import RequestLimits, normalize
 from songserve.body_fields import MAX_NAME_CHARS, MAX_NAMES, read_body, suggestion
 from songserve.logs import MAX_MESSAGE_CHARS, LineFormatter, safe
 from songserve.schemas import GenerateRequest
-from tests.support import ServerProcess, free_port
+from tests.support.servers import ServerProcess, free_port
 
 FORGED = "2031-01-01 00:00:00,000 ERROR api songserve.api.service.job_service: forged"
 

@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.load_probe import HealthWatch, peak_mib, raw_request
-from tests.support import Cluster, free_port, wait_for
+from tests.support.load_probe import HealthWatch, peak_mib, raw_request
+from tests.support.servers import Cluster, free_port, wait_for
 
-pytestmark = pytest.mark.process
 MIB = 2**20
 
 

@@ -21,7 +21,7 @@ from songserve import codes
 from songserve.audio_in import read_audio
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
 from songserve.pipeline.tone import tone_codes
-from tests.support import Cluster, ServerProcess, free_port, start_reference_worker, start_worker, wait_for
+from tests.support.servers import Cluster, ServerProcess, free_port, start_reference_worker, start_worker, wait_for
 
 UPLOAD_MB = 2.0
 MAX_MINUTES = 0.25  # 15 s: the longest song (and so the longest upload) here
@@ -251,7 +251,7 @@ def test_a_continuation_that_cannot_be_served_is_refused_naming_the_field(site, 
 
 @pytest.mark.process
 def test_any_dispatcher_of_a_postgresql_fleet_answers_for_an_upload(tmp_path: Path, pg_url: str):
-    from tests.test_scaleout import start_dispatcher, stop_all, tone_workers, wait_done
+    from tests.process.test_scaleout import start_dispatcher, stop_all, tone_workers, wait_done
 
     workers = tone_workers(tmp_path, 1, 0.2)
     a = start_dispatcher(tmp_path, "A", pg_url, workers)

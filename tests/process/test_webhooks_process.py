@@ -1,5 +1,5 @@
 """Webhooks, the wait mode and keys with limits through real dispatcher processes over tone workers
-(``--pipeline test``), with a real receiver on the loopback (``tests/receiver.py``): signed events in
+(``--pipeline test``), with a real receiver on the loopback (``tests/support/receiver.py``): signed events in
 order, one delivered after its dispatcher was killed -9, each event once on a PostgreSQL pair, the
 wait mode's two answers, a key's 429 (both dialects) and its use across a kill -9.
 """
@@ -11,15 +11,11 @@ import re
 import signal
 
 import httpx
-import pytest
 
 from songserve.api.webhooks.sign import verify
-from tests.receiver import Receiver
-from tests.support import Cluster, ServerProcess, free_port, start_worker, wait_for
-from tests.test_scaleout import start_dispatcher, tone_workers
-
-# Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
-pytestmark = pytest.mark.process
+from tests.process.test_scaleout import start_dispatcher, tone_workers
+from tests.support.receiver import Receiver
+from tests.support.servers import Cluster, ServerProcess, free_port, start_worker, wait_for
 
 SECRET = "whsec_c29uZ3NlcnZlLXdlYmhvb2stdGVzdC1zZWNyZXQ="
 HOOKS = ("--webhook-secret", SECRET, "--webhook-allow", "127.0.0.1/32", "--webhook-retry-base-sec", "0.2")

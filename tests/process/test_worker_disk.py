@@ -31,7 +31,7 @@ from songserve.worker.outputs import sweep_outputs
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
 from songserve.worker.tasks import TaskRegistry
-from tests.support import mount_tmpfs, start_worker, wait_for
+from tests.support.servers import mount_tmpfs, start_worker, wait_for
 
 TOKEN = "disk-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

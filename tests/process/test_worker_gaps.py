@@ -20,7 +20,7 @@ from songserve.worker import runtime as runtime_mod
 from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
-from tests.support import ServerProcess, free_port, start_worker, wait_for
+from tests.support.servers import ServerProcess, free_port, start_worker, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from bench.common import rss_mb
-from tests.support import cluster_of, start_worker
+from tests.support.servers import cluster_of, start_worker
 
 WARMUP = 4
 JOBS = 12

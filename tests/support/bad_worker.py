@@ -1,6 +1,6 @@
 """A stand-in for our worker that misbehaves on command: our worker's real HTTP surface, with faults.
 
-    python tests/bad_worker.py --mode MODE --worker-port P --output-dir DIR [any worker flag]
+    python tests/support/bad_worker.py --mode MODE --worker-port P --output-dir DIR [any worker flag]
 
 It is the real worker (``songserve.worker``, test tone pipeline by default) behind an ASGI layer
 that, by ``MODE``, breaks one part of the contract the way a broken or hostile worker would:
@@ -36,7 +36,7 @@ import soundfile as sf
 import uvicorn
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from songserve.logs import setup_logging  # noqa: E402

@@ -1,6 +1,6 @@
 """Our real model worker whose backbone a test can hold at fixed points: live audio proofs without a race.
 
-    SONGSERVE_HOLD_DIR=DIR python tests/held_worker.py [any worker flag]
+    SONGSERVE_HOLD_DIR=DIR python tests/support/held_worker.py [any worker flag]
 
 Whether audio reaches a listener *while* the backbone writes depends, on a loaded machine, on how
 the preview thread and the backbone share the cores: the tiny backbone can finish a 30 s take before
@@ -11,7 +11,7 @@ audio, sees the track still generating, and deletes the file to let the backbone
 files nothing waits. The output does not change: the backbone's draws follow from the seed alone.
 
 On SIGUSR1 it drops its KV snapshots and zeroes their counters (restored tokens, faults), as after
-start: one worker is shared by the test files of a test process (tests/tiny_site.py), and a retake
+start: one worker is shared by the test files of a test process (tests/support/tiny_site.py), and a retake
 test's proof is a fresh cache. The test waits for ``/health`` to show it.
 """
 
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 HOLD_LIMIT_SEC = 300.0  # a test that never lets go fails on its own timeout, not on a hung worker

@@ -4,7 +4,7 @@ The same apps the programs serve (``create_app`` of each), on real sockets with 
 streaming, built from the same flags through the same settings loader, but without a process start
 per server: a process costs a second or two of imports on the CI machine's two cores, and most
 tests start three. What needs a process boundary (signals, ``kill -9``, a full disk, a process's
-memory, the launcher, log files) keeps ``tests/support.py``'s ``ServerProcess``.
+memory, the launcher, log files) keeps ``tests/support/servers.py``'s ``ServerProcess``.
 
 Each server binds its socket before its settings are made, so no other process can take the port
 between picking it and binding it. A server stops the way a process's uvicorn stops on its first
@@ -24,7 +24,7 @@ import uvicorn
 
 from songserve.logs import LineFormatter
 from songserve.serving import header_timeout_protocol
-from tests.support import poll_health, wait_for
+from tests.support.servers import poll_health, wait_for
 
 START_TIMEOUT_SEC = 60.0
 

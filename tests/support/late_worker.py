@@ -1,6 +1,6 @@
 """Our real worker, whose takes start ``SONGSERVE_LATE_SEC`` after their request arrives.
 
-    SONGSERVE_LATE_SEC=1.5 python tests/late_worker.py [any worker flag]
+    SONGSERVE_LATE_SEC=1.5 python tests/support/late_worker.py [any worker flag]
 
 A dispatcher marks a track generating, with its task id, before its request reaches the worker; on
 a loaded machine the request can take a while to get there. A listener who asks for the track's
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.support import free_port
+from tests.support.servers import free_port
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class PgServer:
         self._run("initdb", "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "--no-locale", "-E", "UTF8", "-N")
         conf = {**SETTINGS, "port": str(self.port), "unix_socket_directories": f"'{self.socket_dir}'"}
         with open(self.data / "postgresql.conf", "a") as f:
-            f.write("\n# tests/pg.py: a throw-away server\n")
+            f.write("\n# tests/support/pg.py: a throw-away server\n")
             f.writelines(f"{k} = {v}\n" for k, v in conf.items())
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60", "start")
         self.running = True

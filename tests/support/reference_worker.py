@@ -1,6 +1,6 @@
 """A stand-in for the reference backend's worker: its HTTP surface, with the model replaced by a tone.
 
-    python tests/reference_worker.py --worker-port P --output-dir DIR [--delay-s S] [--requests-log FILE]
+    python tests/support/reference_worker.py --worker-port P --output-dir DIR [--delay-s S] [--requests-log FILE]
 
 The surface follows the reference's ``backend/backend_worker.py`` (public Khala repository):
 - ``GET /health``: exactly ``status, phase, gpu_id, seed, progress, progress_detail,

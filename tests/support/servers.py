@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 
 from songserve.api.results.folder import PROBE_PREFIX
-from tests import zygote
+from tests.support import zygote
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 _HANDED_OUT: set[int] = set()
@@ -92,7 +92,7 @@ class ServerProcess:
     """A real server process on a free port: started, polled on /health, stopped at the end.
 
     Our servers' scripts are forked from a template that has imported what they import
-    (``tests/zygote.py``: 0.85 CPU-second less a dispatcher, 4 a tiny-model worker); ``fresh=True``
+    (``tests/support/zygote.py``: 0.85 CPU-second less a dispatcher, 4 a tiny-model worker); ``fresh=True``
     starts a new interpreter, for what a cold start shows."""
 
     def __init__(
@@ -207,9 +207,9 @@ class Cluster:
         threads: bool = False,
     ) -> None:
         """``threads``: the dispatcher and tone workers served in threads of the test process
-        (tests/in_thread.py: the same apps on real sockets, no process start); for tests that need no
+        (tests/support/in_thread.py: the same apps on real sockets, no process start); for tests that need no
         process boundary (no signal, no kill, no log file)."""
-        from tests import in_thread  # it imports this module
+        from tests.support import in_thread  # it imports this module
 
         self.tmp = tmp
         self.api_args = api_args
@@ -228,7 +228,7 @@ class Cluster:
 
     def start_api(self, *extra: str) -> Any:
         if self.threads:
-            from tests import in_thread
+            from tests.support import in_thread
 
             if self.api is not None:
                 self.api.stop()
@@ -308,10 +308,10 @@ def wait_launched(proc: subprocess.Popen, api: str, out: Path, timeout: float = 
 
 
 def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.0) -> ServerProcess:
-    """The reference worker's stand-in (tests/reference_worker.py), its requests logged as JSON lines."""
+    """The reference worker's stand-in (tests/support/reference_worker.py), its requests logged as JSON lines."""
     port = free_port()
     args = [
-        "tests/reference_worker.py",
+        "tests/support/reference_worker.py",
         "--worker-port",
         str(port),
         "--output-dir",
@@ -325,9 +325,9 @@ def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.
 
 
 def start_bad_worker(tmp: Path, mode: str, name: str = "bad", *extra: str) -> ServerProcess:
-    """Our worker with a fault on command (tests/bad_worker.py: garbage answers, drips, oversize or cut files)."""
+    """Our worker with a fault on command (tests/support/bad_worker.py: garbage answers, drips, oversize or cut files)."""
     port = free_port()
-    args = ["tests/bad_worker.py", "--mode", mode, "--worker-port", str(port), "--master-port", "0",
+    args = ["tests/support/bad_worker.py", "--mode", mode, "--worker-port", str(port), "--master-port", "0",
             "--output-dir", str(tmp / f"{name}_audio"), *extra]  # fmt: skip
     return ServerProcess(args, port, tmp / f"{name}.log")
 

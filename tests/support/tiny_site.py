@@ -7,7 +7,7 @@ worker), started on first use and stopped at the end of the session. The files o
 set share one more (``shared_release``). A file that needs other flags (a decode mode, one_shot
 or park, a token budget, other paths) still starts its own.
 
-The worker is ``tests/held_worker.py`` (a file's test can hold its backbone) with ``SHARED_FLAGS``.
+The worker is ``tests/support/held_worker.py`` (a file's test can hold its backbone) with ``SHARED_FLAGS``.
 Tests must not depend on each other's leftovers, so ``tiny_site`` hands the worker over, and takes
 it back, reset: no hold file, nothing running, no KV snapshot (their slots and counters, cleared on
 SIGUSR1 by held_worker.py). What stays between files is what a test cannot see in a take: the
@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import Cluster, ServerProcess, cluster_of, free_port, wait_for
+from tests.support.servers import Cluster, ServerProcess, cluster_of, free_port, wait_for
 
 # keep_loaded: superres and decoder stay resident (one_shot loads both for every request: CPU the
 # tests do not need); 2 s preview windows: a short live take still has several.
@@ -42,7 +42,7 @@ class SharedWorker(ServerProcess):
         self.audio = tmp / "tiny_audio"
         self.holds.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        args = ["tests/held_worker.py", "--worker-port", str(port), "--master-port", "0",
+        args = ["tests/support/held_worker.py", "--worker-port", str(port), "--master-port", "0",
                 "--output-dir", str(self.audio), *SHARED_FLAGS, *flags]  # fmt: skip
         env = {"SONGSERVE_HOLD_DIR": str(self.holds), "WORKER_TOKEN": ""}  # the tests send no token
         super().__init__(args, port, tmp / "tiny.log", env)

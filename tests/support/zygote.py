@@ -11,7 +11,7 @@ own argv, environment and working folder, and imports the rest itself.
 What it is not: a fresh interpreter. What ran at import ran once, in the template, with the test
 process's environment; the template's warnings went to its own log. ``/proc/PID/cmdline`` and
 ``/proc/PID/environ`` show the template's (the server's own environment is ``os.environ``): tests
-that find processes by those (``tests/procs.py``) start them fresh. Tests about a cold start (the
+that find processes by those (``tests/support/procs.py``) start them fresh. Tests about a cold start (the
 launcher, start-up noise, a missing package) start real ``python`` processes: ``ServerProcess(...,
 fresh=True)``, and the launcher's tests run ``run_backend.sh`` itself. ``SONGSERVE_TEST_FORK=0``
 starts every server fresh.
@@ -25,7 +25,7 @@ cwd, log path, and a second path for stderr where it is kept apart), the templat
 signal's number for a signal, as ``subprocess``). An argv that starts with ``-m`` runs that module
 as ``python -m`` does.
 
-    python tests/zygote.py KIND SOCKET      a template (started by ``spawn``, not by hand)
+    python tests/support/zygote.py KIND SOCKET      a template (started by ``spawn``, not by hand)
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ PRELOAD: dict[str, tuple[str, ...]] = {
 # Where a test process's templates listen, for the processes it starts (SONGSERVE_TEST_TEMPLATE_TORCH, ...).
 ENV_SOCKET = "SONGSERVE_TEST_TEMPLATE_"
 # Scripts whose servers are forked, and from which template; any other script starts fresh.
-TONE_SCRIPTS = {"tests/bad_worker.py", "tests/late_worker.py", "tests/reference_worker.py"}
+TONE_SCRIPTS = {"tests/support/bad_worker.py", "tests/support/late_worker.py", "tests/support/reference_worker.py"}
 
 
 def kind_of(args: list[str]) -> str | None:
@@ -88,7 +88,7 @@ def kind_of(args: list[str]) -> str | None:
         return "worker" if pipeline == "test" else "torch"
     if script in TONE_SCRIPTS:
         return "worker"
-    if script == "tests/held_worker.py":  # our model worker with hold points (tests/tiny_site.py)
+    if script == "tests/support/held_worker.py":  # our model worker with hold points (tests/support/tiny_site.py)
         return "torch"
     return None
 
@@ -160,7 +160,7 @@ class Template:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__)), kind, str(self.path)],
-            cwd=Path(__file__).parents[1],
+            cwd=Path(__file__).parents[2],
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -271,7 +271,7 @@ def stop_all() -> None:
 
 
 def _serve(kind: str, path: Path) -> None:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # as ``python backend_api.py`` run from the root sees it
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # as ``python backend_api.py`` run from the root sees it
     for name in PRELOAD[kind]:
         importlib.import_module(name)
     parent = os.getppid()

@@ -1,6 +1,6 @@
 """ACE-Step's dialect, one piece at a time: parameters, bodies, the translation, answers, auth, samples.
 
-In-process and pure: the same pieces run through a real dispatcher in tests/test_acestep_http.py.
+In-process and pure: the same pieces run through a real dispatcher in tests/process/test_acestep_http.py.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from songserve.api.jobs.views import job_view
 from songserve.api.service.keys import ApiKeys
 from songserve.forms import FormLimits
 from songserve.schemas import GenerateRequest
-
-pytestmark = pytest.mark.quick
 
 CTX = Context(TAGS, max_tracks=4, backbones=("default_backbone", "large"), strict=False)
 STRICT = Context(TAGS, max_tracks=4, backbones=("default_backbone", "large"), strict=True)

@@ -9,14 +9,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import yaml
 
 from songserve.api.settings import DispatcherSettings
 from songserve.worker.settings import WorkerSettings
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.quick
+ROOT = Path(__file__).resolve().parents[2]
 
 # Read by the entry point, libpq or the launcher's conventions rather than by a settings class.
 NOT_SETTINGS = {

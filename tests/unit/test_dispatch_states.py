@@ -18,9 +18,7 @@ from songserve.api.service.job_service import GoneError, StoreUnavailable
 from songserve.api.store.protocol import StoreError
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import GenerateRequest, JobView
-from tests.fake_fleet import FakeFleet, Plan, until
-
-pytestmark = pytest.mark.quick
+from tests.support.fake_fleet import FakeFleet, Plan, until
 
 
 def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

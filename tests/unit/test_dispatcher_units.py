@@ -21,8 +21,6 @@ from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
 
-pytestmark = pytest.mark.quick
-
 # ---- lyrics cleaning: every rule of api.md ----------------------------------------------------------
 
 

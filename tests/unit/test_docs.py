@@ -12,15 +12,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 from pydantic_settings import BaseSettings
 
 from songserve.api.settings import DispatcherSettings
 from songserve.settings import CALLER_DIR_ENV
 from songserve.worker.settings import WorkerSettings
-from tests.support import ROOT
-
-pytestmark = pytest.mark.quick
+from tests.support.servers import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE = [*sorted((ROOT / "songserve").rglob("*.py")), ROOT / "backend_api.py", ROOT / "backend_worker.py"]

@@ -15,7 +15,6 @@ import pytest
 from songserve.forms import MAX_FILES, MAX_PARTS, FormError, FormLimits, FormReader, read_form, spool
 from songserve.http_guard import BodyLimit
 
-pytestmark = pytest.mark.quick
 LIMITS = FormLimits(body_bytes=1 << 20, field_bytes=1000, file_bytes=10_000, too_large="too large, said the route")
 
 

@@ -6,7 +6,7 @@ network); every environment variable a container sets is one its program reads (
 ignores an unknown one silently: a renamed setting would leave the manifests setting nothing), and
 the ones a cluster needs are set; the images, users and ports are the ones compose.yaml and the
 Containerfiles give. The manifests run for real under ``podman kube play`` in CI
-(``scripts/test-containers``, ``tests/kube_proof.py``).
+(``scripts/test-containers``, ``tests/process/kube_proof.py``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from pydantic_settings import BaseSettings
 
 from songserve.api.settings import DispatcherSettings
 from songserve.worker.settings import WorkerSettings
-from tests.support import ROOT
-
-pytestmark = pytest.mark.quick
+from tests.support.servers import ROOT
 
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")

@@ -16,8 +16,6 @@ import soundfile as sf
 from songserve.api.service.live_feed import Mp3Stream, TrackFeed
 from songserve.api.service.live_spool import READ_BYTES, Spool, StreamCut
 
-pytestmark = pytest.mark.quick
-
 
 async def read_all(spool: Spool, offset: int = 0) -> bytes:
     out = bytearray()

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import re
 
-import pytest
 from packaging.requirements import Requirement
 
-from tests.support import ROOT
-
-pytestmark = pytest.mark.quick
+from tests.support.servers import ROOT
 
 
 def _lines(name: str) -> list[str]:

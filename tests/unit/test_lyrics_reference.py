@@ -11,8 +11,6 @@ import pytest
 
 from songserve.lyrics import clean_lyrics
 
-pytestmark = pytest.mark.quick
-
 # (name, raw, reference output, preserve-scripts output or None when it is the same)
 CORPUS = [
     (

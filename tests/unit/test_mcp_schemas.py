@@ -15,8 +15,6 @@ from songserve.api.mcp.tools import tool_specs
 from songserve.api.settings import DispatcherSettings
 from songserve.schemas import MAX_WAIT_SEC, ContinueFrom, GenerateRequest
 
-pytestmark = pytest.mark.quick
-
 # tool → {argument: where the HTTP API keeps it}
 MIRRORS: dict[str, dict[str, tuple[str, str]]] = {
     "make_song": {

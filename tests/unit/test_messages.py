@@ -11,8 +11,6 @@ from songserve.http_errors import validation_message
 from songserve.schemas import WorkerAnnouncement
 from songserve.settings import load_settings
 
-pytestmark = pytest.mark.quick
-
 
 def test_a_validators_sentence_reaches_a_client_without_pydantics_prefix():
     with pytest.raises(ValidationError) as err:

@@ -4,7 +4,6 @@ snapshot's holder first; every other track as before."""
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from songserve.api.dispatch.placement import pick
 from songserve.api.dispatch.pool import WorkerHandle
@@ -12,7 +11,6 @@ from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
 
-pytestmark = pytest.mark.quick
 ORIGINAL = "0123456789abcdef"
 
 

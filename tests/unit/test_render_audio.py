@@ -19,7 +19,6 @@ import soundfile as sf
 
 from songserve.api.results import render_audio
 
-pytestmark = pytest.mark.quick
 RATE = 44100
 
 

@@ -23,11 +23,9 @@ from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import OutcomeKind, WorkerFault
 from songserve.api.workers.to_worker import read_answer, read_batch
 from songserve.schemas import ResultFile, WorkerHealth
-from tests.fake_fleet import FakeFleet, Plan, until
-from tests.support import results_files
-from tests.test_dispatch_states import aio, body, run_job
-
-pytestmark = pytest.mark.quick
+from tests.support.fake_fleet import FakeFleet, Plan, until
+from tests.support.servers import results_files
+from tests.unit.test_dispatch_states import aio, body, run_job
 
 RESULT = {"status": "ok", "mp3_filename": "a.mp3", "wav_filename": "a.wav", "duration_sec": 3.0,
           "backbone_tokens": 1, "gpu_id": 0, "seed": 1}  # fmt: skip
