@@ -1,12 +1,10 @@
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,29 +23,6 @@ if shutil.which("nvidia-smi") is None:
 # would test nothing. A handler of our own is reset to the default in every child at exec.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _one_tls_context_for_default_clients() -> None:
-    """httpx makes a TLS context (certifi's CA bundle, read and parsed: ~26 ms of CPU) for every client,
-    so for every ``httpx.get``; the tests poll plain-HTTP servers with thousands of those (measured: a
-    tenth of the suite's CPU). The contexts of default arguments are one shared context here (a
-    context is safe to share between clients and threads); any other arguments get their own."""
-    from httpx._transports import default
-
-    make = default.create_ssl_context
-    made: dict[bool, ssl.SSLContext] = {}
-
-    def shared(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
-        if verify is not True or cert is not None:
-            return make(verify=verify, cert=cert, trust_env=trust_env)
-        if trust_env not in made:
-            made[trust_env] = make(verify=verify, cert=cert, trust_env=trust_env)
-        return made[trust_env]
-
-    default.create_ssl_context = shared
-
-
-_one_tls_context_for_default_clients()
 
 
 def pytest_sessionfinish() -> None:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import ROOT, Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -128,7 +129,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     assert flac.get_attribute("href") == f"job/{original}/track/0/render?format=flac"
     card.locator("select.loudness").select_option("-23")
     assert flac.get_attribute("href") == f"job/{original}/track/0/render?format=flac&loudness=-23"
-    r = httpx.get(f"{site.url}/{flac.get_attribute('href')}", timeout=60)
+    r = httpx.get(f"{site.url}/{flac.get_attribute('href')}", timeout=60, verify=TLS)
     assert r.status_code == 200
     assert r.headers["content-type"] == "audio/flac"
     assert sf.info(io.BytesIO(r.content)).samplerate == 44100
@@ -145,7 +146,7 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     retake.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert retake.locator(".job-title").inner_text().startswith("Mandopop")
     assert " · from 0:01.5" in retake.locator(".job-title").inner_text()
-    job = httpx.get(f"{site.url}/job/{retake.get_attribute('data-job-id')}", timeout=10).json()
+    job = httpx.get(f"{site.url}/job/{retake.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
     continued = job["tracks"][0]["metadata"]["continued"]
     assert continued["origin"] == f"{original}/0"
     assert continued["frames"] == int(1.5 * 44100 / 2048)
@@ -197,7 +198,7 @@ def test_two_takes_play_one_at_a_time_and_are_listed_again_after_a_reload(site, 
     notice = page.locator("#notice")
     notice.wait_for(state="visible", timeout=30_000)  # the tiny set's workers: the listener is told first
     assert notice.inner_text().startswith("Tiny test model: the audio is noise of the right length.")
-    assert httpx.get(site.url + "/config", timeout=10).json()["untrained_workers"] == 1
+    assert httpx.get(site.url + "/config", timeout=10, verify=TLS).json()["untrained_workers"] == 1
     page.fill("#num_tracks", "2")
     hold = site.workers[0].holds / "hold-1"  # the backbone waits at a third of a take: both takes still run
     hold.touch()
@@ -299,7 +300,7 @@ def test_a_dropped_file_is_uploaded_and_continued_from_a_point_on_its_waveform(s
     card = submitted(page, "#upload-continue")
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     assert card.locator(".job-title").inner_text().startswith("demo.wav · from 0:0")
-    job = httpx.get(f"{site.url}/job/{card.get_attribute('data-job-id')}", timeout=10).json()
+    job = httpx.get(f"{site.url}/job/{card.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
     continued = job["tracks"][0]["metadata"]["continued"]
     assert continued["origin"].startswith("upload/")
     assert continued["frames"] == int(at * 44100 / 2048)
@@ -343,7 +344,10 @@ def test_behind_an_api_key_the_page_asks_once_then_plays_follows_and_downloads(k
     assert [code for _, code in seen].count(401) == 1  # the page's first call, before it had the key
     assert keyed.workers  # tone workers, which do not say they run an untrained set: no banner
     assert page.locator("#notice").is_hidden()
-    assert httpx.get(keyed.url + "/config", headers={"Authorization": "Bearer page-key-1"}).json()["notice"] is None
+    assert (
+        httpx.get(keyed.url + "/config", headers={"Authorization": "Bearer page-key-1"}, verify=TLS).json()["notice"]
+        is None
+    )
     assert not errors
     page.close()
 

@@ -15,6 +15,7 @@ import soundfile as sf
 
 from songserve import codes
 from songserve.client import _submit
+from tests.support.http import TLS
 from tests.support.servers import ROOT, Cluster
 
 
@@ -99,7 +100,7 @@ def test_a_submission_whose_answer_is_lost_is_sent_again_and_makes_one_job(clust
     assert len(transport.sent) == 2
     keys = {r.headers["Idempotency-Key"] for r in transport.sent}
     assert len(keys) == 1  # the same key both times
-    first = httpx.post(cluster.url + "/generate", json=body, headers={"Idempotency-Key": keys.pop()}).json()
+    first = httpx.post(cluster.url + "/generate", json=body, headers={"Idempotency-Key": keys.pop()}, verify=TLS).json()
     assert first["job_id"] == job_id  # the job the lost answer made: the retry did not make a second one
 
 

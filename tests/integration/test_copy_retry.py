@@ -14,6 +14,7 @@ import httpx
 
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import WorkerFault
+from tests.support.http import TLS
 
 BODY = b"x" * 100_000
 Handler = Callable[[int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -33,7 +34,7 @@ async def _copy(handler: Handler) -> tuple[bytes | str, int]:
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(verify=TLS) as http:
             client = WorkerClient(WorkerHttp.shared(http), f"http://127.0.0.1:{port}")
             try:
                 got: bytes | str = b"".join([c async for c in client.file_chunks("take.wav", 1 << 20)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster
 
 
@@ -24,7 +25,7 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
     cluster.wait_job(first)
     second = cluster.submit(num_tracks=1, mode="instrumental", tags="rock")["job_id"]
     retake = cluster.submit(continue_from={"job_id": first, "track_index": 1, "at_sec": 1.0})["job_id"]
-    listed = httpx.get(cluster.url + "/jobs", timeout=10).json()
+    listed = httpx.get(cluster.url + "/jobs", timeout=10, verify=TLS).json()
     assert [j["job_id"] for j in listed["jobs"]] == [retake, second, first]
     assert listed["next_cursor"] is None
     one = listed["jobs"][2]
@@ -37,9 +38,11 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
     assert listed["jobs"][0]["asked"]["continue_from"] == {"job_id": first, "track_index": 1, "upload_id": None,
                                                           "at_sec": 1.0}  # fmt: skip
 
-    page = httpx.get(cluster.url + "/jobs", params={"limit": 2}, timeout=10).json()
+    page = httpx.get(cluster.url + "/jobs", params={"limit": 2}, timeout=10, verify=TLS).json()
     assert [j["job_id"] for j in page["jobs"]] == [retake, second]
-    rest = httpx.get(cluster.url + "/jobs", params={"limit": 2, "cursor": page["next_cursor"]}, timeout=10).json()
+    rest = httpx.get(
+        cluster.url + "/jobs", params={"limit": 2, "cursor": page["next_cursor"]}, timeout=10, verify=TLS
+    ).json()
     assert [j["job_id"] for j in rest["jobs"]] == [first]
     assert rest["next_cursor"] is None
     cluster.wait_job(retake)
@@ -51,6 +54,6 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
                         ({"cursor": "x" * 30}, "cursor")],
 )  # fmt: skip
 def test_a_bad_limit_or_cursor_is_refused_naming_it(cluster, query, name):
-    r = httpx.get(cluster.url + "/jobs", params=query, timeout=10)
+    r = httpx.get(cluster.url + "/jobs", params=query, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["query", name]

@@ -24,6 +24,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 from tests.support import in_thread
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}, "k-capped": {"name": "capped", "tracks_per_hour": 2}}
@@ -45,7 +46,10 @@ def site(tmp_path_factory):
     args = ("--api-keys-file", str(tmp / "keys.json"), "--mcp-max-mb", str(MCP_MAX_MB), "--max-queue", "2000")
     api = in_thread.dispatcher(tmp, [w.url for w in workers], *args)
     api.wait_healthy(want=("ok",))
-    wait_for(lambda: httpx.get(api.url + "/status", headers=bearer("k-alice")).json()["idle_gpus"] == 2, timeout=30)
+    wait_for(
+        lambda: httpx.get(api.url + "/status", headers=bearer("k-alice"), verify=TLS).json()["idle_gpus"] == 2,
+        timeout=30,
+    )
     yield api
     api.stop()
     for w in workers:
@@ -127,7 +131,7 @@ def test_a_two_take_song_with_progress_its_takes_as_resources_a_retake_and_a_can
             ):
                 got = (await c.read_resource(uri)).contents[0]
                 assert got.mime_type == mime
-                http = httpx.get(f"{site.url}/job/{job}/track/{path}", headers=bearer("k-alice"))
+                http = httpx.get(f"{site.url}/job/{job}/track/{path}", headers=bearer("k-alice"), verify=TLS)
                 assert http.status_code == 200
                 assert base64.b64decode(got.blob) == http.content
                 assert body["takes"][int(path[0])][f"{path[2:]}_url"] == f"{site.url}/job/{job}/track/{path}"
@@ -158,10 +162,11 @@ def test_without_a_key_nothing_is_served(site):
         site.url + "/mcp",
         json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
         headers={"Accept": "application/json, text/event-stream"},
+        verify=TLS,
     )
     assert r.status_code == 401
     assert r.json()["error"].startswith("Missing or wrong credentials")
-    wrong = httpx.post(site.url + "/mcp", content=b"{" * 10_000_000, headers=bearer("k-nobody"))
+    wrong = httpx.post(site.url + "/mcp", content=b"{" * 10_000_000, headers=bearer("k-nobody"), verify=TLS)
     assert wrong.status_code == 401  # before the body is read
 
     async def go() -> None:
@@ -194,7 +199,9 @@ def test_another_keys_job_is_not_found_and_a_quota_applies_as_on_http(site):
         async with session(site, "k-capped") as capped:
             assert not (await capped.call_tool("make_song", {**SONG, "num_tracks": 2})).is_error
             over = await capped.call_tool("make_song", {**SONG, "num_tracks": 1})
-        http = httpx.post(site.url + "/generate", json={**SONG, "num_tracks": 1}, headers=bearer("k-capped"))
+        http = httpx.post(
+            site.url + "/generate", json={**SONG, "num_tracks": 1}, headers=bearer("k-capped"), verify=TLS
+        )
         assert over.is_error
         assert http.status_code == 429
         digits = re.compile(r"\d+ s\.$")
@@ -239,7 +246,9 @@ def test_a_hostile_argument_is_the_tools_error_naming_it(site, tool, args, named
     assert f"'{named}'" in said, said
     assert said.endswith("."), said
     if tool == "make_song" and named in ("num_tracks", "seed"):  # the HTTP API's own sentence
-        assert said == httpx.post(site.url + "/generate", json=args, headers=bearer("k-alice")).json()["error"]
+        assert (
+            said == httpx.post(site.url + "/generate", json=args, headers=bearer("k-alice"), verify=TLS).json()["error"]
+        )
 
 
 def test_an_unknown_tool_a_bad_resource_and_a_message_over_the_body_limit(site):
@@ -262,7 +271,10 @@ def test_an_unknown_tool_a_bad_resource_and_a_message_over_the_body_limit(site):
         "params": {"name": "upload_audio", "arguments": {"audio_base64": "A" * 3_000_000}},
     }
     r = httpx.post(
-        site.url + "/mcp", json=huge, headers={**bearer("k-alice"), "Accept": "application/json, text/event-stream"}
+        site.url + "/mcp",
+        json=huge,
+        headers={**bearer("k-alice"), "Accept": "application/json, text/event-stream"},
+        verify=TLS,
     )
     assert r.status_code == 413
     assert "MCP_MAX_MB" in r.json()["error"]
@@ -302,7 +314,7 @@ def test_hundreds_of_concurrent_waits_keep_health_answering(tmp_path):
     site = cluster.api
 
     def poll() -> None:
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, verify=TLS) as http:
             while not stop.is_set():
                 answers.append(http.get(site.url + "/health").status_code)
 

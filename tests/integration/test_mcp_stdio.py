@@ -20,6 +20,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from tests.support import in_thread
+from tests.support.http import TLS
 from tests.support.servers import ROOT, wait_for
 
 KEYS = {"k-alice": {"name": "alice"}, "k-bob": {"name": "bob"}}
@@ -42,7 +43,7 @@ def site(tmp_path_factory):
     api = in_thread.dispatcher(tmp, [w.url for w in workers], "--api-keys-file", str(tmp / "keys.json"))
     api.wait_healthy(want=("ok",))
     auth = {"Authorization": "Bearer k-alice"}
-    wait_for(lambda: httpx.get(api.url + "/status", headers=auth).json()["idle_gpus"] == 2, timeout=30)
+    wait_for(lambda: httpx.get(api.url + "/status", headers=auth, verify=TLS).json()["idle_gpus"] == 2, timeout=30)
     yield api
     api.stop()
     for w in workers:
@@ -79,7 +80,9 @@ def test_a_song_through_songserve_mcp_over_stdio(site):
             assert done.structured_content["status"] == "completed"
             assert heard
             blob = (await c.read_resource(f"song://{job}/0")).contents[0].blob
-            http = httpx.get(f"{site.url}/job/{job}/track/0/mp3", headers={"Authorization": "Bearer k-alice"})
+            http = httpx.get(
+                f"{site.url}/job/{job}/track/0/mp3", headers={"Authorization": "Bearer k-alice"}, verify=TLS
+            )
             assert base64.b64decode(blob) == http.content
             again = await c.call_tool("retake", {"job_id": job, "at_sec": 1.0, "num_tracks": 1})
             assert not again.is_error, again.content

@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 from songserve.api.results import render
+from tests.support.http import TLS
 from tests.support.servers import Cluster
 
 
@@ -30,7 +31,7 @@ def job_id(site):
 
 
 def get(site, job_id, **params):
-    return httpx.get(f"{site.url}/job/{job_id}/track/0/render", params=params, timeout=60)
+    return httpx.get(f"{site.url}/job/{job_id}/track/0/render", params=params, timeout=60, verify=TLS)
 
 
 def loudness(data: bytes) -> tuple[float, np.ndarray, int]:
@@ -64,7 +65,7 @@ def test_a_time_range_in_mp3_and_wav(site, job_id):
         assert abs(x.shape[0] / rate - 2.5) < 0.06  # MP3 frames pad by a few ms
         assert "x-render-loudness" not in r.headers  # no loudness asked: the samples as stored
         assert f'filename="{job_id}_track0_1-3.5s.{fmt}"' in r.headers["content-disposition"]  # the range is named
-    wav = sf.read(io.BytesIO(httpx.get(f"{site.url}/job/{job_id}/track/0/wav").content), dtype="int16")[0]
+    wav = sf.read(io.BytesIO(httpx.get(f"{site.url}/job/{job_id}/track/0/wav", verify=TLS).content), dtype="int16")[0]
     cut = sf.read(io.BytesIO(get(site, job_id, format="wav", start=1.0, end=3.5).content), dtype="int16")[0]
     assert np.array_equal(cut, wav[44100 : 44100 * 7 // 2])
 
@@ -77,7 +78,7 @@ def test_a_render_is_made_once_then_served_from_the_results_folder(site, job_id)
     assert again.content == first.content
     assert sorted(p.name for p in folder.glob("track_0.render-*.flac")) == made
     part = httpx.get(f"{site.url}/job/{job_id}/track/0/render", params={"format": "flac", "loudness": -16},
-                     headers={"Range": "bytes=0-99"})  # fmt: skip
+                     headers={"Range": "bytes=0-99"}, verify=TLS)  # fmt: skip
     assert part.status_code == 206
     assert part.content == first.content[:100]
 
@@ -122,7 +123,7 @@ def test_bad_parameters_are_422_naming_the_field(site, job_id, params, field):
 
 def test_a_track_that_is_not_there_has_no_render(site, job_id):
     assert get(site, job_id.replace(job_id[0], "f" if job_id[0] != "f" else "e"), format="flac").status_code == 404
-    r = httpx.get(f"{site.url}/job/{job_id}/track/3/render", timeout=10)
+    r = httpx.get(f"{site.url}/job/{job_id}/track/3/render", timeout=10, verify=TLS)
     assert r.status_code == 400
 
 

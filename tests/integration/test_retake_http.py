@@ -13,6 +13,7 @@ import pytest
 
 from songserve import codes
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
+from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, start_reference_worker
 
 BODY = {"tags": "pop, piano", "lyrics": "[verse]\nhello world\nsecond line", "duration": 0.1, "num_tracks": 1}
@@ -33,13 +34,13 @@ def original(site):
 
 def submit(site: Cluster, **body) -> dict:
     """POST /generate with only these fields (``Cluster.submit`` adds its own lyrics, tags and duration)."""
-    r = httpx.post(f"{site.url}/generate", json=body, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json=body, timeout=10, verify=TLS)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def grid_of(site: Cluster, job_id: str, index: int = 0) -> codes.CodeGrid:
-    r = httpx.get(f"{site.url}/job/{job_id}/track/{index}/codes", timeout=10)
+    r = httpx.get(f"{site.url}/job/{job_id}/track/{index}/codes", timeout=10, verify=TLS)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "application/octet-stream"
     return codes.decode(r.content)
@@ -96,23 +97,23 @@ def test_a_retake_can_change_the_rest_of_the_song(site, original):
     ],
 )
 def test_bad_continue_from_values_answer_4xx_naming_the_field_and_queue_nothing(site, original, change, field, status):
-    before = httpx.get(f"{site.url}/status", timeout=10).json()["tracks_by_status"]
+    before = httpx.get(f"{site.url}/status", timeout=10, verify=TLS).json()["tracks_by_status"]
     cf = {"job_id": original["job_id"], "track_index": 0, "at_sec": 2.0, **change}
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "num_tracks": 1}, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "num_tracks": 1}, timeout=10, verify=TLS)
     assert r.status_code == status, r.text
     body = r.json()
     assert body["status"] == "error"
     assert body["error"]
     assert any(".".join(str(x) for x in d["loc"][1:]) == field for d in body["detail"]), body
-    assert httpx.get(f"{site.url}/status", timeout=10).json()["tracks_by_status"] == before
+    assert httpx.get(f"{site.url}/status", timeout=10, verify=TLS).json()["tracks_by_status"] == before
 
 
 def test_other_models_or_a_song_that_ends_before_the_cut_are_refused(site, original):
     cf = {"job_id": original["job_id"], "track_index": 0, "at_sec": 3.0}
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "backbone": "another"}, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "backbone": "another"}, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "backbone"]
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "duration": 0.05}, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "duration": 0.05}, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "duration"]
 
@@ -120,19 +121,19 @@ def test_other_models_or_a_song_that_ends_before_the_cut_are_refused(site, origi
 def test_a_track_that_is_not_done_cannot_be_continued_or_give_codes(tmp_path):
     with Cluster(tmp_path, workers=1, delay=30, threads=True) as c:
         job = c.submit(**BODY)
-        r = httpx.get(f"{c.url}/job/{job['job_id']}/track/0/codes", timeout=10)
+        r = httpx.get(f"{c.url}/job/{job['job_id']}/track/0/codes", timeout=10, verify=TLS)
         assert r.status_code == 404
         cf = {"job_id": job["job_id"], "track_index": 0, "at_sec": 1.0}
-        r = httpx.post(f"{c.url}/generate", json={"continue_from": cf}, timeout=10)
+        r = httpx.post(f"{c.url}/generate", json={"continue_from": cf}, timeout=10, verify=TLS)
         assert r.status_code == 422
         assert "not done" in r.json()["error"]
-        httpx.delete(f"{c.url}/job/{job['job_id']}", timeout=10)
+        httpx.delete(f"{c.url}/job/{job['job_id']}", timeout=10, verify=TLS)
 
 
 def test_a_fleet_of_reference_workers_refuses_retakes_before_queuing_them(tmp_path):
     with cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=0.05)]) as c:
         cf = {"job_id": "0123456789abcdef", "track_index": 0, "at_sec": 1.0}
-        r = httpx.post(f"{c.url}/generate", json={"continue_from": cf}, timeout=10)
+        r = httpx.post(f"{c.url}/generate", json={"continue_from": cf}, timeout=10, verify=TLS)
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"] == ["body", "continue_from"]
-        assert httpx.get(f"{c.url}/status", timeout=10).json()["queued_tracks"] == 0
+        assert httpx.get(f"{c.url}/status", timeout=10, verify=TLS).json()["queued_tracks"] == 0

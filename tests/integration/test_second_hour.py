@@ -26,6 +26,7 @@ import soundfile as sf
 from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest
+from tests.support.http import TLS
 from tests.support.servers import ROOT, Cluster
 
 README = ROOT / "README.md"
@@ -64,13 +65,13 @@ def test_a_json_body_sent_under_curls_default_type_is_415_naming_the_header(clus
     error = json.loads(text)["error"]
     assert error.startswith("The body must be JSON sent with the header 'Content-Type: application/json'"), error
     assert "it came as 'application/x-www-form-urlencoded'" in error
-    untyped = httpx.post(url + "/generate", content=body)
+    untyped = httpx.post(url + "/generate", content=body, verify=TLS)
     assert untyped.status_code == 415
     assert untyped.json()["error"].endswith("'Content-Type: application/json'; it came without one.")
     if service == "dispatcher":  # the same bytes as JSON are read
-        r = httpx.post(url + "/generate", content=body, headers={"Content-Type": "application/json"})
+        r = httpx.post(url + "/generate", content=body, headers={"Content-Type": "application/json"}, verify=TLS)
         assert r.status_code == 200, r.text
-        httpx.delete(f"{url}/job/{r.json()['job_id']}")
+        httpx.delete(f"{url}/job/{r.json()['job_id']}", verify=TLS)
 
 
 LIMITS = RequestLimits(min_duration=0.05, max_duration=10.0)
@@ -90,22 +91,22 @@ def test_a_duration_that_only_makes_sense_in_seconds_is_refused_in_minutes(sent,
 def test_a_duration_read_as_the_reference_reads_it_is_said_in_notes(cluster):
     said = {}
     for sent in (0, 15):
-        r = httpx.post(cluster.url + "/generate", json={"lyrics": "la", "duration": sent, "num_tracks": 1})
+        r = httpx.post(cluster.url + "/generate", json={"lyrics": "la", "duration": sent, "num_tracks": 1}, verify=TLS)
         assert r.status_code == 200, r.text
-        httpx.delete(f"{cluster.url}/job/{r.json()['job_id']}")
+        httpx.delete(f"{cluster.url}/job/{r.json()['job_id']}", verify=TLS)
         said[sent] = r.json()
     assert said[0]["adjusted"] == {"duration": {"from": 0, "to": 1.0}}
     assert "A duration of 0 is not a length: the song is 1 minute, as the reference reads it." in said[0]["notes"]
     assert said[15]["adjusted"] == {"duration": {"from": 15, "to": 10.0}}
     assert "The duration is in minutes; 15 is past the maximum, so the song is 10 minutes." in said[15]["notes"]
-    r = httpx.post(cluster.url + "/generate", json={"lyrics": "la", "duration": 180})
+    r = httpx.post(cluster.url + "/generate", json={"lyrics": "la", "duration": 180}, verify=TLS)
     assert r.status_code == 422
     assert r.json()["error"].startswith("Field 'duration': is in minutes")
 
 
 def test_a_continue_from_id_that_is_not_an_id_is_answered_in_a_sentence(cluster):
     for field, sent in (("job_id", {"job_id": "my-song", "at_sec": 3}), ("upload_id", {"upload_id": "demo.mp3"})):
-        r = httpx.post(cluster.url + "/generate", json={"continue_from": sent})
+        r = httpx.post(cluster.url + "/generate", json={"continue_from": sent}, verify=TLS)
         assert r.status_code == 422
         error = r.json()["error"]
         assert "pattern" not in error, error
@@ -115,9 +116,11 @@ def test_a_continue_from_id_that_is_not_an_id_is_answered_in_a_sentence(cluster)
             f"Field 'continue_from.{field}': {sent[field]!r} is not {what} id: ids are the 8 "
             "to 64 lowercase hex digits that "
         ), error
-    schema = httpx.get(cluster.url + "/openapi.json").json()["components"]["schemas"]["ContinueFrom"]
+    schema = httpx.get(cluster.url + "/openapi.json", verify=TLS).json()["components"]["schemas"]["ContinueFrom"]
     assert "[a-f0-9]{8,64}" in json.dumps(schema["properties"]["job_id"])  # the pattern still told to clients
-    unknown = httpx.post(cluster.url + "/generate", json={"continue_from": {"job_id": "0" * 16, "at_sec": 3}})
+    unknown = httpx.post(
+        cluster.url + "/generate", json={"continue_from": {"job_id": "0" * 16, "at_sec": 3}}, verify=TLS
+    )
     assert "is not known here" in unknown.json()["error"]  # a well-formed one, as before
 
 
@@ -185,7 +188,7 @@ def test_a_loudness_a_render_could_not_reach_is_said_beside_the_saved_file(clust
     done = cluster.wait_job(job["job_id"])
     assert done["status"] == "completed"
     spiky(cluster.tmp / "state" / "results" / job["job_id"] / "track_0.wav")
-    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+    with httpx.Client(base_url=cluster.url, timeout=60, verify=TLS) as client:
         line = save(client, job["job_id"], done["tracks"][0], "flac", -14.0, tmp_path)
         plain = save(client, job["job_id"], done["tracks"][0], "flac", None, tmp_path)
     assert re.fullmatch(

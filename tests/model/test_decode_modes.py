@@ -195,19 +195,20 @@ def test_a_worker_with_decode_mode_graphs_serves_through_its_captured_step(tiny_
     (batch 1 and MAX_BATCH at the first KV bucket), and a batch of takes is served through it."""
     import httpx
 
+    from tests.support.http import TLS
     from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "keep_loaded", env={"DECODE_MODE": "graphs"}, name="graphs")
     try:
         w.wait_healthy()
-        step = httpx.get(w.url + "/health", timeout=10).json()["decode_step"]
+        step = httpx.get(w.url + "/health", timeout=10, verify=TLS).json()["decode_step"]
         assert step["mode"] == "graphs", step
         assert step["fallback"] is None, step
         assert {"1x256", "4x256"} <= set(step["graphs"]), step
         assert step["kv_rows"] == 4, step  # one persistent cache of MAX_BATCH rows, taken at load
         body = {"lyrics": "[verse]\nhello", "tags": "pop", "duration": 3 / 60, "job_id": "jg"}
         takes = [{**body, "seed_override": 80 + i, "task_id": f"g{i}", "track_index": i} for i in range(2)]
-        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=120)
+        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=120, verify=TLS)
         assert r.status_code == 200, r.text
         assert [x["status"] for x in r.json()["results"]] == ["ok", "ok"]
     finally:

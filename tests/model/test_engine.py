@@ -525,7 +525,9 @@ def _samples(w, name: str):
     import httpx
     import soundfile as sf
 
-    r = httpx.get(f"{w.url}/download/{name}", timeout=30)
+    from tests.support.http import TLS
+
+    r = httpx.get(f"{w.url}/download/{name}", timeout=30, verify=TLS)
     assert r.status_code == 200
     return sf.read(io.BytesIO(r.content))[0]
 
@@ -534,11 +536,13 @@ def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
     import httpx
     import numpy as np
 
-    cfg = httpx.get(worker.url + "/config", timeout=10).json()
+    from tests.support.http import TLS
+
+    cfg = httpx.get(worker.url + "/config", timeout=10, verify=TLS).json()
     assert cfg["max_batch"] == 4
     assert cfg["kv_bytes_per_take"] > 0
     takes = [_body(70 + i, f"b{i}") for i in range(2)]
-    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=120)
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=120, verify=TLS)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     assert [x["task_id"] for x in results] == [tid("b0"), tid("b1")]
@@ -547,7 +551,7 @@ def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
     assert meta["batch_size"] == 2
     assert meta["timings"]["backbone_sec"] > 0
     assert meta["stopped_by"] == "budget"
-    alone = httpx.post(worker.url + "/generate", json=_body(71, "a1"), timeout=120).json()
+    alone = httpx.post(worker.url + "/generate", json=_body(71, "a1"), timeout=120, verify=TLS).json()
     assert alone["status"] == "ok"
     assert alone["metadata"]["batch_size"] == 1
     assert np.array_equal(_samples(worker, results[1]["wav_filename"]), _samples(worker, alone["wav_filename"]))
@@ -557,8 +561,10 @@ def test_generate_batch_through_a_real_worker_equals_each_take_alone(worker):
 def test_generate_batch_refuses_takes_of_different_requests(worker):
     import httpx
 
+    from tests.support.http import TLS
+
     takes = [_body(1, "d0"), _body(2, "d1", tags="rock")]
-    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=60)
+    r = httpx.post(worker.url + "/generate_batch", json={"takes": takes}, timeout=60, verify=TLS)
     assert r.status_code == 400
     assert "differ only in seed" in r.json()["error"]
 
@@ -568,6 +574,7 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
 
     import httpx
 
+    from tests.support.http import TLS
     from tests.support.servers import wait_for
 
     takes = [_body(80 + i, f"c{i}", duration=1.0) for i in range(2)]
@@ -577,35 +584,36 @@ def test_cancelling_one_take_of_a_batch_over_http(worker):
         def both_running():
             # a cancel in the backbone or superres lands before c1 is decoded (the tiny backbone of
             # a 1-minute batch of 2 takes ~0.6 s: polling for that phase alone could miss it)
-            h = httpx.get(worker.url + "/health", timeout=5).json()
+            h = httpx.get(worker.url + "/health", timeout=5, verify=TLS).json()
             tasks = {t["task_id"]: t for t in h.get("tasks", [])}
             return len(tasks) == 2 and tasks[tid("c1")]["phase"] in ("backbone", "superres")
 
         wait_for(both_running, timeout=60, interval=0.02)
-        c = httpx.post(f"{worker.url}/cancel/{tid('c1')}", timeout=10)
+        c = httpx.post(f"{worker.url}/cancel/{tid('c1')}", timeout=10, verify=TLS)
         assert c.status_code == 200
         r = fut.result()
     results = r.json()["results"]
     assert results[0]["status"] == "ok"
     assert results[1]["status"] == "cancelled"
     assert results[0]["metadata"]["tokens"]["frames"] == int(1.0 * 60 * 44100 / 2048)
-    assert httpx.get(f"{worker.url}/tasks/{tid('c1')}", timeout=5).json()["status"] == "cancelled"
+    assert httpx.get(f"{worker.url}/tasks/{tid('c1')}", timeout=5, verify=TLS).json()["status"] == "cancelled"
 
 
 def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(worker, tmp_path):
     import httpx
     import numpy as np
 
+    from tests.support.http import TLS
     from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "park", "--park-backbone", "1", name="park")
     try:
         w.wait_healthy()
-        h = httpx.get(w.url + "/health", timeout=10).json()
+        h = httpx.get(w.url + "/health", timeout=10, verify=TLS).json()
         assert h["runtime_mode"] == "park"
         assert h["park_backbone"] == "1"
         assert h["parked"] == ["decoder", "encoder", "superres"]  # the encoder waits too (issue 29: uploads)
-        parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120).json()
+        parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120, verify=TLS).json()
         assert parked["status"] == "ok"
         # the state each stage ran in: the backbone waited in host memory during superres and decoder
         assert parked["metadata"]["parked"] == {
@@ -613,8 +621,12 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
             "superres": ["backbone", "decoder", "encoder"],
             "decoder": ["backbone", "encoder", "superres"],
         }
-        assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "encoder", "superres"]
-        kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120).json()
+        assert httpx.get(w.url + "/health", timeout=10, verify=TLS).json()["parked"] == [
+            "decoder",
+            "encoder",
+            "superres",
+        ]
+        kept = httpx.post(worker.url + "/generate", json=_body(90, "k0"), timeout=120, verify=TLS).json()
         assert "parked" not in kept["metadata"]
         assert np.array_equal(_samples(w, parked["wav_filename"]), _samples(worker, kept["wav_filename"]))
     finally:
@@ -738,18 +750,19 @@ def test_a_tone_worker_serves_generate_batch_one_take_after_another(tmp_path):
     """Scheduling tests run against tone workers: the batch endpoint works there too."""
     import httpx
 
+    from tests.support.http import TLS
     from tests.support.servers import start_worker
 
     w = start_worker(tmp_path, "--pipeline", "test", "--max-batch", "3", name="tone")
     try:
         w.wait_healthy()
-        assert httpx.get(w.url + "/config", timeout=10).json()["max_batch"] == 3
+        assert httpx.get(w.url + "/config", timeout=10, verify=TLS).json()["max_batch"] == 3
         takes = [_body(i, f"tone{i}") for i in range(3)]
-        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=60)
+        r = httpx.post(w.url + "/generate_batch", json={"takes": takes}, timeout=60, verify=TLS)
         assert r.status_code == 200, r.text
         assert [x["status"] for x in r.json()["results"]] == ["ok"] * 3
         assert [x["seed"] for x in r.json()["results"]] == [1283, 1, 2]  # seed_override 0 = the worker's own
-        assert httpx.get(w.url + "/health", timeout=10).json()["tasks_done"] == 3
+        assert httpx.get(w.url + "/health", timeout=10, verify=TLS).json()["tasks_done"] == 3
     finally:
         w.stop()
 

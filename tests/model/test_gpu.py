@@ -150,6 +150,7 @@ def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_pat
     import httpx
     import soundfile as sf
 
+    from tests.support.http import TLS
     from tests.support.servers import cluster_of, start_worker
 
     w = start_worker(tmp_path, "--runtime-mode", "park", name="gpu")
@@ -159,7 +160,7 @@ def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_pat
         assert h["parked"] == ["decoder", "superres"], h
         assert h["decode_step"]["cuda_graphs"] is True, h["decode_step"]
         assert h["decode_step"]["graphs"], h["decode_step"]
-        cfg = httpx.get(w.url + "/config", timeout=10).json()
+        cfg = httpx.get(w.url + "/config", timeout=10, verify=TLS).json()
         assert cfg["max_batch"] >= 2
         assert cfg["kv_bytes_per_take"] > 0
         # one persistent cache, taken at load, holds the widest batch; every batch size uses its first rows
@@ -170,12 +171,12 @@ def test_real_worker_and_dispatcher_on_cuda_serve_a_packed_job(tiny_dir, tmp_pat
             assert job["status"] == "completed", job
             for t in job["tracks"]:
                 assert t["metadata"]["batch_size"] == 2, t["metadata"]
-                r = httpx.get(c.url + t["files"]["wav"], timeout=30)
+                r = httpx.get(c.url + t["files"]["wav"], timeout=30, verify=TLS)
                 assert r.status_code == 200
                 audio, rate = sf.read(io.BytesIO(r.content))
                 assert rate == 44100
                 assert abs(len(audio) / rate - 3.0) < 0.1
-                assert httpx.get(c.url + t["files"]["mp3"], timeout=30).status_code == 200
-            assert httpx.get(w.url + "/health", timeout=10).json()["parked"] == ["decoder", "superres"]
+                assert httpx.get(c.url + t["files"]["mp3"], timeout=30, verify=TLS).status_code == 200
+            assert httpx.get(w.url + "/health", timeout=10, verify=TLS).json()["parked"] == ["decoder", "superres"]
     finally:
         w.stop()

@@ -14,6 +14,7 @@ from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import TOKENS_PER_MINUTE
 from songserve.pipeline.stages.length import plan_length
 from songserve.pipeline.types import TrackRequest
+from tests.support.http import TLS
 from tests.support.servers import start_worker
 from tests.support.tiny_site import lent
 
@@ -126,16 +127,18 @@ def test_progress_detail_is_the_reference_token_count_with_the_rate_beside_it(pi
 
 def test_a_request_longer_than_the_context_gets_a_clear_error_before_any_work(shared_tiny):
     with lent(shared_tiny) as w:  # the process's tiny-model worker (tests/support/tiny_site.py)
-        done_before = httpx.get(w.url + "/health", timeout=10).json()["tasks_done"]
-        cfg = httpx.get(w.url + "/config", timeout=10).json()
+        done_before = httpx.get(w.url + "/health", timeout=10, verify=TLS).json()["tasks_done"]
+        cfg = httpx.get(w.url + "/config", timeout=10, verify=TLS).json()
         assert cfg["max_sequence_length"] == 27648
         assert cfg["max_new_tokens"] == 23552
         assert cfg["max_prompt_length"] > 0
         assert cfg["tokens_per_minute"] == 2584
-        r = httpx.post(w.url + "/generate", json={"lyrics": "la", "tags": "pop", "duration": 15}, timeout=60)
+        r = httpx.post(
+            w.url + "/generate", json={"lyrics": "la", "tags": "pop", "duration": 15}, timeout=60, verify=TLS
+        )
         assert r.status_code == 400
         assert "context of 27648 tokens (max_sequence_length)" in r.json()["error"]
-        h = httpx.get(w.url + "/health", timeout=10).json()
+        h = httpx.get(w.url + "/health", timeout=10, verify=TLS).json()
         assert h["status"] == "idle"
         assert h["tasks_done"] == done_before  # refused before any work: no task counted
 
@@ -169,7 +172,7 @@ def test_a_worker_with_the_references_token_flag_continues_a_take_longer_than_it
         done = c.wait_job(first["job_id"], timeout=240)
         assert done["status"] == "completed", done
         body = {"continue_from": {"job_id": first["job_id"], "track_index": 0, "at_sec": 2.0}, "duration": 0.1}
-        retake = httpx.post(c.url + "/generate", json={**body, "num_tracks": 1}, timeout=10).json()
+        retake = httpx.post(c.url + "/generate", json={**body, "num_tracks": 1}, timeout=10, verify=TLS).json()
         job = c.wait_job(retake["job_id"], timeout=240)
         assert job["status"] == "completed", job["tracks"][0]["error"]
         meta = job["tracks"][0]["metadata"]

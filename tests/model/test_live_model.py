@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -31,7 +32,7 @@ def site(shared_tiny, tmp_path_factory):
 
 
 def post(site: Cluster) -> str:
-    r = httpx.post(f"{site.url}/generate", json=SONG, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json=SONG, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     return str(r.json()["job_id"])
 
@@ -52,7 +53,7 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
 
     def listen() -> None:
         with httpx.stream(
-            "GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=httpx.Timeout(10, read=300)
+            "GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=httpx.Timeout(10, read=300), verify=TLS
         ) as r:
             assert r.status_code == 200
             for piece in r.iter_raw(1 << 15):
@@ -80,7 +81,7 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
     # Audio came while the backbone was still writing, and more of it as it went on.
     assert during[-1] > during[0] > 44
 
-    wav = httpx.get(f"{site.url}/job/{job}/track/0/wav", timeout=30).content
+    wav = httpx.get(f"{site.url}/job/{job}/track/0/wav", timeout=30, verify=TLS).content
     final, rate = sf.read(io.BytesIO(wav), dtype="int16")
     streamed = np.frombuffer(bytes(body[44:]), dtype="<i2").reshape(-1, 2)
     assert rate == 44_100
@@ -89,5 +90,5 @@ def test_a_listener_hears_the_take_while_it_is_made_and_changes_nothing_in_it(si
     assert not np.array_equal(streamed, final)  # a preview, not the final: its own super-resolution draws
 
     # The final WAV is what it is without a listener: same seed, same bytes.
-    assert wav == httpx.get(f"{site.url}/job/{quiet['job_id']}/track/0/wav", timeout=30).content
+    assert wav == httpx.get(f"{site.url}/job/{quiet['job_id']}/track/0/wav", timeout=30, verify=TLS).content
     wait_for(lambda: not list(site.workers[0].audio.glob("*.live.pcm")), timeout=10)  # nothing left behind

@@ -12,6 +12,7 @@ import threading
 
 import httpx
 
+from tests.support.http import TLS
 from tests.support.tiny_site import lent
 
 REFERENCE_TOKENS = re.compile(r"^\s*(\d+)\s*/\s*\d+\s+tokens\s*$")  # the reference dispatcher's pattern
@@ -42,7 +43,7 @@ def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(shared_tin
         done = threading.Event()
 
         def poll() -> None:
-            with httpx.Client(timeout=5) as c:
+            with httpx.Client(timeout=5, verify=TLS) as c:
                 while not done.is_set():
                     seen.append(c.get(w.url + "/health").json())
                     done.wait(0.1)
@@ -50,7 +51,7 @@ def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(shared_tin
         poller = threading.Thread(target=poll)
         poller.start()
         try:
-            r = httpx.post(w.url + "/generate", json=body, timeout=600)
+            r = httpx.post(w.url + "/generate", json=body, timeout=600, verify=TLS)
         finally:
             done.set()
             poller.join()
@@ -63,7 +64,7 @@ def test_a_reference_style_dispatcher_completes_a_track_on_our_worker(shared_tin
         assert all(REFERENCE_TOKENS.match(d) for d in details), details[:3]
         assert any(h.get("tokens_per_sec") for h in seen if h["phase"] == "backbone")
         for name, media in ((result["mp3_filename"], "audio/mpeg"), (result["wav_filename"], "audio/wav")):
-            got = httpx.get(f"{w.url}/download/{name}", timeout=30)
+            got = httpx.get(f"{w.url}/download/{name}", timeout=30, verify=TLS)
             assert got.status_code == 200
             assert got.headers["content-type"].startswith(media)
             assert len(got.content) > 1000

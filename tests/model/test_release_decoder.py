@@ -286,6 +286,7 @@ def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_di
     """Real worker processes: the refusal names the setting; with it set, a track decodes through HTTP."""
     import httpx
 
+    from tests.support.http import TLS
     from tests.support.servers import start_worker, worker_refusal
 
     blob = _blob(release[1])
@@ -303,7 +304,7 @@ def test_worker_refuses_a_pickled_decoder_then_serves_it_with_the_opt_in(tiny_di
     try:
         w.wait_healthy()
         body = {"lyrics": "[verse]\nhello", "tags": "pop", "duration": 2 / 60, "seed_override": 3}
-        r = httpx.post(w.url + "/generate", json=body, timeout=120)
+        r = httpx.post(w.url + "/generate", json=body, timeout=120, verify=TLS)
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "ok"
         assert r.json()["duration_sec"] > 0

@@ -32,6 +32,7 @@ from songserve.pipeline.tiny.tokenizer_release import write_release_tokenizer
 from songserve.settings import load_settings
 from songserve.worker.launcher_flags import apply_launcher_flags, verdict
 from songserve.worker.settings import WorkerSettings
+from tests.support.http import TLS
 from tests.support.servers import start_worker
 
 REFERENCE_COMMIT = "f3992801722e78890d10470e32d821b52631024e"  # 2026-05-16, "Fix frontend progress display state"
@@ -229,15 +230,15 @@ def test_the_reference_launchers_command_line_with_128_tokens_gives_a_64_frame_t
     try:
         w.wait_healthy(timeout=300)
         body = {"lyrics": "[verse]\nhello world", "tags": "Pop, Piano", "duration": 5 / 60, "seed_override": 5}
-        out = httpx.post(w.url + "/generate", json=body, timeout=300).json()
+        out = httpx.post(w.url + "/generate", json=body, timeout=300, verify=TLS).json()
         assert out["status"] == "ok", out
-        meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30).json()
+        meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30, verify=TLS).json()
         assert meta["tokens"]["frames"] == 64
         assert meta["tokens"]["backbone_new"] == 128
-        wav = httpx.get(f"{w.url}/download/{out['wav_filename']}", timeout=30).content
+        wav = httpx.get(f"{w.url}/download/{out['wav_filename']}", timeout=30, verify=TLS).content
         audio, sr = sf.read(io.BytesIO(wav))
         assert (sr, audio.shape) == (44100, (64 * 2048, 2))
-        assert httpx.get(w.url + "/config", timeout=10).json()["max_new_tokens"] == 128
+        assert httpx.get(w.url + "/config", timeout=10, verify=TLS).json()["max_new_tokens"] == 128
         log = w.log_tail(200_000)
         assert "backbone token budget: 128 new tokens (from the launcher flag --num-tokens-to-generate)" in log
         assert "launcher flag --flash-decode True: not needed:" in log

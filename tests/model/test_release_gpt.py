@@ -16,6 +16,7 @@ import soundfile as sf
 import torch
 
 from songserve.errors import ConfigError
+from tests.support.http import TLS
 from tests.support.servers import start_worker
 
 T = 128256  # the Llama-3 text vocabulary of the release
@@ -341,11 +342,11 @@ def test_launcher_command_line_splits_into_worker_and_megatron_flags():
 
 def _five_seconds(worker) -> dict:
     body = {"lyrics": "[verse]\nhello world", "tags": "pop, piano", "duration": 5 / 60, "seed_override": 5}
-    r = httpx.post(worker.url + "/generate", json=body, timeout=300)
+    r = httpx.post(worker.url + "/generate", json=body, timeout=300, verify=TLS)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["status"] == "ok", out
-    wav = httpx.get(f"{worker.url}/download/{out['wav_filename']}", timeout=30).content
+    wav = httpx.get(f"{worker.url}/download/{out['wav_filename']}", timeout=30, verify=TLS).content
     audio, sr = sf.read(io.BytesIO(wav))
     assert sr == 44100
     assert audio.shape[1] == 2
@@ -360,13 +361,13 @@ def test_worker_serves_the_release_set_with_only_checkpoints_dir(release_dir, tm
         assert set(health["load_sec"]) == {"backbone", "superres", "decoder", "encoder"}  # the encoder too (uploads)
         assert health["backbone_models"] == ["backbone"]
         assert not health["superres_loaded"]
-        cfg = httpx.get(w.url + "/config", timeout=10).json()
+        cfg = httpx.get(w.url + "/config", timeout=10, verify=TLS).json()
         assert cfg["checkpoint_layout"] == "release"
         assert cfg["superres_models"] == ["superresolution"]
         assert cfg["checkpoints"]["tokenizer"].endswith("models/Tokenizer")
         assert cfg["architectures"]["backbone"]["text_vocab"] == T
         out = _five_seconds(w)
-        meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30).json()
+        meta = httpx.get(f"{w.url}/download/{out['json_filename']}", timeout=30, verify=TLS).json()
         assert meta["load_sec"]["superres"] > 0
         assert meta["models"]["superres"] == "superresolution"
         assert "checkpoint set (release layout)" in w.log_tail(200_000)

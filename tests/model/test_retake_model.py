@@ -19,6 +19,7 @@ import pytest
 import soundfile as sf
 
 from songserve import codes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, start_worker, wait_for
 from tests.support.tiny_site import SHARED_FLAGS, tiny_site
 
@@ -43,13 +44,13 @@ def site(shared_tiny, tmp_path_factory):
 
 
 def post(site: Cluster, **body) -> str:
-    r = httpx.post(f"{site.url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     return str(r.json()["job_id"])
 
 
 def fetch(site: Cluster, job_id: str, kind: str, **params) -> bytes:
-    r = httpx.get(f"{site.url}/job/{job_id}/track/0/{kind}", params=params, timeout=120)
+    r = httpx.get(f"{site.url}/job/{job_id}/track/0/{kind}", params=params, timeout=120, verify=TLS)
     assert r.status_code == 200, r.text
     return r.content
 
@@ -60,7 +61,7 @@ def snr_db(reference: np.ndarray, other: np.ndarray) -> float:
 
 
 def both_idle(site: Cluster) -> bool:
-    return httpx.get(f"{site.url}/status", timeout=10).json()["idle_gpus"] == 2
+    return httpx.get(f"{site.url}/status", timeout=10, verify=TLS).json()["idle_gpus"] == 2
 
 
 def test_a_retake_keeps_the_start_and_a_second_one_restores_its_snapshot(site):
@@ -99,9 +100,9 @@ def test_a_retake_keeps_the_start_and_a_second_one_restores_its_snapshot(site):
     assert snr_db(wav0[int(21 * rate) :], wav_a[int(21 * rate) :]) < 20.0  # the rest is a new take
 
     holder = site.workers[1].url
-    slots = httpx.get(f"{holder}/health", timeout=10).json()["kv_snapshots"]["slots"]
+    slots = httpx.get(f"{holder}/health", timeout=10, verify=TLS).json()["kv_snapshots"]["slots"]
     assert [(s["origin"], s["tokens"]) for s in slots] == [(f"{job0}/0", tokens)]
-    assert httpx.get(f"{site.workers[0].url}/health", timeout=10).json()["kv_snapshots"]["slots"] == []
+    assert httpx.get(f"{site.workers[0].url}/health", timeout=10, verify=TLS).json()["kv_snapshots"]["slots"] == []
 
     # Retake B of the same prefix: both idle, worker 0 first in order, the holder preferred.
     site.wait_job(blocker, timeout=WAIT)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.model.test_encoder import music, wav_bytes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -27,7 +28,7 @@ def site(shared_tiny, tmp_path_factory):
 
 
 def run(site: Cluster, **body) -> dict:
-    r = httpx.post(f"{site.url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     done = site.wait_job(r.json()["job_id"], timeout=WAIT)
     assert done["status"] == "completed", done
@@ -36,12 +37,12 @@ def run(site: Cluster, **body) -> dict:
 
 def upload(site: Cluster) -> str:
     data = wav_bytes(music(4.0))
-    r = httpx.post(f"{site.url}/uploads", files={"file": ("demo.wav", data, "audio/wav")}, timeout=60)
+    r = httpx.post(f"{site.url}/uploads", files={"file": ("demo.wav", data, "audio/wav")}, timeout=60, verify=TLS)
     assert r.status_code == 200, r.text
     upload_id = str(r.json()["upload_id"])
     view = wait_for(
         lambda: (
-            (v := httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10).json())["status"]
+            (v := httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10, verify=TLS).json())["status"]
             not in ("queued", "encoding")
             and v
         ),
@@ -74,6 +75,6 @@ def test_generate_retake_and_continue_an_upload_twice_all_complete(site):
     assert c["metadata"]["prefill"]["restored"] == c["metadata"]["prefill"]["tokens"] - 1  # cut to 3 s
     assert u3["metadata"]["prefill"]["restored"] == tokens
 
-    snaps = httpx.get(f"{site.workers[0].url}/health", timeout=10).json()["kv_snapshots"]
+    snaps = httpx.get(f"{site.workers[0].url}/health", timeout=10, verify=TLS).json()["kv_snapshots"]
     assert snaps["faults"] == 0
     assert {s["origin"] for s in snaps["slots"]} == {f"{job0}/0", f"upload/{upload_id}"}

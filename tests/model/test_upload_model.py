@@ -26,6 +26,7 @@ from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes
 from tests.model.test_encoder import _plain_codes, music, wav_bytes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -42,12 +43,12 @@ def site(shared_release, tmp_path_factory):
 def uploaded(site):
     """An 8 s stereo 44.1 kHz WAV, uploaded and encoded: (its bytes, its upload view)."""
     data = wav_bytes(music(8.0))
-    r = httpx.post(f"{site.url}/uploads", files={"file": ("demo.wav", data, "audio/wav")}, timeout=60)
+    r = httpx.post(f"{site.url}/uploads", files={"file": ("demo.wav", data, "audio/wav")}, timeout=60, verify=TLS)
     assert r.status_code == 200, r.text
     upload_id = r.json()["upload_id"]
     view = wait_for(
         lambda: (
-            (v := httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10).json())["status"] != "queued"
+            (v := httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10, verify=TLS).json())["status"] != "queued"
             and v["status"] != "encoding"
             and v
         ),
@@ -58,7 +59,7 @@ def uploaded(site):
 
 
 def fetch(site: Cluster, path: str) -> bytes:
-    r = httpx.get(f"{site.url}{path}", timeout=60)
+    r = httpx.get(f"{site.url}{path}", timeout=60, verify=TLS)
     assert r.status_code == 200, r.text
     return r.content
 
@@ -87,7 +88,7 @@ def test_takes_continued_from_the_upload_keep_it_and_a_second_restores_its_snaps
     kept = codes.decode(fetch(site, view["codes"]))
     body = {"continue_from": {"upload_id": view["upload_id"]}, "tags": "pop", "lyrics": "[verse]\non and on",
             "duration": 10 / 60, "num_tracks": 2, "seed": 3}  # fmt: skip
-    r = httpx.post(f"{site.url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     done = site.wait_job(r.json()["job_id"], timeout=WAIT)
     assert done["status"] == "completed", done
@@ -112,9 +113,9 @@ def test_takes_continued_from_the_upload_keep_it_and_a_second_restores_its_snaps
         tokens = t["metadata"]["prefill"]["tokens"]
         assert tokens == t["metadata"]["tokens"]["backbone_prompt"] + 2 * kept.frames
 
-    r = httpx.post(f"{site.url}/generate", json={**body, "num_tracks": 1, "seed": 4}, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json={**body, "num_tracks": 1, "seed": 4}, timeout=30, verify=TLS)
     again = site.wait_job(r.json()["job_id"], timeout=WAIT)["tracks"][0]
     assert again["metadata"]["prefill"]["tokens"] == tokens
     assert again["metadata"]["prefill"]["restored"] == tokens  # the first one's snapshot: nothing prefilled
-    slots = httpx.get(f"{site.workers[0].url}/health", timeout=10).json()["kv_snapshots"]["slots"]
+    slots = httpx.get(f"{site.workers[0].url}/health", timeout=10, verify=TLS).json()["kv_snapshots"]["slots"]
     assert [s["origin"] for s in slots] == [f"upload/{view['upload_id']}"]

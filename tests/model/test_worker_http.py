@@ -10,6 +10,7 @@ import httpx
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import start_worker, wait_for, worker_refusal
 from tests.support.tiny_site import lent
 
@@ -37,11 +38,11 @@ def keep_loaded(shared_tiny):
 
 def generate(worker, timeout=120, **body):
     payload = {"lyrics": "[verse]\nhello world\n你好世界", "tags": "pop, piano", "duration": 5 / 60, **body}
-    return httpx.post(worker.url + "/generate", json=payload, timeout=timeout)
+    return httpx.post(worker.url + "/generate", json=payload, timeout=timeout, verify=TLS)
 
 
 def download(worker, name) -> bytes:
-    r = httpx.get(f"{worker.url}/download/{name}", timeout=30)
+    r = httpx.get(f"{worker.url}/download/{name}", timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     return r.content
 
@@ -95,7 +96,7 @@ def test_same_seed_same_bytes_different_seed_different_audio(mode, request):
 def test_runtime_mode_flags_after_a_task(one_shot, keep_loaded):
     for worker, loaded in ((one_shot, False), (keep_loaded, True)):
         assert generate(worker, duration=1 / 60).status_code == 200
-        h = httpx.get(worker.url + "/health").json()
+        h = httpx.get(worker.url + "/health", verify=TLS).json()
         assert h["status"] == "idle"
         assert h["backbone_loaded"] is True
         assert h["superres_loaded"] is loaded
@@ -106,15 +107,15 @@ def test_runtime_mode_flags_after_a_task(one_shot, keep_loaded):
 def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(generate, one_shot, duration=4.0, task_id="to-cancel")
-        wait_for(lambda: httpx.get(one_shot.url + "/health").json()["phase"] == "backbone", timeout=30)
+        wait_for(lambda: httpx.get(one_shot.url + "/health", verify=TLS).json()["phase"] == "backbone", timeout=30)
         # A second task while busy: 409 with the busy body.
         busy = generate(one_shot, task_id="second")
         assert busy.status_code == 409
         assert busy.json()["status"] == "busy"
-        assert httpx.post(one_shot.url + "/cancel/to-cancel").status_code == 200
+        assert httpx.post(one_shot.url + "/cancel/to-cancel", verify=TLS).status_code == 200
         r = fut.result(timeout=10)  # a 4-minute song: it can only come back this soon by cancelling
     assert r.json()["status"] == "cancelled"
-    assert httpx.get(one_shot.url + "/tasks/to-cancel").json()["status"] == "cancelled"
+    assert httpx.get(one_shot.url + "/tasks/to-cancel", verify=TLS).json()["status"] == "cancelled"
     nxt = generate(one_shot, duration=1 / 60)
     assert nxt.status_code == 200
     assert nxt.json()["status"] == "ok"
@@ -122,10 +123,10 @@ def test_cancel_in_backbone_is_fast_and_the_next_task_runs(one_shot):
 
 def test_finished_task_can_be_collected_later(one_shot):
     r = generate(one_shot, duration=1 / 60, task_id="collect-me").json()
-    view = httpx.get(one_shot.url + "/tasks/collect-me").json()
+    view = httpx.get(one_shot.url + "/tasks/collect-me", verify=TLS).json()
     assert view["status"] == "done"
     assert view["result"]["wav_filename"] == r["wav_filename"]
-    missing = httpx.get(one_shot.url + "/tasks/never")
+    missing = httpx.get(one_shot.url + "/tasks/never", verify=TLS)
     assert missing.status_code == 404
     assert missing.json()["status"] == "error"
 
@@ -134,24 +135,24 @@ def test_finished_task_can_be_collected_later(one_shot):
     "name", ["..%2Fx", "%2e%2e%2Fetc%2Fpasswd", ".hidden", "nope.wav", "x%00.wav", "..", "%2Fetc%2Fpasswd"]
 )
 def test_download_only_serves_plain_names_it_wrote(one_shot, name):
-    r = httpx.get(f"{one_shot.url}/download/{name}")
+    r = httpx.get(f"{one_shot.url}/download/{name}", verify=TLS)
     if r.request.url.path == "/":  # httpx folds /download/.. into /: the worker's note, which is no file
         assert r.json()["service"] == "songserve worker"
     else:
         assert r.status_code == 404
         assert r.json()["status"] == "error"
-    r = httpx.get(f"{one_shot.url}/download/../x")
+    r = httpx.get(f"{one_shot.url}/download/../x", verify=TLS)
     assert r.status_code == 404
 
 
 def test_symlink_in_the_output_folder_is_not_served(one_shot, tmp_path):
     out_dir = one_shot.log_path.parent / "one_shot_audio"
     (out_dir / "link.wav").symlink_to("/etc/passwd")
-    assert httpx.get(f"{one_shot.url}/download/link.wav").status_code == 404
+    assert httpx.get(f"{one_shot.url}/download/link.wav", verify=TLS).status_code == 404
 
 
 def test_bad_request_names_the_field(one_shot):
-    r = httpx.post(one_shot.url + "/generate", json={"duration": -1})
+    r = httpx.post(one_shot.url + "/generate", json={"duration": -1}, verify=TLS)
     assert r.status_code == 422
     body = r.json()
     assert body["status"] == "error"
@@ -160,7 +161,7 @@ def test_bad_request_names_the_field(one_shot):
     r = generate(one_shot, backbone_name="nope", duration=1 / 60)
     assert r.status_code == 400
     assert "nope" in r.json()["error"]
-    assert httpx.get(one_shot.url + "/health").json()["status"] == "idle"
+    assert httpx.get(one_shot.url + "/health", verify=TLS).json()["status"] == "idle"
 
 
 def test_wrong_checkpoint_path_refuses_to_start_with_the_path(tmp_path):
@@ -187,7 +188,7 @@ def test_failure_inside_a_task_is_local_and_clear(tmp_path):
     w = start_worker(tmp_path, "--pipeline", "test", "--output-dir", str(blocker), name="broken-disk")
     try:
         w.wait_healthy()
-        r = httpx.post(w.url + "/generate", json={"duration": 0.05, "task_id": "disk"}, timeout=60)
+        r = httpx.post(w.url + "/generate", json={"duration": 0.05, "task_id": "disk"}, timeout=60, verify=TLS)
         assert r.status_code == 500
         body = r.json()
         assert body["status"] == "error"
@@ -195,10 +196,10 @@ def test_failure_inside_a_task_is_local_and_clear(tmp_path):
         assert str(tmp_path) not in body["error"]
         assert "Traceback" not in r.text
         assert "Traceback" in w.log_tail(20_000)  # the traceback goes to the log
-        h = httpx.get(w.url + "/health").json()
+        h = httpx.get(w.url + "/health", verify=TLS).json()
         assert h["status"] == "idle"
         assert h["task_id"] is None
-        assert httpx.get(w.url + "/tasks/disk").json()["status"] == "error"
+        assert httpx.get(w.url + "/tasks/disk", verify=TLS).json()["status"] == "error"
     finally:
         w.stop()
 
@@ -207,8 +208,13 @@ def test_the_worker_exports_prometheus_metrics(tmp_path):
     w = start_worker(tmp_path, "--pipeline", "test", name="metrics")
     try:
         w.wait_healthy()
-        assert httpx.post(w.url + "/generate", json={"duration": 0.02, "task_id": "m1"}, timeout=60).status_code == 200
-        text = httpx.get(w.url + "/metrics", timeout=10).text
+        assert (
+            httpx.post(
+                w.url + "/generate", json={"duration": 0.02, "task_id": "m1"}, timeout=60, verify=TLS
+            ).status_code
+            == 200
+        )
+        text = httpx.get(w.url + "/metrics", timeout=10, verify=TLS).text
         assert 'songserve_worker_tasks_total{outcome="done"} 1.0' in text
         assert "songserve_worker_task_seconds_count 1.0" in text
         assert "songserve_worker_busy 0.0" in text

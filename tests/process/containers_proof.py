@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from tests.support.http import TLS
+
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 RUNNING = {"generating", "superres", "decoding"}
@@ -60,7 +62,7 @@ class Api:
     def __init__(self, port: int, key: str = "") -> None:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30, verify=TLS)
 
     def ready(self) -> bool:
         return self.http.get("/ready").status_code == 200

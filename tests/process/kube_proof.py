@@ -61,6 +61,8 @@ from typing import Any
 import httpx
 import yaml
 
+from tests.support.http import TLS
+
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "deploy" / "kubernetes" / "overlays" / "cpu"
 PROOF_LABEL = "songserve.ci/proof"
@@ -226,7 +228,7 @@ def secret_json(values: dict[str, str]) -> str:
 class Api:
     def __init__(self, name: str, port: int, key: str) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30, verify=TLS)
 
     def ready(self) -> bool:
         return self.http.get("/ready").status_code == 200

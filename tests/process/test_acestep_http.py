@@ -19,6 +19,7 @@ import psutil
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, ServerProcess, cluster_of, free_port, start_reference_worker, wait_for
 
 ERROR_KEYS = {"status", "detail", "data", "code", "error", "timestamp", "extra"}
@@ -31,14 +32,14 @@ class AceStepClient:
         self.base = base
 
     def release(self, **params: object) -> str:
-        answer = httpx.post(self.base + "/release_task", json=params, timeout=10).json()
+        answer = httpx.post(self.base + "/release_task", json=params, timeout=10, verify=TLS).json()
         assert answer["code"] == 200, answer
         return str(answer["data"]["task_id"])
 
     def poll(self, task_id: str) -> dict:
         # ACE-Step's docs send task_id_list as a string holding a JSON array.
         body = {"task_id_list": json.dumps([task_id])}
-        answer = httpx.post(self.base + "/query_result", json=body, timeout=10).json()
+        answer = httpx.post(self.base + "/query_result", json=body, timeout=10, verify=TLS).json()
         assert answer["code"] == 200, answer
         return answer["data"][0]
 
@@ -48,7 +49,7 @@ class AceStepClient:
         return json.loads(item["result"])
 
     def download(self, take: dict) -> httpx.Response:
-        return httpx.get(urljoin(self.base + "/", take["file"]), timeout=10)
+        return httpx.get(urljoin(self.base + "/", take["file"]), timeout=10, verify=TLS)
 
 
 def tone_hz(audio: np.ndarray, rate: int) -> float:
@@ -135,7 +136,7 @@ def test_every_body_encoding_with_aliases_and_nested_sources_makes_the_same_job(
         "param_obj": json.dumps({"bpm": 100}),
         "metas": json.dumps({"keyscale": "C major"}),
     }
-    r = httpx.post(site.ace + "/release_task", timeout=10, **_encoded(kind, fields))
+    r = httpx.post(site.ace + "/release_task", timeout=10, **_encoded(kind, fields), verify=TLS)
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["code"] == 200
@@ -155,7 +156,9 @@ def test_wav_and_flac_are_served_with_their_types_and_ranges(site, client, finis
     assert (got.status_code, got.headers["content-type"]) == (200, "audio/wav")
     assert abs(sf.info(io.BytesIO(got.content)).duration - 3.0) < 0.05
     # 2 s is under MIN_DURATION (0.05 min): read as 3 s, and the answer says so.
-    r = httpx.post(site.ace + "/release_task", json={"audio_duration": 2, "batch_size": 1, "audio_format": "FLAC"})
+    r = httpx.post(
+        site.ace + "/release_task", json={"audio_duration": 2, "batch_size": 1, "audio_format": "FLAC"}, verify=TLS
+    )
     assert r.json()["extra"]["adjusted"] == {"audio_duration": {"from": 2.0, "to": 3.0}}
     flac_id = r.json()["data"]["task_id"]
     flac = client.wait(flac_id)[0]
@@ -164,12 +167,12 @@ def test_wav_and_flac_are_served_with_their_types_and_ranges(site, client, finis
     assert (whole.status_code, whole.headers["content-type"]) == (200, "audio/flac")
     info = sf.info(io.BytesIO(whole.content))
     assert (info.format, round(info.duration, 1)) == ("FLAC", 3.0)
-    part = httpx.get(site.ace + flac["file"], headers={"Range": "bytes=0-99"})
+    part = httpx.get(site.ace + flac["file"], headers={"Range": "bytes=0-99"}, verify=TLS)
     assert part.status_code == 206
     assert part.content == whole.content[:100]
     assert part.headers["content-range"] == f"bytes 0-99/{len(whole.content)}"
     # The same job's MP3 on our own port.
-    assert httpx.get(f"{site.url}/job/{flac_id}/track/0/mp3").headers["content-type"] == "audio/mpeg"
+    assert httpx.get(f"{site.url}/job/{flac_id}/track/0/mp3", verify=TLS).headers["content-type"] == "audio/mpeg"
 
 
 def test_query_result_takes_an_array_or_a_string_in_json_or_a_form_and_an_unknown_id_fails_with_why(site, finished):
@@ -179,32 +182,32 @@ def test_query_result_takes_an_array_or_a_string_in_json_or_a_form_and_an_unknow
         {"json": {"task_id_list": json.dumps([task_id, "nope"])}},
         {"data": {"task_id_list": json.dumps([task_id, "nope"])}},
     ):
-        data = httpx.post(site.ace + "/query_result", **kwargs).json()["data"]
+        data = httpx.post(site.ace + "/query_result", **kwargs, verify=TLS).json()["data"]
         assert [d["task_id"] for d in data] == [task_id, "nope"]
         assert [d["status"] for d in data] == [1, 2]
         assert data[1]["result"] == "[]"
         assert "not known" in data[1]["error"]
-    assert httpx.post(site.ace + "/query_result").json()["data"] == []
-    bad = httpx.post(site.ace + "/query_result", json={"task_id_list": "not a list"})
+    assert httpx.post(site.ace + "/query_result", verify=TLS).json()["data"] == []
+    bad = httpx.post(site.ace + "/query_result", json={"task_id_list": "not a list"}, verify=TLS)
     assert bad.status_code == 400
     assert "task_id_list" in bad.json()["detail"]
 
 
 def test_audio_is_only_this_servers_results(site):
     for path in ("/etc/passwd", "../../jobs.sqlite3", "%2Fetc%2Fpasswd", "track_0.wav"):
-        r = httpx.get(site.ace + "/v1/audio", params={"path": path})
+        r = httpx.get(site.ace + "/v1/audio", params={"path": path}, verify=TLS)
         assert r.status_code == 403
         assert r.json()["code"] == 403
-    r = httpx.get(site.ace + "/v1/audio", params={"path": "0123456789abcdef-0.mp3"})
+    r = httpx.get(site.ace + "/v1/audio", params={"path": "0123456789abcdef-0.mp3"}, verify=TLS)
     assert (r.status_code, r.json()["detail"]) == (404, "Audio file not found")
-    r = httpx.get(site.ace + "/v1/audio")
+    r = httpx.get(site.ace + "/v1/audio", verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["query", "path"]
 
 
 def _queued_and_total(site) -> tuple[int, int]:
-    stats = httpx.get(site.ace + "/v1/stats").json()["data"]
-    return httpx.get(site.url + "/status").json()["queued_tracks"], stats["jobs"]["total"]
+    stats = httpx.get(site.ace + "/v1/stats", verify=TLS).json()["data"]
+    return httpx.get(site.url + "/status", verify=TLS).json()["queued_tracks"], stats["jobs"]["total"]
 
 
 def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, finished):
@@ -223,7 +226,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
         ({"batch_size": "two"}, "batch_size"),
     ]
     for body, key in cases:
-        r = httpx.post(site.ace + "/release_task", json=body)
+        r = httpx.post(site.ace + "/release_task", json=body, verify=TLS)
         answer = r.json()
         assert r.status_code == 400, (body, answer)
         assert set(answer) == ERROR_KEYS
@@ -231,10 +234,12 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
         assert answer["detail"] == answer["error"]
         assert answer["error"].startswith(f"Field '{key}': "), answer["error"]
     upload = {"ref_audio": ("ref.wav", b"RIFF", "audio/wav")}
-    r = httpx.post(site.ace + "/release_task", data={"prompt": "x"}, files=upload)
+    r = httpx.post(site.ace + "/release_task", data={"prompt": "x"}, files=upload, verify=TLS)
     assert (r.status_code, r.json()["error"]) == (400, "Field 'ref_audio': this model takes no reference audio.")
     upload = {"src_audio": ("take.mp3", b"\xff\xfb", "audio/mpeg")}
-    r = httpx.post(site.ace + "/release_task", data={"task_type": "repaint", "repainting_start": "1"}, files=upload)
+    r = httpx.post(
+        site.ace + "/release_task", data={"task_type": "repaint", "repainting_start": "1"}, files=upload, verify=TLS
+    )
     assert r.status_code == 400
     assert r.json()["error"].startswith("Field 'src_audio': the file is not audio that can be read")
     assert _queued_and_total(site) == before
@@ -253,7 +258,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
     ],
 )
 def test_unreadable_bodies_carry_detail_and_the_wrappers_code_and_error(site, headers, raw, status, says):
-    r = httpx.post(site.ace + "/release_task", content=raw, headers=headers)
+    r = httpx.post(site.ace + "/release_task", content=raw, headers=headers, verify=TLS)
     answer = r.json()
     assert (r.status_code, answer["code"], answer["data"]) == (status, status, None)
     assert says in answer["detail"]
@@ -261,31 +266,35 @@ def test_unreadable_bodies_carry_detail_and_the_wrappers_code_and_error(site, he
 
 
 def test_the_other_routes_answer_in_the_wrapper(site, finished):
-    health = httpx.get(site.ace + "/health").json()
+    health = httpx.get(site.ace + "/health", verify=TLS).json()
     assert (health["code"], health["data"]["status"]) == (200, "ok")
-    models = httpx.get(site.ace + "/v1/models").json()["data"]
+    models = httpx.get(site.ace + "/v1/models", verify=TLS).json()["data"]
     assert models == {"models": [{"name": "default_backbone", "is_default": True}], "default_model": "default_backbone"}
-    stats = httpx.get(site.ace + "/v1/stats").json()["data"]
+    stats = httpx.get(site.ace + "/v1/stats", verify=TLS).json()["data"]
     assert set(stats) == {"jobs", "queue_size", "queue_maxsize", "avg_job_seconds"}
     assert set(stats["jobs"]) == {"total", "queued", "running", "succeeded", "failed"}
     assert stats["jobs"]["succeeded"] >= 1
     assert stats["avg_job_seconds"] > 0
     assert stats["queue_maxsize"] == 200
-    sample = httpx.post(site.ace + "/create_random_sample", json={"sample_type": "custom_mode"}).json()["data"]
+    sample = httpx.post(site.ace + "/create_random_sample", json={"sample_type": "custom_mode"}, verify=TLS).json()[
+        "data"
+    ]
     assert {"caption", "lyrics", "duration"} <= set(sample)
-    simple = httpx.post(site.ace + "/create_random_sample").json()["data"]
+    simple = httpx.post(site.ace + "/create_random_sample", verify=TLS).json()["data"]
     assert set(simple) == {"description", "instrumental", "vocal_language"}
-    formatted = httpx.post(site.ace + "/format_input", data={"prompt": "pop, piano", "lyrics": "你好。"}).json()
+    formatted = httpx.post(
+        site.ace + "/format_input", data={"prompt": "pop, piano", "lyrics": "你好。"}, verify=TLS
+    ).json()
     assert (formatted["data"]["caption"], formatted["data"]["lyrics"]) == ("Pop, Piano", "你好.")
 
 
 def test_the_studio_may_call_it_from_a_local_origin_and_another_origin_may_not(site):
     ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
-    local = httpx.options(site.ace + "/release_task", headers={"Origin": "http://127.0.0.1:5500", **ask})
+    local = httpx.options(site.ace + "/release_task", headers={"Origin": "http://127.0.0.1:5500", **ask}, verify=TLS)
     assert local.status_code == 200
     assert local.headers["access-control-allow-origin"] == "http://127.0.0.1:5500"
     assert "POST" in local.headers["access-control-allow-methods"]
-    other = httpx.options(site.ace + "/query_result", headers={"Origin": "https://example.com", **ask})
+    other = httpx.options(site.ace + "/query_result", headers={"Origin": "https://example.com", **ask}, verify=TLS)
     assert "access-control-allow-origin" not in other.headers
 
 
@@ -333,35 +342,44 @@ def test_the_key_is_taken_as_ai_token_or_as_the_authorization_header(keyed):
         ({"json": {"ai_token": "wrong"}, "headers": {"Authorization": "Bearer s3cret"}}, "Invalid ai_token"),
         ({"json": {}, "headers": {"Authorization": "Bearer wrong"}}, "Invalid API key"),
     ]:
-        r = httpx.post(release, **kwargs)
+        r = httpx.post(release, **kwargs, verify=TLS)
         assert (r.status_code, r.json()["detail"], r.json()["code"]) == (401, says, 401)
-    assert httpx.get(keyed.ace + "/v1/stats").json()["detail"] == "Missing Authorization header"
-    assert httpx.get(keyed.ace + "/health").status_code == 200
-    by_token = httpx.post(release, json={"ai_token": "s3cret", "batch_size": 1}).json()
-    by_header = httpx.post(release, data={"batch_size": "1"}, headers={"Authorization": "Bearer s3cret"}).json()
+    assert httpx.get(keyed.ace + "/v1/stats", verify=TLS).json()["detail"] == "Missing Authorization header"
+    assert httpx.get(keyed.ace + "/health", verify=TLS).status_code == 200
+    by_token = httpx.post(release, json={"ai_token": "s3cret", "batch_size": 1}, verify=TLS).json()
+    by_header = httpx.post(
+        release, data={"batch_size": "1"}, headers={"Authorization": "Bearer s3cret"}, verify=TLS
+    ).json()
     ids = [by_token["data"]["task_id"], by_header["data"]["task_id"]]
     form = {"task_id_list": json.dumps(ids), "ai_token": "s3cret"}
-    assert [d["status"] for d in httpx.post(keyed.ace + "/query_result", data=form).json()["data"]] == [0, 0]
-    stats = httpx.get(keyed.ace + "/v1/stats", headers={"Authorization": "s3cret"}).json()["data"]  # the bare key
+    assert [d["status"] for d in httpx.post(keyed.ace + "/query_result", data=form, verify=TLS).json()["data"]] == [
+        0,
+        0,
+    ]
+    stats = httpx.get(keyed.ace + "/v1/stats", headers={"Authorization": "s3cret"}, verify=TLS).json()[
+        "data"
+    ]  # the bare key
     assert stats["jobs"]["queued"] == 2
     # Our port still wants its Bearer header, and shows the tasks as jobs.
-    assert httpx.get(f"{keyed.url}/job/{ids[0]}").status_code == 401
-    job = httpx.get(f"{keyed.url}/job/{ids[0]}", headers={"Authorization": "Bearer s3cret"}).json()
+    assert httpx.get(f"{keyed.url}/job/{ids[0]}", verify=TLS).status_code == 401
+    job = httpx.get(f"{keyed.url}/job/{ids[0]}", headers={"Authorization": "Bearer s3cret"}, verify=TLS).json()
     assert job["status"] == "queued"
 
     # The queue holds two takes: a third is 429 with Retry-After, and nothing more is queued.
-    full = httpx.post(release, json={"ai_token": "s3cret", "batch_size": 1})
+    full = httpx.post(release, json={"ai_token": "s3cret", "batch_size": 1}, verify=TLS)
     assert full.status_code == 429
     assert full.json()["code"] == 429
     assert "queue is full" in full.json()["detail"]
     assert int(full.headers["retry-after"]) >= 1
     assert (
-        httpx.get(keyed.ace + "/v1/stats", headers={"Authorization": "Bearer s3cret"}).json()["data"]["jobs"]["total"]
+        httpx.get(keyed.ace + "/v1/stats", headers={"Authorization": "Bearer s3cret"}, verify=TLS).json()["data"][
+            "jobs"
+        ]["total"]
         == 2
     )
     for task_id in ids:  # every accepted job ends: cancelled here, there is no worker
-        httpx.delete(f"{keyed.url}/job/{task_id}", headers={"Authorization": "Bearer s3cret"})
-    done = httpx.post(keyed.ace + "/query_result", json={"task_id_list": ids, "ai_token": "s3cret"}).json()
+        httpx.delete(f"{keyed.url}/job/{task_id}", headers={"Authorization": "Bearer s3cret"}, verify=TLS)
+    done = httpx.post(keyed.ace + "/query_result", json={"task_id_list": ids, "ai_token": "s3cret"}, verify=TLS).json()
     assert [d["status"] for d in done["data"]] == [2, 2]
     assert done["data"][0]["error"] == "The task was cancelled."
 
@@ -420,7 +438,10 @@ def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
     fields = {"task_type": "repaint", "repainting_start": "1.5", "audio_duration": "4", "batch_size": "1",
               "caption": "pop", "lyrics": "[verse]\non and on"}  # fmt: skip
     r = httpx.post(
-        site.ace + "/release_task", data=fields, files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")}
+        site.ace + "/release_task",
+        data=fields,
+        files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")},
+        verify=TLS,
     )
     assert r.status_code == 200, r.text
     task_id = r.json()["data"]["task_id"]
@@ -428,12 +449,12 @@ def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
     kept = site.job(task_id)["tracks"][0]["metadata"]["continued"]
     assert kept["origin"].startswith("upload/")
     assert kept["frames"] == int(1.5 * 44_100 / 2_048)
-    upload = httpx.get(f"{site.url}/uploads/{kept['origin'].removeprefix('upload/')}", timeout=10).json()
+    upload = httpx.get(f"{site.url}/uploads/{kept['origin'].removeprefix('upload/')}", timeout=10, verify=TLS).json()
     assert (upload["status"], upload["filename"], upload["frames"]) == ("ready", "mine.wav", 2 * 44_100 // 2_048)
     audio, rate = sf.read(io.BytesIO(client.download(take).content), always_2d=True)
     assert abs(len(audio) / rate - 4.0) < 0.1
     r = httpx.post(site.ace + "/release_task", data={**fields, "repainting_start": "9"},
-                   files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")})  # fmt: skip
+                   files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")}, verify=TLS)  # fmt: skip
     assert (r.status_code, r.json()["error"]) == (
         400,
         "Field 'repainting_start': is past the end of the source (2.00 s).",

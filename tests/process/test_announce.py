@@ -28,6 +28,7 @@ from songserve.urls import default_public_url, dispatcher_urls, local_health_url
 from songserve.worker import announce
 from songserve.worker.settings import WorkerSettings
 from tests.process.test_launcher import launcher_env
+from tests.support.http import TLS
 from tests.support.servers import ROOT, free_port, start_worker, wait_for, worker_refusal
 
 TOKEN = "announce-secret"
@@ -62,7 +63,7 @@ class StandIn:
         def join(request: Request, body: dict[str, Any]) -> JSONResponse:  # sync: runs in a thread, may block
             ann = WorkerAnnouncement.model_validate(body)
             try:  # the contract says a worker announces only once it answers /health
-                health = httpx.get(ann.url + "/health", timeout=5).status_code
+                health = httpx.get(ann.url + "/health", timeout=5, verify=TLS).status_code
             except httpx.HTTPError:
                 health = None
             record(request, body=body, health=health)
@@ -122,7 +123,7 @@ def announcing_worker(tmp, targets: str, name: str = "worker", interval: float =
 
 
 def announce_view(worker) -> list[dict[str, Any]]:
-    r = httpx.get(worker.url + "/config", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+    r = httpx.get(worker.url + "/config", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5, verify=TLS)
     assert r.status_code == 200, r.text
     return r.json()["announce"]
 
@@ -173,7 +174,7 @@ def test_failing_dispatchers_back_off_and_never_stop_the_worker(tmp_path, flaky_
         assert view[dead]["state"] == "failing"
         assert view[dead]["worker_id"] is None
         assert "Connect" in view[dead]["last_error"]
-        assert httpx.get(w.url + "/health", timeout=5).json()["status"] == "idle"  # still serving
+        assert httpx.get(w.url + "/health", timeout=5, verify=TLS).json()["status"] == "idle"  # still serving
 
         log = w.log_tail(20000)
         assert log.count(f"announce {dead}: failing") == 1  # many retries, one line per change
@@ -207,7 +208,7 @@ def test_wrong_token_is_reported_not_fatal(tmp_path, stand_in):
     try:
         w.wait_healthy()
         wait_for(lambda: len(stand_in.posts()) >= 2, timeout=30)
-        r = httpx.get(w.url + "/config", headers={"Authorization": "Bearer not-the-dispatchers"}, timeout=5)
+        r = httpx.get(w.url + "/config", headers={"Authorization": "Bearer not-the-dispatchers"}, timeout=5, verify=TLS)
         (view,) = r.json()["announce"]
         assert view["state"] == "failing"
         assert view["last_error"] == "HTTP 401: Wrong worker token."

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import (
     Cluster,
     bad_worker_state,
@@ -47,13 +48,13 @@ def run_tracks(c: Cluster, n: int, timeout: float = 120) -> list[dict]:
 
 
 def faults_charged(c: Cluster, worker_id: int) -> float:
-    text = httpx.get(c.url + "/metrics", timeout=10).text
+    text = httpx.get(c.url + "/metrics", timeout=10, verify=TLS).text
     found = re.search(rf'songserve_worker_faults_total{{worker="{worker_id}"}} ([0-9.]+)', text)
     return float(found.group(1)) if found else 0.0
 
 
 def tasks_done(w) -> float:  # type: ignore[no-untyped-def]
-    text = httpx.get(w.url + "/metrics", timeout=10).text
+    text = httpx.get(w.url + "/metrics", timeout=10, verify=TLS).text
     found = re.search(r'songserve_worker_tasks_total{outcome="done"} ([0-9.]+)', text)
     return float(found.group(1)) if found else 0.0
 
@@ -77,13 +78,13 @@ def test_our_workers_answer_says_each_files_size_and_checksum(tmp_path):
     try:
         w.wait_healthy()
         body = {"lyrics": "hello", "duration": 0.05, "task_id": "facts-1"}
-        answer = httpx.post(w.url + "/generate", json=body, timeout=60).json()
+        answer = httpx.post(w.url + "/generate", json=body, timeout=60, verify=TLS).json()
         names = [answer[k] for k in ("wav_filename", "mp3_filename", "json_filename", "codes_filename")]
         assert sorted(answer["files"]) == sorted(names)
         for name in names:
-            data = httpx.get(f"{w.url}/download/{name}", timeout=10).content
+            data = httpx.get(f"{w.url}/download/{name}", timeout=10, verify=TLS).content
             assert answer["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        task = httpx.get(w.url + "/tasks/facts-1", timeout=10).json()
+        task = httpx.get(w.url + "/tasks/facts-1", timeout=10, verify=TLS).json()
         assert task["result"]["files"] == answer["files"]  # a dispatcher that reattaches checks the same
     finally:
         w.stop()
@@ -111,7 +112,7 @@ def test_a_worker_that_answers_garbage_or_drips_is_benched_and_every_track_compl
         if mode == "drip":  # every drip it started is abandoned (each within the copy's 5 s deadline)
             wait_for(lambda: len(bad_worker_state(bad)["streams"]) >= 3 * faults_charged(c, 0), timeout=60)
             seen = bad_worker_state(bad)
-        worker0 = httpx.get(c.url + "/status", timeout=10).json()["workers"][0]
+        worker0 = httpx.get(c.url + "/status", timeout=10, verify=TLS).json()["workers"][0]
         print(
             f"\n{mode}: {seen['task_calls']} task calls to the bad worker in a {TRACKS}-track run, "
             f"{faults_charged(c, 0):.0f} faults charged, run {time.monotonic() - started:.1f}s, "
@@ -156,7 +157,7 @@ def test_a_cut_wav_is_refused_even_when_its_header_agrees(tmp_path, mode, caught
         assert caught_by in log
         for j in finished:  # what is served is the whole song
             t = j["tracks"][0]
-            wav = httpx.get(f"{c.url}/job/{j['job_id']}/track/0/wav", timeout=10)
+            wav = httpx.get(f"{c.url}/job/{j['job_id']}/track/0/wav", timeout=10, verify=TLS)
             path = tmp_path / "got.wav"
             path.write_bytes(wav.content)
             assert sf.info(path).duration == pytest.approx(t["duration_sec"], abs=1e-3)
@@ -178,7 +179,7 @@ def results_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def ready(c: Cluster) -> httpx.Response:
-    return httpx.get(c.url + "/ready", timeout=10)
+    return httpx.get(c.url + "/ready", timeout=10, verify=TLS)
 
 
 @pytest.mark.parametrize("fault", ["full", "read-only"])
@@ -198,7 +199,7 @@ def test_a_results_folder_that_cannot_be_written_mid_run_costs_no_job(tmp_path, 
         assert str(results) in reason
         assert ("No space left on device" if fault == "full" else "Read-only file system") in reason
         # The tracks wait: nothing fails, the workers go idle, the rest stays queued or held.
-        wait_for(lambda: httpx.get(c.url + "/status", timeout=10).json()["idle_gpus"] == 2, timeout=30)
+        wait_for(lambda: httpx.get(c.url + "/status", timeout=10, verify=TLS).json()["idle_gpus"] == 2, timeout=30)
         views = [c.job(j) for j in jobs]
         waiting = sum(t["status"] != "done" for v in views for t in v["tracks"])
         assert not [v for v in views if v["status"] in ("failed", "partial")]

@@ -22,6 +22,7 @@ from songserve.settings import CALLER_DIR_ENV, load_settings
 from songserve.worker.settings import WorkerSettings
 from tests.process.test_first_hour import run_launcher
 from tests.process.test_launcher import launcher_env
+from tests.support.http import TLS
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT
 
@@ -62,8 +63,11 @@ def test_a_relative_api_keys_file_is_the_callers_and_its_error_prints_the_whole_
         out = run_launcher(args, env, cwd=caller, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         api = f"http://127.0.0.1:{env['API_PORT']}"
-        assert httpx.get(api + "/status").status_code == 401
-        assert httpx.get(api + "/usage", headers={"Authorization": "Bearer k-caller"}).json()["name"] == "caller"
+        assert httpx.get(api + "/status", verify=TLS).status_code == 401
+        assert (
+            httpx.get(api + "/usage", headers={"Authorization": "Bearer k-caller"}, verify=TLS).json()["name"]
+            == "caller"
+        )
         # Each run's log is its own: the failed run's lines moved to api.log.1, not above this run's.
         logs = tmp_path / "logs"
         assert "cannot be used" in (logs / "api.log.1").read_text()

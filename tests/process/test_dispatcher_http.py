@@ -10,6 +10,7 @@ import httpx
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -79,7 +80,7 @@ def running(job: dict) -> list[int]:
 
 
 def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
-    r = httpx.post(two.url + "/generate", json=KHALA_BODY)
+    r = httpx.post(two.url + "/generate", json=KHALA_BODY, verify=TLS)
     assert r.status_code == 200
     acc = r.json()
     assert acc["num_tracks"] == 2
@@ -105,21 +106,21 @@ def test_khala_body_two_tracks_in_parallel_files_match_worker(two):
             "codes": f"/job/{job_id}/track/{t['index']}/codes",  # ours: the take's code grid
         }
         for kind in ("wav", "mp3", "codes"):
-            ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}")
+            ours = httpx.get(f"{two.url}/job/{job_id}/track/{t['index']}/{kind}", verify=TLS)
             assert ours.status_code == 200
             assert len(ours.content) == t["metadata"]["file_bytes"][kind]  # as copied from the worker
             assert ours.headers["content-length"] == str(len(ours.content))
     # The worker's own copies are removed once collected (DELETE /files/{task_id}).
     for w in two.workers:
-        wait_for(lambda w=w: httpx.get(w.url + "/health").json()["output_files"] == 0, timeout=10)
-    wav = httpx.get(f"{two.url}/job/{job_id}/track/1/wav")
+        wait_for(lambda w=w: httpx.get(w.url + "/health", verify=TLS).json()["output_files"] == 0, timeout=10)
+    wav = httpx.get(f"{two.url}/job/{job_id}/track/1/wav", verify=TLS)
     assert wav.headers["content-type"] == "audio/wav"
     assert "attachment" in wav.headers["content-disposition"]
-    mp3 = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3")
+    mp3 = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3", verify=TLS)
     assert mp3.headers["content-type"] == "audio/mpeg"
     assert "inline" in mp3.headers["content-disposition"]
     assert sf.info(io.BytesIO(mp3.content)).channels == 2
-    part = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3", headers={"Range": "bytes=100-1099"})
+    part = httpx.get(f"{two.url}/job/{job_id}/track/0/mp3", headers={"Range": "bytes=100-1099"}, verify=TLS)
     assert part.status_code == 206
     assert part.content == mp3.content[100:1100]
     assert part.headers["content-range"] == f"bytes 100-1099/{len(mp3.content)}"
@@ -171,17 +172,19 @@ def test_cancel_queued_and_running(one):
     a = one.submit(num_tracks=1, duration=0.2)
     b = one.submit(num_tracks=2)
     wait_for(lambda: running(one.job(a["job_id"])), timeout=10)
-    cb = httpx.delete(f"{one.url}/job/{b['job_id']}").json()
+    cb = httpx.delete(f"{one.url}/job/{b['job_id']}", verify=TLS).json()
     assert cb["status"] == "cancelled"
     assert all(t["status"] == "cancelled" for t in cb["tracks"])
-    httpx.delete(f"{one.url}/job/{a['job_id']}")
+    httpx.delete(f"{one.url}/job/{a['job_id']}", verify=TLS)
     assert one.job(a["job_id"])["status"] == "cancelled"
     ja = wait_for(lambda: (j := one.job(a["job_id"]))["tracks"][0]["status"] == "cancelled" and j, timeout=10)
     assert ja["status"] == "cancelled"
-    wait_for(lambda: httpx.get(one.url + "/status").json()["idle_gpus"] == 1, timeout=5)
+    wait_for(lambda: httpx.get(one.url + "/status", verify=TLS).json()["idle_gpus"] == 1, timeout=5)
     c = one.submit(num_tracks=1)
     assert one.wait_job(c["job_id"])["status"] == "completed"
-    assert httpx.delete(f"{one.url}/job/{c['job_id']}").json()["status"] == "completed"  # no-op when finished
+    assert (
+        httpx.delete(f"{one.url}/job/{c['job_id']}", verify=TLS).json()["status"] == "completed"
+    )  # no-op when finished
 
 
 @pytest.mark.process
@@ -189,27 +192,27 @@ def test_restart_loses_nothing(tmp_path):
     with Cluster(tmp_path, workers=1, delay=2.0) as c:
         done = c.submit(num_tracks=1)
         c.wait_job(done["job_id"])
-        before = httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content
+        before = httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav", verify=TLS).content
         running_job = c.submit(num_tracks=1)
         queued = [c.submit(num_tracks=2) for _ in range(2)]
         wait_for(lambda: running(c.job(running_job["job_id"])), timeout=10)
         c.api.signal(signal.SIGKILL)
         c.api.proc.wait(10)
         # The running track finishes on the worker while no dispatcher is up.
-        wait_for(lambda: httpx.get(c.workers[0].url + "/health").json()["tasks_done"] == 2, timeout=30)
+        wait_for(lambda: httpx.get(c.workers[0].url + "/health", verify=TLS).json()["tasks_done"] == 2, timeout=30)
         c.start_api()
         jobs = [c.wait_job(j["job_id"], timeout=60) for j in [running_job, *queued]]
         assert all(j["status"] == "completed" for j in jobs)
         assert jobs[0]["tracks"][0]["attempts"] == 1  # collected from the worker, not generated again
-        assert httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav").content == before
+        assert httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav", verify=TLS).content == before
 
 
 def test_queue_full_429_and_validation_422(tmp_path):
     with Cluster(tmp_path, workers=1, delay=3.0, api_args=("--max-queue", "3"), threads=True) as c:
         c.submit(num_tracks=1)
-        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
+        wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["running_tracks"] == 1, timeout=10)
         c.submit(num_tracks=3)
-        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "num_tracks": 1})
+        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, verify=TLS)
         assert r.status_code == 429
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["status"] == "error"
@@ -222,34 +225,34 @@ def test_queue_full_429_and_validation_422(tmp_path):
             ({"lyrics": "x", "mode": None}, "mode"),
             ({"lyrics": "x", "priority": 10}, "priority"),
         ]:
-            r = httpx.post(c.url + "/generate", json=body)
+            r = httpx.post(c.url + "/generate", json=body, verify=TLS)
             assert r.status_code == 422, body
             e = r.json()
             assert e["status"] == "error"
             assert field in e["error"]
             assert e["detail"][0]["loc"][-1] == field
-        assert httpx.get(c.url + "/job/nope").json() == {"status": "error", "error": "Job nope not found."}
-        assert httpx.get(c.url + "/job/abcdef0123456789/track/0/mp3").status_code == 404
+        assert httpx.get(c.url + "/job/nope", verify=TLS).json() == {"status": "error", "error": "Job nope not found."}
+        assert httpx.get(c.url + "/job/abcdef0123456789/track/0/mp3", verify=TLS).status_code == 404
 
 
 def test_track_file_errors_and_idempotency(one):
     a = one.submit(num_tracks=1)
-    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/5/mp3")
+    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/5/mp3", verify=TLS)
     assert r.status_code == 400
     assert r.json()["status"] == "error"
-    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/0/mp3")
+    r = httpx.get(f"{one.url}/job/{a['job_id']}/track/0/mp3", verify=TLS)
     assert r.status_code == 404
     assert "not done" in r.json()["error"]
     h = {"Idempotency-Key": "k-1"}
-    x = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
-    y = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h).json()
+    x = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h, verify=TLS).json()
+    y = httpx.post(one.url + "/generate", json={"lyrics": "x", "num_tracks": 1}, headers=h, verify=TLS).json()
     assert x["job_id"] == y["job_id"]
 
 
 def test_events_stream_ends_at_a_terminal_state(one):
     a = one.submit(num_tracks=1)
     statuses = []
-    with httpx.stream("GET", f"{one.url}/job/{a['job_id']}/events", timeout=30) as r:
+    with httpx.stream("GET", f"{one.url}/job/{a['job_id']}/events", timeout=30, verify=TLS) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -261,29 +264,29 @@ def test_events_stream_ends_at_a_terminal_state(one):
 
 
 def test_status_tags_metrics_config_docs(one):
-    st = httpx.get(one.url + "/status").json()
+    st = httpx.get(one.url + "/status", verify=TLS).json()
     assert {"total_gpus", "idle_gpus", "active_jobs", "queued_jobs", "workers"} <= set(st)
     assert st["workers"][0]["status"] == "idle"
     assert {"worker_id", "url", "phase", "gpu_id"} <= set(st["workers"][0])
-    tags = httpx.get(one.url + "/tags").json()
+    tags = httpx.get(one.url + "/tags", verify=TLS).json()
     assert set(tags) == {"genre_style", "vocal_instrument", "emotion_mood", "production_other"}
     assert all(v["label"] and v["tags"] for v in tags.values())
-    m = httpx.get(one.url + "/metrics").text
+    m = httpx.get(one.url + "/metrics", verify=TLS).text
     assert "songserve_queue_length 0.0" in m
     assert 'songserve_worker_state{state="idle",worker="0"} 1.0' in m
-    assert httpx.get(one.url + "/config").json()["backbone_models"] == ["default_backbone"]
-    assert httpx.get(one.url + "/ready").status_code == 200
-    docs = httpx.get(one.url + "/docs")
+    assert httpx.get(one.url + "/config", verify=TLS).json()["backbone_models"] == ["default_backbone"]
+    assert httpx.get(one.url + "/ready", verify=TLS).status_code == 200
+    docs = httpx.get(one.url + "/docs", verify=TLS)
     assert docs.status_code == 200
     assert "cdn." not in docs.text  # Swagger UI from the dispatcher itself (http/api_docs.py): works offline
     for asset in ("docs/assets/swagger-ui-bundle.js", "docs/assets/swagger-ui.css"):
         assert f'"{asset}"' in docs.text
-        assert len(httpx.get(f"{one.url}/{asset}").content) > 100_000
-    assert httpx.get(one.url + "/docs/assets/..%2Fcore.py").status_code == 404  # named files only
-    redoc = httpx.get(one.url + "/redoc")
+        assert len(httpx.get(f"{one.url}/{asset}", verify=TLS).content) > 100_000
+    assert httpx.get(one.url + "/docs/assets/..%2Fcore.py", verify=TLS).status_code == 404  # named files only
+    redoc = httpx.get(one.url + "/redoc", verify=TLS)
     assert '"docs/assets/redoc.standalone.js"' in redoc.text
     assert "googleapis" not in redoc.text
-    assert httpx.get(one.url + "/openapi.json").json()["paths"]["/generate"]
+    assert httpx.get(one.url + "/openapi.json", verify=TLS).json()["paths"]["/generate"]
 
 
 def test_tiny_model_worker_through_the_dispatcher(tmp_path, shared_tiny):
@@ -292,7 +295,7 @@ def test_tiny_model_worker_through_the_dispatcher(tmp_path, shared_tiny):
         job = c.wait_job(a["job_id"], timeout=120)
         assert job["status"] == "completed"
         assert [t["seed"] for t in job["tracks"]] == [42, 43]
-        wav = httpx.get(f"{c.url}/job/{a['job_id']}/track/1/wav").content
+        wav = httpx.get(f"{c.url}/job/{a['job_id']}/track/1/wav", verify=TLS).content
         data, sr = sf.read(io.BytesIO(wav))
         assert sr == 44100
         assert data.shape[1] == 2
@@ -320,7 +323,9 @@ def test_a_four_track_job_is_packed_onto_the_one_idle_worker_and_spread_over_fou
 def test_the_dispatchers_config_counts_workers_that_say_they_run_an_untrained_set(tmp_path):
     args = ("--pipeline", "test", "--test-untrained", "true")
     with Cluster(tmp_path, workers=1, worker_args=args, threads=True) as c:
-        assert httpx.get(c.workers[0].url + "/config").json()["untrained"] is True
+        assert httpx.get(c.workers[0].url + "/config", verify=TLS).json()["untrained"] is True
         # read when the worker comes online, in the poll that saw it idle: wait for it, not for /status
-        config = wait_for(lambda: (got := httpx.get(c.url + "/config").json())["untrained_workers"] == 1 and got)
+        config = wait_for(
+            lambda: (got := httpx.get(c.url + "/config", verify=TLS).json())["untrained_workers"] == 1 and got
+        )
         assert config["notice"].startswith("Tiny test model: the audio is noise of the right length.")

@@ -9,6 +9,7 @@ import time
 
 import httpx
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, ServerProcess, start_worker, wait_for
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -30,8 +31,8 @@ def test_worker_killed_in_backbone_track_finishes_on_the_other(tmp_path):
         track = job["tracks"][0]
         assert track["attempts"] == 2
         assert track["worker_id"] != t["worker_id"]
-        assert httpx.get(f"{c.url}/job/{a['job_id']}/track/0/mp3").status_code == 200
-        st = httpx.get(c.url + "/status").json()
+        assert httpx.get(f"{c.url}/job/{a['job_id']}/track/0/mp3", verify=TLS).status_code == 200
+        st = httpx.get(c.url + "/status", verify=TLS).json()
         assert st["workers"][t["worker_id"]]["status"] == "offline"
 
 
@@ -87,22 +88,22 @@ def test_dispatcher_killed_with_20_queued_and_2_running(tmp_path):
     flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
     with Cluster(tmp_path, workers=2, worker_args=flags, api_args=("--max-queue", "50")) as c:
         jobs = [c.submit(num_tracks=1) for _ in range(2)]
-        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 2, timeout=10)
+        wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["running_tracks"] == 2, timeout=10)
         jobs += [c.submit(num_tracks=2) for _ in range(10)]
-        assert httpx.get(c.url + "/status").json()["queued_tracks"] == 20
+        assert httpx.get(c.url + "/status", verify=TLS).json()["queued_tracks"] == 20
         c.api.signal(signal.SIGKILL)
         c.api.proc.wait(10)
         hold.unlink()
         # The two running tracks finish on their workers while no dispatcher is up.
         for w in c.workers:
-            wait_for(lambda w=w: httpx.get(w.url + "/health").json()["tasks_done"] == 1, timeout=30)
+            wait_for(lambda w=w: httpx.get(w.url + "/health", verify=TLS).json()["tasks_done"] == 1, timeout=30)
         c.start_api()
         done = [c.wait_job(j["job_id"], timeout=120) for j in jobs]
         assert all(j["status"] == "completed" for j in done)
         assert [j["tracks"][0]["attempts"] for j in done[:2]] == [1, 1]  # collected, not generated again
         for j in done:
             for t in j["tracks"]:
-                assert httpx.head(f"{c.url}/job/{j['job_id']}/track/{t['index']}/wav").status_code == 200
+                assert httpx.head(f"{c.url}/job/{j['job_id']}/track/{t['index']}/wav", verify=TLS).status_code == 200
 
 
 def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
@@ -117,14 +118,14 @@ def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
         # Occupy the good worker first so the hung one gets the next track.
         first = c.submit(num_tracks=1, duration=0.1)
         second = c.submit(num_tracks=1)
-        wait_for(lambda: httpx.get(hung.url + "/health").json()["status"] == "stalled", timeout=20)
-        ready = httpx.get(hung.url + "/ready")  # alive (health answers) but not ready
+        wait_for(lambda: httpx.get(hung.url + "/health", verify=TLS).json()["status"] == "stalled", timeout=20)
+        ready = httpx.get(hung.url + "/ready", verify=TLS)  # alive (health answers) but not ready
         assert ready.status_code == 503
         assert ready.json()["status"] == "error"
         job = c.wait_job(second["job_id"], timeout=60)
         assert job["status"] == "completed"
         assert c.wait_job(first["job_id"])["status"] == "completed"
-        st = httpx.get(c.url + "/status").json()
+        st = httpx.get(c.url + "/status", verify=TLS).json()
         assert st["workers"][0]["status"] == "stalled"
         assert any(t["attempts"] == 2 for j in (c.job(first["job_id"]), job) for t in j["tracks"])
     finally:
@@ -148,7 +149,7 @@ def test_200_tracks_from_20_clients_on_4_workers_none_lost_none_twice(tmp_path):
 
         def client(n: int) -> list[str]:
             ids, submitted = [], 0
-            with httpx.Client(base_url=c.url, timeout=30) as http:
+            with httpx.Client(base_url=c.url, timeout=30, verify=TLS) as http:
                 while submitted < 10:
                     r = http.post("/generate", json={"lyrics": f"client {n}", "duration": 0.05, "num_tracks": 1})
                     if r.status_code == 429:
@@ -186,7 +187,8 @@ def test_sigterm_drains_the_dispatcher(tmp_path):
         wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
         c.api.signal(signal.SIGTERM)
         r = wait_for(
-            lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"})).status_code == 503 and x, timeout=5
+            lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"}, verify=TLS)).status_code == 503 and x,
+            timeout=5,
         )
         assert r.json()["status"] == "error"
         assert "shutting down" in r.json()["error"]
@@ -203,7 +205,7 @@ def test_a_drain_time_of_0_stops_the_dispatcher_without_waiting_for_its_running_
     flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
     with Cluster(tmp_path, workers=1, worker_args=flags, api_args=("--drain-timeout-sec", "0")) as c:
         job = c.submit(num_tracks=1)
-        wait_for(lambda: httpx.get(c.url + "/status").json()["running_tracks"] == 1, timeout=10)
+        wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["running_tracks"] == 1, timeout=10)
         c.api.signal(signal.SIGTERM)
         assert c.api.proc.wait(10) == 0  # the track is held: only a drain that waits for none ends
         assert "1 tracks still running are picked up again at the next start" in c.api.log_tail()
@@ -217,7 +219,7 @@ def test_sigterm_on_a_busy_worker_cancels_within_its_drain_time(tmp_path):
     w.wait_healthy()
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, w.url + "/generate", json={"duration": 0.05, "task_id": "long"}, timeout=30)
-        wait_for(lambda: httpx.get(w.url + "/health").json()["status"] == "busy", timeout=10)
+        wait_for(lambda: httpx.get(w.url + "/health", verify=TLS).json()["status"] == "busy", timeout=10)
         w.signal(signal.SIGTERM)
         # Cancelled after its 1 s drain time, long before the task's 30 s: reported to its caller.
         assert fut.result(timeout=15).json()["status"] == "cancelled"

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, fill_disk, mount_tmpfs, start_worker, wait_for
 
 
@@ -43,7 +44,7 @@ def test_a_frozen_worker_loses_its_track_which_finishes_exactly_once(tmp_path):
         assert job["status"] == "completed"
         assert job["tracks"][0]["attempts"] == 2
         assert job["tracks"][0]["metadata"]["worker_id"] != t["worker_id"]
-        wait_for(lambda: httpx.get(c.url + "/status").json()["idle_gpus"] == 2, timeout=30)  # it comes back
+        wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["idle_gpus"] == 2, timeout=30)  # it comes back
         assert done_lines(c, job_id) == 1
         assert c.job(job_id)["tracks"][0]["attempts"] == 2  # its late answer changed nothing
     finally:
@@ -65,7 +66,7 @@ def test_one_worker_with_a_full_output_disk_costs_no_tracks(tmp_path, tmpfs):
         finished = [c.wait_job(j, timeout=120) for j in jobs]
         completed = sum(j["status"] == "completed" for j in finished)
         assert completed >= 19
-        worker0 = httpx.get(c.url + "/status").json()["workers"][0]
+        worker0 = httpx.get(c.url + "/status", verify=TLS).json()["workers"][0]
         assert worker0["status"] == "degraded"
         assert "output disk is full" in worker0["degraded_reason"]
     finally:
@@ -78,14 +79,14 @@ def test_a_full_job_store_disk_refuses_new_jobs_and_keeps_old_ones_moving_once_s
     try:
         jobs = [c.submit(num_tracks=1)["job_id"] for _ in range(3)]
         filler = fill_disk(tmpfs)
-        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "duration": 0.05}, timeout=10)
+        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "duration": 0.05}, timeout=10, verify=TLS)
         assert r.status_code in (503, 507)
         assert r.json()["status"] == "error"
         assert "Retry-After" in r.headers
         filler.unlink()  # space returns; no restart
         finished = [c.wait_job(j, timeout=90) for j in jobs]
         assert [j["status"] for j in finished] == ["completed"] * 3
-        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "duration": 0.05}, timeout=10)
+        r = httpx.post(c.url + "/generate", json={"lyrics": "x", "duration": 0.05}, timeout=10, verify=TLS)
         assert r.status_code == 200
         assert c.wait_job(r.json()["job_id"], timeout=60)["status"] == "completed"
     finally:

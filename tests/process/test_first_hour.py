@@ -22,6 +22,7 @@ import pytest
 
 from tests.process.test_launcher import launcher_env
 from tests.support import in_thread
+from tests.support.http import TLS
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, free_port, wait_for
 from tests.support.tiny_site import lent, tiny_site
@@ -62,27 +63,27 @@ def site(shared_tiny, tmp_path_factory):
 
 def test_misspelled_fields_are_reported_and_an_empty_body_is_not_silent(bare):
     api, _ = bare
-    r = httpx.post(api.url + "/generate", json={"lyric": "hello\nworld", "durration": 0.05, "tags": "pop"})
+    r = httpx.post(api.url + "/generate", json={"lyric": "hello\nworld", "durration": 0.05, "tags": "pop"}, verify=TLS)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["ignored"] == ["lyric", "durration"]
     assert "'lyric' is not a field and was ignored; did you mean 'lyrics'?" in body["notes"]
     assert "'durration' is not a field and was ignored; did you mean 'duration'?" in body["notes"]
     assert r.headers["Warning"].startswith("299 songserve ")
-    empty = httpx.post(api.url + "/generate", json={})
+    empty = httpx.post(api.url + "/generate", json={}, verify=TLS)
     assert empty.status_code == 200
     assert empty.json()["ignored"] == []
     assert "Warning" not in empty.headers
     assert any("none of the known fields" in n for n in empty.json()["notes"])
     assert any("vocal without words" in n for n in empty.json()["notes"])
     for job in (body, empty.json()):
-        httpx.delete(f"{api.url}/job/{job['job_id']}")
+        httpx.delete(f"{api.url}/job/{job['job_id']}", verify=TLS)
     assert "ignored 2 unknown fields: lyric, durration" in api.log_tail()
 
 
 def routes(url: str) -> dict[str, set[str]]:
     """Each path of a service's OpenAPI document, with concrete ids, and the methods it takes."""
-    doc = httpx.get(url + "/openapi.json").json()
+    doc = httpx.get(url + "/openapi.json", verify=TLS).json()
     out = {}
     for path, ops in doc["paths"].items():
         concrete = path.replace("{idx}", "0").replace("{worker_id}", "1").replace("{kind}", "mp3")
@@ -102,14 +103,14 @@ def test_every_wrong_method_is_405_naming_the_allowed_ones(bare, service):
     checked = 0
     for path, allowed in table.items():
         for method in {"GET", "POST", "PUT", "PATCH", "DELETE"} - allowed:
-            r = httpx.request(method, url + path)
+            r = httpx.request(method, url + path, verify=TLS)
             assert r.status_code == 405, (method, path, r.status_code, r.text)
             assert set(r.headers["Allow"].split(", ")) == allowed, (method, path, r.headers["Allow"])
             assert r.json()["status"] == "error"
             assert f"{method} is not allowed on {path}" in r.json()["error"]
             checked += 1
     assert checked > 20
-    assert httpx.post(url + "/no/such/route").status_code == 404  # a path nobody serves is not a 405
+    assert httpx.post(url + "/no/such/route", verify=TLS).status_code == 404  # a path nobody serves is not a 405
 
 
 @pytest.mark.parametrize("service", ["dispatcher", "worker"])
@@ -119,7 +120,7 @@ def test_malformed_json_is_answered_with_its_line_and_column(bare, service):
     text = '{\n  "lyrics": "hello",\n  "duration": ,\n}'
     with pytest.raises(json.JSONDecodeError) as where:
         json.loads(text)
-    r = httpx.post(url + "/generate", content=text, headers={"Content-Type": "application/json"})
+    r = httpx.post(url + "/generate", content=text, headers={"Content-Type": "application/json"}, verify=TLS)
     assert r.status_code == 422
     body = r.json()
     assert f"at line {where.value.lineno}, column {where.value.colno}" in body["error"], body
@@ -149,9 +150,9 @@ def test_progress_moves_through_the_decode_and_the_files(site):
 
 
 def test_every_tiny_set_says_it_is_tiny(site, shared_release):
-    assert httpx.get(site.workers[0].url + "/config").json()["tiny_checkpoints"] is True
+    assert httpx.get(site.workers[0].url + "/config", verify=TLS).json()["tiny_checkpoints"] is True
     with lent(shared_release) as w:  # the process's worker on the release-shaped set (tests/support/tiny_site.py)
-        config = httpx.get(w.url + "/config").json()
+        config = httpx.get(w.url + "/config", verify=TLS).json()
         assert config["checkpoint_layout"] == "release"
         assert config["tiny_checkpoints"] is True
 
@@ -160,8 +161,10 @@ NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID"
 
 
 def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
-    httpx.get(site.url + "/openapi.json").raise_for_status()  # where FastAPI warned of a duplicate operation id
-    httpx.get(site.url + "/docs").raise_for_status()
+    httpx.get(
+        site.url + "/openapi.json", verify=TLS
+    ).raise_for_status()  # where FastAPI warned of a duplicate operation id
+    httpx.get(site.url + "/docs", verify=TLS).raise_for_status()
     # The dispatcher's log from its start (FastAPI's duplicate operation id); a cold worker's whole log,
     # from a fresh interpreter that builds the set and loads it: tests/process/test_left_behind.py.
     logs = site.api.log_tail(200_000)
@@ -245,10 +248,10 @@ def test_the_launchers_first_start_says_only_what_a_person_can_act_on_and_stop_l
         token = token_file.read_text().strip()
         assert token not in up.stdout  # named, not printed
         worker = f"http://127.0.0.1:{env['WORKER_BASE_PORT']}"
-        refused = httpx.get(worker + "/config")
+        refused = httpx.get(worker + "/config", verify=TLS)
         assert refused.status_code == 401
         assert "LOG_DIR/worker_token" in refused.json()["error"]  # where a person who needs it finds it
-        config = httpx.get(worker + "/config", headers={"Authorization": f"Bearer {token}"})
+        config = httpx.get(worker + "/config", headers={"Authorization": f"Bearer {token}"}, verify=TLS)
         assert config.status_code == 200
         assert config.json()["tiny_checkpoints"] is True
         started = marked(mark)

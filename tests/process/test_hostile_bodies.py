@@ -13,6 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.load_probe import HealthWatch, peak_mib, raw_request
 from tests.support.servers import ServerProcess, free_port
 
@@ -84,6 +85,7 @@ def test_with_the_key_a_multipart_of_too_many_parts_is_400_at_the_cap(keyed):
             content=body,
             headers={"Content-Type": "multipart/form-data; boundary=zz", "Authorization": f"Bearer {KEY}"},
             timeout=60,
+            verify=TLS,
         )
     assert r.status_code == 400
     assert r.json()["detail"] == "The multipart/form-data body has more than 256 parts."
@@ -104,6 +106,7 @@ def test_a_wrong_header_with_a_large_body_is_401_unread_and_a_small_body_may_car
         files={"src_audio": ("a.wav", b"not audio", "audio/wav")},
         headers={"Authorization": "Bearer wrong"},
         timeout=30,
+        verify=TLS,
     )
     assert small.status_code == 200, small.text  # the body's ai_token (checked first, as ACE-Step does) let it in
     assert small.json()["data"]["status"] == "queued"

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.servers import ROOT, free_port, wait_for, wait_launched
 
 
@@ -65,24 +66,28 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         wait_launched(proc, api, tmp_path / "launcher.out")
         started = pids(tmp_path / "logs")
         assert len(started) == 3
-        st = httpx.get(api + "/status").json()
+        st = httpx.get(api + "/status", verify=TLS).json()
         assert st["total_gpus"] == 2
         assert [w["url"].rsplit(":", 1)[1] for w in st["workers"]] == [
             env["WORKER_BASE_PORT"],
             str(int(env["WORKER_BASE_PORT"]) + 1),
         ]
         r = httpx.post(
-            api + "/generate", json={"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, "num_tracks": 2}
+            api + "/generate",
+            json={"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, "num_tracks": 2},
+            verify=TLS,
         )
         job_id = r.json()["job_id"]
         job = wait_for(
-            lambda: (j := httpx.get(f"{api}/job/{job_id}").json())["status"] in ("completed", "failed") and j,
+            lambda: (
+                (j := httpx.get(f"{api}/job/{job_id}", verify=TLS).json())["status"] in ("completed", "failed") and j
+            ),
             timeout=120,
             interval=0.3,
         )
         assert job["status"] == "completed"
         for i in range(2):
-            mp3 = httpx.get(f"{api}/job/{job_id}/track/{i}/mp3")
+            mp3 = httpx.get(f"{api}/job/{job_id}/track/{i}/mp3", verify=TLS)
             assert mp3.status_code == 200
             assert mp3.headers["content-type"] == "audio/mpeg"
             (tmp_path / f"t{i}.mp3").write_bytes(mp3.content)
@@ -90,7 +95,7 @@ def test_two_cpu_workers_end_to_end_then_stop(tiny_dir, tmp_path):
         for name in ("api.log", "worker_0.log", "worker_1.log"):
             assert (tmp_path / "logs" / name).stat().st_size > 0
         # Worker i: seed BASE_SEED + i*1000.
-        w1 = httpx.get(st["workers"][1]["url"] + "/health", headers={"Authorization": "Bearer x"}).json()
+        w1 = httpx.get(st["workers"][1]["url"] + "/health", headers={"Authorization": "Bearer x"}, verify=TLS).json()
         assert w1["seed"] == 1283 + 1000
         stop = subprocess.run(
             ["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120

@@ -19,6 +19,7 @@ import pytest
 
 from tests.process.test_launcher import launcher_env
 from tests.process.test_ports import REFERENCE_MASTER_PORT, held
+from tests.support.http import TLS
 from tests.support.listeners import holding_env, listening, not_on_loopback
 from tests.support.servers import ROOT, wait_for, wait_launched
 
@@ -73,7 +74,7 @@ def test_the_readme_first_command_starts_next_to_a_process_holding_8791(tiny_dir
             worker = int((Path(env["LOG_DIR"]) / "worker_0.pid").read_text())
             assert not_on_loopback(worker) == []
             assert REFERENCE_MASTER_PORT not in [p for _, p in listening(worker)]
-            assert httpx.get(api + "/health").json()["launch_nonce"].endswith("-api")
+            assert httpx.get(api + "/health", verify=TLS).json()["launch_nonce"].endswith("-api")
         finally:
             subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=120)
             proc.wait(timeout=60)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from tests.process.test_launcher import launcher_env
+from tests.support.http import TLS
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, wait_for
 
@@ -56,7 +57,7 @@ class Launcher:
         if "run_backend: ready: " not in self.said():
             return False
         try:
-            return httpx.get(self.api + "/ready", timeout=2).status_code == 200
+            return httpx.get(self.api + "/ready", timeout=2, verify=TLS).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -65,7 +66,7 @@ class Launcher:
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def running_track(self, job_id: str) -> bool:
-        job = httpx.get(f"{self.api}/job/{job_id}", timeout=5).json()
+        job = httpx.get(f"{self.api}/job/{job_id}", timeout=5, verify=TLS).json()
         return any(t["status"] not in ("queued", "done") for t in job["tracks"])
 
     def close(self) -> None:
@@ -81,7 +82,9 @@ def test_ctrl_c_says_what_it_waits_for_drains_once_and_leaves_no_file_on_the_wor
     run = Launcher(tmp_path, delay="3")
     try:
         wait_for(run.ready, timeout=240, interval=0.5)
-        job = httpx.post(run.api + "/generate", json={"lyrics": "la", "duration": 0.05, "num_tracks": 1}).json()
+        job = httpx.post(
+            run.api + "/generate", json={"lyrics": "la", "duration": 0.05, "num_tracks": 1}, verify=TLS
+        ).json()
         wait_for(lambda: run.running_track(job["job_id"]), timeout=60, interval=0.1)
         run.ctrl_c()
         wait_for(lambda: PLAN in run.said(), timeout=10, interval=0.1)  # said at once, not after the drain
@@ -109,7 +112,9 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     run = Launcher(tmp_path, delay="300")  # a track that would hold a drain for its whole 30 s
     try:
         wait_for(run.ready, timeout=240, interval=0.5)
-        job = httpx.post(run.api + "/generate", json={"lyrics": "la", "duration": 0.05, "num_tracks": 1}).json()
+        job = httpx.post(
+            run.api + "/generate", json={"lyrics": "la", "duration": 0.05, "num_tracks": 1}, verify=TLS
+        ).json()
         wait_for(lambda: run.running_track(job["job_id"]), timeout=60, interval=0.1)
         run.ctrl_c()
         try:

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.process.test_first_hour import NOISE
+from tests.support.http import TLS
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, free_port, wait_for
 
@@ -46,7 +47,7 @@ def start_marked_worker(root: Path, tmp: Path, mark: str, log_name: str) -> tupl
 def healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> bool:
     assert proc.poll() is None, log.read_text()[-3000:]
     try:
-        return httpx.get(url + "/health", timeout=2).json().get("status") == "idle"
+        return httpx.get(url + "/health", timeout=2, verify=TLS).json().get("status") == "idle"
     except httpx.HTTPError:
         return False
 

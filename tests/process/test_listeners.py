@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 
 LONG = {"tags": "pop", "lyrics": "[verse]\nla la", "duration": 1.0, "num_tracks": 1}  # a minute of audio
@@ -71,7 +72,7 @@ def serving(c: Cluster) -> str:
     """ "serving" when the dispatcher answers /health, else how it ended (its exit code, e.g. -11 for SIGSEGV)."""
     assert c.api is not None
     try:
-        ok = httpx.get(c.url + "/health", timeout=10).status_code == 200
+        ok = httpx.get(c.url + "/health", timeout=10, verify=TLS).status_code == 200
     except httpx.HTTPError as exc:
         ok, why = False, type(exc).__name__
     else:
@@ -160,7 +161,7 @@ def test_two_hundred_listeners_on_a_running_track_cost_it_nothing(tmp_path: Path
         before = peak = rss_mib(pid)
         crowd = Crowd(f"{c.url}/job/{job}/track/0/stream", 200)
         slowest = 0.0
-        health = httpx.Client(timeout=60)  # one client: a new one costs the test process ~0.2 s here
+        health = httpx.Client(timeout=60, verify=TLS)  # one client: a new one costs the test process ~0.2 s here
         while crowd.listening:
             started = time.monotonic()
             assert health.get(c.url + "/health").status_code == 200
@@ -188,7 +189,7 @@ def test_two_hundred_listeners_on_a_running_track_cost_it_nothing(tmp_path: Path
 
 def test_listeners_past_the_caps_get_a_503_with_retry_after_and_their_places_come_back(tmp_path: Path) -> None:
     caps = ("--live-listeners-per-track", "2", "--live-listeners-max", "3")
-    with Cluster(tmp_path, workers=1, delay=20.0, api_args=caps) as c, httpx.Client(timeout=10) as http:
+    with Cluster(tmp_path, workers=1, delay=20.0, api_args=caps) as c, httpx.Client(timeout=10, verify=TLS) as http:
         a, b = (c.submit(**LONG, seed=seed)["job_id"] for seed in (1, 2))  # b waits in the queue: still listenable
         url_a, url_b = (f"{c.url}/job/{j}/track/0/stream" for j in (a, b))
         with contextlib.ExitStack() as held:

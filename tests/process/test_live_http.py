@@ -18,6 +18,7 @@ import pytest
 import soundfile as sf
 
 from tests.process.test_scaleout import start_dispatcher, stop_all, tone_workers
+from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 
 SECONDS = 12.0  # of audio per take
@@ -32,7 +33,7 @@ def site(tmp_path_factory):
 
 
 def submit(site: Cluster, **body) -> str:
-    r = httpx.post(f"{site.url}/generate", json={**BODY, **body}, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json={**BODY, **body}, timeout=10, verify=TLS)
     assert r.status_code == 200, r.text
     return str(r.json()["job_id"])
 
@@ -52,12 +53,14 @@ class Listener:
 
     def _run(self) -> None:
         try:
-            with httpx.stream("GET", self.url, timeout=httpx.Timeout(10, read=60)) as r:
+            with httpx.stream("GET", self.url, timeout=httpx.Timeout(10, read=60), verify=TLS) as r:
                 self.status_code, self.headers = r.status_code, dict(r.headers)
                 for piece in r.iter_raw(1 << 14):
                     self.body += piece
                     if self.job_url and len(self.body) > 44:  # past a WAV header: audio
-                        self.statuses.append(httpx.get(self.job_url, timeout=10).json()["tracks"][0]["status"])
+                        self.statuses.append(
+                            httpx.get(self.job_url, timeout=10, verify=TLS).json()["tracks"][0]["status"]
+                        )
                     if self.slow:
                         time.sleep(self.slow)
         except BaseException as exc:
@@ -70,7 +73,7 @@ class Listener:
 
 
 def final_wav(site: Cluster, job_id: str) -> tuple[np.ndarray, bytes]:
-    wav = httpx.get(f"{site.url}/job/{job_id}/track/0/wav", timeout=10).content
+    wav = httpx.get(f"{site.url}/job/{job_id}/track/0/wav", timeout=10, verify=TLS).content
     pcm, _ = sf.read(io.BytesIO(wav), dtype="int16")
     return pcm, wav
 
@@ -100,7 +103,7 @@ def test_an_mp3_stream_decodes_to_the_takes_length_and_the_view_says_how_far_it_
     heard = Listener(url)
     views = []
     while heard.thread.is_alive():
-        views.append(httpx.get(f"{site.url}/job/{job}", timeout=10).json()["tracks"][0])
+        views.append(httpx.get(f"{site.url}/job/{job}", timeout=10, verify=TLS).json()["tracks"][0])
         time.sleep(0.1)
     heard.join()
     assert heard.error is None
@@ -117,7 +120,7 @@ def test_an_mp3_stream_decodes_to_the_takes_length_and_the_view_says_how_far_it_
 def test_a_done_tracks_stream_is_its_final_file(site):
     job = submit(site, seed=7)
     site.wait_job(job)
-    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", params={"format": "wav"}, timeout=10)
+    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", params={"format": "wav"}, timeout=10, verify=TLS)
     assert r.status_code == 200
     assert r.content == final_wav(site, job)[1]
 
@@ -126,29 +129,29 @@ def test_a_cancel_cuts_the_stream_and_a_cancelled_tracks_stream_is_a_409(site):
     job = submit(site, seed=8)
     heard = Listener(f"{site.url}/job/{job}/track/0/stream?format=wav")
     wait_for(lambda: len(heard.body) > 44 + 4 * 44_100, timeout=30)  # a second of audio heard
-    assert httpx.delete(f"{site.url}/job/{job}", timeout=10).status_code == 200
+    assert httpx.delete(f"{site.url}/job/{job}", timeout=10, verify=TLS).status_code == 200
     heard.join()
     assert isinstance(heard.error, httpx.RemoteProtocolError)  # cut: the transfer ended incomplete
-    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", timeout=10)
+    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", timeout=10, verify=TLS)
     assert r.status_code == 409
     assert "cancelled" in r.json()["error"]
 
 
 def test_bad_requests_name_what_is_wrong(site):
     job = submit(site, seed=9)
-    head = httpx.head(f"{site.url}/job/{job}/track/0/stream", timeout=10)  # what GET answers, no body
+    head = httpx.head(f"{site.url}/job/{job}/track/0/stream", timeout=10, verify=TLS)  # what GET answers, no body
     assert (head.status_code, head.headers["content-type"], head.content) == (200, "audio/mpeg", b"")
-    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", params={"format": "ogg"}, timeout=10)
+    r = httpx.get(f"{site.url}/job/{job}/track/0/stream", params={"format": "ogg"}, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["query", "format"]
-    assert httpx.get(f"{site.url}/job/{job}/track/3/stream", timeout=10).status_code == 400
-    assert httpx.get(f"{site.url}/job/0123456789abcdef/track/0/stream", timeout=10).status_code == 404
+    assert httpx.get(f"{site.url}/job/{job}/track/3/stream", timeout=10, verify=TLS).status_code == 400
+    assert httpx.get(f"{site.url}/job/0123456789abcdef/track/0/stream", timeout=10, verify=TLS).status_code == 404
     site.wait_job(job)
 
 
 def test_a_listener_that_stops_reading_does_not_hold_the_take_back(site):
     job = submit(site, seed=10)
-    with httpx.stream("GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=30) as r:
+    with httpx.stream("GET", f"{site.url}/job/{job}/track/0/stream?format=wav", timeout=30, verify=TLS) as r:
         next(r.iter_raw(64))  # the header, then nothing more is read
         done = site.wait_job(job, timeout=30)
         assert done["status"] == "completed"
@@ -157,7 +160,10 @@ def test_a_listener_that_stops_reading_does_not_hold_the_take_back(site):
 
 def test_the_request_can_ask_for_live_audio_before_anyone_listens(site):
     job = submit(site, seed=11, preview=True)
-    wait_for(lambda: httpx.get(f"{site.url}/job/{job}", timeout=10).json()["tracks"][0]["preview_sec"] > 0, timeout=30)
+    wait_for(
+        lambda: httpx.get(f"{site.url}/job/{job}", timeout=10, verify=TLS).json()["tracks"][0]["preview_sec"] > 0,
+        timeout=30,
+    )
     done = site.wait_job(job)
     assert done["tracks"][0]["metadata"]["live"] == {"state": "complete", "seconds": pytest.approx(SECONDS, abs=0.1)}
     assert done["tracks"][0]["preview_sec"] == 0  # done: the final audio is what there is
@@ -203,13 +209,13 @@ def test_a_stream_opened_at_the_other_dispatcher_of_a_postgresql_pair_plays(tmp_
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     b = start_dispatcher(tmp_path, "B", pg_url, workers)
     try:
-        r = httpx.post(a.url + "/generate", json={**BODY, "seed": 12}, timeout=10)
+        r = httpx.post(a.url + "/generate", json={**BODY, "seed": 12}, timeout=10, verify=TLS)
         assert r.status_code == 200, r.text
         job_id = r.json()["job_id"]
         heard = Listener(f"{b.url}/job/{job_id}/track/0/stream?format=wav", f"{a.url}/job/{job_id}").join()
         assert heard.error is None
         assert "generating" in heard.statuses
-        wav = httpx.get(f"{b.url}/job/{job_id}/track/0/wav", timeout=10).content
+        wav = httpx.get(f"{b.url}/job/{job_id}/track/0/wav", timeout=10, verify=TLS).content
         final, _ = sf.read(io.BytesIO(wav), dtype="int16")
         assert np.array_equal(np.frombuffer(bytes(heard.body[44:]), dtype="<i2").reshape(-1, 2), final)
     finally:

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 
 
@@ -23,10 +24,10 @@ def ref_only(tmp_path):
 
 
 def test_a_reference_worker_is_shown_as_such(ref_only):
-    workers = httpx.get(ref_only.url + "/status").json()["workers"]
+    workers = httpx.get(ref_only.url + "/status", verify=TLS).json()["workers"]
     assert workers[0]["kind"] == "reference"
     assert workers[0]["status"] == "idle"
-    assert httpx.get(ref_only.url + "/config").json()["backbone_models"] == ["default_backbone"]
+    assert httpx.get(ref_only.url + "/config", verify=TLS).json()["backbone_models"] == ["default_backbone"]
 
 
 def test_a_vocal_job_completes_on_a_reference_worker_with_its_progress(ref_only, tmp_path):
@@ -37,7 +38,11 @@ def test_a_vocal_job_completes_on_a_reference_worker_with_its_progress(ref_only,
     assert moving["progress"] > 1
     job = ref_only.wait_job(job_id)
     assert job["status"] == "completed"
-    assert httpx.get(f"{ref_only.url}/job/{job_id}/track/0/mp3").content[:2] in (b"ID", b"\xff\xfb", b"\xff\xf3")
+    assert httpx.get(f"{ref_only.url}/job/{job_id}/track/0/mp3", verify=TLS).content[:2] in (
+        b"ID",
+        b"\xff\xfb",
+        b"\xff\xf3",
+    )
     sent = requests_seen(tmp_path)[0]
     assert sent["language"] == ""
     assert sent["duration"] == 1  # whole minutes, rounded up
@@ -67,7 +72,7 @@ def test_a_mixed_fleet_completes_a_four_track_job(tmp_path):
     ]
     c = cluster_of(tmp_path, workers)
     try:
-        kinds = sorted(w["kind"] for w in httpx.get(c.url + "/status").json()["workers"])
+        kinds = sorted(w["kind"] for w in httpx.get(c.url + "/status", verify=TLS).json()["workers"])
         assert kinds == ["reference", "songserve"]
         job = c.wait_job(c.submit(num_tracks=4, duration=0.05)["job_id"], timeout=90)
         assert job["status"] == "completed"
@@ -83,7 +88,7 @@ def test_cancelling_a_track_on_a_reference_worker_discards_its_result(tmp_path):
     try:
         job_id = c.submit(num_tracks=1)["job_id"]
         wait_for(lambda: c.job(job_id)["tracks"][0]["status"] == "generating", timeout=20)
-        httpx.delete(f"{c.url}/job/{job_id}")
+        httpx.delete(f"{c.url}/job/{job_id}", verify=TLS)
         job = wait_for(lambda: (j := c.job(job_id)) and j["tracks"][0]["status"] == "cancelled" and j, timeout=20)
         assert job["status"] == "cancelled"
         # The worker finishes on its own; then it takes the next job.
@@ -110,4 +115,4 @@ def test_after_a_dispatcher_restart_a_reference_workers_track_is_queued_again(tm
 
 def test_cluster_helper_is_unchanged_for_our_workers(tmp_path):
     with Cluster(tmp_path, workers=1, delay=0.2) as c:
-        assert httpx.get(c.url + "/status").json()["workers"][0]["kind"] == "songserve"
+        assert httpx.get(c.url + "/status", verify=TLS).json()["workers"][0]["kind"] == "songserve"

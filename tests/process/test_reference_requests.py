@@ -20,6 +20,7 @@ from songserve.api.http import tags as tag_catalogue
 from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest
+from tests.support.http import TLS
 from tests.support.servers import ROOT, Cluster, ServerProcess, free_port, wait_for
 
 LIMITS = RequestLimits(min_duration=0.05, max_duration=10.0, max_tracks=4, max_lyrics_chars=100)
@@ -224,7 +225,7 @@ def test_a_bad_catalogue_file_is_refused_naming_the_path(tmp_path, text, reason)
 def test_reference_bodies_through_a_real_dispatcher(tmp_path):
     with Cluster(tmp_path, workers=1, delay=0.2, api_args=("--max-duration", "0.1")) as c:
         body = {"tags": "Mandopop, Female Vocals", "duration": 15, "top_k_bb": "250", "temperature": 1.5}
-        r = httpx.post(c.url + "/generate", json={**body, "mode": "song", "num_tracks": 1}, timeout=10)
+        r = httpx.post(c.url + "/generate", json={**body, "mode": "song", "num_tracks": 1}, timeout=10, verify=TLS)
         assert r.status_code == 200, r.text
         a = r.json()
         assert a["adjusted"] == {
@@ -239,30 +240,36 @@ def test_reference_bodies_through_a_real_dispatcher(tmp_path):
         assert abs(job["tracks"][0]["duration_sec"] - 6.0) < 0.1  # 0.1 minute, the clamped duration
         wait_for(lambda: "read as the reference reads it" in c.api.log_tail(20000), timeout=10)
 
-        plain = httpx.post(c.url + "/generate", json={**KHALA_FRONTEND, "duration": 0.05, "num_tracks": 1}).json()
+        plain = httpx.post(
+            c.url + "/generate", json={**KHALA_FRONTEND, "duration": 0.05, "num_tracks": 1}, verify=TLS
+        ).json()
         assert plain["adjusted"] == {}
         assert c.wait_job(plain["job_id"])["status"] == "completed"
 
-        r = httpx.post(c.url + "/generate", content=b"{not json", headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            c.url + "/generate", content=b"{not json", headers={"Content-Type": "application/json"}, verify=TLS
+        )
         assert r.status_code == 422
         assert r.json()["status"] == "error"
-        r = httpx.post(c.url + "/generate", json={"duration": "long"})
+        r = httpx.post(c.url + "/generate", json={"duration": "long"}, verify=TLS)
         assert r.status_code == 422
         assert "duration" in r.json()["error"]
 
-        tags = httpx.get(c.url + "/tags").json()
+        tags = httpx.get(c.url + "/tags", verify=TLS).json()
         assert set(tag_catalogue.REFERENCE_DEFAULTS) <= {t for g in tags.values() for t in g["tags"]}
 
         # The worker: seed_override 0 means its own seed (1283 by default), as the reference reads it.
         w = c.workers[0].url
         for sent, used in ((0, 1283), (5, 5)):
-            r = httpx.post(w + "/generate", json={"duration": 0.02, "lyrics": "x", "seed_override": sent}, timeout=30)
+            r = httpx.post(
+                w + "/generate", json={"duration": 0.02, "lyrics": "x", "seed_override": sent}, timeout=30, verify=TLS
+            )
             assert r.status_code == 200, r.text
             assert r.json()["seed"] == used, r.text
 
         c.api.stop()
         c.start_api("--strict-requests", "true")
-        r = httpx.post(c.url + "/generate", json={**body, "lyrics": "x"})
+        r = httpx.post(c.url + "/generate", json={**body, "lyrics": "x"}, verify=TLS)
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"][-1] == "duration"
 
@@ -285,7 +292,7 @@ def test_tags_file_replaces_the_catalogue_and_a_bad_one_refuses_start(tmp_path):
     p = ServerProcess([*args, "--tags-file", str(good)], port, tmp_path / "good.log")
     try:
         p.wait_healthy(want=("ok",))
-        assert httpx.get(p.url + "/tags").json() == {
+        assert httpx.get(p.url + "/tags", verify=TLS).json() == {
             "genre_style": {"label": "Genre/Style", "tags": ["Mandopop"]},
             "vocal_instrument": {"label": "Voice", "tags": ["Alto"]},
         }
@@ -319,7 +326,7 @@ def test_launcher_starts_workers_without_a_token_for_a_foreign_dispatcher(tmp_pa
         assert out.returncode == 0, out.stdout + out.stderr
         assert "WORKER_TOKEN is off" in out.stdout
         url = f"http://127.0.0.1:{base}"
-        assert httpx.get(url + "/config").status_code == 200  # no Authorization header needed
+        assert httpx.get(url + "/config", verify=TLS).status_code == 200  # no Authorization header needed
         reference_payload = {  # the reference dispatcher's worker body: no task id, no token, no seed
             "genre": "",
             "language": "",
@@ -337,9 +344,9 @@ def test_launcher_starts_workers_without_a_token_for_a_foreign_dispatcher(tmp_pa
             "raw_mode": "vocal",
             "raw_prompt_mode": "tags",
         }
-        r = httpx.post(url + "/generate", json=reference_payload, timeout=60)
+        r = httpx.post(url + "/generate", json=reference_payload, timeout=60, verify=TLS)
         assert r.status_code == 200, r.text
         assert r.json()["status"] == "ok", r.text
-        assert httpx.get(f"{url}/download/{r.json()['mp3_filename']}").status_code == 200
+        assert httpx.get(f"{url}/download/{r.json()['mp3_filename']}", verify=TLS).status_code == 200
     finally:
         subprocess.run(["bash", "run_backend.sh", "stop"], cwd=ROOT, env=env, capture_output=True, timeout=120)

@@ -21,6 +21,7 @@ import pytest
 import soundfile as sf
 
 from tests.model.test_encoder import music, wav_bytes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 
 RENDERS = 60
@@ -66,12 +67,13 @@ def upload_seconds(url: str) -> float:
     """POST a 1-second WAV and wait until it is encoded: the seconds it took."""
     t0 = time.monotonic()
     data = wav_bytes(music(1.0))
-    r = httpx.post(f"{url}/uploads", files={"file": ("one.wav", data, "audio/wav")}, timeout=120)
+    r = httpx.post(f"{url}/uploads", files={"file": ("one.wav", data, "audio/wav")}, timeout=120, verify=TLS)
     assert r.status_code == 200, r.text
     upload_id = r.json()["upload_id"]
     view = wait_for(
         lambda: (
-            (v := httpx.get(f"{url}/uploads/{upload_id}", timeout=60).json())["status"] not in ("queued", "encoding")
+            (v := httpx.get(f"{url}/uploads/{upload_id}", timeout=60, verify=TLS).json())["status"]
+            not in ("queued", "encoding")
             and v
         ),
         timeout=120,
@@ -82,7 +84,7 @@ def upload_seconds(url: str) -> float:
 
 async def render_all(url: str, job_id: str, loudness: list[float]) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=len(loudness), max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, verify=TLS) as client:
         return list(
             await asyncio.gather(
                 *(
@@ -95,7 +97,9 @@ async def render_all(url: str, job_id: str, loudness: list[float]) -> list[httpx
 
 def test_sixty_concurrent_renders_are_bounded_and_an_upload_keeps_its_pace(site, take):
     assert site.api is not None
-    httpx.get(f"{site.url}/job/{take}/track/0/render", params={"format": "wav", "end": 1}, timeout=60)  # imports
+    httpx.get(
+        f"{site.url}/job/{take}/track/0/render", params={"format": "wav", "end": 1}, timeout=60, verify=TLS
+    )  # imports
     rss = PeakRss(site.api.proc.pid)
     got: list[httpx.Response] = []
     t0 = time.monotonic()

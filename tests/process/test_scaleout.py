@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from songserve.serving import CLIENT_KEEPALIVE_SEC
+from tests.support.http import TLS
 from tests.support.servers import ServerProcess, free_port, start_worker, wait_for
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
@@ -61,7 +62,7 @@ def generated(workers: list[ServerProcess]) -> int:
 
 
 def job(api: ServerProcess, job_id: str) -> dict:
-    return httpx.get(f"{api.url}/job/{job_id}", timeout=10).json()
+    return httpx.get(f"{api.url}/job/{job_id}", timeout=10, verify=TLS).json()
 
 
 def wait_done(api: ServerProcess, job_id: str, timeout: float = 60) -> dict:
@@ -69,7 +70,7 @@ def wait_done(api: ServerProcess, job_id: str, timeout: float = 60) -> dict:
 
 
 def status(api: ServerProcess) -> dict:
-    return httpx.get(api.url + "/status", timeout=10).json()
+    return httpx.get(api.url + "/status", timeout=10, verify=TLS).json()
 
 
 def stop_all(*procs: ServerProcess) -> None:
@@ -89,19 +90,23 @@ def test_a_job_submitted_at_one_dispatcher_is_polled_and_streamed_at_another(tmp
 
         wait_for(lambda: split() == [1, 2], timeout=20)
         assert status(a)["dispatchers"] == ["A", "B"]
-        sub = httpx.post(a.url + "/generate", json={"lyrics": "hi", "duration": 0.05, "num_tracks": 2}).json()
+        sub = httpx.post(
+            a.url + "/generate", json={"lyrics": "hi", "duration": 0.05, "num_tracks": 2}, verify=TLS
+        ).json()
         job_id = sub["job_id"]
         assert job(b, job_id)["job_id"] == job_id  # polled at B at once
         events = []
-        with httpx.stream("GET", f"{b.url}/job/{job_id}/events", timeout=30) as r:
+        with httpx.stream("GET", f"{b.url}/job/{job_id}/events", timeout=30, verify=TLS) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
         phases = {t["status"] for e in events for t in e["tracks"]}
         assert events[-1]["status"] == "completed"
         assert "generating" in phases  # B showed the progress of tracks run wherever they ran
-        assert httpx.get(f"{b.url}/job/{job_id}/track/0/mp3").status_code == 200  # any dispatcher serves files
-        assert httpx.get(f"{a.url}/job/{job_id}/track/1/wav").status_code == 200
+        assert (
+            httpx.get(f"{b.url}/job/{job_id}/track/0/mp3", verify=TLS).status_code == 200
+        )  # any dispatcher serves files
+        assert httpx.get(f"{a.url}/job/{job_id}/track/1/wav", verify=TLS).status_code == 200
     finally:
         stop_all(a, b, *workers)
 
@@ -118,7 +123,7 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
         def client(n: int) -> list[str]:
             ids = []
             limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)  # as our own clients do
-            with httpx.Client(timeout=30, limits=limits) as http:
+            with httpx.Client(timeout=30, limits=limits, verify=TLS) as http:
                 while len(ids) < 10:
                     api = apis[(n + len(ids)) % 2]  # each client alternates between the dispatchers
                     body = {"lyrics": f"c{n}", "duration": 0.05, "num_tracks": 1}
@@ -168,17 +173,21 @@ def test_a_dispatcher_joining_a_busy_fleet_gets_its_share_of_workers(tmp_path, p
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     b = None
     try:
-        wait_for(lambda: all(w["leased_by"] == "A" for w in httpx.get(a.url + "/status").json()["workers"]), 30)
+        wait_for(
+            lambda: all(w["leased_by"] == "A" for w in httpx.get(a.url + "/status", verify=TLS).json()["workers"]), 30
+        )
         ids = [
-            httpx.post(a.url + "/generate", json={"lyrics": f"q{i}", "duration": 0.05, "num_tracks": 1}).json()[
-                "job_id"
-            ]
+            httpx.post(
+                a.url + "/generate", json={"lyrics": f"q{i}", "duration": 0.05, "num_tracks": 1}, verify=TLS
+            ).json()["job_id"]
             for i in range(16)
         ]  # 8 s of work on two workers, never idle between tracks
-        wait_for(lambda: all(w["status"] == "busy" for w in httpx.get(a.url + "/status").json()["workers"]), 30)
+        wait_for(
+            lambda: all(w["status"] == "busy" for w in httpx.get(a.url + "/status", verify=TLS).json()["workers"]), 30
+        )
         b = start_dispatcher(tmp_path, "B", pg_url, workers)
         owners = wait_for(
-            lambda: (o := [w["leased_by"] for w in httpx.get(b.url + "/status").json()["workers"]])
+            lambda: (o := [w["leased_by"] for w in httpx.get(b.url + "/status", verify=TLS).json()["workers"]])
             and sorted(o) == ["A", "B"] and o,
             timeout=30, interval=0.2,
         )  # fmt: skip
@@ -205,9 +214,9 @@ def test_kill_9_of_a_dispatcher_hands_its_queued_and_running_tracks_to_another(t
     try:
         wait_for(lambda: status(a)["idle_gpus"] == 3, timeout=20)
         ids = [
-            httpx.post(a.url + "/generate", json={"lyrics": f"j{i}", "duration": 0.05, "num_tracks": 1}).json()[
-                "job_id"
-            ]
+            httpx.post(
+                a.url + "/generate", json={"lyrics": f"j{i}", "duration": 0.05, "num_tracks": 1}, verify=TLS
+            ).json()["job_id"]
             for i in range(7)
         ]
         wait_for(lambda: status(a)["running_tracks"] == 3, timeout=20)
@@ -246,8 +255,10 @@ def test_an_announced_worker_gets_work_and_one_that_stops_is_retried_elsewhere(t
         )
         assert row["joined"] == "announced"
         # Two tracks: one on each idle worker; the announced one is slow (30 s) and is killed while busy.
-        sub = httpx.post(a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 2}).json()
-        wait_for(lambda: httpx.get(joiner.url + "/health").json()["status"] == "busy", timeout=20)
+        sub = httpx.post(
+            a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 2}, verify=TLS
+        ).json()
+        wait_for(lambda: httpx.get(joiner.url + "/health", verify=TLS).json()["status"] == "busy", timeout=20)
         joiner.signal(signal.SIGKILL)
         wait_for(
             lambda: any(w["url"] == joiner.url and w["status"] == "offline" for w in status(a)["workers"]), timeout=20
@@ -265,20 +276,23 @@ def test_announcing_needs_the_worker_token(tmp_path, pg_url):
     a = start_dispatcher(tmp_path, "A", pg_url, [])
     try:
         body = {"url": "http://127.0.0.1:9", "ttl_sec": 5}
-        r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": "Bearer wrong"})
+        r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": "Bearer wrong"}, verify=TLS)
         assert r.status_code == 401
         assert "WORKER_TOKEN" in r.json()["error"]
         r = httpx.post(a.url + "/workers", json={"url": "http://x:1/path", "ttl_sec": 5},
-                       headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+                       headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS)  # fmt: skip
         assert r.status_code == 422
-        r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS)
         assert r.status_code == 200
         wid = r.json()["worker_id"]
         wait_for(lambda: any(w["worker_id"] == wid for w in status(a)["workers"]), timeout=10)
-        r = httpx.delete(f"{a.url}/workers/{wid}", headers={"Authorization": f"Bearer {TOKEN}"})
+        r = httpx.delete(f"{a.url}/workers/{wid}", headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS)
         assert r.json() == {"worker_id": wid, "left": True}
         wait_for(lambda: not status(a)["workers"], timeout=10)
-        assert httpx.delete(f"{a.url}/workers/{wid}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+        assert (
+            httpx.delete(f"{a.url}/workers/{wid}", headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS).status_code
+            == 404
+        )
     finally:
         a.stop()
 
@@ -308,17 +322,22 @@ def test_cancel_and_idempotency_keys_work_across_dispatchers(tmp_path, pg_url):
     try:
         body = {"lyrics": "x", "duration": 0.05, "num_tracks": 2}
         key = {"Idempotency-Key": "same-song-1"}
-        first = httpx.post(a.url + "/generate", json=body, headers=key).json()
-        again = httpx.post(b.url + "/generate", json=body, headers=key).json()
+        first = httpx.post(a.url + "/generate", json=body, headers=key, verify=TLS).json()
+        again = httpx.post(b.url + "/generate", json=body, headers=key, verify=TLS).json()
         assert again["job_id"] == first["job_id"]  # one job, wherever the key was first used
         job_id = first["job_id"]
         wait_for(lambda: all(t["status"] == "generating" for t in job(b, job_id)["tracks"]), timeout=20)
-        cancelled = httpx.delete(f"{b.url}/job/{job_id}").json()  # at B, whichever dispatcher runs the tracks
+        cancelled = httpx.delete(
+            f"{b.url}/job/{job_id}", verify=TLS
+        ).json()  # at B, whichever dispatcher runs the tracks
         assert cancelled["status"] == "cancelled"
         assert wait_done(a, job_id, timeout=20)["status"] == "cancelled"
         assert all(t["status"] == "cancelled" for t in wait_done(a, job_id)["tracks"])
         # The workers stopped (freed long before their 30 s), and both are idle again.
-        wait_for(lambda: all(httpx.get(w.url + "/health").json()["status"] == "idle" for w in workers), timeout=20)
+        wait_for(
+            lambda: all(httpx.get(w.url + "/health", verify=TLS).json()["status"] == "idle" for w in workers),
+            timeout=20,
+        )
         assert generated(workers) == 0
     finally:
         stop_all(a, b, *workers)
@@ -329,18 +348,22 @@ def test_a_dispatcher_whose_database_is_gone_answers_503_and_recovers(tmp_path, 
     workers = tone_workers(tmp_path, 1, delay=0.2)
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     try:
-        done = httpx.post(a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}).json()
+        done = httpx.post(
+            a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, verify=TLS
+        ).json()
         wait_done(a, done["job_id"])
         pg_server.pause()
-        r = httpx.post(a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, timeout=30)
+        r = httpx.post(
+            a.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, timeout=30, verify=TLS
+        )
         assert r.status_code == 503
         assert "Retry-After" in r.headers
         assert r.json()["status"] == "error"
-        r = httpx.get(f"{a.url}/job/{'0' * 16}", timeout=30)  # not in memory: needs the store
+        r = httpx.get(f"{a.url}/job/{'0' * 16}", timeout=30, verify=TLS)  # not in memory: needs the store
         assert r.status_code == 503
         pg_server.resume()
         r = wait_for(
-            lambda: (x := httpx.post(a.url + "/generate", json={"lyrics": "y", "duration": 0.05}, timeout=30))
+            lambda: (x := httpx.post(a.url + "/generate", json={"lyrics": "y", "duration": 0.05}, timeout=30, verify=TLS))
             .status_code == 200 and x,
             timeout=60, interval=0.5,
         )  # fmt: skip

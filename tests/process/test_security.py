@@ -7,6 +7,7 @@ import os
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, ServerProcess, free_port, start_worker
 
 KEY = "test-api-key-123"
@@ -53,7 +54,9 @@ def auth(key: str = KEY) -> dict:
 
 def test_api_key_guards_every_route_but_health_and_page(secured):
     url = secured.url
-    job = httpx.post(url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
+    job = httpx.post(
+        url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth(), verify=TLS
+    )
     assert job.status_code == 200
     job_id = job.json()["job_id"]
     guarded = [
@@ -70,35 +73,35 @@ def test_api_key_guards_every_route_but_health_and_page(secured):
     ]
     for method, path in guarded:
         for headers in ({}, auth("wrong"), {"Authorization": KEY}):
-            r = httpx.request(method, url + path, headers=headers)
+            r = httpx.request(method, url + path, headers=headers, verify=TLS)
             assert r.status_code == 401, (method, path)
             assert r.json()["status"] == "error"
             assert "Authorization" in r.json()["error"]
     for path in ("/health", "/", "/tags", "/app.js", "/favicon.ico"):
-        assert httpx.get(url + path).status_code == 200, path
-    icon = httpx.get(url + "/favicon.ico")  # every browser asks for it: no console error per load
+        assert httpx.get(url + path, verify=TLS).status_code == 200, path
+    icon = httpx.get(url + "/favicon.ico", verify=TLS)  # every browser asks for it: no console error per load
     assert icon.headers["content-type"] == "image/svg+xml"
     assert icon.content.startswith(b"<svg")
     # The key works (and the dispatcher reaches the worker with the token); the job above may still run.
-    assert httpx.get(url + "/status", headers=auth()).json()["workers"][0]["status"] in ("idle", "busy")
+    assert httpx.get(url + "/status", headers=auth(), verify=TLS).json()["workers"][0]["status"] in ("idle", "busy")
 
 
 def test_probes_answer_without_a_key_and_reveal_nothing(secured):
     """A load balancer's probe has no key: /health and /ready answer it; what /ready knows beyond ready or
     not (the worker count, a folder's path in a reason) only to a caller with the key."""
     url = secured.url
-    assert httpx.get(url + "/health").json()["status"] == "ok"
-    bare = httpx.get(url + "/ready")
+    assert httpx.get(url + "/health", verify=TLS).json()["status"] == "ok"
+    bare = httpx.get(url + "/ready", verify=TLS)
     assert bare.status_code == 200
     assert bare.json() == {"status": "ready"}
-    keyed = httpx.get(url + "/ready", headers=auth())
+    keyed = httpx.get(url + "/ready", headers=auth(), verify=TLS)
     assert keyed.json() == {"status": "ready", "workers_ready": 1}
-    assert httpx.get(url + "/ready", headers=auth("wrong")).json() == {"status": "ready"}
+    assert httpx.get(url + "/ready", headers=auth("wrong"), verify=TLS).json() == {"status": "ready"}
 
 
 def test_workers_refuse_calls_without_the_token(secured):
     w = secured.workers[0].url
-    assert httpx.get(w + "/health").status_code == 200
+    assert httpx.get(w + "/health", verify=TLS).status_code == 200
     for method, path in [
         ("POST", "/generate"),
         ("GET", "/config"),
@@ -107,51 +110,58 @@ def test_workers_refuse_calls_without_the_token(secured):
         ("GET", "/download/x.wav"),
         ("GET", "/ready"),
     ]:
-        r = httpx.request(method, w + path, json={})
+        r = httpx.request(method, w + path, json={}, verify=TLS)
         assert r.status_code == 401, path
         assert r.json()["status"] == "error", path
         # Not "send Authorization: Bearer <key>" (read as "you need an API key"): where clients go.
         assert r.json()["error"].startswith("This is a songserve worker (port "), path
         assert "clients use the dispatcher" in r.json()["error"], path
-    root = httpx.get(w + "/")  # a browser pointed at a worker's port
+    root = httpx.get(w + "/", verify=TLS)  # a browser pointed at a worker's port
     assert root.status_code == 200
     assert "not the API: clients use the dispatcher" in root.json()["note"]
-    assert httpx.get(w + "/config", headers=auth(TOKEN)).status_code == 200
+    assert httpx.get(w + "/config", headers=auth(TOKEN), verify=TLS).status_code == 200
 
 
 def test_track_files_reached_through_the_dispatcher_with_the_token(secured):
-    r = httpx.post(secured.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
+    r = httpx.post(
+        secured.url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth(), verify=TLS
+    )
     job_id = r.json()["job_id"]
     from tests.support.servers import wait_for
 
     wait_for(
-        lambda: httpx.get(f"{secured.url}/job/{job_id}", headers=auth()).json()["status"] == "completed", timeout=30
+        lambda: httpx.get(f"{secured.url}/job/{job_id}", headers=auth(), verify=TLS).json()["status"] == "completed",
+        timeout=30,
     )
-    assert httpx.get(f"{secured.url}/job/{job_id}/track/0/wav", headers=auth()).status_code == 200
+    assert httpx.get(f"{secured.url}/job/{job_id}/track/0/wav", headers=auth(), verify=TLS).status_code == 200
 
 
 def test_a_browsers_reads_may_carry_the_key_in_a_cookie_and_nothing_else_may(secured):
     """<audio>, links and EventSource cannot send Authorization: GET and HEAD take the page's cookie."""
     url, cookie = secured.url, {"Cookie": f"theme=dark; songserve_key={KEY.replace('-', '%2D')}"}
-    job = httpx.post(url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth())
+    job = httpx.post(
+        url + "/generate", json={"lyrics": "x", "duration": 0.05, "num_tracks": 1}, headers=auth(), verify=TLS
+    )
     job_id = job.json()["job_id"]
     from tests.support.servers import wait_for
 
-    wait_for(lambda: httpx.get(f"{url}/job/{job_id}", headers=cookie).json()["status"] == "completed", timeout=30)
-    wav = httpx.get(f"{url}/job/{job_id}/track/0/wav", headers=cookie)
+    wait_for(
+        lambda: httpx.get(f"{url}/job/{job_id}", headers=cookie, verify=TLS).json()["status"] == "completed", timeout=30
+    )
+    wav = httpx.get(f"{url}/job/{job_id}/track/0/wav", headers=cookie, verify=TLS)
     assert wav.status_code == 200
     assert wav.content[:4] == b"RIFF"
-    assert httpx.head(f"{url}/job/{job_id}/track/0/mp3", headers=cookie).status_code == 200
-    with httpx.stream("GET", f"{url}/job/{job_id}/events", headers=cookie) as events:
+    assert httpx.head(f"{url}/job/{job_id}/track/0/mp3", headers=cookie, verify=TLS).status_code == 200
+    with httpx.stream("GET", f"{url}/job/{job_id}/events", headers=cookie, verify=TLS) as events:
         assert events.status_code == 200
     for bad in ({"Cookie": "songserve_key=wrong"}, {"Cookie": f"other_key={KEY}"}):
-        assert httpx.get(f"{url}/job/{job_id}", headers=bad).status_code == 401
+        assert httpx.get(f"{url}/job/{job_id}", headers=bad, verify=TLS).status_code == 401
     # A cookie never changes anything: what a cross-site form could send is refused and does nothing.
     body = {"lyrics": "x", "duration": 0.05, "num_tracks": 1}
-    assert httpx.post(url + "/generate", json=body, headers=cookie).status_code == 401
-    assert httpx.delete(f"{url}/job/{job_id}", headers=cookie).status_code == 401
+    assert httpx.post(url + "/generate", json=body, headers=cookie, verify=TLS).status_code == 401
+    assert httpx.delete(f"{url}/job/{job_id}", headers=cookie, verify=TLS).status_code == 401
     # A wrong header is not rescued by a right cookie.
-    assert httpx.get(f"{url}/job/{job_id}", headers={**cookie, **auth("wrong")}).status_code == 401
+    assert httpx.get(f"{url}/job/{job_id}", headers={**cookie, **auth("wrong")}, verify=TLS).status_code == 401
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +176,7 @@ def test_body_size_limit(open_cluster):
         open_cluster.url + "/generate",
         content=b'{"lyrics": "' + b"a" * 2_000_000 + b'"}',
         headers={"Content-Type": "application/json"},
+        verify=TLS,
     )
     assert r.status_code == 413
     assert r.json()["status"] == "error"
@@ -176,7 +187,9 @@ def test_body_size_limit(open_cluster):
             yield b"a" * 50_000
         yield b'"}'
 
-    r = httpx.post(open_cluster.url + "/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        open_cluster.url + "/generate", content=chunks(), headers={"Content-Type": "application/json"}, verify=TLS
+    )
     assert r.status_code == 413
 
 
@@ -189,6 +202,7 @@ def test_cors_allows_localhost_dev_ports_only(open_cluster):
                 "Access-Control-Request-Method": "POST",
                 "Access-Control-Request-Headers": "content-type",
             },
+            verify=TLS,
         )
 
     assert preflight("http://localhost:5173").headers.get("access-control-allow-origin") == "http://localhost:5173"
@@ -213,7 +227,7 @@ def test_traversal_on_every_file_route(open_cluster):
         "/%2e%2e/%2e%2e/etc/passwd",
     ]
     for path in attempts:
-        r = httpx.get(url + path)
+        r = httpx.get(url + path, verify=TLS)
         assert r.status_code in (400, 404, 422), path
         assert b"root:" not in r.content
         assert b"SQLite" not in r.content
@@ -221,12 +235,12 @@ def test_traversal_on_every_file_route(open_cluster):
     results = open_cluster.tmp / "state" / "results" / job_id
     (results / "track_0.wav").unlink()
     (results / "track_0.wav").symlink_to("/etc/passwd")
-    r = httpx.get(f"{url}/job/{job_id}/track/0/wav")
+    r = httpx.get(f"{url}/job/{job_id}/track/0/wav", verify=TLS)
     assert r.status_code == 410  # not followed: the track's file is gone
     assert b"root:" not in r.content
     w = open_cluster.workers[0].url
     for name in ("..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "x.wav%00", "%2e%2e", "...", "a%5Cb"):
-        assert httpx.get(f"{w}/download/{name}").status_code == 404, name
+        assert httpx.get(f"{w}/download/{name}", verify=TLS).status_code == 404, name
 
 
 def _fuzz(base_url: str, max_examples: int) -> list[str]:

@@ -35,6 +35,7 @@ import pytest
 
 from songserve import codes
 from tests.model.test_encoder import music, wav_bytes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, free_port, start_worker, wait_for
 
 SEED = 20261203
@@ -83,7 +84,7 @@ def fleet(tiny_dir, tmp_path_factory):
 
 
 def _post(fleet: Cluster, ledger: Ledger, kind: str, **body) -> str | None:
-    r = httpx.post(f"{fleet.url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{fleet.url}/generate", json=body, timeout=30, verify=TLS)
     if r.status_code == 429:  # a full queue is an answer, not a failure: nothing was accepted
         ledger.notes.append(f"{kind}: 429")
         return None
@@ -149,7 +150,7 @@ def op_upload(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
         upload_id = rng.choice(known)  # the same upload continued again
     else:
         data = wav_bytes(music(rng.uniform(3.0, 5.0), seed=rng.randrange(1000)))
-        r = httpx.post(f"{fleet.url}/uploads", files={"file": ("soak.wav", data, "audio/wav")}, timeout=60)
+        r = httpx.post(f"{fleet.url}/uploads", files={"file": ("soak.wav", data, "audio/wav")}, timeout=60, verify=TLS)
         assert r.status_code == 200, r.text
         upload_id = r.json()["upload_id"]
         with ledger.lock:
@@ -168,7 +169,7 @@ def op_cancel(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     if job_id is None:
         return
     time.sleep(rng.uniform(0.0, 1.5))
-    r = httpx.delete(f"{fleet.url}/job/{job_id}", timeout=30)
+    r = httpx.delete(f"{fleet.url}/job/{job_id}", timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     with ledger.lock:
         ledger.cancelled.add(job_id)
@@ -182,7 +183,7 @@ def op_render(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
         return op_generate(fleet, ledger, rng)
     job_id, index = rng.choice(takes)
     params = {"format": rng.choice(["flac", "opus", "mp3", "wav"]), "loudness": rng.choice([-23, -16, -14])}
-    r = httpx.get(f"{fleet.url}/job/{job_id}/track/{index}/render", params=params, timeout=120)
+    r = httpx.get(f"{fleet.url}/job/{job_id}/track/{index}/render", params=params, timeout=120, verify=TLS)
     assert r.status_code in (200, 429, 503), (job_id, params, r.status_code, r.text[:300])
     if r.status_code != 200:
         assert "Retry-After" in r.headers, r.headers
@@ -210,7 +211,7 @@ def op_listen(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
 def _hang_up(fleet: Cluster, job_id: str, after: float) -> None:
     deadline = time.monotonic() + after
     try:
-        with httpx.stream("GET", f"{fleet.url}/job/{job_id}/track/0/stream", timeout=30) as r:
+        with httpx.stream("GET", f"{fleet.url}/job/{job_id}/track/0/stream", timeout=30, verify=TLS) as r:
             for _ in r.iter_raw(4096):
                 if time.monotonic() > deadline:
                     break
@@ -226,18 +227,18 @@ def op_acestep(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
         "batch_size": rng.choice([1, 2]),
         "audio_format": rng.choice(["mp3", "flac"]),
     }
-    r = httpx.post(fleet.ace + "/release_task", json=body, timeout=30)
+    r = httpx.post(fleet.ace + "/release_task", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     task_id = r.json()["data"]["task_id"]
     ledger.add(task_id, "acestep")
     _finished(fleet, ledger, task_id)
-    result = httpx.post(fleet.ace + "/query_result", json={"task_id_list": [task_id]}, timeout=30)
+    result = httpx.post(fleet.ace + "/query_result", json={"task_id_list": [task_id]}, timeout=30, verify=TLS)
     assert result.json()["data"][0]["status"] == 1, result.text
 
 
 def _memory_mb(worker) -> float:
     """The worker's RSS less the bytes its KV snapshot cache holds (on the CPU, host memory), in MB."""
-    health = httpx.get(worker.url + "/health", timeout=30).json()
+    health = httpx.get(worker.url + "/health", timeout=30, verify=TLS).json()
     snapshots = (health.get("kv_snapshots") or {}).get("bytes", 0)
     return float(health["rss_mb"]) - snapshots / 2**20
 
@@ -290,20 +291,24 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
         if job_id not in views:
             continue
         if kind == "upload":
-            origin = codes.decode(httpx.get(f"{fleet.url}/uploads/{source}/codes", timeout=30).content)
+            origin = codes.decode(httpx.get(f"{fleet.url}/uploads/{source}/codes", timeout=30, verify=TLS).content)
             frames = origin.frames
         else:
             src_job, src_index = str(source).split("/")
-            origin = codes.decode(httpx.get(f"{fleet.url}/job/{src_job}/track/{src_index}/codes", timeout=30).content)
+            origin = codes.decode(
+                httpx.get(f"{fleet.url}/job/{src_job}/track/{src_index}/codes", timeout=30, verify=TLS).content
+            )
         for track in views[job_id]["tracks"]:
-            grid = codes.decode(httpx.get(f"{fleet.url}/job/{job_id}/track/{track['index']}/codes", timeout=30).content)
+            grid = codes.decode(
+                httpx.get(f"{fleet.url}/job/{job_id}/track/{track['index']}/codes", timeout=30, verify=TLS).content
+            )
             assert grid.levels == 64, (job_id, grid.levels)
             assert grid.frames > frames, (job_id, grid.frames, frames)
             assert (grid.codes[:, :frames] == origin.codes[:, :frames]).all(), (job_id, kind, source)
 
     # The fleet is whole: every process alive, answering, and no traceback in a worker's log.
-    assert httpx.get(fleet.url + "/health", timeout=10).status_code == 200
-    assert httpx.get(fleet.ace + "/health", timeout=10).status_code == 200
+    assert httpx.get(fleet.url + "/health", timeout=10, verify=TLS).status_code == 200
+    assert httpx.get(fleet.ace + "/health", timeout=10, verify=TLS).status_code == 200
     for w in fleet.workers:
         assert w.proc.poll() is None, w.log_tail()
         assert "Traceback" not in Path(w.log_path).read_text(errors="replace"), w.log_tail()

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from tests.process.test_scaleout import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
+from tests.support.http import TLS
 from tests.support.servers import ServerProcess, wait_for
 
 DONE = re.compile(r"task ([0-9a-f]{16})-(\d+)-\d+-[0-9a-f]+: done in ")
@@ -48,7 +49,7 @@ def held_for(since: float, seconds: float) -> None:
 
 def submit(api: ServerProcess, i: int, tracks: int = 1) -> str:
     body = {"lyrics": f"song {i}", "duration": 0.05, "num_tracks": tracks}
-    r = httpx.post(api.url + "/generate", json=body, timeout=30)
+    r = httpx.post(api.url + "/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     return str(r.json()["job_id"])
 
@@ -117,7 +118,7 @@ class Recorder:
     def send(self, what: str, method: str, url: str, **kw: object) -> httpx.Response | None:
         t0 = time.monotonic()
         try:
-            r = httpx.request(method, url, timeout=30, **kw)  # type: ignore[arg-type]
+            r = httpx.request(method, url, timeout=30, **kw, verify=TLS)  # type: ignore[arg-type]
         except httpx.HTTPError:
             r = None
         took = time.monotonic() - t0
@@ -137,7 +138,7 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
     a = start_dispatcher(tmp_path, "A", pg_url, workers)
     rec = Recorder()
     try:
-        wait_for(lambda: httpx.get(a.url + "/ready").status_code == 200, timeout=30)
+        wait_for(lambda: httpx.get(a.url + "/ready", verify=TLS).status_code == 200, timeout=30)
         finished = submit(a, 0)
         wait_for(lambda: job(a, finished)["status"] == "completed", timeout=30)
         before = [submit(a, i, tracks=2) for i in range(1, 7)]  # running and queued when the lock comes
@@ -146,9 +147,9 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         locker = psycopg.connect(pg_url, autocommit=False)
         locker.execute("LOCK TABLE jobs, tracks IN ACCESS EXCLUSIVE MODE")
         locked_at = time.monotonic()
-        wait_for(lambda: httpx.get(a.url + "/ready", timeout=30).status_code != 200, timeout=30)
+        wait_for(lambda: httpx.get(a.url + "/ready", timeout=30, verify=TLS).status_code != 200, timeout=30)
         ready_after = time.monotonic() - locked_at
-        ready_body = httpx.get(a.url + "/ready", timeout=30).json()
+        ready_body = httpx.get(a.url + "/ready", timeout=30, verify=TLS).json()
 
         def client(n: int) -> None:
             i = 0
@@ -167,7 +168,7 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         locker.rollback()  # the lock goes
         locker.close()
         released = time.monotonic()
-        wait_for(lambda: httpx.get(a.url + "/ready", timeout=30).status_code == 200, timeout=30)
+        wait_for(lambda: httpx.get(a.url + "/ready", timeout=30, verify=TLS).status_code == 200, timeout=30)
         ready_again = time.monotonic() - released
         wait_for(lambda: all_done(a, rec.accepted), timeout=60, interval=0.25)
         settled = time.monotonic() - released
@@ -202,16 +203,20 @@ def test_a_worker_refuses_a_task_sent_under_a_lease_older_than_one_it_has_seen(t
     auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
         body = {"lyrics": "x", "duration": 0.05, "task_id": "stale-1"}
-        asked = httpx.get(f"{w.url}/tasks/stale-1", headers={**auth, "Songserve-Lease": "store1 5"})  # the new holder
+        asked = httpx.get(
+            f"{w.url}/tasks/stale-1", headers={**auth, "Songserve-Lease": "store1 5"}, verify=TLS
+        )  # the new holder
         assert asked.status_code == 404
-        stale = httpx.post(w.url + "/generate", json=body, headers={**auth, "Songserve-Lease": "store1 4"}, timeout=30)
+        stale = httpx.post(
+            w.url + "/generate", json=body, headers={**auth, "Songserve-Lease": "store1 4"}, timeout=30, verify=TLS
+        )
         assert stale.status_code == 409
         assert "epoch 4" in stale.json()["error"]
         assert "Nothing was run" in stale.json()["error"]
-        assert httpx.get(f"{w.url}/tasks/stale-1", headers=auth).status_code == 404  # it never started
+        assert httpx.get(f"{w.url}/tasks/stale-1", headers=auth, verify=TLS).status_code == 404  # it never started
         for headers in ({"Songserve-Lease": "store1 5"}, {"Songserve-Lease": "store2 1"}, {}):
             ok = httpx.post(w.url + "/generate", json={**body, "task_id": f"t{len(headers)}{id(headers)}"},
-                            headers={**auth, **headers}, timeout=30)  # fmt: skip
+                            headers={**auth, **headers}, timeout=30, verify=TLS)  # fmt: skip
             assert ok.status_code == 200, ok.text  # the holder, another store's epochs, an unfenced caller
         assert "refused, sent under lease epoch 4" in w.log_tail()
     finally:

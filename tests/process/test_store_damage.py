@@ -140,8 +140,10 @@ def test_move_aside_starts_a_fresh_store_and_says_so(tmp_path: Path) -> None:
         api.wait_healthy(want=("ok",), timeout=60)
         import httpx
 
-        assert httpx.get(api.url + "/status", timeout=5).status_code == 200
-        assert httpx.get(api.url + "/job/00000000aa", timeout=5).status_code == 404
+        from tests.support.http import TLS
+
+        assert httpx.get(api.url + "/status", timeout=5, verify=TLS).status_code == 200
+        assert httpx.get(api.url + "/job/00000000aa", timeout=5, verify=TLS).status_code == 404
     finally:
         api.stop()
     moved = list(tmp_path.glob(f"{STORE}.damaged-*"))

@@ -22,6 +22,7 @@ from songserve.api.service.requests import RequestLimits, normalize
 from songserve.body_fields import MAX_NAME_CHARS, MAX_NAMES, read_body, suggestion
 from songserve.logs import MAX_MESSAGE_CHARS, LineFormatter, safe
 from songserve.schemas import GenerateRequest
+from tests.support.http import TLS
 from tests.support.servers import ServerProcess, free_port
 
 FORGED = "2031-01-01 00:00:00,000 ERROR api songserve.api.service.job_service: forged"
@@ -126,7 +127,7 @@ def test_a_hundred_bodies_of_twenty_thousand_unknown_names(tmp_path):
         api.wait_healthy(want=("ok",))
         headers = {"Content-Type": "application/json"}
         size_mb = len(json.dumps(probe_body(0))) / 2**20  # ~2.8 MB; every body's names are its own
-        with httpx.Client(base_url=api.url, timeout=120) as client:
+        with httpx.Client(base_url=api.url, timeout=120, verify=TLS) as client:
             first = client.post("/generate", json=probe_body(-1))  # the dispatcher's first big body, unmeasured
             assert first.status_code == 200, first.text
             before = rss_mb(api.proc.pid)

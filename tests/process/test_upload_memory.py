@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.support.http import TLS
 from tests.support.load_probe import HealthWatch, peak_mib, raw_request
 from tests.support.servers import Cluster, free_port, wait_for
 
@@ -48,7 +49,9 @@ def wav_of(megabytes: int, rate: int = 44100) -> bytes:
 
 
 def post(url: str, data: bytes, name: str = "x.flac", timeout: float = 600) -> httpx.Response:
-    return httpx.post(f"{url}/uploads", files={"file": (name, data, "application/octet-stream")}, timeout=timeout)
+    return httpx.post(
+        f"{url}/uploads", files={"file": (name, data, "application/octet-stream")}, timeout=timeout, verify=TLS
+    )
 
 
 def test_a_small_file_that_decodes_to_gigabytes_costs_each_process_its_44k_size(tmp_path):
@@ -64,7 +67,7 @@ def test_a_small_file_that_decodes_to_gigabytes_costs_each_process_its_44k_size(
             up = r.json()
             assert up["source"] == {"format": "FLAC", "subtype": "PCM_16", "sample_rate": 384000, "channels": 8,
                                     "frames": 23_040_000}  # fmt: skip
-            done = wait_for(lambda: (v := httpx.get(f"{site.url}/uploads/{up['upload_id']}").json())["status"]
+            done = wait_for(lambda: (v := httpx.get(f"{site.url}/uploads/{up['upload_id']}", verify=TLS).json())["status"]
                             in ("ready", "failed") and v, timeout=600, interval=0.5)  # fmt: skip
         assert done["status"] == "ready", done  # the worker decoded it whole: 60 s of 44.1 kHz stereo
         assert done["duration_sec"] == 60.0
@@ -126,9 +129,10 @@ def test_an_upload_past_the_line_is_503_with_retry_after_before_its_body_is_read
             data={"task_type": "repaint", "repainting_start": "1"},
             files={"src_audio": ("mine.wav", small, "audio/wav")},
             timeout=30,
+            verify=TLS,
         )
         assert (repaint.status_code, repaint.headers.get("retry-after")) == (503, "5"), repaint.text
-        plain = httpx.post(f"http://127.0.0.1:{ace}/release_task", json={"prompt": "x"}, timeout=30)
+        plain = httpx.post(f"http://127.0.0.1:{ace}/release_task", json={"prompt": "x"}, timeout=30, verify=TLS)
         assert plain.status_code == 200, plain.text  # a task without a file waits in no line
         release.set()
         first.join(60)

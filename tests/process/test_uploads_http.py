@@ -21,6 +21,7 @@ from songserve import codes
 from songserve.audio_in import read_audio
 from songserve.pipeline.numbers import FRAMES_PER_SECOND
 from songserve.pipeline.tone import tone_codes
+from tests.support.http import TLS
 from tests.support.servers import Cluster, ServerProcess, free_port, start_reference_worker, start_worker, wait_for
 
 UPLOAD_MB = 2.0
@@ -46,7 +47,9 @@ def audio(seconds: float, rate: int = 44100, channels: int = 2, fmt: str = "WAV"
 
 
 def post_upload(site: Cluster, data: bytes, name: str = "demo.wav") -> httpx.Response:
-    return httpx.post(f"{site.url}/uploads", files={"file": (name, data, "application/octet-stream")}, timeout=60)
+    return httpx.post(
+        f"{site.url}/uploads", files={"file": (name, data, "application/octet-stream")}, timeout=60, verify=TLS
+    )
 
 
 def upload(site: Cluster, data: bytes, name: str = "demo.wav") -> dict:
@@ -56,7 +59,7 @@ def upload(site: Cluster, data: bytes, name: str = "demo.wav") -> dict:
 
 
 def view(site: Cluster, upload_id: str) -> dict:
-    return dict(httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10).json())
+    return dict(httpx.get(f"{site.url}/uploads/{upload_id}", timeout=10, verify=TLS).json())
 
 
 def wait_upload(site: Cluster, upload_id: str) -> dict:
@@ -64,13 +67,15 @@ def wait_upload(site: Cluster, upload_id: str) -> dict:
 
 
 def grid(site: Cluster, path: str) -> codes.CodeGrid:
-    r = httpx.get(f"{site.url}{path}", timeout=10)
+    r = httpx.get(f"{site.url}{path}", timeout=10, verify=TLS)
     assert r.status_code == 200, r.text
     return codes.decode(r.content)
 
 
 def generate(site: Cluster, **body) -> dict:
-    r = httpx.post(f"{site.url}/generate", json={"tags": "pop", "lyrics": "[verse]\nla", **body}, timeout=30)
+    r = httpx.post(
+        f"{site.url}/generate", json={"tags": "pop", "lyrics": "[verse]\nla", **body}, timeout=30, verify=TLS
+    )
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -150,7 +155,7 @@ def test_what_cannot_be_encoded_is_refused_naming_why_and_nothing_is_stored(site
 
 
 def test_a_request_without_a_file_names_the_field(site):
-    r = httpx.post(f"{site.url}/uploads", data={"name": "x"}, timeout=10)
+    r = httpx.post(f"{site.url}/uploads", data={"name": "x"}, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["error"].startswith("Field 'file'")
 
@@ -205,25 +210,29 @@ def test_a_failed_or_gone_upload_is_refused_before_any_work_and_fails_what_waite
     done = site.wait_job(waiting["job_id"])
     assert done["status"] == "failed"
     assert "could not be encoded: its file is gone" in done["tracks"][0]["error"]
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": {"upload_id": u["upload_id"]}}, timeout=10)
+    r = httpx.post(
+        f"{site.url}/generate", json={"continue_from": {"upload_id": u["upload_id"]}}, timeout=10, verify=TLS
+    )
     assert r.status_code == 422
     assert r.json()["error"] == (
         f"Field 'continue_from.upload_id': upload {u['upload_id']} could not be encoded: "
         "its file is gone from the results folder."
     )
     assert r.json()["detail"][0]["loc"] == ["body", "continue_from", "upload_id"]
-    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}/codes", timeout=10).status_code == 404
+    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}/codes", timeout=10, verify=TLS).status_code == 404
 
 
 def test_a_deleted_upload_is_gone_everywhere(site):
     u = wait_upload(site, upload(site, audio(2.0, seed=8))["upload_id"])
-    r = httpx.delete(f"{site.url}/uploads/{u['upload_id']}", timeout=10)
+    r = httpx.delete(f"{site.url}/uploads/{u['upload_id']}", timeout=10, verify=TLS)
     assert r.status_code == 200
     assert r.json()["status"] == "ready"
-    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}", timeout=10).status_code == 404
-    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}/codes", timeout=10).status_code == 404
+    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}", timeout=10, verify=TLS).status_code == 404
+    assert httpx.get(f"{site.url}/uploads/{u['upload_id']}/codes", timeout=10, verify=TLS).status_code == 404
     assert u["upload_id"] not in stored(site)[0]
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": {"upload_id": u["upload_id"]}}, timeout=10)
+    r = httpx.post(
+        f"{site.url}/generate", json={"continue_from": {"upload_id": u["upload_id"]}}, timeout=10, verify=TLS
+    )
     assert r.status_code == 422
     assert "is not known here" in r.json()["error"]
 
@@ -243,7 +252,7 @@ def test_a_continuation_that_cannot_be_served_is_refused_naming_the_field(site, 
     if "READY" in cf.values():
         ready = wait_upload(site, upload(site, audio(3.0, seed=9))["upload_id"])
         cf = {**cf, "upload_id": ready["upload_id"]}
-    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, **body}, timeout=10)
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, **body}, timeout=10, verify=TLS)
     assert r.status_code == 422, r.text
     assert r.json()["error"].startswith(f"Field '{field}'"), r.json()
     assert says in r.json()["error"]
@@ -258,24 +267,24 @@ def test_any_dispatcher_of_a_postgresql_fleet_answers_for_an_upload(tmp_path: Pa
     b = start_dispatcher(tmp_path, "B", pg_url, workers)
     try:
         data = audio(4.0, seed=10)
-        r = httpx.post(f"{a.url}/uploads", files={"file": ("x.wav", data, "audio/wav")}, timeout=60)
+        r = httpx.post(f"{a.url}/uploads", files={"file": ("x.wav", data, "audio/wav")}, timeout=60, verify=TLS)
         assert r.status_code == 200, r.text
         upload_id = r.json()["upload_id"]
         at_b = wait_for(lambda: (v := _view(b, upload_id))["status"] == "ready" and v, timeout=60)
-        got = codes.decode(httpx.get(f"{b.url}{at_b['codes']}", timeout=10).content)
+        got = codes.decode(httpx.get(f"{b.url}{at_b['codes']}", timeout=10, verify=TLS).content)
         assert np.array_equal(got.codes, tone_codes(read_audio(data)[0]))
         body = {"continue_from": {"upload_id": upload_id}, "duration": 0.1, "num_tracks": 1, "tags": "pop"}
-        job = httpx.post(f"{b.url}/generate", json=body, timeout=30).json()
+        job = httpx.post(f"{b.url}/generate", json=body, timeout=30, verify=TLS).json()
         done = wait_done(a, job["job_id"])
         assert done["status"] == "completed", done
-        assert httpx.delete(f"{b.url}/uploads/{upload_id}", timeout=10).status_code == 200
-        assert httpx.get(f"{a.url}/uploads/{upload_id}", timeout=10).status_code == 404
+        assert httpx.delete(f"{b.url}/uploads/{upload_id}", timeout=10, verify=TLS).status_code == 200
+        assert httpx.get(f"{a.url}/uploads/{upload_id}", timeout=10, verify=TLS).status_code == 404
     finally:
         stop_all(a, b, *workers)
 
 
 def _view(api: ServerProcess, upload_id: str) -> dict:
-    return dict(httpx.get(f"{api.url}/uploads/{upload_id}", timeout=10).json())
+    return dict(httpx.get(f"{api.url}/uploads/{upload_id}", timeout=10, verify=TLS).json())
 
 
 def test_the_workers_encode_route_takes_its_token_its_own_size_cap_and_only_audio(tmp_path: Path):
@@ -284,19 +293,21 @@ def test_the_workers_encode_route_takes_its_token_its_own_size_cap_and_only_audi
         w.wait_healthy()
         auth = {"Authorization": "Bearer t0k"}
         data = audio(2.0)  # 350 kB
-        assert httpx.post(f"{w.url}/encode", content=data, timeout=30).status_code == 401
-        r = httpx.post(f"{w.url}/encode", params={"task_id": "upload-1"}, content=data, headers=auth, timeout=30)
+        assert httpx.post(f"{w.url}/encode", content=data, timeout=30, verify=TLS).status_code == 401
+        r = httpx.post(
+            f"{w.url}/encode", params={"task_id": "upload-1"}, content=data, headers=auth, timeout=30, verify=TLS
+        )
         assert r.status_code == 200, r.text
         got = r.json()
         assert (got["task_id"], got["grid"]["levels"], got["grid"]["frames"]) == ("upload-1", 64, 2 * 44100 // 2048)
         raw = np.frombuffer(codes_bytes(got["grid"]["codes"]), dtype="<i2").reshape(64, -1)
         assert np.array_equal(raw, tone_codes(read_audio(data)[0]))
         assert got["source"]["format"] == "WAV"
-        assert httpx.get(f"{w.url}/tasks/upload-1", headers=auth, timeout=10).json()["status"] == "done"
-        assert httpx.get(f"{w.url}/config", headers=auth, timeout=10).json()["encoder"] is True
-        r = httpx.post(f"{w.url}/encode", content=b"x" * (600 * 1024), headers=auth, timeout=30)
+        assert httpx.get(f"{w.url}/tasks/upload-1", headers=auth, timeout=10, verify=TLS).json()["status"] == "done"
+        assert httpx.get(f"{w.url}/config", headers=auth, timeout=10, verify=TLS).json()["encoder"] is True
+        r = httpx.post(f"{w.url}/encode", content=b"x" * (600 * 1024), headers=auth, timeout=30, verify=TLS)
         assert (r.status_code, r.json()["error"]) == (413, "The audio file is larger than MAX_AUDIO_MB (0.5 MB).")
-        r = httpx.post(f"{w.url}/encode", content=b"lyrics, not audio\n" * 40, headers=auth, timeout=30)
+        r = httpx.post(f"{w.url}/encode", content=b"lyrics, not audio\n" * 40, headers=auth, timeout=30, verify=TLS)
         assert r.status_code == 400
         assert r.json()["error"].startswith("The audio file is not audio that can be read")
     finally:
@@ -320,11 +331,14 @@ def test_uploads_need_the_api_key_and_a_worker_that_can_encode(tmp_path: Path):
         api.wait_healthy(want=("ok",))
         auth = {"Authorization": "Bearer k3y"}
         wait_for(
-            lambda: [w["kind"] for w in httpx.get(f"{api.url}/status", headers=auth).json()["workers"]] == ["reference"]
+            lambda: (
+                [w["kind"] for w in httpx.get(f"{api.url}/status", headers=auth, verify=TLS).json()["workers"]]
+                == ["reference"]
+            )
         )
         files = {"file": ("x.wav", audio(1.0), "audio/wav")}
-        assert httpx.post(f"{api.url}/uploads", files=files, timeout=30).status_code == 401
-        r = httpx.post(f"{api.url}/uploads", files=files, headers=auth, timeout=30)
+        assert httpx.post(f"{api.url}/uploads", files=files, timeout=30, verify=TLS).status_code == 401
+        r = httpx.post(f"{api.url}/uploads", files=files, headers=auth, timeout=30, verify=TLS)
         assert r.status_code == 503
         assert r.json()["error"].startswith("No worker here can encode audio")
         assert not (tmp_path / "state" / "results" / "uploads").exists()

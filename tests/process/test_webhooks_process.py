@@ -14,6 +14,7 @@ import httpx
 
 from songserve.api.webhooks.sign import verify
 from tests.process.test_scaleout import start_dispatcher, tone_workers
+from tests.support.http import TLS
 from tests.support.receiver import Receiver
 from tests.support.servers import Cluster, ServerProcess, free_port, start_worker, wait_for
 
@@ -23,7 +24,7 @@ BODY = {"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, "num_tracks":
 
 
 def metric(api: ServerProcess, name: str) -> float:
-    text = httpx.get(api.url + "/metrics", timeout=10).text
+    text = httpx.get(api.url + "/metrics", timeout=10, verify=TLS).text
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -70,7 +71,7 @@ def test_each_event_is_delivered_once_by_a_postgresql_pair(tmp_path, pg_url):
             jobs = []
             for i in range(6):
                 r = httpx.post(apis[i % 2].url + "/generate", json={**BODY, "num_tracks": 2, "webhook": rx.url,
-                               "webhook_events": kinds}, timeout=10)  # fmt: skip
+                               "webhook_events": kinds}, timeout=10, verify=TLS)  # fmt: skip
                 assert r.status_code == 200, r.text
                 jobs.append(r.json()["job_id"])
             wait_for(lambda: len(rx.events("completed")) == len(jobs), timeout=120)
@@ -102,41 +103,43 @@ def test_wait_mode_keys_with_limits_and_usage_across_a_kill_9(tmp_path):
     def start() -> ServerProcess:
         api = ServerProcess(args, port, tmp_path / "api.log")
         api.wait_healthy(want=("ok",))
-        wait_for(lambda: httpx.get(api.url + "/status", headers=other).json()["idle_gpus"] == 1, timeout=30)
+        wait_for(lambda: httpx.get(api.url + "/status", headers=other, verify=TLS).json()["idle_gpus"] == 1, timeout=30)
         return api
 
     api = start()
     try:
         url = api.url + "/generate"
-        assert httpx.post(url, json=BODY, timeout=10).status_code == 401
+        assert httpx.post(url, json=BODY, timeout=10, verify=TLS).status_code == 401
         # a private-range webhook: refused before any work, naming the field (no WEBHOOK_ALLOW here)
-        r = httpx.post(url, json={**BODY, "webhook": "http://127.0.0.1:9/hook"}, headers=other, timeout=10)
+        r = httpx.post(url, json={**BODY, "webhook": "http://127.0.0.1:9/hook"}, headers=other, timeout=10, verify=TLS)
         assert r.status_code == 422
         assert r.json()["detail"][0]["loc"] == ["body", "webhook"]
         assert "loopback" in r.json()["error"]
         # the wait mode: the job ends within the wait (its view, 200), or not (today's answer, 202)
-        r = httpx.post(url, json=BODY, headers={**studio, "Prefer": "wait=30"}, timeout=60)
+        r = httpx.post(url, json=BODY, headers={**studio, "Prefer": "wait=30"}, timeout=60, verify=TLS)
         assert r.status_code == 200, r.text
         assert r.headers["preference-applied"] == "wait=30"
         assert r.json()["status"] == "completed"
         assert r.json()["tracks"][0]["files"]["mp3"].endswith("/track/0/mp3")
-        r = httpx.post(url, json=BODY, headers={**studio, "Prefer": "wait=1"}, timeout=60)
+        r = httpx.post(url, json=BODY, headers={**studio, "Prefer": "wait=1"}, timeout=60, verify=TLS)
         assert r.status_code == 202, r.text
         assert r.headers["preference-applied"] == "wait=1"
         assert r.json()["status"] in ("accepted", "queued")
         assert r.json()["job_id"]
         # the third track of the hour: 429 naming the limit; another key is not counted with it
-        r = httpx.post(url, json=BODY, headers=studio, timeout=10)
+        r = httpx.post(url, json=BODY, headers=studio, timeout=10, verify=TLS)
         assert r.status_code == 429, r.text
         assert 3000 < int(r.headers["retry-after"]) <= 3600
         assert r.json()["limit"] == {"name": "tracks_per_hour", "value": 2, "used": 2}
         assert "tracks_per_hour" in r.json()["error"]
-        assert httpx.post(url, json=BODY, headers=other, timeout=10).status_code == 200
-        r = httpx.post(f"http://127.0.0.1:{ace}/release_task", json={"caption": "pop", "ai_token": "k-studio"})
+        assert httpx.post(url, json=BODY, headers=other, timeout=10, verify=TLS).status_code == 200
+        r = httpx.post(
+            f"http://127.0.0.1:{ace}/release_task", json={"caption": "pop", "ai_token": "k-studio"}, verify=TLS
+        )
         assert r.status_code == 429
         assert r.json()["code"] == 429
         assert "tracks_per_hour" in r.json()["error"]
-        use = httpx.get(api.url + "/usage", headers=studio, timeout=10).json()
+        use = httpx.get(api.url + "/usage", headers=studio, timeout=10, verify=TLS).json()
         assert (use["name"], use["tracks_last_hour"], use["tracks_left"]) == ("studio", 2, 0)
         assert "k-studio" not in api.log_tail(10**7)  # keys are never logged; names are
         assert "key studio" in api.log_tail(10**7)
@@ -145,10 +148,10 @@ def test_wait_mode_keys_with_limits_and_usage_across_a_kill_9(tmp_path):
         api.proc.wait(10)
         api.stop()
         api = start()
-        use = httpx.get(api.url + "/usage", headers=studio, timeout=10).json()
+        use = httpx.get(api.url + "/usage", headers=studio, timeout=10, verify=TLS).json()
         assert (use["tracks_last_hour"], use["tracks_left"], use["limits"]["tracks_per_hour"]) == (2, 0, 2)
-        assert httpx.post(api.url + "/generate", json=BODY, headers=studio, timeout=10).status_code == 429
-        other_use = httpx.get(api.url + "/usage", headers=other, timeout=10).json()
+        assert httpx.post(api.url + "/generate", json=BODY, headers=studio, timeout=10, verify=TLS).status_code == 429
+        other_use = httpx.get(api.url + "/usage", headers=other, timeout=10, verify=TLS).json()
         assert (other_use["tracks_last_hour"], other_use["tracks_left"]) == (1, None)
     finally:
         api.stop()

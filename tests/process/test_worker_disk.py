@@ -31,6 +31,7 @@ from songserve.worker.outputs import sweep_outputs
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
 from songserve.worker.tasks import TaskRegistry
+from tests.support.http import TLS
 from tests.support.servers import mount_tmpfs, start_worker, wait_for
 
 TOKEN = "disk-test-token"
@@ -39,11 +40,11 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def _generate(url: str, headers: dict | None = None, **body) -> httpx.Response:
     payload = {"lyrics": "hello", "tags": "pop", "duration": 0.02, "task_id": uuid.uuid4().hex[:12], **body}
-    return httpx.post(url + "/generate", json=payload, headers=headers, timeout=60)
+    return httpx.post(url + "/generate", json=payload, headers=headers, timeout=60, verify=TLS)
 
 
 def _health(url: str) -> dict:
-    return httpx.get(url + "/health", timeout=10).json()
+    return httpx.get(url + "/health", timeout=10, verify=TLS).json()
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +74,23 @@ def test_delete_files_removes_one_task_and_is_protected(worker) -> None:
     keep = _generate(worker.url, AUTH).json()
     done = _generate(worker.url, AUTH).json()
     names = {done[k] for k in ("wav_filename", "mp3_filename", "json_filename", "codes_filename")}
-    assert httpx.delete(f"{worker.url}/files/{done['task_id']}", timeout=10).status_code == 401
-    r = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10)
+    assert httpx.delete(f"{worker.url}/files/{done['task_id']}", timeout=10, verify=TLS).status_code == 401
+    r = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10, verify=TLS)
     assert r.status_code == 200, r.text
     assert set(r.json()["removed"]) == names
     on_disk = set(os.listdir(worker.out_dir))
     assert not names & on_disk
     assert keep["wav_filename"] in on_disk
     assert keep["json_filename"] in on_disk
-    r = httpx.get(f"{worker.url}/download/{done['wav_filename']}", headers=AUTH, timeout=10)
+    r = httpx.get(f"{worker.url}/download/{done['wav_filename']}", headers=AUTH, timeout=10, verify=TLS)
     assert r.status_code == 404
-    again = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10)
+    again = httpx.delete(f"{worker.url}/files/{done['task_id']}", headers=AUTH, timeout=10, verify=TLS)
     assert again.status_code == 200
     assert again.json()["removed"] == []
-    unknown = httpx.delete(f"{worker.url}/files/never-ran", headers=AUTH, timeout=10)
+    unknown = httpx.delete(f"{worker.url}/files/never-ran", headers=AUTH, timeout=10, verify=TLS)
     assert unknown.status_code == 404
     assert unknown.json()["status"] == "error"
-    bad = httpx.delete(f"{worker.url}/files/..%2F..%2Fetc", headers=AUTH, timeout=10)
+    bad = httpx.delete(f"{worker.url}/files/..%2F..%2Fetc", headers=AUTH, timeout=10, verify=TLS)
     assert bad.status_code == 404
 
 
@@ -145,7 +146,7 @@ def test_full_output_disk_is_named_and_leaves_no_files(tmp_path: Path) -> None:
         assert str(out) in w.log_tail(20000)
         assert "LibsndfileError" not in body["error"]
         assert "model" not in body["error"]
-        task = httpx.get(f"{w.url}/tasks/{body['task_id']}", timeout=10).json()
+        task = httpx.get(f"{w.url}/tasks/{body['task_id']}", timeout=10, verify=TLS).json()
         assert task["status"] == "error"
         assert task["error_kind"] == "environment"
         assert os.listdir(out) == []  # neither temporary nor finished files are left behind

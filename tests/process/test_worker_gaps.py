@@ -20,6 +20,7 @@ from songserve.worker import runtime as runtime_mod
 from songserve.worker.device import ToneDevice
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
+from tests.support.http import TLS
 from tests.support.servers import ServerProcess, free_port, start_worker, wait_for
 
 
@@ -33,7 +34,9 @@ def worker(tmp_path_factory):
 
 
 def _post_raw(url: str, raw: bytes) -> httpx.Response:
-    return httpx.post(url + "/generate", content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    return httpx.post(
+        url + "/generate", content=raw, headers={"Content-Type": "application/json"}, timeout=30, verify=TLS
+    )
 
 
 # -- bounds and patterns ----------------------------------------------------------------------------
@@ -62,10 +65,13 @@ def test_bad_fields_are_422_naming_the_field(worker, raw: bytes, field: str) -> 
 
 
 def test_unknown_model_names_are_refused_before_any_work(worker) -> None:
-    done_before = httpx.get(worker.url + "/health", timeout=10).json()["tasks_done"]
+    done_before = httpx.get(worker.url + "/health", timeout=10, verify=TLS).json()["tasks_done"]
     for field in ("superres_name", "backbone_name"):
         r = httpx.post(
-            worker.url + "/generate", json={"duration": 0.02, "task_id": f"bad-{field}", field: "nope"}, timeout=30
+            worker.url + "/generate",
+            json={"duration": 0.02, "task_id": f"bad-{field}", field: "nope"},
+            timeout=30,
+            verify=TLS,
         )
         assert r.status_code == 400, r.text
         body = r.json()
@@ -73,8 +79,8 @@ def test_unknown_model_names_are_refused_before_any_work(worker) -> None:
         assert "'nope'" in body["error"]
         assert "available:" in body["error"]
         # refused before the task began: the worker never ran it, so it neither remembers nor counts it
-        assert httpx.get(f"{worker.url}/tasks/bad-{field}", timeout=10).status_code == 404
-    h = httpx.get(worker.url + "/health", timeout=10).json()
+        assert httpx.get(f"{worker.url}/tasks/bad-{field}", timeout=10, verify=TLS).status_code == 404
+    h = httpx.get(worker.url + "/health", timeout=10, verify=TLS).json()
     assert h["status"] == "idle"
     assert h["tasks_done"] == done_before
 
@@ -87,7 +93,7 @@ def test_a_valid_request_still_runs(worker) -> None:
         "seed_override": 2**63 - 1,
         "job_id": "j-1",
     }
-    r = httpx.post(worker.url + "/generate", json=payload, timeout=60)
+    r = httpx.post(worker.url + "/generate", json=payload, timeout=60, verify=TLS)
     assert r.status_code == 200, r.text
     assert r.json()["seed"] == 2**63 - 1
     assert r.json()["error_kind"] is None
@@ -143,7 +149,7 @@ def _closed_by_server(s: socket.socket) -> bool:
 def test_slowloris_connections_are_closed(worker) -> None:
     socks = _slowloris(worker.port, 50)
     try:
-        assert httpx.get(worker.url + "/health", timeout=10).status_code == 200  # still serving meanwhile
+        assert httpx.get(worker.url + "/health", timeout=10, verify=TLS).status_code == 200  # still serving meanwhile
         assert all(_closed_by_server(s) for s in socks)
     finally:
         for s in socks:
@@ -203,7 +209,7 @@ def test_dispatcher_closes_slowloris_connections(tmp_path: Path) -> None:
         socks = _slowloris(port, 20)
         try:
             assert all(_closed_by_server(s) for s in socks)
-            assert httpx.get(api.url + "/health", timeout=10).status_code == 200
+            assert httpx.get(api.url + "/health", timeout=10, verify=TLS).status_code == 200
         finally:
             for s in socks:
                 s.close()

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from bench.common import rss_mb
+from tests.support.http import TLS
 from tests.support.servers import cluster_of, start_worker
 
 WARMUP = 4
@@ -54,7 +55,7 @@ def site(tiny_dir, tmp_path_factory):
 def _hang_up(url: str, after: float) -> None:
     deadline = time.monotonic() + after
     try:
-        with httpx.stream("GET", url, timeout=30) as r:
+        with httpx.stream("GET", url, timeout=30, verify=TLS) as r:
             for _ in r.iter_raw():
                 if time.monotonic() > deadline:
                     return
@@ -78,7 +79,7 @@ def _job(site, rng: random.Random, i: int, done: list[tuple[str, float]]) -> str
             "track_index": 0,
             "at_sec": round(rng.uniform(0.5, seconds - 0.5), 2),
         }
-    r = httpx.post(f"{site.url}/generate", json=body, timeout=30)
+    r = httpx.post(f"{site.url}/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     job_id = r.json()["job_id"]
     listeners = [
@@ -89,7 +90,7 @@ def _job(site, rng: random.Random, i: int, done: list[tuple[str, float]]) -> str
         t.start()
     if i % 3 == 2:  # cancelled once its first live audio has been asked for
         time.sleep(rng.uniform(0.2, 1.0))
-        assert httpx.delete(f"{site.url}/job/{job_id}", timeout=30).status_code == 200
+        assert httpx.delete(f"{site.url}/job/{job_id}", timeout=30, verify=TLS).status_code == 200
     view = site.wait_job(job_id, timeout=300)
     for t in listeners:
         t.join(60)

@@ -38,4 +38,5 @@ Starting a server, one way for each kind:
 
 Probes: ``listeners.py`` (sockets a process listens on), ``load_probe.py`` (peak memory, health
 under load, raw requests). Plugins: ``tiny_site.py``, ``schedule.py`` (units, order, durations).
+Every httpx client passes ``verify=http.TLS`` (``http.py``).
 """

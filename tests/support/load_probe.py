@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.http import TLS
+
 
 def peak_mib(pid: int) -> float:
     """The process's peak resident memory so far, in MiB."""
@@ -45,7 +47,7 @@ class HealthWatch:
         self._thread.join(self.timeout + 5)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout) as client:
+        with httpx.Client(timeout=self.timeout, verify=TLS) as client:
             while not self._done.is_set():
                 for url in self.urls:
                     t0 = time.monotonic()

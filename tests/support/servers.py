@@ -18,6 +18,7 @@ import httpx
 
 from songserve.api.results.folder import PROBE_PREFIX
 from tests.support import zygote
+from tests.support.http import TLS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,7 @@ def poll_health(url: str, want: tuple[str, ...], timeout: float, exited: Callabl
     connection (a client per poll costs a TLS context's CPU outside the test session); ``exited`` says
     why the server can no longer answer (then RuntimeError), or None."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2) as http:
+    with httpx.Client(timeout=2, verify=TLS) as http:
         while time.monotonic() < deadline:
             if why := exited():
                 raise RuntimeError(why)
@@ -259,7 +260,7 @@ class Cluster:
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         auth = {"Authorization": f"Bearer {key}"} if key else {}
         url = self.api.url + "/status"
-        wait_for(lambda: httpx.get(url, headers=auth).json()["idle_gpus"] == len(self.workers), timeout=30)
+        wait_for(lambda: httpx.get(url, headers=auth, verify=TLS).json()["idle_gpus"] == len(self.workers), timeout=30)
         return self.api
 
     @property
@@ -269,12 +270,12 @@ class Cluster:
 
     def submit(self, **body) -> dict:
         payload = {"lyrics": "hello\nworld", "tags": "pop", "duration": 0.05, **body}
-        r = httpx.post(self.url + "/generate", json=payload, timeout=10)
+        r = httpx.post(self.url + "/generate", json=payload, timeout=10, verify=TLS)
         assert r.status_code == 200, r.text
         return r.json()
 
     def job(self, job_id: str) -> dict:
-        return httpx.get(f"{self.url}/job/{job_id}", timeout=10).json()
+        return httpx.get(f"{self.url}/job/{job_id}", timeout=10, verify=TLS).json()
 
     def wait_job(self, job_id: str, timeout: float = 60.0) -> dict:
         terminal = {"completed", "partial", "failed", "cancelled"}
@@ -300,7 +301,7 @@ def wait_launched(proc: subprocess.Popen, api: str, out: Path, timeout: float = 
     def ready() -> bool:
         assert proc.poll() is None, out.read_text()
         try:
-            return httpx.get(api + "/ready", timeout=2).status_code == 200
+            return httpx.get(api + "/ready", timeout=2, verify=TLS).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -334,7 +335,7 @@ def start_bad_worker(tmp: Path, mode: str, name: str = "bad", *extra: str) -> Se
 
 def bad_worker_state(w: ServerProcess) -> dict:
     """What the stand-in saw: its mode, ``task_calls`` and how long each drip or oversize download lasted."""
-    return httpx.get(w.url + "/misbehave", timeout=10).json()
+    return httpx.get(w.url + "/misbehave", timeout=10, verify=TLS).json()
 
 
 def cluster_of(tmp: Path, workers: list[ServerProcess], *api_args: str) -> Cluster:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.http import TLS
 from tests.support.servers import Cluster, ServerProcess, cluster_of, free_port, wait_for
 
 # keep_loaded: superres and decoder stay resident (one_shot loads both for every request: CPU the
@@ -53,7 +54,7 @@ class SharedWorker(ServerProcess):
         return self.log_path.read_text(errors="replace")
 
     def health(self) -> dict:
-        return dict(httpx.get(self.url + "/health", timeout=10).json())
+        return dict(httpx.get(self.url + "/health", timeout=10, verify=TLS).json())
 
     def reset(self) -> None:
         """As it was after start: no hold file, no take running, no KV snapshot, no cache fault counted."""
@@ -61,7 +62,7 @@ class SharedWorker(ServerProcess):
             hold.unlink(missing_ok=True)
         h = self.health()
         for task in {h.get("task_id"), *(t.get("task_id") for t in h.get("tasks") or [])} - {None}:
-            httpx.post(f"{self.url}/cancel/{task}", timeout=10)
+            httpx.post(f"{self.url}/cancel/{task}", timeout=10, verify=TLS)
         wait_for(lambda: self.health()["status"] == "idle", timeout=IDLE_WAIT, interval=0.2)
         self.signal(signal.SIGUSR1)
 

@@ -20,6 +20,7 @@ from songserve.api.workers.client import WorkerHttp
 from songserve.errors import FieldError
 from songserve.lyrics import clean_lyrics
 from songserve.schemas import GenerateRequest
+from tests.support.http import TLS
 
 # ---- lyrics cleaning: every rule of api.md ----------------------------------------------------------
 
@@ -167,7 +168,7 @@ def test_fifo_within_a_job_and_priority_beats_fairness():
 def service(tmp_path):
     async def make(**settings):
         s = DispatcherSettings(state_dir=tmp_path, num_workers=0, **settings)
-        client = httpx.AsyncClient()
+        client = httpx.AsyncClient(verify=TLS)
         svc = JobService(
             s, SqliteStore(tmp_path / "jobs.sqlite3"), ArtifactStore(tmp_path / "results"), WorkerHttp.shared(client)
         )

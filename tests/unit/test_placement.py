@@ -10,12 +10,13 @@ from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerHealth
+from tests.support.http import TLS
 
 ORIGINAL = "0123456789abcdef"
 
 
 def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = False) -> WorkerHandle:
-    client = WorkerClient(WorkerHttp.shared(httpx.AsyncClient()), f"http://w{worker_id}")
+    client = WorkerClient(WorkerHttp.shared(httpx.AsyncClient(verify=TLS)), f"http://w{worker_id}")
     if reference:
         client.kind = REFERENCE
     slots = [{"model": "default_backbone", "origin": o, "tokens": 900, "bytes": 1} for o in origins]

@@ -24,6 +24,7 @@ from songserve.api.workers.outcomes import OutcomeKind, WorkerFault
 from songserve.api.workers.to_worker import read_answer, read_batch
 from songserve.schemas import ResultFile, WorkerHealth
 from tests.support.fake_fleet import FakeFleet, Plan, until
+from tests.support.http import TLS
 from tests.support.servers import results_files
 from tests.unit.test_dispatch_states import aio, body, run_job
 
@@ -120,7 +121,9 @@ def test_a_damaged_copy_is_the_workers_fault(tmp_path, damage, said_whole, match
 
 # ---- the breaker ------------------------------------------------------------------------------------
 def handle(worker_id: int = 0) -> WorkerHandle:
-    return WorkerHandle(worker_id, WorkerClient(WorkerHttp.shared(httpx.AsyncClient()), f"http://w{worker_id}.test"))
+    return WorkerHandle(
+        worker_id, WorkerClient(WorkerHttp.shared(httpx.AsyncClient(verify=TLS)), f"http://w{worker_id}.test")
+    )
 
 
 def test_a_worker_is_benched_after_its_faults_then_again_at_once_each_time_for_longer():
@@ -147,7 +150,7 @@ def test_a_worker_with_recent_faults_is_offered_after_the_healthy_ones():
         async def nothing(w: WorkerHandle, before: object) -> None:
             pass
 
-        pool = WorkerPool(WorkerHttp.shared(httpx.AsyncClient()), 1.0, 2, nothing)
+        pool = WorkerPool(WorkerHttp.shared(httpx.AsyncClient(verify=TLS)), 1.0, 2, nothing)
         pool.sync([])
         for i in range(3):
             w = pool._by_id[i] = handle(i)

@@ -1,8 +1,9 @@
 """The test suite's own shape: every test file in a tier folder, the work units and their order from
-measured durations (``tests/support/schedule.py``)."""
+measured durations (``tests/support/schedule.py``), and one TLS context for every httpx client."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -76,3 +77,25 @@ def test_the_checked_in_durations_are_seconds_by_unit():
     assert durations, "tests/durations.json is empty"
     assert all(isinstance(v, int | float) and v >= 0 for v in durations.values())
     assert schedule.LAUNCHER_UNIT in durations
+
+
+def _clients_without_the_shared_context(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "httpx"
+            and node.func.attr in CLIENT_CALLS
+            and not any(k.arg in ("verify", "transport") for k in node.keywords)
+        ):
+            found.append(f"{path.relative_to(TESTS).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_every_httpx_client_the_tests_make_shares_one_tls_context():
+    """Each client httpx makes without ``verify=`` reads and parses a CA bundle (~30 ms of CPU) for
+    plain-HTTP requests; ``tests/support/http.py`` holds the one context they share."""
+    found = [hit for path in sorted(TESTS.rglob("*.py")) for hit in _clients_without_the_shared_context(path)]
+    assert not found, f"pass verify=TLS (from tests.support.http import TLS): {found}"
