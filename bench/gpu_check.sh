@@ -5,7 +5,7 @@
 #   bash bench/gpu_check.sh                 on the GPU machine; the table lands in $OUT (else /tmp/gpu-check)
 #   bash bench/gpu_check.sh --smoke         the same script on the CPU at tiny shapes (CI: seconds)
 #   bash bench/gpu_check.sh --fetch-wheels  HERE, with the network: the wheels the GPU machine lacks, into .whl/
-#   bash bench/gpu_check.sh --with-tests    also tests/test_gpu.py first (about 3 more minutes)
+#   bash bench/gpu_check.sh --with-tests    also tests/model/test_gpu.py first (about 3 more minutes)
 # The GPU machine reaches no network: what its image lacks travels as wheels in .whl/ (ignored by git;
 # the device tool's `carry`), installed with pip --no-index into /tmp/site. Its python3 holds a CUDA
 # torch and triton already; the service's pinned torch is not installed there.
@@ -77,8 +77,8 @@ export PYTHONUNBUFFERED=1
 
 if [ $tests = 1 ] && [ $smoke = 0 ]; then
   $PY -m songserve.pipeline.tiny >"$OUT/gpu-tiny.log" 2>&1 || echo "GPU-tests: the tiny set failed to build (gpu-tiny.log)"
-  timeout 210 $PY -m pytest tests/test_gpu.py -q -rfE -W default -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
-  echo "GPU-tests tests/test_gpu.py: $(grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu-tests.log" | tail -1)"
+  timeout 210 $PY -m pytest tests/model/test_gpu.py -q -rfE -W default -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  echo "GPU-tests tests/model/test_gpu.py: $(grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu-tests.log" | tail -1)"
 fi
 t0=$(date +%s)
 timeout "${GPU_CHECK_LIMIT:-290}" $PY -m bench.gpu_check --out "$OUT" "${pass[@]}" 2>"$OUT/gpu-check.err" | tee "$OUT/gpu-check.log"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import args, report
-from tests.support import start_worker
+from tests.support.servers import start_worker
 
 
 def main() -> None:

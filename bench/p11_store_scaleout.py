@@ -10,7 +10,7 @@ as P2 does):
   - P1's per-track overhead (submit → done → download through the dispatcher, minus the same calls made
     to the worker directly), on PostgreSQL and on SQLite; the ms PostgreSQL adds per track.
 
-The PostgreSQL parts need the PostgreSQL engine (``STORE_URL``); where no server can be started (tests/pg.py)
+The PostgreSQL parts need the PostgreSQL engine (``STORE_URL``); where no server can be started (tests/support/pg.py)
 or the dispatcher does not use ``STORE_URL``, the SQLite parts run alone and the line says why.
 
 ``--smoke``: every part once on tiny inputs (4 jobs, 0.2 s of load per configuration, 1 track), no warm-ups.
@@ -37,10 +37,10 @@ import httpx
 
 from bench.common import args, median, report, timed_load
 from bench.p1_dispatcher_overhead import direct, through_dispatcher
-from tests.support import ServerProcess, free_port, start_worker
+from tests.support.servers import ServerProcess, free_port, start_worker
 
 if TYPE_CHECKING:
-    from tests.pg import PgServer
+    from tests.support.pg import PgServer
 
 DURATION = 0.001  # minutes: the tracks' own work stays negligible (as in P1)
 SUBMIT = {"lyrics": "la la", "tags": "pop", "duration": DURATION, "num_tracks": 1}
@@ -218,8 +218,8 @@ def rate(urls: list[str], kind: str, ids: list[str], seconds: float, tmp: Path, 
 
 @contextmanager
 def postgres(why_not: list[str]) -> Iterator[PgServer | None]:
-    """A throw-away PostgreSQL server (tests/pg.py), or None with the reason appended to why_not."""
-    from tests import pg
+    """A throw-away PostgreSQL server (tests/support/pg.py), or None with the reason appended to why_not."""
+    from tests.support import pg
 
     reason = pg.unavailable()
     if reason:

@@ -31,7 +31,7 @@ import numpy as np
 import soundfile as sf
 
 from bench.common import args, report
-from tests.support import Cluster, cluster_of, start_worker
+from tests.support.servers import Cluster, cluster_of, start_worker
 
 SONG = {"tags": "pop, piano", "lyrics": "[verse]\nhear it\nas it is made", "num_tracks": 1, "seed": 7}
 TERMINAL = {"completed", "partial", "failed", "cancelled"}

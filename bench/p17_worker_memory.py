@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from bench.common import args, report, rss_mb
-from tests.support import Cluster, cluster_of, start_worker
+from tests.support.servers import Cluster, cluster_of, start_worker
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 SETTINGS = {
@@ -87,7 +87,7 @@ class Series:
             assert wait(site, job)["status"] == "completed"
             self.source = {"job_id": job, "track_index": 0}
         if self.kind == "upload":
-            from tests.test_encoder import music, wav_bytes
+            from tests.model.test_encoder import music, wav_bytes
 
             data = wav_bytes(music(self.seconds / 2, seed=3))
             r = httpx.post(f"{site.url}/uploads", files={"file": ("p17.wav", data, "audio/wav")}, timeout=120)

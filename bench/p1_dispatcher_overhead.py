@@ -2,7 +2,7 @@
 
 Baseline in the same run: the same work calling the worker directly (POST /generate, download).
 ``--smoke``: one warm-up and one timed track, the dispatcher and worker served in threads of this process
-(tests/in_thread.py: the same apps, no process starts).
+(tests/support/in_thread.py: the same apps, no process starts).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import Timer, args, median, report
-from tests.support import Cluster, free_port
+from tests.support.servers import Cluster, free_port
 
 # 0.06 s of audio: the worker's own work (MP3 encoding) stays small, so the figure is the
 # dispatcher's overhead rather than two cores shared by three busy processes.

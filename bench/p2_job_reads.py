@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import ROOT, args, report, timed_load
-from tests.support import ServerProcess, free_port
+from tests.support.servers import ServerProcess, free_port
 
 
 def seed_store(state: Path, n: int) -> list[str]:

@@ -3,7 +3,7 @@
 Baseline in the same run: 1 worker. Each run submits 8 tracks per worker as 1-track jobs and
 measures from the first submit to the last completion.
 ``--smoke``: 2 workers vs 1, 1 track each of 0.05 s, the dispatcher and workers served in threads of
-this process (tests/in_thread.py: the same apps, no process starts).
+this process (tests/support/in_thread.py: the same apps, no process starts).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import args, report
-from tests.support import Cluster
+from tests.support.servers import Cluster
 
 
 def throughput(workers: int, per_worker: int, delay: float, threads: bool = False) -> float:

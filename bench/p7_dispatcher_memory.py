@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import args, report, rss_mb
-from tests.support import Cluster
+from tests.support.servers import Cluster
 
 
 def run_tracks(c: Cluster, n: int) -> None:

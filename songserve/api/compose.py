@@ -5,9 +5,9 @@ list, the webhook settings, the tag catalogue, the API keys (``check_settings``)
 (``check_store``: PostgreSQL connected and migrated once under its lock, or the SQLite file checked
 for damage and migrated). ``build`` opens the workers' HTTP client and the store, makes the parts
 (``assemble``), starts them, and at the end drains, stops and closes them; it is the lifespan of
-``http/app.py``'s app. ``main.py`` and the tests' in-thread dispatchers (``tests/in_thread.py``) both
+``http/app.py``'s app. ``main.py`` and the tests' in-thread dispatchers (``tests/support/in_thread.py``) both
 call ``check`` and serve that app, so the program and the tests start the same dispatcher. In-process
-tests over a transport of their own (``tests/fake_fleet.py``) call ``assemble`` with it.
+tests over a transport of their own (``tests/support/fake_fleet.py``) call ``assemble`` with it.
 
 Each route depends on the one part it uses (``http/deps.py``); no part routes to another.
 """

@@ -2,7 +2,7 @@
 
 Why a room of its own: every other part of the dispatcher names a job or a track, and none of them
 should have to import the store, the dispatcher or a route to do it. This room imports no other
-room of ``api/`` (``tests/test_layout.py`` keeps that wall).
+room of ``api/`` (``tests/unit/test_layout.py`` keeps that wall).
 
     records.py  ``Job``, ``Track``, ``TrackUpdate`` and the other records the store keeps
     states.py   track and job states: the enums, the legal transitions, the job status derivation

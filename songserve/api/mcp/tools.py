@@ -2,7 +2,7 @@
 
 Each argument is a field of the HTTP API's own models (``songserve/schemas``: ``GenerateRequest``,
 ``ContinueFrom``) or of its query (``GET /jobs``), copied with its type, limits and description, so
-the tools and the HTTP API cannot drift apart (``tests/test_mcp_schemas.py`` compares them). The
+the tools and the HTTP API cannot drift apart (``tests/unit/test_mcp_schemas.py`` compares them). The
 argument models forbid unknown names: an assistant's misspelt argument is an error naming it, not a
 value silently left out. What a tool does is ``calls.py``; this module only describes.
 """

@@ -8,7 +8,7 @@ The measurement is ITU-R BS.1770-4's integrated loudness, as running sums: the K
 shelf, +4 dB above ~1.5 kHz, then a high pass at 38 Hz; biquads of the audio-EQ cookbook, their
 state carried from block to block), the mean square of every 400 ms block every 100 ms, an
 absolute gate at -70 LUFS and a relative one 10 LU under the gated mean. ``pyloudnorm`` measures
-the same from a whole array; ``tests/test_render_audio.py`` checks the two agree.
+the same from a whole array; ``tests/unit/test_render_audio.py`` checks the two agree.
 
 Opus has no 44.1 kHz mode: its render is resampled to 48 kHz by libsoxr's streaming resampler,
 block by block with its state carried, so the blocks join without a seam.

@@ -1,7 +1,7 @@
 """The backbone's one-token decode step, in one of four modes: what serving runs for every token.
 
 ``DECODE_MODE`` picks the mode (``choose_mode``); every mode computes ``DecodeModel.step``'s
-hidden state, so every mode draws the eager tokens (bitwise on the CPU, tests/test_decode_modes.py):
+hidden state, so every mode draws the eager tokens (bitwise on the CPU, tests/model/test_decode_modes.py):
 
 - ``eager``: ``DecodeModel.step`` as it is;
 - ``compiled``: the same function under ``torch.compile(fullgraph=True)``, inductor's fusion and

@@ -10,7 +10,7 @@ pair (``kernels.project_sample``).
 
 What the kernels cover is the release's family: RMSNorm, SwiGLU (SiLU), RoPE or learned positions;
 any other model is refused at set-up (``ValueError``: the decode step stays eager, one log line).
-Same function as the eager step: every mode draws the eager tokens (tests/test_decode_modes.py).
+Same function as the eager step: every mode draws the eager tokens (tests/model/test_decode_modes.py).
 """
 
 from __future__ import annotations

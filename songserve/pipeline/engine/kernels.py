@@ -13,7 +13,7 @@ two matrix products into one launch each:
 
 Split-KV attention is in ``kernels_attention.py``. Every kernel computes in fp32 and rounds where the
 eager code rounds. Where there is no CUDA, Triton's interpreter runs them on CPU tensors: set here,
-before Triton reads it, so the CPU tests (tests/test_kernels.py) check the same kernels against the
+before Triton reads it, so the CPU tests (tests/model/test_kernels.py) check the same kernels against the
 eager code. The interpreter has no bf16: the CPU tests run fp32.
 """
 

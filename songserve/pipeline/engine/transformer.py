@@ -14,7 +14,7 @@ scale) is read from the model's own ``TransformerConfig`` and rotary module, so 
 checkpoint loader builds runs here unchanged. The step runs as it is (eager), compiled
 or captured in CUDA graphs (``decode_step.py``'s modes; ``fused_step.py`` is the same step over
 Triton kernels); its per-token form is written for fusion (q and k rotated in one pass, K/V written
-straight from the qkv layout: tests/test_decode_modes.py counts inductor's kernels); the cache it writes is
+straight from the qkv layout: tests/model/test_decode_modes.py counts inductor's kernels); the cache it writes is
 ``kv_cache.py``'s.
 """
 

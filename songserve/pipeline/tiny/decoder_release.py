@@ -56,7 +56,7 @@ FULL_SIZES = ReleaseDecoderSizes(encoder_filters=128, d_latent=128, decoder_filt
 def release_yaml(s: ReleaseDecoderSizes) -> str:
     """The release's YAML, laid out as ``models/Decoder/dac_rvq_1024_64_golden.yaml`` is (comment,
     blank lines, interpolation, ``q_dropout: False``, no final newline): at ``FULL_SIZES`` it is that
-    file byte for byte (tests/test_release_files.py holds the file and checks it)."""
+    file byte for byte (tests/model/test_release_files.py holds the file and checks it)."""
     return (
         "# model config\n"
         "encoder:\n"

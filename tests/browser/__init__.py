@@ -1,0 +1,1 @@
+"""Tests of the browser tier (the tier: its conftest.py)."""

@@ -1,0 +1,1 @@
+"""Tests of the integration tier (the tier: its conftest.py)."""

@@ -1,0 +1,62 @@
+"""Small things a user notices (issue 37, Why 10), through a real dispatcher and a real tone worker."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import httpx
+import pytest
+import soundfile as sf
+
+from songserve.schemas import GenerateRequest
+from tests.support.http import TLS
+from tests.support.servers import Cluster, wait_for
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("small"), workers=1, delay=0.05, threads=True)
+    yield c
+    c.stop()
+
+
+def test_a_cancelled_jobs_running_track_says_cancelled_at_once(tmp_path):
+    slow = Cluster(tmp_path, workers=1, delay=30.0, threads=True)  # a take that runs until it is told to stop
+    try:
+        job_id = slow.submit(num_tracks=2)["job_id"]
+        wait_for(lambda: any(t["status"] == "generating" for t in slow.job(job_id)["tracks"]), timeout=30)
+        view = httpx.delete(f"{slow.url}/job/{job_id}", timeout=10, verify=TLS).json()
+        assert view["status"] == "cancelled"
+        assert [t["status"] for t in view["tracks"]] == ["cancelled", "cancelled"]  # none still "generating"
+        stopping = [t for t in view["tracks"] if t["phase_display"] != "Cancelled"]
+        assert [t["phase_display"] for t in stopping] == ["Cancelled · stopping on its worker"] * len(stopping)
+        assert all(t["stream_url"] is None for t in view["tracks"])
+        final = slow.wait_job(job_id)
+        assert [t["status"] for t in final["tracks"]] == ["cancelled", "cancelled"]
+    finally:
+        slow.stop()
+
+
+def test_a_cpu_worker_has_no_gpu_id(site):
+    worker = httpx.get(site.url + "/status", verify=TLS).json()["workers"][0]
+    assert worker["device"] == "cpu"
+    assert worker["gpu_id"] is None
+
+
+def test_the_jobs_own_mp3_carries_the_title_and_lyrics(site):
+    job = site.submit(tags="pop, piano", lyrics="[verse]\nhello tags", num_tracks=2)
+    assert site.wait_job(job["job_id"])["status"] == "completed"
+    for i in range(2):
+        mp3 = httpx.get(f"{site.url}/job/{job['job_id']}/track/{i}/mp3", verify=TLS).content
+        tags = sf.SoundFile(io.BytesIO(mp3)).copy_metadata()
+        assert tags["title"] == f"pop, piano (take {i + 1})"  # as the take's renders are titled
+        assert tags["comment"] == "[verse]\nhello tags"
+
+
+def test_the_page_asks_for_the_apis_default_duration(site):
+    """Page, CLI and API agree: a song is 3 minutes unless one says otherwise (the page said 1)."""
+    page = httpx.get(site.url + "/", timeout=10, verify=TLS).text
+    found = re.search(r'<input id="duration"[^>]*value="([0-9.]+)"', page)
+    assert found is not None, "the page has no duration field"
+    assert float(found.group(1)) == GenerateRequest.model_fields["duration"].default == 3.0

@@ -1,0 +1,1 @@
+"""Tests of the model tier (the tier: its conftest.py)."""

@@ -1,0 +1,1 @@
+"""Tests of the process tier (the tier: its conftest.py)."""

@@ -1,0 +1,42 @@
+"""What the tests share: servers, fakes, probes and the suite's plugins. Which to use for what:
+
+The tiers (each folder's ``conftest.py`` marks its tests; ``tiers.py``):
+
+- ``tests/unit/``: pure logic in the test process, no sockets (fakes: ``fake_fleet.py``,
+  ``httpx.MockTransport``);
+- ``tests/integration/``: servers in threads of the test process on real sockets, a throw-away
+  PostgreSQL, a command-line client against them;
+- ``tests/process/``: real processes for what only a process shows (signals, ``kill -9``, full
+  disks, memory, load, the launcher); also the container proofs ``scripts/test-containers`` runs;
+- ``tests/model/``: the tiny checkpoint set through the pipeline and a real model worker, the
+  release's own files (``tests/fixtures/``);
+- ``tests/browser/``: pages in headless Chromium.
+
+Starting a server, one way for each kind:
+
+- **A dispatcher over tone workers, no process boundary needed**: ``servers.Cluster(tmp,
+  threads=True)`` (both served by ``in_thread.py``: the programs' own apps and settings loader under
+  uvicorn in threads, no process start). Lower level: ``in_thread.tone_worker`` / ``in_thread.dispatcher``.
+- **A real worker process**: ``servers.start_worker`` (tone worker with ``--pipeline test``, or the
+  tiny model); a stand-in: ``servers.start_reference_worker`` (``reference_worker.py``),
+  ``servers.start_bad_worker`` (``bad_worker.py``), ``script="tests/support/late_worker.py"``.
+- **A real dispatcher process**: ``servers.Cluster(tmp)`` or ``servers.cluster_of(tmp, workers,
+  *flags)`` over workers already started. Files that need a dispatcher of their own shape still build
+  ``servers.ServerProcess(["backend_api.py", ...])`` by hand, and the PostgreSQL pairs use
+  ``tests/process/test_scaleout.py``'s ``start_dispatcher`` / ``tone_workers``: merging those into
+  ``servers.py`` is left for later (it touches a dozen test files).
+- **Every real process** goes through ``servers.ServerProcess``: forked from a template that has
+  imported what the program imports (``zygote.py``; never call it directly, but ``zygote.run`` for a
+  one-off command such as a benchmark's smoke run); ``fresh=True`` for what a cold start shows.
+- **The tiny-model worker**: the fixtures ``shared_tiny`` / ``shared_release`` (one per test
+  process, ``tiny_site.py``, its hold points ``held_worker.py``), lent to a file with ``lent``; a
+  dispatcher over it: the ``tiny_site`` fixture. A worker with flags of its own: ``start_worker``.
+- **The launcher** (``run_backend.sh``): ``tests/process/test_launcher.py``'s ``launcher_env`` and
+  ``servers.wait_launched``; what it left behind: ``procs.py``.
+- **Other servers**: a webhook receiver (``receiver.py``), PostgreSQL (``pg.py``, the ``pg_url``
+  fixture).
+
+Probes: ``listeners.py`` (sockets a process listens on), ``load_probe.py`` (peak memory, health
+under load, raw requests). Plugins: ``tiny_site.py``, ``schedule.py`` (units, order, durations).
+Every httpx client passes ``verify=http.TLS`` (``http.py``).
+"""

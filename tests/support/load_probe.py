@@ -1,0 +1,121 @@
+"""What a hostile load costs a real process: its peak memory (``VmHWM``) and how long ``/health`` takes meanwhile.
+
+``peak_mib`` reads the kernel's high-water mark of a process's resident memory, so a peak between
+two polls is never missed; ``HealthWatch`` asks ``/health`` back to back on a thread for as long as
+the load runs and keeps the slowest answer (a failed one counts as its whole timeout). ``raw_request``
+speaks HTTP/1.1 over a socket, for what a client library will not do: send a body's start, then
+read the answer before the rest (or while another thread sends it).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import httpx
+
+from tests.support.http import TLS
+
+
+def peak_mib(pid: int) -> float:
+    """The process's peak resident memory so far, in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+class HealthWatch:
+    """``/health`` of each URL asked in turn until ``stop``; ``slowest`` is the longest wait seen (seconds)."""
+
+    def __init__(self, *urls: str, timeout: float = 10.0) -> None:
+        self.urls, self.timeout = urls, timeout
+        self.slowest, self.asked, self.failed = 0.0, 0, 0
+        self._done, self._round = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._round.wait(self.timeout * len(self.urls) + 5)  # every URL asked at least once, however short the load
+        self._done.set()
+        self._thread.join(self.timeout + 5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=self.timeout, verify=TLS) as client:
+            while not self._done.is_set():
+                for url in self.urls:
+                    t0 = time.monotonic()
+                    try:
+                        ok = client.get(url + "/health").status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    self.slowest = max(self.slowest, time.monotonic() - t0 if ok else self.timeout)
+                    self.asked += 1
+                    self.failed += not ok
+                self._round.set()
+                self._done.wait(0.05)
+
+
+def raw_request(
+    port: int,
+    head: str,
+    first: bytes = b"",
+    rest: Iterable[bytes] = (),
+    timeout: float = 30.0,
+    rest_after_answer: bool = False,
+) -> tuple[int, bytes, float]:
+    """Send ``head`` (request line and headers, without the blank line) and ``first``; a thread sends
+    ``rest`` meanwhile (a closed connection ends it quietly). Answers (status, body, seconds from the
+    first byte sent to the answer's first line).
+
+    ``rest_after_answer``: the thread sends ``rest`` only once the answer's first bytes are in, so an
+    answer at all proves the server did not wait for the body (one that waits times out here, whatever
+    the machine's speed)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    t0 = time.monotonic()
+    sock.sendall(head.encode("latin-1") + b"\r\n\r\n" + first)
+    answered = threading.Event()
+
+    def send_rest() -> None:
+        if rest_after_answer and not answered.wait(timeout):
+            return
+        try:
+            for piece in rest:
+                sock.sendall(piece)
+        except OSError:
+            pass  # the server answered and closed: the rest is not wanted
+
+    sender = threading.Thread(target=send_rest, daemon=True)
+    sender.start()
+    got = b""
+    took = None
+    try:
+        while b"\r\n\r\n" not in got:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            took = took if took is not None else time.monotonic() - t0
+            answered.set()
+            got += piece
+        header, _, body = got.partition(b"\r\n\r\n")
+        length = next(
+            (int(h.split(b":")[1]) for h in header.split(b"\r\n") if h.lower().startswith(b"content-length:")), 0
+        )
+        while len(body) < length:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            body += piece
+    finally:
+        answered.set()  # a failed read lets a held sender go
+        sock.close()
+        sender.join(timeout)
+    if not got:
+        raise ConnectionError("the server closed the connection without an answer")
+    return int(header.split(b" ")[1]), body, took if took is not None else time.monotonic() - t0

@@ -1,0 +1,1 @@
+"""Tests of the unit tier (the tier: its conftest.py)."""

@@ -1,0 +1,77 @@
+"""Which free worker a track goes to (``api/dispatch/placement.py``), in-process: retakes to our workers, the
+snapshot's holder first; every other track as before."""
+
+from __future__ import annotations
+
+import httpx
+
+from songserve.api.dispatch.placement import pick
+from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.jobs.records import Job, Track
+from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
+from songserve.schemas import GenerateRequest, WorkerHealth
+from tests.support.http import TLS
+
+ORIGINAL = "0123456789abcdef"
+
+
+def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = False) -> WorkerHandle:
+    client = WorkerClient(WorkerHttp.shared(httpx.AsyncClient(verify=TLS)), f"http://w{worker_id}")
+    if reference:
+        client.kind = REFERENCE
+    slots = [{"model": "default_backbone", "origin": o, "tokens": 900, "bytes": 1} for o in origins]
+    return WorkerHandle(
+        worker_id, client, online=True, health=WorkerHealth(status="idle", kv_snapshots={"slots": slots})
+    )
+
+
+def job(retake: bool) -> Job:
+    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0} if retake else None
+    req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
+    return Job(job_id="fedcba9876543210", seq=1, created_at=0.0, request=req, cleaned_lyrics="",
+               tracks=[Track("fedcba9876543210", 0, 1)])  # fmt: skip
+
+
+def test_a_retake_goes_to_the_idle_worker_holding_a_snapshot_of_its_original():
+    free = [handle(0), handle(1, ("other/0",)), handle(2, (f"{ORIGINAL}/0",))]
+    j = job(retake=True)
+    assert pick(free, j, j.tracks[0]) is free[2]
+
+
+def test_without_a_holder_a_retake_takes_the_first_of_our_workers_never_a_reference_one():
+    free = [handle(0, reference=True), handle(1), handle(2)]
+    j = job(retake=True)
+    assert pick(free, j, j.tracks[0]) is free[1]
+    assert pick([handle(0, reference=True)], j, j.tracks[0]) is None  # it waits for one of ours
+
+
+def test_other_tracks_keep_the_pool_order_and_avoid_the_worker_they_just_failed_on():
+    free = [handle(0, reference=True), handle(1), handle(2, (f"{ORIGINAL}/0",))]
+    j = job(retake=False)
+    assert pick(free, j, j.tracks[0]) is free[0]
+    j.tracks[0].avoid_worker = 0
+    assert pick(free, j, j.tracks[0]) is free[1]
+
+
+def test_a_retry_waits_for_another_worker_rather_than_going_back_to_the_one_that_failed_it():
+    failed, busy = handle(0), handle(1)
+    failed.leased = busy.leased = True
+    busy.assigned["other-task"] = ("0000000000000000", 0)
+    j = job(retake=False)
+    j.tracks[0].avoid_worker = 0
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is None  # only the failed one is free: wait
+    assert pick([failed], j, j.tracks[0], [failed]) is failed  # no other worker: it may go back
+    busy.benched_until, busy.bench_reason = (
+        1e18,
+        "benched",
+    )  # out of rotation: it cannot take the track, so waiting would be for ever
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is failed
+    busy.benched_until, busy.online = 0.0, False
+    assert pick([failed], j, j.tracks[0], [failed, busy]) is failed  # nor an offline one
+
+
+def test_a_retake_that_failed_on_the_snapshots_holder_goes_to_another_of_our_workers():
+    holder, other = handle(0, (f"{ORIGINAL}/0",)), handle(1)
+    j = job(retake=True)
+    j.tracks[0].avoid_worker = 0
+    assert pick([holder, other], j, j.tracks[0]) is other
