@@ -207,9 +207,13 @@ async def test_a_results_folder_that_cannot_be_written_holds_the_track_and_resum
     async with FakeFleet(tmp_path, n=1) as f:
         results = f.svc.artifacts.root
         await until(lambda: f.svc.dispatcher.results._probed_at > 0)  # the start's probe passed: a copy finds it
+        release = asyncio.Event()
+        f.workers[0].plans.append(Plan(release=release))  # the take runs until the folder is broken
+        job_id = (await f.svc.submit(body())).job_id
+        await until(lambda: bool(f.workers[0].generated))
         shutil.rmtree(results)
         results.write_text("not a folder")  # every write under it fails (NotADirectoryError), even as root
-        job_id = (await f.svc.submit(body())).job_id
+        release.set()
         # The probe runs on a thread of its own: one may have looked between the removal and the file
         # ("No such file"); the next one names what is there now.
         await until(lambda: not f.parts.readings.ready()[0] and "Not a directory" in f.parts.readings.ready()[1])
