@@ -350,3 +350,25 @@ def test_an_older_store_is_brought_forward_with_its_rows_by_the_one_runner(engin
             await store.close()
 
     run(go)
+
+
+def test_a_transaction_left_idle_by_a_paused_dispatcher_is_ended_by_the_server(pg_url: str) -> None:
+    """A dispatcher stopped between two statements of a transaction holds its row locks no longer than
+    the statement timeout: the server ends its session, the lock is free for the others, and the
+    paused one meets a dead connection when it resumes."""
+    import psycopg
+
+    from songserve.api.store.postgres.conn import StoreLimits
+
+    options = StoreLimits(statement_timeout_sec=0.5).options(pg_url)
+    patient = StoreLimits(statement_timeout_sec=10.0, lock_timeout_sec=10.0).options(pg_url)
+    with psycopg.connect(pg_url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE IF NOT EXISTS idle_probe (id int PRIMARY KEY, v int)")
+        setup.execute("INSERT INTO idle_probe VALUES (1, 0) ON CONFLICT (id) DO NOTHING")
+    with psycopg.connect(pg_url, options=options) as paused, psycopg.connect(pg_url, options=patient) as other:
+        paused.execute("UPDATE idle_probe SET v = v + 1 WHERE id = 1")  # the row is locked; then nothing is sent
+        other.autocommit = True
+        other.execute("UPDATE idle_probe SET v = v + 10 WHERE id = 1")  # waits until the server ends the other
+        with pytest.raises(psycopg.Error, match="idle-in-transaction timeout"):
+            paused.execute("SELECT 1")
+        assert other.execute("SELECT v FROM idle_probe WHERE id = 1").fetchone() == (10,)  # its update was rolled back

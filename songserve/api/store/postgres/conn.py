@@ -18,7 +18,13 @@ Kept apart from the connector (``connector.py``, the store's narrow interface), 
 - no wait on the database is unbounded: every connection starts with ``statement_timeout`` and
   ``lock_timeout`` (``STORE_STATEMENT_TIMEOUT_SEC``, ``STORE_LOCK_TIMEOUT_SEC``), so a locked table
   or a stuck server costs a call seconds and a 503, never a request hung for as long as the lock
-  lasts; a statement cut short is rolled back by the server, so a write either happened whole or not.
+  lasts; a statement cut short is rolled back by the server, so a write either happened whole or not;
+- no transaction holds its locks for as long as its dispatcher is away: a dispatcher stopped between
+  two statements of a transaction (paused, a frozen VM, a long collection) would keep its row locks
+  until it resumed, and every other dispatcher's take-over of its workers would wait on them. The
+  server ends a session idle in a transaction after the statement timeout
+  (``idle_in_transaction_session_timeout``), rolling it back; the paused dispatcher meets a dead
+  connection when it resumes, as after a restart.
 """
 
 from __future__ import annotations
@@ -53,13 +59,15 @@ class StoreLimits:
     lock_timeout_sec: float = 2.0
 
     def options(self, url: str) -> str:
-        """libpq ``options`` for a connection to ``url``: the URL's own, then these two settings."""
+        """libpq ``options`` for a connection to ``url``: the URL's own, then these two settings (the
+        statement timeout also bounds a transaction left idle)."""
         try:
             own = str(psycopg.conninfo.conninfo_to_dict(url).get("options") or "")
         except psycopg.ProgrammingError:
             own = ""
         ms = (max(1, round(self.statement_timeout_sec * 1000)), max(1, round(self.lock_timeout_sec * 1000)))
-        return f"{own} -c statement_timeout={ms[0]} -c lock_timeout={ms[1]}".strip()
+        limits = f"-c statement_timeout={ms[0]} -c lock_timeout={ms[1]} -c idle_in_transaction_session_timeout={ms[0]}"
+        return f"{own} {limits}".strip()
 
     def reason(self, exc: psycopg.Error) -> str | None:
         """What a cut-short statement means, naming the server setting (STORE_LOCK_TIMEOUT_SEC and
