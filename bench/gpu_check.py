@@ -1,4 +1,4 @@
-"""The device run of issue 39 (started by bench/gpu_check.sh): every decode mode against eager on
+"""The decode modes' device run (started by bench/gpu_check.sh): every decode mode against eager on
 release shapes, then a 3-minute song per stage; one table, under 5 minutes on an H200.
 
 Release shapes (docs/model.md): 24 layers, hidden 2,048, 32 heads in 8 query groups, SwiGLU ffn

@@ -129,7 +129,7 @@ def test_a_track_that_is_not_there_has_no_render(site, job_id):
 
 @pytest.mark.parametrize("lyrics", ["", "[inst]"])
 def test_an_instrumental_take_renders_in_every_format_without_a_lyrics_comment(site, lyrics):
-    """Issue 35: an empty comment tag was libsndfile's "bad string" in every format, a 500."""
+    """libsndfile refuses an empty comment tag ("bad string") in every format: an instrumental gets none, not a 500."""
     job = site.submit(tags="ambient", lyrics=lyrics, mode="instrumental", duration=0.05, num_tracks=1)
     assert site.wait_job(job["job_id"])["status"] == "completed"
     for fmt in render.FORMATS:

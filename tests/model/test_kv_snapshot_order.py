@@ -1,8 +1,8 @@
 """KV snapshots restored in any order, and faults inside the cache, in-process with the tiny set's backbone.
 
-Issue 35: a slot was moved to the LRU's end with ``list.remove``, which compared it field by field
-with every slot before it (a dataclass's ``==``: ids and KV tensors), so restoring any slot that was
-not the first raised, and kept raising on that worker. What is proved here:
+Moving a slot to the LRU's end with ``list.remove`` compares it with every slot before it; were that a
+dataclass's field-by-field ``==`` (ids and KV tensors), restoring any slot that is not the first would
+raise, and keep raising on that worker. What is proved here:
 
 - several snapshots of different lengths restore in every order, each its own KV bit for bit;
 - takes of a batch and requests after it, retaking several prefixes in turn, each restore their own

@@ -1,6 +1,6 @@
 """A retake of a half-minute take of the tiny set, through a real dispatcher and two real model workers.
 
-The issue's proofs, end to end over HTTP: the retake from 20 s keeps the original's audio before
+What a retake must do, end to end over HTTP: the retake from 20 s keeps the original's audio before
 19 s (SNR ≥ 60 dB; here it is the same samples) and all 64 code levels of the kept frames; a
 second retake of the same prefix goes to the worker holding its KV snapshot (the other one is
 first in the pool's order) and prefills nothing where the first prefilled them all (≤ 10 %); a

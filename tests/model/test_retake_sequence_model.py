@@ -1,8 +1,8 @@
 """Retakes and continuations one after another on one real tiny-model worker, through a real dispatcher.
 
-Issue 35: generate, retake, continue an upload, continue the same upload again: the last one failed
-("The task failed inside the model (RuntimeError)") and every retake on that worker after it, because
-restoring a KV snapshot that was not the LRU's first slot compared the slots' tensors. Here every
+Generate, retake, continue an upload, continue the same upload again: when restoring a KV snapshot that is
+not the LRU's first slot compares the slots' tensors, the last one fails ("The task failed inside the model
+(RuntimeError)") and so does every retake on that worker after it. Here every
 one of those jobs, and retakes of the first take after them (its slot no longer first), completes;
 the continuations restore their own snapshots and the worker reports no fault in its cache.
 """

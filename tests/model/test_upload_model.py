@@ -1,6 +1,6 @@
 """An upload through a real dispatcher and a real model worker on the release-shaped tiny set.
 
-The issue's proofs, end to end over HTTP:
+What an upload must do, end to end over HTTP:
 - ``GET /uploads/{id}/codes`` of a stereo 44.1 kHz WAV is the code grid of a straightforward encoder
   written in the tests (torch's weight_norm, float64 distances: ``test_encoder.py``) on the same
   checkpoint: the same frames, every code equal but for float near-ties (the share is printed;

@@ -1,4 +1,4 @@
-"""No track stuck (issue 11), through real processes: a frozen worker, a full worker disk, a full job store."""
+"""No track stuck, through real processes: a frozen worker, a full worker disk, a full job store."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Listeners as a hostile or busy public drives them (issue 35, items 1 and 5), through real processes.
+"""Listeners as a hostile or busy public drives them, through real processes.
 
 A real dispatcher over a real tone worker (its live audio is its tone, written during the first third
 of ``--test-delay-s``): MP3 listeners that hang up at random moments must never take the dispatcher

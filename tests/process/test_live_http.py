@@ -1,4 +1,4 @@
-"""Live audio through a real dispatcher and real tone workers (issue 23), over HTTP.
+"""Live audio through a real dispatcher and real tone workers, over HTTP.
 
 A tone worker's live audio is its tone itself, written in step with its backbone phase (the first
 third of ``--test-delay-s``), so the relay's contract is checked here at tone speed and exactly:

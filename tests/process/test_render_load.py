@@ -1,6 +1,6 @@
 """Renders under load, through a real dispatcher and a real tone worker that made a 3-minute take.
 
-Issue 35: 60 concurrent FLAC renders of a 3-minute take (distinct loudness values) cost the
+Unbounded, 60 concurrent FLAC renders of a 3-minute take (distinct loudness values) cost the
 dispatcher +1.3 GiB and both cores for 53 s, and a 1-second upload took 14–21 s meanwhile, because
 every render ran at once on the executor uploads share. Here: each of 60 concurrent renders is 200
 or 429 with ``Retry-After`` (``RENDER_CONCURRENCY`` run, ``RENDER_QUEUE`` wait), the dispatcher's

@@ -1,4 +1,4 @@
-"""Several dispatchers on one PostgreSQL store, workers that join and leave (issue 13), as real processes.
+"""Several dispatchers on one PostgreSQL store, workers that join and leave, as real processes.
 
 Each test starts its own dispatchers (``backend_api.py`` with ``STORE_URL``) over test-pipeline
 workers, on a fresh database of the session's throw-away PostgreSQL server. "Generated once" is

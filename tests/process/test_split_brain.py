@@ -1,4 +1,4 @@
-"""Leases that mean something and bounded store waits (issue 22, items 1 and 2), as real processes.
+"""Leases that mean something and bounded store waits, as real processes.
 
 Two faults an operator meets with several dispatchers on one PostgreSQL:
 - split brain: one dispatcher is paused (SIGSTOP) for 2-3 times its lease and resumed; the other has

@@ -1,12 +1,12 @@
-"""Uploads in bounded memory, through a real dispatcher and a real tone worker (issue 35, Why 3 and 4).
+"""Uploads in bounded memory, through a real dispatcher and a real tone worker.
 
 - A decoding bomb: a FLAC of a minute of silence at 384 kHz in 8 channels is 200 KB and decodes to
   737 MB of float samples; both processes that read it (the dispatcher checks it, the worker encodes
   it) decode it block by block, so each one's peak memory grows by its 44.1 kHz stereo size (21 MB)
-  and a constant, not by the decoded source (before: ~2.3 GiB each).
+  and a constant, not by the decoded source (decoded whole: ~2.3 GiB each).
 - Twenty 40 MB WAV uploads at once: the bodies go to spooled files as they arrive and at most
   ``UPLOAD_CONCURRENCY`` are decoded at once, keeping no samples, so the dispatcher's peak grows by
-  much less than the bytes in flight (before: 4.3 × them) and ``/health`` answers throughout.
+  much less than the bytes in flight (held in memory: 4.3 × them) and ``/health`` answers throughout.
 - One upload past ``UPLOAD_CONCURRENCY`` + ``UPLOAD_QUEUE`` is a 503 with ``Retry-After``, its body unread (on
   ACE-Step's port too, for a multipart task).
 """

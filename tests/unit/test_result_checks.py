@@ -1,5 +1,5 @@
 """Whose fault, in process: what the dispatcher accepts as a worker's answer and its files, the breaker
-that benches a worker, and a results folder that cannot be written (issue 22, items 3 and 4).
+that benches a worker, and a results folder that cannot be written.
 
 The real-process proofs (a misbehaving stand-in worker, a tmpfs that fills) are test_bad_workers.py.
 """

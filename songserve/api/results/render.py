@@ -7,7 +7,7 @@ already has. ``GET /job/{id}/track/{i}/render?format=flac|opus|mp3|wav&loudness=
   resampled with libsoxr), MP3 (libsndfile's encoder, as export writes it), WAV; all through
   ``soundfile`` (libsndfile). Every one of them carries the take's title and, as its comment, the
   lyrics (FLAC and Opus as Vorbis comments, MP3 as ID3, WAV as RIFF INFO); an instrumental has no
-  lyrics, so no comment (libsndfile refuses an empty tag: that was a 500, issue 35).
+  lyrics, so no comment (libsndfile refuses an empty tag: the render would be a 500).
 - ``loudness``: integrated loudness in LUFS (EBU R128 / ITU-R BS.1770-4, measured with
   ``pyloudnorm``), from -70 to -5; one gain for the whole selection. The gain never clips: when
   reaching the target would push a sample over -1 dBFS the gain stops there, and the answer says
@@ -18,7 +18,7 @@ Renders are cached in the job's results folder (``track_<i>.render-<key>.<ext>``
 beside it holding what the headers say), so retention removes them with the job; at most
 ``MAX_RENDERS`` per track are kept, the oldest go first. Bad parameters are 422 naming the field.
 
-Renders are bounded (issue 35: 60 at once cost +1.3 GiB and both cores, and slowed uploads to 14-21 s
+Renders are bounded (left unbounded, 60 at once cost +1.3 GiB and both cores, and slowed uploads to 14-21 s
 because they filled the executor uploads, live MP3 and file relays share): ``RENDER_CONCURRENCY`` run
 at once on threads of their own, ``RENDER_QUEUE`` more wait, identical requests share the render
 under way, the rest get 429 with a Retry-After; each render holds one block of audio at a time

@@ -185,7 +185,8 @@ class JobService:
             self.artifacts.remove_job(job_id)
             log.error("submit: the store or the results folder cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
-        log.info("job %s: %d tracks, %.2f min, priority %d%s", job_id, req.num_tracks, req.duration, req.priority,
+        log.info("job %s: %d %s, %.2f min, priority %d%s", job_id, req.num_tracks,
+                 "track" if req.num_tracks == 1 else "tracks", req.duration, req.priority,
                  f", key {caller.name}" if caller else "")  # fmt: skip
         if retake is not None and retake.kept is not None:
             head = retake.kept.header

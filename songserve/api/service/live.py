@@ -1,4 +1,4 @@
-"""A track's audio while it is made (issue 23): ``GET /job/{id}/track/{i}/stream`` on any dispatcher.
+"""A track's audio while it is made: ``GET /job/{id}/track/{i}/stream`` on any dispatcher.
 
 The relay follows the track wherever it is, as the store tells it (so any dispatcher of a shared
 store serves any track): queued, it waits; running on one of our workers, it relays that worker's
@@ -16,7 +16,7 @@ WAV. The listener hears one stream from the start of the track to its end:
   stream's MP3 has no gapless header (it would have to be written first), so a decoder adds LAME's
   priming samples at its start.
 
-Listeners never cost a generation (issue 35): every listener of a track on this dispatcher shares
+Listeners never cost a generation: every listener of a track on this dispatcher shares
 one relay (``live_feed.TrackFeed``: one connection to the worker, one MP3 encoder, the bytes spooled
 once, ``service/live_spool.py``), the relays have an HTTP client of their own (``worker_client.WorkerHttp``:
 they cannot take the connections of the health polls and the tasks), and listeners are capped per

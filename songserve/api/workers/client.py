@@ -4,8 +4,8 @@ Every worker URL is formed here. The calls go over three HTTP clients by purpose
 so that one kind of traffic can never take the connections another needs: ``control`` (health,
 config, task views, cancels, file removal: short calls whose silence marks a worker offline),
 ``work`` (tasks held while they run, encodings, result downloads) and ``live`` (the live-audio
-relays, one per live track, ``service/live_feed.py``). Issue 35 saw 200 listeners fill one shared pool of
-200: the health polls waited for a connection, timed out, and both workers were judged offline. The
+relays, one per live track, ``service/live_feed.py``). With one shared pool of 200, 200 listeners filled
+it: the health polls waited for a connection, timed out, and both workers were judged offline. The
 bodies sent and the answers read are translated in ``workers/to_worker.py`` (the one place that renames a
 field for a worker); here, transport failures raise ``WorkerUnreachable``, answers that are not the
 contract (not a JSON object, wrong fields, a file it cannot serve or that outgrows the cap) raise

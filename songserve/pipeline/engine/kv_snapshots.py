@@ -43,7 +43,7 @@ from songserve.pipeline.engine.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)  # a slot is itself: ``==`` on the fields would compare tensors (issue 35)
+@dataclass(eq=False)  # a slot is itself: ``==`` on the fields would compare tensors (and raise)
 class Snapshot:
     model: str
     ids: torch.Tensor  # (N,) long, on the CPU

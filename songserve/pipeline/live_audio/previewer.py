@@ -1,4 +1,4 @@
-"""Preview audio while the backbone writes (issue 23): a window of super-resolution, the decoder, PCM out.
+"""Preview audio while the backbone writes: a window of super-resolution, the decoder, PCM out.
 
 The backbone hands every batch of new q0/q1 tokens to a ``Previewer`` (its ``TokenListener``) at
 its periodic host sync. Nothing more happens until someone wants a take's live audio
