@@ -44,8 +44,10 @@ def backbone(tiny_dir, megatron_cpu):
 
 def random_cache(n: int, seed: int) -> KVCache:
     g = torch.Generator().manual_seed(seed)
-    return KVCache([torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
-                   [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)])  # fmt: skip
+    return KVCache(
+        [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
+        [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
+    )
 
 
 def coarse(frames: int, seed: int) -> torch.Tensor:
@@ -58,8 +60,15 @@ def takes(seeds: tuple[int, ...], name: str) -> list[Take]:
 
 def batch(backbone: Backbone, kept: torch.Tensor, seeds: tuple[int, ...], name: str) -> list:
     frames = kept.shape[1] + 12
-    got = backbone.generate_batch(PROMPT, LengthPlan(frames, frames, 2 * frames), takes(seeds, name),
-                                  top_k=50, temperature=1.0, kept=kept, origin=name)  # fmt: skip
+    got = backbone.generate_batch(
+        PROMPT,
+        LengthPlan(frames, frames, 2 * frames),
+        takes(seeds, name),
+        top_k=50,
+        temperature=1.0,
+        kept=kept,
+        origin=name,
+    )
     assert all(g is not None for g in got)
     return got
 

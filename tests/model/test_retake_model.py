@@ -85,8 +85,11 @@ def test_a_retake_keeps_the_start_and_a_second_one_restores_its_snapshot(site):
     keep = int(20.0 * grid0.header["frame_rate"])
     tokens = ta["metadata"]["prefill"]["tokens"]
     assert ta["metadata"]["prefill"]["restored"] == 0
-    assert ta["metadata"]["continued"] == {"frames": keep, "at_sec": pytest.approx(keep / grid0.header["frame_rate"]),
-                                           "origin": f"{job0}/0"}  # fmt: skip
+    assert ta["metadata"]["continued"] == {
+        "frames": keep,
+        "at_sec": pytest.approx(keep / grid0.header["frame_rate"]),
+        "origin": f"{job0}/0",
+    }
     assert tokens == ta["metadata"]["tokens"]["backbone_prompt"] + 2 * keep
 
     grid_a = codes.decode(fetch(site, a["job_id"], "codes"))

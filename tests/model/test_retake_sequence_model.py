@@ -60,8 +60,13 @@ def test_generate_retake_and_continue_an_upload_twice_all_complete(site):
     assert a["metadata"]["prefill"]["restored"] == 0  # nothing kept yet: prefilled, and kept as a slot
 
     upload_id = upload(site)
-    cont = {"continue_from": {"upload_id": upload_id}, "tags": "jazz", "lyrics": "[verse]\non and on",
-            "duration": 0.2, "num_tracks": 1}  # fmt: skip
+    cont = {
+        "continue_from": {"upload_id": upload_id},
+        "tags": "jazz",
+        "lyrics": "[verse]\non and on",
+        "duration": 0.2,
+        "num_tracks": 1,
+    }
     u1 = run(site, **cont, seed=3)
     tokens = u1["metadata"]["prefill"]["tokens"]
     assert u1["metadata"]["continued"]["origin"] == f"upload/{upload_id}"

@@ -186,9 +186,15 @@ def test_a_listener_who_asks_before_the_take_reaches_its_worker_hears_it_live(tm
     """The dispatcher marks the track generating before its request reaches the worker (held 1.5 s here,
     tests/support/late_worker.py): the relay asks a worker that does not know the task yet, and asks again."""
     late = start_worker(
-        tmp_path, "--pipeline", "test", "--test-delay-s", "3", name="late", script="tests/support/late_worker.py",
+        tmp_path,
+        "--pipeline",
+        "test",
+        "--test-delay-s",
+        "3",
+        name="late",
+        script="tests/support/late_worker.py",
         env={"SONGSERVE_LATE_SEC": "1.5"},
-    )  # fmt: skip
+    )
     site = cluster_of(tmp_path, [late])
     try:
         job = submit(site, seed=13)

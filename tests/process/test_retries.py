@@ -37,9 +37,11 @@ def test_a_worker_whose_downloads_drip_costs_no_job_more_than_90_seconds(tmp_pat
         finished = [c.wait_job(j, timeout=240) for j in jobs]
         took = [j["finished_at"] - j["created_at"] for j in finished]
         workers = [j["tracks"][0]["metadata"].get("worker_id") for j in finished]
-        print(f"\n20 jobs beside a dripping worker: first copy cut after {cut:.1f} s; slowest {max(took):.1f} s, "
-              f"median {sorted(took)[10]:.1f} s; attempts {[j['tracks'][0]['attempts'] for j in finished]}; "
-              f"done on workers {set(workers)}")  # fmt: skip
+        print(
+            f"\n20 jobs beside a dripping worker: first copy cut after {cut:.1f} s; slowest {max(took):.1f} s, "
+            f"median {sorted(took)[10]:.1f} s; attempts {[j['tracks'][0]['attempts'] for j in finished]}; "
+            f"done on workers {set(workers)}"
+        )
         assert cut < 3 * FLOOR_WINDOW_SEC  # at the floor rate, not at DOWNLOAD_TIMEOUT_SEC (45 s)
         assert [j["status"] for j in finished] == ["completed"] * 20
         assert max(took) < 90

@@ -43,8 +43,17 @@ class SharedWorker(ServerProcess):
         self.audio = tmp / "tiny_audio"
         self.holds.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        args = ["tests/support/held_worker.py", "--worker-port", str(port), "--master-port", "0",
-                "--output-dir", str(self.audio), *SHARED_FLAGS, *flags]  # fmt: skip
+        args = [
+            "tests/support/held_worker.py",
+            "--worker-port",
+            str(port),
+            "--master-port",
+            "0",
+            "--output-dir",
+            str(self.audio),
+            *SHARED_FLAGS,
+            *flags,
+        ]
         env = {"SONGSERVE_HOLD_DIR": str(self.holds), "WORKER_TOKEN": ""}  # the tests send no token
         super().__init__(args, port, tmp / "tiny.log", env)
 

@@ -28,8 +28,15 @@ from tests.support.http import TLS
 from tests.support.servers import results_files
 from tests.unit.test_dispatch_states import aio, body, run_job
 
-RESULT = {"status": "ok", "mp3_filename": "a.mp3", "wav_filename": "a.wav", "duration_sec": 3.0,
-          "backbone_tokens": 1, "gpu_id": 0, "seed": 1}  # fmt: skip
+RESULT = {
+    "status": "ok",
+    "mp3_filename": "a.mp3",
+    "wav_filename": "a.wav",
+    "duration_sec": 3.0,
+    "backbone_tokens": 1,
+    "gpu_id": 0,
+    "seed": 1,
+}
 
 
 # ---- a worker's answer ------------------------------------------------------------------------------

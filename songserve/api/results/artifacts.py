@@ -132,8 +132,9 @@ class ArtifactStore:
         ``WorkerFault``."""
         while True:
             if not self.folder.writable:
-                log.warning("track %s/%d: held until the results folder can be written (%s)", job_id, index,
-                            self.folder.problem)  # fmt: skip
+                log.warning(
+                    "track %s/%d: held until the results folder can be written (%s)", job_id, index, self.folder.problem
+                )
             await self.folder.wait_writable()
             try:
                 return await self.fetch(worker, res, job_id, index, max_bytes, deadline, floor)

@@ -122,8 +122,12 @@ class KVSnapshots:
             return False
 
     def _fault(self, what: str, task: str, exc: Exception) -> None:
-        log.error("task %s: kv snapshot %s failed; the slots are dropped and the prefix is prefilled", task or "-",
-                  what, exc_info=exc)  # fmt: skip
+        log.error(
+            "task %s: kv snapshot %s failed; the slots are dropped and the prefix is prefilled",
+            task or "-",
+            what,
+            exc_info=exc,
+        )
         with self._lock:
             self.faults += 1
             self._slots.clear()

@@ -147,8 +147,13 @@ class Backbone:
         if snaps is not None:  # a fault inside the cache is a miss: the whole prefix is prefilled
             restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1), task)
             if restored:
-                log.info("task %s: %d of %d prefix tokens restored from a KV snapshot (%s)", task,
-                         restored, len(ids), came_from or "no origin")  # fmt: skip
+                log.info(
+                    "task %s: %d of %d prefix tokens restored from a KV snapshot (%s)",
+                    task,
+                    restored,
+                    len(ids),
+                    came_from or "no origin",
+                )
         if h is None:
             try:
                 h = self.prefill(ids, cache, ctxs, start=restored)
