@@ -88,8 +88,12 @@ def compare(ours: np.ndarray, ref: np.ndarray) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mirror", type=Path, required=True, help="the reference snapshot's git directory")
-    ap.add_argument("--release", type=Path, help="a release-shaped set (python -m songserve.pipeline.tiny "
-                    "--layout release DIR); default: one built in a temporary folder")  # fmt: skip
+    ap.add_argument(
+        "--release",
+        type=Path,
+        help="a release-shaped set (python -m songserve.pipeline.tiny "
+        "--layout release DIR); default: one built in a temporary folder",
+    )
     ap.add_argument("--wav", type=Path, help="a stereo 44.1 kHz WAV; default: a generated one")
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--full", action="store_true", help="the golden YAML's widths (FULL_SIZES) instead of tiny ones")

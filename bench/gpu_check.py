@@ -1,4 +1,4 @@
-"""The device run of issue 39 (started by bench/gpu_check.sh): every decode mode against eager on
+"""The decode modes' device run (started by bench/gpu_check.sh): every decode mode against eager on
 release shapes, then a 3-minute song per stage; one table, under 5 minutes on an H200.
 
 Release shapes (docs/model.md): 24 layers, hidden 2,048, 32 heads in 8 query groups, SwiGLU ffn
@@ -154,8 +154,12 @@ class Modes:
                     row["tokens"] = round(same / sum(x.numel() for x in self.eager[b]), 3)
                     sec, kernels = time_step(step, bb, dev, b, kv, self.n_steps)
                     nbytes = step_bytes(bb.dm, b, kv - 23)
-                    row.update(ms_step=round(sec * 1e3, 3), gb_s=round(nbytes / sec / 1e9, 1),
-                               pct_copy=round(100 * nbytes / sec / self.bw, 1), kernels=kernels)  # fmt: skip
+                    row.update(
+                        ms_step=round(sec * 1e3, 3),
+                        gb_s=round(nbytes / sec / 1e9, 1),
+                        pct_copy=round(100 * nbytes / sec / self.bw, 1),
+                        kernels=kernels,
+                    )
                     if step is not None:
                         row.update(warm_s=round(warm, 1), fallback=step.describe()["fallback"])
                     if b == 1 and row["tokens"] >= same_enough and sec < self.best[0] and not row.get("fallback"):
@@ -172,20 +176,32 @@ class Modes:
 
 
 def table(env: dict[str, Any], rows: list[dict[str, Any]], songs: list[dict[str, Any]]) -> str:
-    lines = [f"# gpu_check {env.get('date', '')}", "", "| " + " | ".join(f"{k}: {v}" for k, v in env.items()) + " |",
-             "", "| mode | batch | tokens = eager | ms/step | GB/s | % of copy | kernels/step | note |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# gpu_check {env.get('date', '')}",
+        "",
+        "| " + " | ".join(f"{k}: {v}" for k, v in env.items()) + " |",
+        "",
+        "| mode | batch | tokens = eager | ms/step | GB/s | % of copy | kernels/step | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         note = r.get("error") or r.get("fallback") or (f"warm {r['warm_s']} s" if "warm_s" in r else "")
-        lines.append(f"| {r['mode']} | {r['batch']} | {r.get('tokens', '-')} | {r.get('ms_step', '-')} | "
-                     f"{r.get('gb_s', '-')} | {r.get('pct_copy', '-')} | {r.get('kernels', '-')} | {note} |")  # fmt: skip
-    lines += ["", "| song | takes | mode | backbone s | superres s | decoder s | total s | x real time | peak GiB |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {r['mode']} | {r['batch']} | {r.get('tokens', '-')} | {r.get('ms_step', '-')} | "
+            f"{r.get('gb_s', '-')} | {r.get('pct_copy', '-')} | {r.get('kernels', '-')} | {note} |"
+        )
+    lines += [
+        "",
+        "| song | takes | mode | backbone s | superres s | decoder s | total s | x real time | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in songs:
-        lines.append(f"| {s.get('seconds', '-')} s | {s.get('takes', '-')} | {s.get('mode', '-')} | "
-                     f"{s.get('backbone', '-')} | {s.get('superres', '-')} | {s.get('decoder', '-')} | "
-                     f"{s.get('total', '-')} | {s.get('rtf', '-')} | {s.get('peak_gib', '-')} |"
-                     + (f" {s['error']}" if "error" in s else ""))  # fmt: skip
+        lines.append(
+            f"| {s.get('seconds', '-')} s | {s.get('takes', '-')} | {s.get('mode', '-')} | "
+            f"{s.get('backbone', '-')} | {s.get('superres', '-')} | {s.get('decoder', '-')} | "
+            f"{s.get('total', '-')} | {s.get('rtf', '-')} | {s.get('peak_gib', '-')} |"
+            + (f" {s['error']}" if "error" in s else "")
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -205,9 +221,13 @@ def main() -> None:
         report("GPU", "no CUDA device: nothing measured (--smoke runs the same code on the CPU)")
         sys.exit(1)
     init_megatron(dev, 0, seed=0)
-    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)
-           if dev.type == "cuda" else "cpu", "torch": torch.__version__, "commit": os.environ.get("GIT_COMMIT", "?"),
-           "shapes": f"{shape.layers}x{shape.hidden} {str(dtype).split('.')[-1]}"}  # fmt: skip
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("GIT_COMMIT", "?"),
+        "shapes": f"{shape.layers}x{shape.hidden} {str(dtype).split('.')[-1]}",
+    }
     report("GPU-env", json.dumps(env))
     t0 = time.perf_counter()
     bb = Backbone(release_gpt(shape, "backbone", 25600, dev, dtype), eod_id=128001)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device run of issue 39, one command on a bare GPU machine: set it up, then bench/gpu_check.py's
+# The decode modes' device run, one command on a bare GPU machine: set it up, then bench/gpu_check.py's
 # table (every decode mode at batch 1, 2, 4 on release shapes: tokens vs eager, ms/step, bytes/s vs a
 # device-to-device copy, kernels/step; then a 3-minute song per stage, 1 take and 4) in <= 5 minutes.
 #   bash bench/gpu_check.sh                 on the GPU machine; the table lands in $OUT (else /tmp/gpu-check)

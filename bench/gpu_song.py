@@ -91,7 +91,12 @@ def song(
         plan = LengthPlan(frames, frames, 2 * frames)
         if bb.compiled is not None:  # compiled or captured before the clock starts, as the worker does at load
             bb.compiled.warm([takes], [bb.bucket], bb.gpt.arch.context_length)
-        res, t_bb, p_bb = _timed(dev, lambda: bb.generate_batch(PROMPT, plan, [Take(g, c) for g, c in zip(gens, ctxs, strict=True)], top_k=80, temperature=1.0))  # fmt: skip
+        res, t_bb, p_bb = _timed(
+            dev,
+            lambda: bb.generate_batch(
+                PROMPT, plan, [Take(g, c) for g, c in zip(gens, ctxs, strict=True)], top_k=80, temperature=1.0
+            ),
+        )
         coarse = [r.codes for r in res]
         if "superres" not in _built:
             _built["superres"] = SuperRes(release_gpt(shape, "superres", 8192 + 2048, dev, dtype))
@@ -102,6 +107,12 @@ def song(
         _, t_dec, p_dec = _timed(dev, lambda: decoder.decode(batch, 256, 16))
     bb.compiled = None
     total = t_bb + t_sr + t_dec
-    row.update(backbone=round(t_bb, 2), superres=round(t_sr, 2), decoder=round(t_dec, 2), total=round(total, 2),
-               rtf=round(seconds / total, 1), peak_gib=round(max(p_bb, p_sr, p_dec), 1))  # fmt: skip
+    row.update(
+        backbone=round(t_bb, 2),
+        superres=round(t_sr, 2),
+        decoder=round(t_dec, 2),
+        total=round(total, 2),
+        rtf=round(seconds / total, 1),
+        peak_gib=round(max(p_bb, p_sr, p_dec), 1),
+    )
     return row

@@ -93,8 +93,16 @@ def main() -> None:
     a = args(__doc__, seconds=60.0, rounds=3, preview_levels=0)
     seconds, rounds = (2.0, 1) if a.smoke else (a.seconds, a.rounds)
     with tempfile.TemporaryDirectory() as tmp:
-        w = start_worker(Path(tmp), "--runtime-mode", "keep_loaded", "--eoa-min-share", "1",
-                         "--preview-levels", str(a.preview_levels), name="p14")  # fmt: skip
+        w = start_worker(
+            Path(tmp),
+            "--runtime-mode",
+            "keep_loaded",
+            "--eoa-min-share",
+            "1",
+            "--preview-levels",
+            str(a.preview_levels),
+            name="p14",
+        )
         site: Cluster | None = None
         try:
             w.wait_healthy(timeout=300)

@@ -71,8 +71,10 @@ def measure(shape: tuple[int, int, int], kept_sec: float, repeats: int, seeds: i
         same += int(torch.equal(fresh, restored))
     tokens = len(prompt) + 2 * kept_frames
     name = f"{shape[0]}x{shape[1]}"
-    return (f"{name} {kept_sec:g} s kept ({tokens} tokens): {warm / cold:.3f}x ({1000 * warm:.1f} vs "
-            f"{1000 * cold:.1f} ms), first {frames} frames equal in {same}/{seeds} seeds")  # fmt: skip
+    return (
+        f"{name} {kept_sec:g} s kept ({tokens} tokens): {warm / cold:.3f}x ({1000 * warm:.1f} vs "
+        f"{1000 * cold:.1f} ms), first {frames} frames equal in {same}/{seeds} seeds"
+    )
 
 
 def main() -> None:

@@ -47,8 +47,17 @@ MIN_SAMPLES = HOP  # one frame: anything shorter encodes to nothing
 MAX_SOURCE_RATE = 192_000
 MAX_SOURCE_CHANNELS = 8
 BLOCK_SAMPLES = 1 << 18  # source samples (frames × channels) decoded at a time: 1 MiB of float32
-EXTENSIONS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "FLAC": "flac", "OGG": "ogg", "MP3": "mp3",
-              "AIFF": "aiff", "CAF": "caf", "W64": "w64"}  # fmt: skip
+EXTENSIONS = {
+    "WAV": "wav",
+    "WAVEX": "wav",
+    "RF64": "wav",
+    "FLAC": "flac",
+    "OGG": "ogg",
+    "MP3": "mp3",
+    "AIFF": "aiff",
+    "CAF": "caf",
+    "W64": "w64",
+}
 
 
 class AudioError(ValueError):
@@ -75,8 +84,13 @@ class AudioFacts:
         return EXTENSIONS.get(self.format, "audio")
 
     def describe(self) -> dict[str, object]:
-        return {"format": self.format, "subtype": self.subtype, "sample_rate": self.sample_rate,
-                "channels": self.channels, "frames": self.source_frames}  # fmt: skip
+        return {
+            "format": self.format,
+            "subtype": self.subtype,
+            "sample_rate": self.sample_rate,
+            "channels": self.channels,
+            "frames": self.source_frames,
+        }
 
 
 Source = bytes | IO[bytes]  # the file's bytes, or an open binary file positioned anywhere (read from its start)
@@ -164,8 +178,10 @@ def _decode(source: Source, max_sec: float | None, out: _Samples | None) -> Audi
         raise AudioError("is empty: it holds no audio frames")
     facts = AudioFacts(fmt, subtype, rate, channels, got, made)
     if facts.samples < MIN_SAMPLES:
-        raise AudioError(f"is too short: {facts.duration_sec * 1000:.0f} ms, less than one frame of the codec "
-                         f"({MIN_SAMPLES / SAMPLE_RATE * 1000:.0f} ms)")  # fmt: skip
+        raise AudioError(
+            f"is too short: {facts.duration_sec * 1000:.0f} ms, less than one frame of the codec "
+            f"({MIN_SAMPLES / SAMPLE_RATE * 1000:.0f} ms)"
+        )
     _check_length(facts.duration_sec, max_sec)
     return facts
 
@@ -209,8 +225,9 @@ def _expected(declared: int, rate: int) -> int:
 
 def _check_length(seconds: float, max_sec: float | None) -> None:
     if max_sec is not None and seconds > max_sec:
-        raise AudioError(f"is {seconds:.1f} s long, longer than the longest song the model can continue "
-                         f"({max_sec:.1f} s)")  # fmt: skip
+        raise AudioError(
+            f"is {seconds:.1f} s long, longer than the longest song the model can continue ({max_sec:.1f} s)"
+        )
 
 
 def _check_source(frames: int, rate: int, channels: int, max_sec: float | None) -> None:

@@ -140,8 +140,11 @@ class FormReader:
     def finish(self) -> Form:
         """The form, once the whole body was fed: every file back at its start."""
         if not self.ended:
-            raise FormError(400, "The multipart/form-data body cannot be read (check its boundary): it ends "
-                                 "before its closing boundary.")  # fmt: skip
+            raise FormError(
+                400,
+                "The multipart/form-data body cannot be read (check its boundary): it ends "
+                "before its closing boundary.",
+            )
         for f in self.form.files.values():
             f.file.seek(0)
         return self.form
@@ -188,8 +191,11 @@ class FormReader:
         if self._file is not None:
             self._file.size += end - start
             if self._file.size > self.limits.file_bytes:
-                raise FormError(413, self.limits.too_large or f"The file '{self._file.field}' is larger than "
-                                     f"{self.limits.file_bytes} bytes.")  # fmt: skip
+                raise FormError(
+                    413,
+                    self.limits.too_large
+                    or f"The file '{self._file.field}' is larger than {self.limits.file_bytes} bytes.",
+                )
             self._file.file.write(data[start:end])
         elif self._field is not None:
             if len(self._data) + end - start > self.limits.field_bytes:

@@ -37,14 +37,19 @@ def encode_audio(residency: Residency, s: PipelineConfig, audio: Any, ctx: TaskC
 
     try:
         with torch.inference_mode():
-            codes = encoder.encode(torch.from_numpy(np.asarray(audio, dtype=np.float32)), s.encode_chunk_frames,
-                                   s.encode_context_frames, on_chunk)  # fmt: skip
+            codes = encoder.encode(
+                torch.from_numpy(np.asarray(audio, dtype=np.float32)),
+                s.encode_chunk_frames,
+                s.encode_context_frames,
+                on_chunk,
+            )
     finally:
         del encoder  # this frame's reference would keep the weights alive through one_shot's release
         residency.end_encode()
     done = time.perf_counter()
     seconds = audio.shape[1] / cfg.sample_rate
-    log.info("task %s: encoded %.2f s of audio into %d frames in %.2f s", ctx.task_id, seconds, codes.shape[1],
-             done - loaded)  # fmt: skip
+    log.info(
+        "task %s: encoded %.2f s of audio into %d frames in %.2f s", ctx.task_id, seconds, codes.shape[1], done - loaded
+    )
     timings = {"load_sec": round(loaded - t0, 4), "encode_sec": round(done - loaded, 4)}
     return EncodeResult(codes.numpy().astype(np.int16), cfg.frame_rate, cfg.hop, cfg.sample_rate, timings)

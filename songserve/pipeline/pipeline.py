@@ -283,11 +283,28 @@ class ModelPipeline:
                 if ctxs[i].cancelled():
                     continue
                 try:
-                    batch = BatchFacts(B, bb_name, sr_name, len(sr_prompt), dict(timings), t_all,
-                                       dict(parked_during) if self.s.runtime_mode == "park" else None)  # fmt: skip
+                    batch = BatchFacts(
+                        B,
+                        bb_name,
+                        sr_name,
+                        len(sr_prompt),
+                        dict(timings),
+                        t_all,
+                        dict(parked_during) if self.s.runtime_mode == "park" else None,
+                    )
                     assert residency.decoder is not None
-                    results[i] = finish_take(self.s, self.ckpt.tiny, residency, self.device, reqs[i], ctxs[i],
-                                             codes, bb, batch, previewer.report(i))  # fmt: skip
+                    results[i] = finish_take(
+                        self.s,
+                        self.ckpt.tiny,
+                        residency,
+                        self.device,
+                        reqs[i],
+                        ctxs[i],
+                        codes,
+                        bb,
+                        batch,
+                        previewer.report(i),
+                    )
                 except TaskCancelled as exc:
                     results[i] = exc
         finally:  # however the batch ended (a cancel or an error mid-stage): back to idle's state
@@ -323,11 +340,21 @@ class ModelPipeline:
         for ctx in ctxs:
             if req.preview and chunk > 0:
                 ctx.live.want()
-        return Previewer(ctxs, [r.seed for r in reqs], plan.budget_frames, stages,
-                         out_dir=self.s.output_dir, device=self.device, chunk_frames=chunk,
-                         context_frames=self.s.preview_context_frames, decode_context=self.s.decode_context_frames,
-                         decode_chunk=self.s.decode_chunk_frames,
-                         top_k=req.top_k_sr, kept=kept, levels=self.preview_levels())  # fmt: skip
+        return Previewer(
+            ctxs,
+            [r.seed for r in reqs],
+            plan.budget_frames,
+            stages,
+            out_dir=self.s.output_dir,
+            device=self.device,
+            chunk_frames=chunk,
+            context_frames=self.s.preview_context_frames,
+            decode_context=self.s.decode_context_frames,
+            decode_chunk=self.s.decode_chunk_frames,
+            top_k=req.top_k_sr,
+            kept=kept,
+            levels=self.preview_levels(),
+        )
 
     def preview_levels(self) -> int:
         """PREVIEW_LEVELS, or its default: every level on CUDA (the preview's own stream overlaps the

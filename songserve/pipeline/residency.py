@@ -158,8 +158,12 @@ class Residency:
         if self.encoder is None:
             self.phase("loading_encoder")
             t0 = time.perf_counter()
-            self.encoder = load_encoder(self.ckpt.decoder_config, self.ckpt.decoder_checkpoint, self.device,
-                                        trust_pickle=self.s.trust_checkpoint_pickle)  # fmt: skip
+            self.encoder = load_encoder(
+                self.ckpt.decoder_config,
+                self.ckpt.decoder_checkpoint,
+                self.device,
+                trust_pickle=self.s.trust_checkpoint_pickle,
+            )
             self.load_sec["encoder"] = round(time.perf_counter() - t0, 3)
 
     def enter_encoder(self) -> AudioEncoder:

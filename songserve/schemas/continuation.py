@@ -46,9 +46,11 @@ class ContinueFrom(BaseModel):
         description="or an upload (POST /uploads) to continue",
     )
     at_sec: float | None = Field(
-        None, gt=0, allow_inf_nan=False,
+        None,
+        gt=0,
+        allow_inf_nan=False,
         description="seconds into the take or upload: what comes before is kept (an upload: its end if left out)",
-    )  # fmt: skip
+    )
 
     @field_validator("job_id", "upload_id")
     @classmethod
@@ -94,8 +96,10 @@ class PrefixCodes(BaseModel):
         except (binascii.Error, ValueError):
             raise ValueError("codes is not base64") from None
         if len(raw) != 2 * self.levels * self.frames:
-            raise ValueError(f"codes holds {len(raw)} bytes; {self.levels} levels × {self.frames} frames need "
-                             f"{2 * self.levels * self.frames}")  # fmt: skip
+            raise ValueError(
+                f"codes holds {len(raw)} bytes; {self.levels} levels × {self.frames} frames need "
+                f"{2 * self.levels * self.frames}"
+            )
         return self
 
     def raw(self) -> bytes:

@@ -62,8 +62,13 @@ class LeaseFences:
         store, epoch = seen
         highest = self._highest[store]
         if epoch < highest:
-            log.warning("tasks %s: refused, sent under lease epoch %d of store %s, which has reached %d",
-                        ", ".join(task_ids), epoch, store, highest)  # fmt: skip
+            log.warning(
+                "tasks %s: refused, sent under lease epoch %d of store %s, which has reached %d",
+                ", ".join(task_ids),
+                epoch,
+                store,
+                highest,
+            )
             raise StaleLease(
                 f"This worker is leased under epoch {highest} now; the task was sent under epoch {epoch} by a "
                 "dispatcher whose lease has passed on. Nothing was run."

@@ -31,9 +31,12 @@ class WorkerMetrics:
             registry=r,
         )
         self.stage_seconds = Histogram(
-            "songserve_worker_stage_seconds", "Seconds per pipeline stage of finished tasks.", ["stage"],
-            buckets=BUCKETS, registry=r,
-        )  # fmt: skip
+            "songserve_worker_stage_seconds",
+            "Seconds per pipeline stage of finished tasks.",
+            ["stage"],
+            buckets=BUCKETS,
+            registry=r,
+        )
         self.audio_seconds = Counter("songserve_worker_audio_seconds", "Seconds of audio written.", registry=r)
 
     def task_done(self, seconds: float, audio_sec: float, timings: dict[str, Any]) -> None:

@@ -191,7 +191,7 @@ async def generate_batch(
     rt: WorkerRuntime = Runtime,
     fence: LeaseFences = Fences,
 ) -> WorkerBatchResult:
-    """Several takes of one request as one batch (issue 14).
+    """Several takes of one request as one batch.
 
     Body ``{"takes": [<a /generate body>, …]}``: the takes differ only in ``seed_override``,
     ``task_id`` and ``track_index`` (else 400). The prompt is prefilled once, each take samples

@@ -108,8 +108,21 @@ def test_continue_retakes_a_finished_take_and_downloads_rendered_formats(cluster
     original = cluster.submit(tags="pop", lyrics="[verse]\nfirst take", duration=0.1, num_tracks=1)
     assert cluster.wait_job(original["job_id"])["status"] == "completed"
     spec = f"{original['job_id']}:0@2.5"
-    out = cli("--server", cluster.url, "generate", "--continue", spec, "--tracks", "1", "--formats", "codes,flac",
-              "--loudness", "-18", "--out", str(tmp_path))  # fmt: skip
+    out = cli(
+        "--server",
+        cluster.url,
+        "generate",
+        "--continue",
+        spec,
+        "--tracks",
+        "1",
+        "--formats",
+        "codes,flac",
+        "--loudness",
+        "-18",
+        "--out",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     grid = codes.read(next(tmp_path.glob("*_track0.codes")))
     assert grid.header["continued"]["frames"] == int(2.5 * grid.header["frame_rate"])
@@ -133,8 +146,10 @@ def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, t
     assert heard[44:] == final.tobytes()  # the tone's live audio is its final audio, every sample
     piped = subprocess.run(
         [sys.executable, "-m", "songserve", *base, "--listen", "-", "--formats", "mp3", "--out", str(tmp_path / "o2")],
-        cwd=ROOT, capture_output=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        timeout=120,
+    )
     assert piped.returncode == 0, piped.stderr
     assert b"written to standard output" in piped.stderr  # progress and messages on stderr
     audio, rate = sf.read(io.BytesIO(piped.stdout))  # stdout: the MP3 stream alone
@@ -150,8 +165,25 @@ def test_continue_audio_uploads_a_file_and_continues_it(cluster, tmp_path):
     t = np.arange(3 * 44100) / 44100
     song = tmp_path / "my demo@home.flac"  # an '@' in the name is part of the name when the file exists
     sf.write(song, np.stack([0.3 * np.sin(2 * np.pi * 220 * t)] * 2, 1), 22050 * 2, format="FLAC")
-    out = cli("--server", cluster.url, "generate", "--continue-audio", f"{song}@2", "--tags", "rock", "--lyrics", "on",
-              "--duration", "0.1", "--tracks", "1", "--formats", "codes", "--out", str(tmp_path / "out"))  # fmt: skip
+    out = cli(
+        "--server",
+        cluster.url,
+        "generate",
+        "--continue-audio",
+        f"{song}@2",
+        "--tags",
+        "rock",
+        "--lyrics",
+        "on",
+        "--duration",
+        "0.1",
+        "--tracks",
+        "1",
+        "--formats",
+        "codes",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert out.returncode == 0, out.stderr
     assert "upload " in out.stdout
     assert "my demo@home.flac, 3.0 s" in out.stdout
@@ -202,6 +234,7 @@ def test_the_installed_command_works_from_any_folder(cluster, tmp_path):
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip().endswith("completed")
     assert len(list((away / "songs").glob("*_track0.mp3"))) == 1  # --out is relative to where it ran
-    module = subprocess.run([sys.executable, "-m", "songserve", "--help"], cwd=away, env=env, capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    module = subprocess.run(
+        [sys.executable, "-m", "songserve", "--help"], cwd=away, env=env, capture_output=True, text=True, timeout=60
+    )
     assert module.returncode == 0, module.stderr

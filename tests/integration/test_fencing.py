@@ -1,4 +1,4 @@
-"""Fencing by lease epoch (issue 22), the same rules on both engines, in-process.
+"""Fencing by lease epoch, the same rules on both engines, in-process.
 
 A claim and every later write for a track on a worker carry the ``Fence`` (owner, worker, epoch) its
 writer holds; the store checks it against the lease row, and the lease's expiry on its own clock, in

@@ -31,12 +31,22 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
     one = listed["jobs"][2]
     view = cluster.job(first)
     assert {k: one[k] for k in view} == view  # the job's own view, field for field
-    assert one["asked"] == {"mode": "vocal", "prompt_mode": "tags", "prompt": "", "tags": "jazz, piano",
-                            "duration": 0.05, "continue_from": None}  # fmt: skip
+    assert one["asked"] == {
+        "mode": "vocal",
+        "prompt_mode": "tags",
+        "prompt": "",
+        "tags": "jazz, piano",
+        "duration": 0.05,
+        "continue_from": None,
+    }
     assert [t["status"] for t in one["tracks"]] == ["done", "done"]
     assert listed["jobs"][1]["asked"]["mode"] == "instrumental"
-    assert listed["jobs"][0]["asked"]["continue_from"] == {"job_id": first, "track_index": 1, "upload_id": None,
-                                                          "at_sec": 1.0}  # fmt: skip
+    assert listed["jobs"][0]["asked"]["continue_from"] == {
+        "job_id": first,
+        "track_index": 1,
+        "upload_id": None,
+        "at_sec": 1.0,
+    }
 
     page = httpx.get(cluster.url + "/jobs", params={"limit": 2}, timeout=10, verify=TLS).json()
     assert [j["job_id"] for j in page["jobs"]] == [retake, second]
@@ -50,9 +60,14 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
 
 
 @pytest.mark.parametrize(
-    ("query", "name"), [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"cursor": "-1"}, "cursor"),
-                        ({"cursor": "x" * 30}, "cursor")],
-)  # fmt: skip
+    ("query", "name"),
+    [
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"cursor": "-1"}, "cursor"),
+        ({"cursor": "x" * 30}, "cursor"),
+    ],
+)
 def test_a_bad_limit_or_cursor_is_refused_naming_it(cluster, query, name):
     r = httpx.get(cluster.url + "/jobs", params=query, timeout=10, verify=TLS)
     assert r.status_code == 422

@@ -61,8 +61,15 @@ def finished_job(site, headers: dict[str, str]) -> str:
 def test_another_keys_job_is_not_found_on_any_route_and_nothing_is_done_to_it(site):
     job = finished_job(site, ALICE)
     base = f"{site.url}/job/{job}"
-    reads = ["", "/events", "/track/0/wav", "/track/0/mp3", "/track/0/codes", "/track/0/render?format=wav",
-             "/track/0/stream?format=wav"]  # fmt: skip
+    reads = [
+        "",
+        "/events",
+        "/track/0/wav",
+        "/track/0/mp3",
+        "/track/0/codes",
+        "/track/0/render?format=wav",
+        "/track/0/stream?format=wav",
+    ]
     for path in reads:
         for method in ("GET", "HEAD") if path.startswith("/track") else ("GET",):
             r = httpx.request(method, base + path, headers=BOB, timeout=10, verify=TLS)

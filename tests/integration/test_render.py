@@ -39,8 +39,9 @@ def loudness(data: bytes) -> tuple[float, np.ndarray, int]:
     return pyloudnorm.Meter(rate).integrated_loudness(x), x, rate
 
 
-@pytest.mark.parametrize(("fmt", "target", "rate", "media"), [("flac", -14.0, 44100, "audio/flac"),
-                                                              ("opus", -20.0, 48000, "audio/ogg")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "target", "rate", "media"), [("flac", -14.0, 44100, "audio/flac"), ("opus", -20.0, 48000, "audio/ogg")]
+)
 def test_flac_and_opus_decode_at_the_asked_loudness_with_title_and_lyrics(site, job_id, fmt, target, rate, media):
     r = get(site, job_id, format=fmt, loudness=target)
     assert r.status_code == 200, r.text
@@ -77,8 +78,12 @@ def test_a_render_is_made_once_then_served_from_the_results_folder(site, job_id)
     again = get(site, job_id, format="flac", loudness=-16.02)  # the same render, to 0.1 LU
     assert again.content == first.content
     assert sorted(p.name for p in folder.glob("track_0.render-*.flac")) == made
-    part = httpx.get(f"{site.url}/job/{job_id}/track/0/render", params={"format": "flac", "loudness": -16},
-                     headers={"Range": "bytes=0-99"}, verify=TLS)  # fmt: skip
+    part = httpx.get(
+        f"{site.url}/job/{job_id}/track/0/render",
+        params={"format": "flac", "loudness": -16},
+        headers={"Range": "bytes=0-99"},
+        verify=TLS,
+    )
     assert part.status_code == 206
     assert part.content == first.content[:100]
 
@@ -129,7 +134,7 @@ def test_a_track_that_is_not_there_has_no_render(site, job_id):
 
 @pytest.mark.parametrize("lyrics", ["", "[inst]"])
 def test_an_instrumental_take_renders_in_every_format_without_a_lyrics_comment(site, lyrics):
-    """Issue 35: an empty comment tag was libsndfile's "bad string" in every format, a 500."""
+    """libsndfile refuses an empty comment tag ("bad string") in every format: an instrumental gets none, not a 500."""
     job = site.submit(tags="ambient", lyrics=lyrics, mode="instrumental", duration=0.05, num_tracks=1)
     assert site.wait_job(job["job_id"])["status"] == "completed"
     for fmt in render.FORMATS:

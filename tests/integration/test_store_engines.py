@@ -265,7 +265,7 @@ def test_changes_at_one_dispatcher_are_heard_by_the_others(pg_url: str) -> None:
 def test_reads_after_a_database_restart_use_fresh_connections(pg_server, pg_url: str) -> None:
     """A restart leaves every pooled connection dead. The first failure has the pool test and replace
     them all, and a read that met a dead connection is tried once more: no read fails after the server
-    is back (seen before: a GET /job answered 503 on the second of several stale connections)."""
+    is back (without that, a GET /job answers 503 on the second of several stale connections)."""
     from songserve.api.store.postgres.store import PgStore
 
     async def body() -> None:

@@ -1,4 +1,4 @@
-"""Small things a user notices (issue 37, Why 10), through a real dispatcher and a real tone worker."""
+"""Small things a user notices, through a real dispatcher and a real tone worker."""
 
 from __future__ import annotations
 

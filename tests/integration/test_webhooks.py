@@ -77,9 +77,16 @@ def test_retries_wait_from_the_base_doubling_up_to_five_minutes_less_a_jitter():
 
 def test_unset_webhook_allow_refuses_loopback_private_and_link_local_addresses():
     policy = WebhookPolicy("")
-    for addr, kind in [("127.0.0.1", "loopback"), ("10.1.2.3", "private"), ("192.168.0.9", "private"),
-                       ("169.254.169.254", "link-local"), ("::1", "loopback"), ("fd00::1", "private"),
-                       ("::ffff:127.0.0.1", "loopback"), ("100.64.0.1", "non-public")]:  # fmt: skip
+    for addr, kind in [
+        ("127.0.0.1", "loopback"),
+        ("10.1.2.3", "private"),
+        ("192.168.0.9", "private"),
+        ("169.254.169.254", "link-local"),
+        ("::1", "loopback"),
+        ("fd00::1", "private"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("100.64.0.1", "non-public"),
+    ]:
         why = policy.why_not("h.example", ipaddress.ip_address(addr))
         assert why is not None, addr
         assert kind in why, why
@@ -449,8 +456,11 @@ async def test_a_key_over_its_hourly_tracks_gets_429_another_key_does_not_and_us
 async def test_a_request_larger_than_its_key_allows_is_refused_naming_the_field(tmp_path):
     small = Caller("small", KeyLimits(max_duration=0.1, max_priority=3, tracks_per_hour=2, concurrent_jobs=1))
     async with FakeFleet(tmp_path) as f:
-        for extra, field in [({"duration": 0.5}, "duration"), ({"priority": 5}, "priority"),
-                             ({"num_tracks": 3}, "num_tracks")]:  # fmt: skip
+        for extra, field in [
+            ({"duration": 0.5}, "duration"),
+            ({"priority": 5}, "priority"),
+            ({"num_tracks": 3}, "num_tracks"),
+        ]:
             with pytest.raises(FieldError) as err:
                 await f.svc.submit(body(**extra), caller=small)
             assert err.value.detail[0]["loc"] == ["body", field]

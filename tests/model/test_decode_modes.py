@@ -1,4 +1,4 @@
-"""The decode step's modes (issue 39): every mode draws the eager tokens; the compiled step has no
+"""The decode step's modes: every mode draws the eager tokens; the compiled step has no
 graph break, no host sync and stays within its kernel budget.
 
 One release-family model (RMSNorm, SwiGLU, grouped-query attention, RoPE, qkv biases) at tiny widths,
@@ -27,7 +27,7 @@ EOD = 1
 KV = 64  # one KV bucket covers prompt + song: one compile per batch size
 # inductor's kernels for the step (CPU code generation: a loop nest each), per transformer layer and
 # outside the layers (embedding, position tables, final norm). DecodeModel.step meets it (12 a layer);
-# the step as it was before issue 39 (``_unfused_step``) needs 15 a layer.
+# the unfused step, kept as a reference (``_unfused_step``), needs 15 a layer.
 KERNELS_PER_LAYER = 12
 KERNELS_OUTSIDE = 3
 
@@ -105,7 +105,7 @@ def test_a_mode_that_cannot_run_falls_back_to_eager_with_the_reason(megatron_cpu
 
 
 def _unfused_step(dm, tokens, pos, k_cache, v_cache, kv_len, masked):
-    """``DecodeModel.step`` as it was before issue 39: q and k rotated apart (a concatenation each),
+    """The unfused step, kept as a reference for ``DecodeModel.step``: q and k rotated apart (a concatenation each),
     K/V transposed out of the qkv layout."""
     s = dm.spec
     B = tokens.shape[0]

@@ -225,8 +225,13 @@ def _residency(mode: str, config, ckpt):
 
     from songserve.pipeline.residency import Residency
 
-    s = SimpleNamespace(runtime_mode=mode, trust_checkpoint_pickle=False, park_backbone="0", encode_chunk_frames=8,
-                        encode_context_frames=16)  # fmt: skip
+    s = SimpleNamespace(
+        runtime_mode=mode,
+        trust_checkpoint_pickle=False,
+        park_backbone="0",
+        encode_chunk_frames=8,
+        encode_context_frames=16,
+    )
     files = SimpleNamespace(decoder_config=config, decoder_checkpoint=ckpt)
     return s, Residency(s, files, CPU, phase=lambda _: None)  # type: ignore[arg-type]
 

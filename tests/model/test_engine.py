@@ -1,4 +1,4 @@
-"""The decode engine (issue 14): step == megatron's forward, no host sync per token, compile, batched takes."""
+"""The decode engine: step == megatron's forward, no host sync per token, compile, batched takes."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_step_equals_megatron_forward_on_a_release_like_config(megatron_cpu, mon
 
 
 def _old_loop(backbone: Backbone, prompt: list[int], frames: int, seed: int, top_k: int = 50) -> torch.Tensor:
-    """The loop as it was before issue 14 (megatron's forward per token, a host sync per token)."""
+    """The per-token loop, kept as a reference (megatron's forward per token, a host sync per token)."""
     gpt, T = backbone.gpt, backbone.text_vocab
     gen = torch.Generator().manual_seed(seed)
     cache = new_kv_context(gpt, len(prompt) + 2 * frames)
@@ -183,7 +183,7 @@ def test_the_decode_loop_makes_no_host_sync_per_token(backbone, monkeypatch):
     short = _count_conversions(lambda: _run(backbone, [1, 2], frames=20))
     long = _count_conversions(lambda: _run(backbone, [1, 2], frames=200))
     assert long == short, (short, long)
-    # and the counter does see a conversion per token when there is one (the old loop's int(...))
+    # and the counter does see a conversion per token when there is one (the reference loop's int(...))
     with torch.inference_mode():
         assert _count_conversions(lambda: _old_loop(backbone, PROMPT, 20, seed=1)) >= 40
 
@@ -612,7 +612,7 @@ def test_park_mode_outputs_equal_keep_loaded_and_health_shows_what_is_parked(wor
         h = httpx.get(w.url + "/health", timeout=10, verify=TLS).json()
         assert h["runtime_mode"] == "park"
         assert h["park_backbone"] == "1"
-        assert h["parked"] == ["decoder", "encoder", "superres"]  # the encoder waits too (issue 29: uploads)
+        assert h["parked"] == ["decoder", "encoder", "superres"]  # the encoder (uploads) waits too
         parked = httpx.post(w.url + "/generate", json=_body(90, "p0"), timeout=120, verify=TLS).json()
         assert parked["status"] == "ok"
         # the state each stage ran in: the backbone waited in host memory during superres and decoder

@@ -104,7 +104,7 @@ def _syncs(fn) -> int:
 
 @pytest.mark.parametrize("mode", ["compiled", "graphs", "fused"])
 def test_each_mode_captures_draws_the_eager_tokens_and_syncs_no_more_per_token(cuda, mode):
-    """Issue 39 on a GPU: compiled (inductor under the step's own capture), graphs, fused (Triton,
+    """Every decode mode on a GPU: compiled (inductor under the step's own capture), graphs, fused (Triton,
     captured) against eager in fp32; the host syncs of 300 tokens are those of 30 (one per check)."""
     bb = _release_family(cuda)
     bb.bucket = 256

@@ -1,4 +1,4 @@
-"""The fused step's Triton kernels (issue 39) against the eager code, under Triton's interpreter on the CPU.
+"""The fused step's Triton kernels against the eager code, under Triton's interpreter on the CPU.
 
 fp32 (the interpreter has no bf16), small shapes (the interpreter is slow), odd lengths, and the batch
 sizes the worker runs (1 to MAX_BATCH's default of 4). Where triton is not installed these skip with the

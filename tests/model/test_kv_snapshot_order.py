@@ -1,8 +1,8 @@
 """KV snapshots restored in any order, and faults inside the cache, in-process with the tiny set's backbone.
 
-Issue 35: a slot was moved to the LRU's end with ``list.remove``, which compared it field by field
-with every slot before it (a dataclass's ``==``: ids and KV tensors), so restoring any slot that was
-not the first raised, and kept raising on that worker. What is proved here:
+Moving a slot to the LRU's end with ``list.remove`` compares it with every slot before it; were that a
+dataclass's field-by-field ``==`` (ids and KV tensors), restoring any slot that is not the first would
+raise, and keep raising on that worker. What is proved here:
 
 - several snapshots of different lengths restore in every order, each its own KV bit for bit;
 - takes of a batch and requests after it, retaking several prefixes in turn, each restore their own
@@ -44,8 +44,10 @@ def backbone(tiny_dir, megatron_cpu):
 
 def random_cache(n: int, seed: int) -> KVCache:
     g = torch.Generator().manual_seed(seed)
-    return KVCache([torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
-                   [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)])  # fmt: skip
+    return KVCache(
+        [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
+        [torch.randn(1, 2, n, 4, generator=g) for _ in range(3)],
+    )
 
 
 def coarse(frames: int, seed: int) -> torch.Tensor:
@@ -58,8 +60,15 @@ def takes(seeds: tuple[int, ...], name: str) -> list[Take]:
 
 def batch(backbone: Backbone, kept: torch.Tensor, seeds: tuple[int, ...], name: str) -> list:
     frames = kept.shape[1] + 12
-    got = backbone.generate_batch(PROMPT, LengthPlan(frames, frames, 2 * frames), takes(seeds, name),
-                                  top_k=50, temperature=1.0, kept=kept, origin=name)  # fmt: skip
+    got = backbone.generate_batch(
+        PROMPT,
+        LengthPlan(frames, frames, 2 * frames),
+        takes(seeds, name),
+        top_k=50,
+        temperature=1.0,
+        kept=kept,
+        origin=name,
+    )
     assert all(g is not None for g in got)
     return got
 

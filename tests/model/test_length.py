@@ -1,4 +1,4 @@
-"""Song length as the reference (issue 10.6/10.7): end-of-audio ends the song, a token budget, context refusal."""
+"""Song length as the reference: end-of-audio ends the song, a token budget, context refusal."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def test_the_token_budget_caps_an_exact_length_plan_too():
 
 
 def test_the_token_budget_counts_only_tokens_to_generate_not_the_kept_prefix():
-    """--num-tokens-to-generate 128 (64 new frames) with 100 kept frames: the song may run to 164 frames,
-    where the kept prefix alone used to exhaust the budget and every continuation was refused."""
+    """--num-tokens-to-generate 128 (64 new frames) with 100 kept frames: the song may run to 164 frames;
+    a budget that counted the kept prefix would be spent by it alone, and every continuation refused."""
     exact = plan_length(100, 0.5, FPS, context=27648, max_new_tokens=128, min_share=1.0, kept_frames=100)
     assert exact.budget_frames == 100 + 64
     model = plan_length(100, 2.0, FPS, context=25600, max_new_tokens=128, min_share=0.0, kept_frames=100)

@@ -1,6 +1,6 @@
-"""Live audio of a tiny-set take, through a real dispatcher and a real model worker (issue 23).
+"""Live audio of a tiny-set take, through a real dispatcher and a real model worker.
 
-The issue's proofs on the model: the streamed WAV decodes, grows while the track is generating, ends
+The proofs on the model: the streamed WAV decodes, grows while the track is generating, ends
 at the take's end with the length of the final (its preview covers every frame; what a preview
 lacks would come from the final file); the final WAV is byte-identical with and without a
 listener for the same seed; the preview is audio of the same song (its spectrum close to the

@@ -78,9 +78,18 @@ def backbone_run(models, ctxs, previewer, seeds):
 
 def previewer(models, ctxs, seeds, tmp_path):
     _, sr, decoder = models
-    return Previewer(ctxs, seeds, FRAMES, lambda: PreviewStages(sr, PROMPT, decoder), out_dir=tmp_path,
-                     device=torch.device("cpu"), chunk_frames=40, context_frames=8, decode_context=16,
-                     top_k=10)  # fmt: skip
+    return Previewer(
+        ctxs,
+        seeds,
+        FRAMES,
+        lambda: PreviewStages(sr, PROMPT, decoder),
+        out_dir=tmp_path,
+        device=torch.device("cpu"),
+        chunk_frames=40,
+        context_frames=8,
+        decode_context=16,
+        top_k=10,
+    )
 
 
 def test_a_wanted_take_is_previewed_whole_and_its_codes_are_what_they_are_unheard(models, tmp_path):

@@ -1,6 +1,6 @@
 """A retake of a half-minute take of the tiny set, through a real dispatcher and two real model workers.
 
-The issue's proofs, end to end over HTTP: the retake from 20 s keeps the original's audio before
+What a retake must do, end to end over HTTP: the retake from 20 s keeps the original's audio before
 19 s (SNR ≥ 60 dB; here it is the same samples) and all 64 code levels of the kept frames; a
 second retake of the same prefix goes to the worker holding its KV snapshot (the other one is
 first in the pool's order) and prefills nothing where the first prefilled them all (≤ 10 %); a
@@ -85,8 +85,11 @@ def test_a_retake_keeps_the_start_and_a_second_one_restores_its_snapshot(site):
     keep = int(20.0 * grid0.header["frame_rate"])
     tokens = ta["metadata"]["prefill"]["tokens"]
     assert ta["metadata"]["prefill"]["restored"] == 0
-    assert ta["metadata"]["continued"] == {"frames": keep, "at_sec": pytest.approx(keep / grid0.header["frame_rate"]),
-                                           "origin": f"{job0}/0"}  # fmt: skip
+    assert ta["metadata"]["continued"] == {
+        "frames": keep,
+        "at_sec": pytest.approx(keep / grid0.header["frame_rate"]),
+        "origin": f"{job0}/0",
+    }
     assert tokens == ta["metadata"]["tokens"]["backbone_prompt"] + 2 * keep
 
     grid_a = codes.decode(fetch(site, a["job_id"], "codes"))

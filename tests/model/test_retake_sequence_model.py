@@ -1,8 +1,8 @@
 """Retakes and continuations one after another on one real tiny-model worker, through a real dispatcher.
 
-Issue 35: generate, retake, continue an upload, continue the same upload again: the last one failed
-("The task failed inside the model (RuntimeError)") and every retake on that worker after it, because
-restoring a KV snapshot that was not the LRU's first slot compared the slots' tensors. Here every
+Generate, retake, continue an upload, continue the same upload again: when restoring a KV snapshot that is
+not the LRU's first slot compares the slots' tensors, the last one fails ("The task failed inside the model
+(RuntimeError)") and so does every retake on that worker after it. Here every
 one of those jobs, and retakes of the first take after them (its slot no longer first), completes;
 the continuations restore their own snapshots and the worker reports no fault in its cache.
 """
@@ -60,8 +60,13 @@ def test_generate_retake_and_continue_an_upload_twice_all_complete(site):
     assert a["metadata"]["prefill"]["restored"] == 0  # nothing kept yet: prefilled, and kept as a slot
 
     upload_id = upload(site)
-    cont = {"continue_from": {"upload_id": upload_id}, "tags": "jazz", "lyrics": "[verse]\non and on",
-            "duration": 0.2, "num_tracks": 1}  # fmt: skip
+    cont = {
+        "continue_from": {"upload_id": upload_id},
+        "tags": "jazz",
+        "lyrics": "[verse]\non and on",
+        "duration": 0.2,
+        "num_tracks": 1,
+    }
     u1 = run(site, **cont, seed=3)
     tokens = u1["metadata"]["prefill"]["tokens"]
     assert u1["metadata"]["continued"]["origin"] == f"upload/{upload_id}"

@@ -1,6 +1,6 @@
 """An upload through a real dispatcher and a real model worker on the release-shaped tiny set.
 
-The issue's proofs, end to end over HTTP:
+What an upload must do, end to end over HTTP:
 - ``GET /uploads/{id}/codes`` of a stereo 44.1 kHz WAV is the code grid of a straightforward encoder
   written in the tests (torch's weight_norm, float64 distances: ``test_encoder.py``) on the same
   checkpoint: the same frames, every code equal but for float near-ties (the share is printed;
@@ -86,15 +86,24 @@ def test_the_uploads_codes_are_the_plain_encoders_on_the_release_files(site, rel
 def test_takes_continued_from_the_upload_keep_it_and_a_second_restores_its_snapshot(site, release_dir, uploaded):
     _, view = uploaded
     kept = codes.decode(fetch(site, view["codes"]))
-    body = {"continue_from": {"upload_id": view["upload_id"]}, "tags": "pop", "lyrics": "[verse]\non and on",
-            "duration": 10 / 60, "num_tracks": 2, "seed": 3}  # fmt: skip
+    body = {
+        "continue_from": {"upload_id": view["upload_id"]},
+        "tags": "pop",
+        "lyrics": "[verse]\non and on",
+        "duration": 10 / 60,
+        "num_tracks": 2,
+        "seed": 3,
+    }
     r = httpx.post(f"{site.url}/generate", json=body, timeout=30, verify=TLS)
     assert r.status_code == 200, r.text
     done = site.wait_job(r.json()["job_id"], timeout=WAIT)
     assert done["status"] == "completed", done
 
-    decoder = load_decoder(release_dir / RELEASE_LAYOUT["decoder_config"], release_dir / RELEASE_LAYOUT["decoder_checkpoint"],
-                           torch.device("cpu"))  # fmt: skip
+    decoder = load_decoder(
+        release_dir / RELEASE_LAYOUT["decoder_config"],
+        release_dir / RELEASE_LAYOUT["decoder_checkpoint"],
+        torch.device("cpu"),
+    )
     wave = decoder.decode(torch.from_numpy(kept.codes.astype(np.int64))[None], chunk_frames=0)[0].t().numpy()
     expected = np.clip(wave, -1.0, 1.0)  # as every WAV is written (export.py)
     before = int(7.0 * 44100)

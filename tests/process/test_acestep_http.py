@@ -435,8 +435,14 @@ def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
     t = np.arange(2 * 44_100) / 44_100
     wav = io.BytesIO()
     sf.write(wav, np.stack([0.3 * np.sin(2 * np.pi * 330 * t)] * 2, 1), 44_100, format="WAV", subtype="PCM_16")
-    fields = {"task_type": "repaint", "repainting_start": "1.5", "audio_duration": "4", "batch_size": "1",
-              "caption": "pop", "lyrics": "[verse]\non and on"}  # fmt: skip
+    fields = {
+        "task_type": "repaint",
+        "repainting_start": "1.5",
+        "audio_duration": "4",
+        "batch_size": "1",
+        "caption": "pop",
+        "lyrics": "[verse]\non and on",
+    }
     r = httpx.post(
         site.ace + "/release_task",
         data=fields,
@@ -453,8 +459,12 @@ def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
     assert (upload["status"], upload["filename"], upload["frames"]) == ("ready", "mine.wav", 2 * 44_100 // 2_048)
     audio, rate = sf.read(io.BytesIO(client.download(take).content), always_2d=True)
     assert abs(len(audio) / rate - 4.0) < 0.1
-    r = httpx.post(site.ace + "/release_task", data={**fields, "repainting_start": "9"},
-                   files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")}, verify=TLS)  # fmt: skip
+    r = httpx.post(
+        site.ace + "/release_task",
+        data={**fields, "repainting_start": "9"},
+        files={"src_audio": ("mine.wav", wav.getvalue(), "audio/wav")},
+        verify=TLS,
+    )
     assert (r.status_code, r.json()["error"]) == (
         400,
         "Field 'repainting_start': is past the end of the source (2.00 s).",

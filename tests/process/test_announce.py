@@ -1,4 +1,4 @@
-"""Workers that announce themselves (issue 13 item 5): a real worker against a real HTTP stand-in dispatcher.
+"""Workers that announce themselves: a real worker against a real HTTP stand-in dispatcher.
 
 The stand-in answers the ``POST /workers`` / ``DELETE /workers/{id}`` contract and records every
 request, including whether the worker's own ``/health`` answered when its announcement arrived.

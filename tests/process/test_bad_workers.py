@@ -1,4 +1,4 @@
-"""Workers judged by what they do, local faults kept local (issue 22, items 3 and 4), through real processes.
+"""Workers judged by what they do, local faults kept local, through real processes.
 
 A stand-in of our worker that misbehaves on command (``tests/support/bad_worker.py``) beside a healthy tone
 worker, and a dispatcher whose results folder is a tmpfs that fills up or goes read-only mid-run.

@@ -1,4 +1,4 @@
-"""No track stuck (issue 11), through real processes: a frozen worker, a full worker disk, a full job store."""
+"""No track stuck, through real processes: a frozen worker, a full worker disk, a full job store."""
 
 from __future__ import annotations
 
@@ -56,9 +56,17 @@ def test_one_worker_with_a_full_output_disk_costs_no_tracks(tmp_path, tmpfs):
     out.mkdir()
     fill_disk(tmpfs, leave_bytes=100_000)
     full = start_worker(
-        tmp_path, "--pipeline", "test", "--test-delay-s", "0.2", "--output-dir", str(out), "--min-free-disk-mb", "0",
+        tmp_path,
+        "--pipeline",
+        "test",
+        "--test-delay-s",
+        "0.2",
+        "--output-dir",
+        str(out),
+        "--min-free-disk-mb",
+        "0",
         name="full",
-    )  # fmt: skip
+    )
     healthy = start_worker(tmp_path, "--pipeline", "test", "--test-delay-s", "0.2", name="healthy")
     c = cluster_of(tmp_path, [full, healthy], "--bench-after-failures", "2")
     try:

@@ -1,4 +1,4 @@
-"""The first hour, as a new user meets the service: one test per item of issue 22's "Why 7".
+"""The first hour, as a new user meets the service: one test per rough edge such a user would meet.
 
 Real processes throughout: a dispatcher with no workers (jobs just queue) for what a request is
 answered, a tiny-model worker behind a dispatcher for progress and logs, the launcher for the

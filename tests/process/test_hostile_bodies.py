@@ -1,11 +1,12 @@
-"""The key before the body, on both ports, through a real dispatcher (issue 35, Why 5).
+"""The key before the body, on both ports, through a real dispatcher.
 
 A dispatcher with an API key and ACE-Step's port, and no worker. Without a key in the header a body
 is read only up to ``MAX_BODY_BYTES`` (it may carry ``ai_token``): a flood of 60,000 tiny parts or a
-100 MB file part is a 401 at once, unread, and ``/health`` answers on both ports throughout (before:
-12 s with the process stalled, and +1.1 GiB). With the key, multipart is read as it streams with
-caps on parts: 60,000 parts are a 400 after the 256th. On our own port a chunked body (no
-Content-Length) without a key is a 401 before it is read (before: the body limit read it first).
+100 MB file part is a 401 at once, unread, and ``/health`` answers on both ports throughout (a body
+read before the key is checked stalls the process 12 s and costs +1.1 GiB). With the key, multipart
+is read as it streams with caps on parts: 60,000 parts are a 400 after the 256th. On our own port a
+chunked body (no Content-Length) without a key is a 401 before it is read (not read first by the
+body limit).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stopping through the real launcher, as a person does it: Ctrl-C in the terminal (SIGINT to the
 launcher's whole process group), once to stop in order, twice to stop at once.
 
-What a stop must do (issue 37, "Start and stop that narrate"): one line at once saying what it waits
+What a stop must do: one line at once saying what it waits
 for and how to stop at once; the dispatcher's drain said once; the workers kept up until the
 dispatcher has collected the takes finished during the drain and deleted them on the worker.
 """
@@ -142,6 +142,6 @@ def test_ctrl_c_while_starting_stops_what_was_started_and_leaves_no_process(tmp_
         said = run.said()
         assert "run_backend: stopped " in said, said
         assert "ready:" not in said
-        assert not marked(run.mark)  # before: the launcher died at once and the worker ran on, alone
+        assert not marked(run.mark)  # the launcher must not die at once and leave the worker running alone
     finally:
         run.close()

@@ -1,4 +1,4 @@
-"""Listeners as a hostile or busy public drives them (issue 35, items 1 and 5), through real processes.
+"""Listeners as a hostile or busy public drives them, through real processes.
 
 A real dispatcher over a real tone worker (its live audio is its tone, written during the first third
 of ``--test-delay-s``): MP3 listeners that hang up at random moments must never take the dispatcher
@@ -193,8 +193,13 @@ def test_listeners_past_the_caps_get_a_503_with_retry_after_and_their_places_com
         a, b = (c.submit(**LONG, seed=seed)["job_id"] for seed in (1, 2))  # b waits in the queue: still listenable
         url_a, url_b = (f"{c.url}/job/{j}/track/0/stream" for j in (a, b))
         with contextlib.ExitStack() as held:
-            for url, cap in ((url_a, ""), (url_a, ""), (url_a, "LIVE_LISTENERS_PER_TRACK"), (url_b, ""),
-                             (url_b, "LIVE_LISTENERS_MAX")):  # fmt: skip
+            for url, cap in (
+                (url_a, ""),
+                (url_a, ""),
+                (url_a, "LIVE_LISTENERS_PER_TRACK"),
+                (url_b, ""),
+                (url_b, "LIVE_LISTENERS_MAX"),
+            ):
                 r = held.enter_context(http.stream("GET", url))
                 if not cap:
                     assert r.status_code == 200

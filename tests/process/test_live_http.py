@@ -1,4 +1,4 @@
-"""Live audio through a real dispatcher and real tone workers (issue 23), over HTTP.
+"""Live audio through a real dispatcher and real tone workers, over HTTP.
 
 A tone worker's live audio is its tone itself, written in step with its backbone phase (the first
 third of ``--test-delay-s``), so the relay's contract is checked here at tone speed and exactly:
@@ -186,9 +186,15 @@ def test_a_listener_who_asks_before_the_take_reaches_its_worker_hears_it_live(tm
     """The dispatcher marks the track generating before its request reaches the worker (held 1.5 s here,
     tests/support/late_worker.py): the relay asks a worker that does not know the task yet, and asks again."""
     late = start_worker(
-        tmp_path, "--pipeline", "test", "--test-delay-s", "3", name="late", script="tests/support/late_worker.py",
+        tmp_path,
+        "--pipeline",
+        "test",
+        "--test-delay-s",
+        "3",
+        name="late",
+        script="tests/support/late_worker.py",
         env={"SONGSERVE_LATE_SEC": "1.5"},
-    )  # fmt: skip
+    )
     site = cluster_of(tmp_path, [late])
     try:
         job = submit(site, seed=13)

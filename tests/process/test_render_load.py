@@ -1,6 +1,6 @@
 """Renders under load, through a real dispatcher and a real tone worker that made a 3-minute take.
 
-Issue 35: 60 concurrent FLAC renders of a 3-minute take (distinct loudness values) cost the
+Unbounded, 60 concurrent FLAC renders of a 3-minute take (distinct loudness values) cost the
 dispatcher +1.3 GiB and both cores for 53 s, and a 1-second upload took 14–21 s meanwhile, because
 every render ran at once on the executor uploads share. Here: each of 60 concurrent renders is 200
 or 429 with ``Retry-After`` (``RENDER_CONCURRENCY`` run, ``RENDER_QUEUE`` wait), the dispatcher's
@@ -29,8 +29,12 @@ RENDERS = 60
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("render_load"), workers=1, delay=0.05,
-                api_args=("--render-concurrency", "2", "--render-queue", "4"))  # fmt: skip
+    c = Cluster(
+        tmp_path_factory.mktemp("render_load"),
+        workers=1,
+        delay=0.05,
+        api_args=("--render-concurrency", "2", "--render-queue", "4"),
+    )
     yield c
     c.stop()
 
@@ -113,8 +117,10 @@ def test_sixty_concurrent_renders_are_bounded_and_an_upload_keeps_its_pace(site,
     runner.join()
     seconds, growth = time.monotonic() - t0, rss.growth_mib()
     codes = [r.status_code for r in got]
-    print(f"{RENDERS} renders: {codes.count(200)} made, {RENDERS - codes.count(200)} refused, {seconds:.1f} s; "
-          f"dispatcher peak RSS +{growth:.0f} MiB; a 1-second upload took {upload:.1f} s")  # fmt: skip
+    print(
+        f"{RENDERS} renders: {codes.count(200)} made, {RENDERS - codes.count(200)} refused, {seconds:.1f} s; "
+        f"dispatcher peak RSS +{growth:.0f} MiB; a 1-second upload took {upload:.1f} s"
+    )
     assert len(got) == RENDERS
     for r in got:
         assert r.status_code in (200, 429, 503), r.text

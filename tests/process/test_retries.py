@@ -1,4 +1,4 @@
-"""Retries that learn (issue 35, item 9), through real processes.
+"""Retries that learn, through real processes.
 
 A stand-in of our worker whose result downloads drip a byte a second (``tests/support/bad_worker.py``) beside
 a healthy tone worker, under the default ``DOWNLOAD_TIMEOUT_SEC``: a copy that crawls is cut at the
@@ -15,8 +15,8 @@ from tests.process.test_bad_workers import faults_charged
 from tests.support.servers import cluster_of, start_bad_worker, start_worker, wait_for
 
 # The healthy worker holds its first track (TEST_HOLD_FILE) until the drip's first copy is cut: busy
-# then, as it was when a retry went back to the dripping worker. (It was 2.5 s a track, 20 tracks, for
-# the healthy worker to be busy at DOWNLOAD_TIMEOUT_SEC's 45 s: a 56-second test.)
+# then, so a retry that forgot the failure would go back to the dripping worker. (Kept busy by load
+# instead, it needs 2.5 s a track and 20 tracks at DOWNLOAD_TIMEOUT_SEC's 45 s: a 56-second test.)
 TONE = ("--pipeline", "test", "--test-delay-s", "0.2")
 FLOOR_WINDOW_SEC = 5.0  # DOWNLOAD_FLOOR_KB_PER_SEC is judged over a copy's last 5 s
 
@@ -37,9 +37,11 @@ def test_a_worker_whose_downloads_drip_costs_no_job_more_than_90_seconds(tmp_pat
         finished = [c.wait_job(j, timeout=240) for j in jobs]
         took = [j["finished_at"] - j["created_at"] for j in finished]
         workers = [j["tracks"][0]["metadata"].get("worker_id") for j in finished]
-        print(f"\n20 jobs beside a dripping worker: first copy cut after {cut:.1f} s; slowest {max(took):.1f} s, "
-              f"median {sorted(took)[10]:.1f} s; attempts {[j['tracks'][0]['attempts'] for j in finished]}; "
-              f"done on workers {set(workers)}")  # fmt: skip
+        print(
+            f"\n20 jobs beside a dripping worker: first copy cut after {cut:.1f} s; slowest {max(took):.1f} s, "
+            f"median {sorted(took)[10]:.1f} s; attempts {[j['tracks'][0]['attempts'] for j in finished]}; "
+            f"done on workers {set(workers)}"
+        )
         assert cut < 3 * FLOOR_WINDOW_SEC  # at the floor rate, not at DOWNLOAD_TIMEOUT_SEC (45 s)
         assert [j["status"] for j in finished] == ["completed"] * 20
         assert max(took) < 90

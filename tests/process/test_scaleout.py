@@ -1,4 +1,4 @@
-"""Several dispatchers on one PostgreSQL store, workers that join and leave (issue 13), as real processes.
+"""Several dispatchers on one PostgreSQL store, workers that join and leave, as real processes.
 
 Each test starts its own dispatchers (``backend_api.py`` with ``STORE_URL``) over test-pipeline
 workers, on a fresh database of the session's throw-away PostgreSQL server. "Generated once" is
@@ -249,11 +249,27 @@ def test_an_announced_worker_gets_work_and_one_that_stops_is_retried_elsewhere(t
     try:
         port = free_port()
         joiner = ServerProcess(
-            ["backend_worker.py", "--worker-port", str(port), "--master-port", "0", "--pipeline", "test",
-             "--test-delay-s", "30", "--output-dir", str(tmp_path / "joiner_audio"), "--announce", a.url,
-             "--announce-interval-sec", "0.5"],
-            port, tmp_path / "joiner.log", env={"WORKER_TOKEN": TOKEN},
-        )  # fmt: skip
+            [
+                "backend_worker.py",
+                "--worker-port",
+                str(port),
+                "--master-port",
+                "0",
+                "--pipeline",
+                "test",
+                "--test-delay-s",
+                "30",
+                "--output-dir",
+                str(tmp_path / "joiner_audio"),
+                "--announce",
+                a.url,
+                "--announce-interval-sec",
+                "0.5",
+            ],
+            port,
+            tmp_path / "joiner.log",
+            env={"WORKER_TOKEN": TOKEN},
+        )
         joiner.wait_healthy()
         row = wait_for(
             lambda: next((w for w in status(a)["workers"] if w["url"] == joiner.url and w["status"] == "idle"), None),
@@ -285,8 +301,12 @@ def test_announcing_needs_the_worker_token(tmp_path, pg_url):
         r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": "Bearer wrong"}, verify=TLS)
         assert r.status_code == 401
         assert "WORKER_TOKEN" in r.json()["error"]
-        r = httpx.post(a.url + "/workers", json={"url": "http://x:1/path", "ttl_sec": 5},
-                       headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS)  # fmt: skip
+        r = httpx.post(
+            a.url + "/workers",
+            json={"url": "http://x:1/path", "ttl_sec": 5},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            verify=TLS,
+        )
         assert r.status_code == 422
         r = httpx.post(a.url + "/workers", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, verify=TLS)
         assert r.status_code == 200
@@ -311,9 +331,21 @@ def test_a_bad_store_url_refuses_start_up_in_one_line(tmp_path, bad):
     from tests.support.servers import ROOT
 
     out = subprocess.run(
-        [sys.executable, "backend_api.py", "--port", str(free_port()), "--state-dir", str(tmp_path), "--store-url", bad],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "backend_api.py",
+            "--port",
+            str(free_port()),
+            "--state-dir",
+            str(tmp_path),
+            "--store-url",
+            bad,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and " INFO " not in ln]
     assert len(lines) == 1, out.stderr
@@ -368,11 +400,12 @@ def test_a_dispatcher_whose_database_is_gone_answers_503_and_recovers(tmp_path, 
         r = httpx.get(f"{a.url}/job/{'0' * 16}", timeout=30, verify=TLS)  # not in memory: needs the store
         assert r.status_code == 503
         pg_server.resume()
-        r = wait_for(
-            lambda: (x := httpx.post(a.url + "/generate", json={"lyrics": "y", "duration": 0.05}, timeout=30, verify=TLS))
-            .status_code == 200 and x,
-            timeout=60, interval=0.5,
-        )  # fmt: skip
+
+        def accepted():
+            x = httpx.post(a.url + "/generate", json={"lyrics": "y", "duration": 0.05}, timeout=30, verify=TLS)
+            return x.status_code == 200 and x
+
+        r = wait_for(accepted, timeout=60, interval=0.5)
         assert wait_done(a, r.json()["job_id"], timeout=60)["status"] == "completed"
         assert job(a, done["job_id"])["status"] == "completed"  # what was stored before is all there
     finally:

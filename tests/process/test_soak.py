@@ -6,7 +6,7 @@ instrumental), retakes of the same take again and again, uploads continued sever
 renders in every format, live MP3 listeners that hang up after 0.3-1.2 s, ACE-Step tasks — and a few
 threads carry it out at once, so the order of events differs from run to run while the plan does not.
 
-What must hold whatever the interleaving (issue 35's soak):
+What must hold whatever the interleaving:
 - every accepted job ends; none fails but what was cancelled;
 - the dispatcher and both workers are alive, and no worker's log holds a traceback;
 - every retake and continuation keeps its prefix: the first frames of its code grid are the

@@ -1,4 +1,4 @@
-"""Leases that mean something and bounded store waits (issue 22, items 1 and 2), as real processes.
+"""Leases that mean something and bounded store waits, as real processes.
 
 Two faults an operator meets with several dispatchers on one PostgreSQL:
 - split brain: one dispatcher is paused (SIGSTOP) for 2-3 times its lease and resumed; the other has
@@ -93,8 +93,10 @@ def test_a_dispatcher_paused_past_its_lease_strands_nothing_and_repeats_little(t
         counts = status(b)["tracks_by_status"]
         gens = generations(workers)
         tracks = sum(len(j["tracks"]) for j in jobs)
-        print(f"\nsplit brain: {len(ids)} jobs, {tracks} tracks done {settled:.1f}s after the last resume; "
-              f"{sum(gens.values())} generations, most per track {max(gens.values())}")  # fmt: skip
+        print(
+            f"\nsplit brain: {len(ids)} jobs, {tracks} tracks done {settled:.1f}s after the last resume; "
+            f"{sum(gens.values())} generations, most per track {max(gens.values())}"
+        )
         assert all(j["status"] == "completed" for j in jobs), [j["status"] for j in jobs]
         assert not any(k in counts for k in ("generating", "superres", "decoding", "queued")), counts
         assert max(gens.values()) <= 2, gens.most_common(3)
@@ -156,8 +158,12 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
             i = 0
             while time.monotonic() - locked_at < 28:
                 i += 1
-                rec.send("POST /generate", "POST", a.url + "/generate",
-                         json={"lyrics": f"locked {n} {i}", "duration": 0.05, "num_tracks": 1})  # fmt: skip
+                rec.send(
+                    "POST /generate",
+                    "POST",
+                    a.url + "/generate",
+                    json={"lyrics": f"locked {n} {i}", "duration": 0.05, "num_tracks": 1},
+                )
                 rec.send("GET /job (active)", "GET", f"{a.url}/job/{before[-1]}")
                 rec.send("GET /job (finished)", "GET", f"{a.url}/job/{finished}")
                 rec.send("GET /status", "GET", a.url + "/status")
@@ -178,10 +184,12 @@ def test_a_30s_table_lock_answers_fast_leaves_nothing_behind_and_repeats_nothing
         slowest = max(took for _, _, took in rec.answers)
         by_kind = collections.Counter((what, code) for what, code, _ in rec.answers)
         gens = generations(workers)
-        print(f"\nstore stall: /ready 503 after {ready_after:.1f}s ({ready_body.get('error')!r}), back "
-              f"{ready_again:.1f}s after release; {len(rec.answers)} requests during the lock, slowest "
-              f"{slowest:.1f}s: {dict(by_kind)}; jobs stored {stored} = accepted {len(rec.accepted)}; "
-              f"all done {settled:.1f}s after release; most generations per track {max(gens.values())}")  # fmt: skip
+        print(
+            f"\nstore stall: /ready 503 after {ready_after:.1f}s ({ready_body.get('error')!r}), back "
+            f"{ready_again:.1f}s after release; {len(rec.answers)} requests during the lock, slowest "
+            f"{slowest:.1f}s: {dict(by_kind)}; jobs stored {stored} = accepted {len(rec.accepted)}; "
+            f"all done {settled:.1f}s after release; most generations per track {max(gens.values())}"
+        )
         assert ready_after <= 5
         assert "store" in ready_body["error"]
         assert slowest <= 10, sorted(rec.answers, key=lambda x: -x[2])[:5]
@@ -216,8 +224,13 @@ def test_a_worker_refuses_a_task_sent_under_a_lease_older_than_one_it_has_seen(t
         assert "Nothing was run" in stale.json()["error"]
         assert httpx.get(f"{w.url}/tasks/stale-1", headers=auth, verify=TLS).status_code == 404  # it never started
         for headers in ({"Songserve-Lease": "store1 5"}, {"Songserve-Lease": "store2 1"}, {}):
-            ok = httpx.post(w.url + "/generate", json={**body, "task_id": f"t{len(headers)}{id(headers)}"},
-                            headers={**auth, **headers}, timeout=30, verify=TLS)  # fmt: skip
+            ok = httpx.post(
+                w.url + "/generate",
+                json={**body, "task_id": f"t{len(headers)}{id(headers)}"},
+                headers={**auth, **headers},
+                timeout=30,
+                verify=TLS,
+            )
             assert ok.status_code == 200, ok.text  # the holder, another store's epochs, an unfenced caller
         assert "refused, sent under lease epoch 4" in w.log_tail()
     finally:

@@ -1,12 +1,12 @@
-"""Uploads in bounded memory, through a real dispatcher and a real tone worker (issue 35, Why 3 and 4).
+"""Uploads in bounded memory, through a real dispatcher and a real tone worker.
 
 - A decoding bomb: a FLAC of a minute of silence at 384 kHz in 8 channels is 200 KB and decodes to
   737 MB of float samples; both processes that read it (the dispatcher checks it, the worker encodes
   it) decode it block by block, so each one's peak memory grows by its 44.1 kHz stereo size (21 MB)
-  and a constant, not by the decoded source (before: ~2.3 GiB each).
+  and a constant, not by the decoded source (decoded whole: ~2.3 GiB each).
 - Twenty 40 MB WAV uploads at once: the bodies go to spooled files as they arrive and at most
   ``UPLOAD_CONCURRENCY`` are decoded at once, keeping no samples, so the dispatcher's peak grows by
-  much less than the bytes in flight (before: 4.3 × them) and ``/health`` answers throughout.
+  much less than the bytes in flight (held in memory: 4.3 × them) and ``/health`` answers throughout.
 - One upload past ``UPLOAD_CONCURRENCY`` + ``UPLOAD_QUEUE`` is a 503 with ``Retry-After``, its body unread (on
   ACE-Step's port too, for a multipart task).
 """
@@ -65,10 +65,19 @@ def test_a_small_file_that_decodes_to_gigabytes_costs_each_process_its_44k_size(
             r = post(site.url, bomb)
             assert r.status_code == 200, r.text
             up = r.json()
-            assert up["source"] == {"format": "FLAC", "subtype": "PCM_16", "sample_rate": 384000, "channels": 8,
-                                    "frames": 23_040_000}  # fmt: skip
-            done = wait_for(lambda: (v := httpx.get(f"{site.url}/uploads/{up['upload_id']}", verify=TLS).json())["status"]
-                            in ("ready", "failed") and v, timeout=600, interval=0.5)  # fmt: skip
+            assert up["source"] == {
+                "format": "FLAC",
+                "subtype": "PCM_16",
+                "sample_rate": 384000,
+                "channels": 8,
+                "frames": 23_040_000,
+            }
+
+            def settled():
+                v = httpx.get(f"{site.url}/uploads/{up['upload_id']}", verify=TLS).json()
+                return v["status"] in ("ready", "failed") and v
+
+            done = wait_for(settled, timeout=600, interval=0.5)
         assert done["status"] == "ready", done  # the worker decoded it whole: 60 s of 44.1 kHz stereo
         assert done["duration_sec"] == 60.0
         growth = {"dispatcher": peak_mib(api.proc.pid), "worker": peak_mib(worker.proc.pid)}
@@ -90,8 +99,10 @@ def test_twenty_40mb_uploads_at_once_cost_less_than_their_bytes_and_health_answe
             answers = list(pool.map(lambda i: post(site.url, body, f"take{i}.wav"), range(20)))
         growth = peak_mib(api.proc.pid) - before
         in_flight = 20 * len(body) / MIB
-        print(f"dispatcher peak growth {growth:.0f} MiB for {in_flight:.0f} MiB in flight; "
-              f"/health slowest {health.slowest:.2f} s of {health.asked}")  # fmt: skip
+        print(
+            f"dispatcher peak growth {growth:.0f} MiB for {in_flight:.0f} MiB in flight; "
+            f"/health slowest {health.slowest:.2f} s of {health.asked}"
+        )
         assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers if a.status_code != 200]
         assert all(a.json()["duration_sec"] == pytest.approx(len(body) / 4 / 44100, abs=0.01) for a in answers)
         assert growth < 1.5 * in_flight
@@ -112,8 +123,10 @@ def test_an_upload_past_the_line_is_503_with_retry_after_before_its_body_is_read
             release.wait(60)
             yield wav_of(1) + b"\r\n--b--\r\n"
 
-        head = ("POST /uploads HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
-                "Transfer-Encoding: chunked")  # fmt: skip
+        head = (
+            "POST /uploads HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            "Transfer-Encoding: chunked"
+        )
         chunks = (b"%x\r\n%s\r\n" % (len(c), c) for c in chain(held_body(), [b""]))  # lazily: the wait is the sender's
         holder: dict[str, tuple[int, bytes, float]] = {}
         first = threading.Thread(target=lambda: holder.update(first=raw_request(port, head, rest=chunks, timeout=60)))

@@ -324,8 +324,19 @@ def test_uploads_need_the_api_key_and_a_worker_that_can_encode(tmp_path: Path):
     ref = start_reference_worker(tmp_path)
     ref.wait_healthy()
     port = free_port()
-    args = ["backend_api.py", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--health-interval", "0.2",
-            "--worker-urls", ref.url, "--api-key", "k3y"]  # fmt: skip
+    args = [
+        "backend_api.py",
+        "--port",
+        str(port),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--health-interval",
+        "0.2",
+        "--worker-urls",
+        ref.url,
+        "--api-key",
+        "k3y",
+    ]
     api = ServerProcess(args, port, tmp_path / "api.log")
     try:
         api.wait_healthy(want=("ok",))

@@ -70,8 +70,12 @@ def test_each_event_is_delivered_once_by_a_postgresql_pair(tmp_path, pg_url):
             kinds = ["start", "track", "completed"]
             jobs = []
             for i in range(6):
-                r = httpx.post(apis[i % 2].url + "/generate", json={**BODY, "num_tracks": 2, "webhook": rx.url,
-                               "webhook_events": kinds}, timeout=10, verify=TLS)  # fmt: skip
+                r = httpx.post(
+                    apis[i % 2].url + "/generate",
+                    json={**BODY, "num_tracks": 2, "webhook": rx.url, "webhook_events": kinds},
+                    timeout=10,
+                    verify=TLS,
+                )
                 assert r.status_code == 200, r.text
                 jobs.append(r.json()["job_id"])
             wait_for(lambda: len(rx.events("completed")) == len(jobs), timeout=120)
@@ -95,9 +99,23 @@ def test_wait_mode_keys_with_limits_and_usage_across_a_kill_9(tmp_path):
     worker = start_worker(tmp_path, "--pipeline", "test", "--test-delay-s", "1.5")
     worker.wait_healthy()
     port, ace = free_port(), free_port()
-    args = ["backend_api.py", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--worker-urls", worker.url,
-            "--health-interval", "0.2", "--api-keys-file", str(keys), "--acestep-port", str(ace),
-            "--webhook-secret", SECRET]  # fmt: skip
+    args = [
+        "backend_api.py",
+        "--port",
+        str(port),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--worker-urls",
+        worker.url,
+        "--health-interval",
+        "0.2",
+        "--api-keys-file",
+        str(keys),
+        "--acestep-port",
+        str(ace),
+        "--webhook-secret",
+        SECRET,
+    ]
     studio, other = {"Authorization": "Bearer k-studio"}, {"Authorization": "Bearer k-other"}
 
     def start() -> ServerProcess:

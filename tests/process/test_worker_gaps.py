@@ -1,4 +1,4 @@
-"""Issue 11's smaller gaps: bounded worker fields, model names checked first, monotonic stalls,
+"""Small guards: bounded worker fields, model names checked first, monotonic stalls,
 and a header-read timeout against slowloris connections (real sockets, real processes).
 """
 

@@ -57,10 +57,13 @@ GARBAGE: list[tuple[int, bytes]] = [
     (200, b"<html>502 Bad Gateway</html>"),
     (200, b"[1, 2, 3]"),
     (200, b'{"status": "ok"}'),
-    (200, b'{"status": "ok", "wav_filename": 5, "mp3_filename": [], "duration_sec": "long", "backbone_tokens": 1,'
-     b' "gpu_id": 0, "seed": 1}'),
+    (
+        200,
+        b'{"status": "ok", "wav_filename": 5, "mp3_filename": [], "duration_sec": "long", "backbone_tokens": 1,'
+        b' "gpu_id": 0, "seed": 1}',
+    ),
     (200, b'{"status": "finished", "task_id": "x"}'),
-]  # fmt: skip
+]
 
 
 class Misbehave:

@@ -152,8 +152,18 @@ def dispatcher(tmp: Path, worker_urls: list[str], *flags: str, name: str = "api"
     port = sock.getsockname()[1]
     workers = ("--worker-urls", ",".join(worker_urls)) if worker_urls else ("--num-workers", "0")
     # No drain on stop (a process is killed 10 s into its drain by ServerProcess.stop): flags may ask for one.
-    args = ["--port", str(port), "--state-dir", str(tmp / "state"), "--health-interval", "0.2",
-            "--drain-timeout-sec", "0", *workers, *flags]  # fmt: skip
+    args = [
+        "--port",
+        str(port),
+        "--state-dir",
+        str(tmp / "state"),
+        "--health-interval",
+        "0.2",
+        "--drain-timeout-sec",
+        "0",
+        *workers,
+        *flags,
+    ]
     s = load_settings(DispatcherSettings, args)
     try:
         app = create_app(check(s))

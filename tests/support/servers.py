@@ -328,8 +328,18 @@ def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.
 def start_bad_worker(tmp: Path, mode: str, name: str = "bad", *extra: str) -> ServerProcess:
     """Our worker with a fault on command (tests/support/bad_worker.py: garbage answers, drips, oversize or cut files)."""
     port = free_port()
-    args = ["tests/support/bad_worker.py", "--mode", mode, "--worker-port", str(port), "--master-port", "0",
-            "--output-dir", str(tmp / f"{name}_audio"), *extra]  # fmt: skip
+    args = [
+        "tests/support/bad_worker.py",
+        "--mode",
+        mode,
+        "--worker-port",
+        str(port),
+        "--master-port",
+        "0",
+        "--output-dir",
+        str(tmp / f"{name}_audio"),
+        *extra,
+    ]
     return ServerProcess(args, port, tmp / f"{name}.log")
 
 

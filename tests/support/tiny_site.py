@@ -1,8 +1,8 @@
 """One tiny-model worker per test process, shared by the model tests (a pytest plugin: tests/conftest.py).
 
 Why: a tiny-model worker costs about 8 CPU-seconds importing torch and megatron-core before it loads
-the set, and CI runs the suite on two cores. Each model test file used to start its own; now every
-one that can run on the same flags asks for ``shared_tiny``: one worker per test process (per xdist
+the set, and CI runs the suite on two cores, so one per model test file costs that many times over. Every
+file that can run on the same flags asks for ``shared_tiny``: one worker per test process (per xdist
 worker), started on first use and stopped at the end of the session. The files on the release-shaped
 set share one more (``shared_release``). A file that needs other flags (a decode mode, one_shot
 or park, a token budget, other paths) still starts its own.
@@ -43,8 +43,17 @@ class SharedWorker(ServerProcess):
         self.audio = tmp / "tiny_audio"
         self.holds.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        args = ["tests/support/held_worker.py", "--worker-port", str(port), "--master-port", "0",
-                "--output-dir", str(self.audio), *SHARED_FLAGS, *flags]  # fmt: skip
+        args = [
+            "tests/support/held_worker.py",
+            "--worker-port",
+            str(port),
+            "--master-port",
+            "0",
+            "--output-dir",
+            str(self.audio),
+            *SHARED_FLAGS,
+            *flags,
+        ]
         env = {"SONGSERVE_HOLD_DIR": str(self.holds), "WORKER_TOKEN": ""}  # the tests send no token
         super().__init__(args, port, tmp / "tiny.log", env)
 

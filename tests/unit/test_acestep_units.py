@@ -314,9 +314,14 @@ def test_a_done_task_has_one_item_per_take_with_its_file_seeds_and_length():
     assert (first["status"], first["create_time"], first["seed_value"], first["seed"]) == (1, 1700000000, "7,8", 7)
     assert (first["prompt"], first["lyrics"], first["dit_model"], first["lm_model"]) == ("Pop", "hi.", "bb", "sr")
     assert first["metas"] == {
-        "duration": 4.0, "bpm": None, "genres": None, "keyscale": None, "timesignature": None,
-        "prompt": "pop", "lyrics": "hi。",
-    }  # fmt: skip
+        "duration": 4.0,
+        "bpm": None,
+        "genres": None,
+        "keyscale": None,
+        "timesignature": None,
+        "prompt": "pop",
+        "lyrics": "hi。",
+    }
 
 
 def test_a_partly_failed_task_is_done_with_its_done_takes_and_a_failed_one_says_why():

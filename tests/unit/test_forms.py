@@ -34,8 +34,10 @@ def read(ct: str, raw: bytes, limits: FormLimits = LIMITS, piece: int = 0) -> di
         for i in range(0, len(raw), piece or len(raw) or 1):
             reader.feed(raw[i : i + (piece or len(raw))])
         form = reader.finish()
-        out = {"fields": form.fields, "files": {k: (f.filename, f.content_type, f.file.read(), f.size)
-                                                for k, f in form.files.items()}}  # fmt: skip
+        out = {
+            "fields": form.fields,
+            "files": {k: (f.filename, f.content_type, f.file.read(), f.size) for k, f in form.files.items()},
+        }
         form.close()
         return out
     except BaseException:
@@ -54,10 +56,12 @@ def test_fields_and_files_are_read_whatever_the_pieces(piece):
 
 
 def test_a_field_sent_twice_keeps_its_last_value_and_a_part_without_a_name_is_skipped():
-    body = (b'--zz\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n'
-            b'--zz\r\nContent-Disposition: form-data\r\n\r\nnameless\r\n'
-            b'--zz\r\nContent-Disposition: form-data; name="a"\r\nContent-Type: text/plain; charset=latin-1\r\n\r\n\xe9\r\n'
-            b"--zz--\r\n")  # fmt: skip
+    body = (
+        b'--zz\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n'
+        b"--zz\r\nContent-Disposition: form-data\r\n\r\nnameless\r\n"
+        b'--zz\r\nContent-Disposition: form-data; name="a"\r\nContent-Type: text/plain; charset=latin-1\r\n\r\n\xe9\r\n'
+        b"--zz--\r\n"
+    )
     assert read("multipart/form-data; boundary=zz", body)["fields"] == {"a": "é"}
 
 

@@ -178,18 +178,34 @@ def test_the_rooms_keep_their_walls():
 @pytest.mark.parametrize(
     ("room", "imported", "why"),
     [
-        ("songserve.api.store", "songserve.api.dispatch.dispatcher",
-         "the store keeps records; it never calls the parts that change them"),
-        ("songserve.worker", "songserve.api.dispatch.dispatcher", "a worker knows no dispatcher's code, only the contract"),
-        ("songserve.pipeline.stages", "songserve.http.errors",
-         "the pipeline runs on a worker's model thread: it knows no HTTP and reads its settings through config.py"),
-        ("songserve.cli", "songserve.http.serving",
-         "the command line imports only the contract and the HTTP client's settings"),
+        (
+            "songserve.api.store",
+            "songserve.api.dispatch.dispatcher",
+            "the store keeps records; it never calls the parts that change them",
+        ),
+        (
+            "songserve.worker",
+            "songserve.api.dispatch.dispatcher",
+            "a worker knows no dispatcher's code, only the contract",
+        ),
+        (
+            "songserve.pipeline.stages",
+            "songserve.http.errors",
+            "the pipeline runs on a worker's model thread: it knows no HTTP and reads its settings through config.py",
+        ),
+        (
+            "songserve.cli",
+            "songserve.http.serving",
+            "the command line imports only the contract and the HTTP client's settings",
+        ),
         ("songserve.http", "songserve.worker.runtime", "the shared HTTP plumbing knows no service that uses it"),
-        ("songserve.audio", "songserve.pipeline.numbers",
-         "the audio files are read the same way by every service: they depend on none"),
+        (
+            "songserve.audio",
+            "songserve.pipeline.numbers",
+            "the audio files are read the same way by every service: they depend on none",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_walls_test_catches_an_arrow_it_forbids(tmp_path, room, imported, why):
     """A temporary module in a room that imports across one of its walls: the check names it and says why."""
     probe = tmp_path / "probe.py"
@@ -225,8 +241,17 @@ def test_the_package_top_is_its_rooms():
     assert len(_loose(PACKAGE / "pipeline")) <= 10, _loose(PACKAGE / "pipeline")
 
 
-ROOMS_LISTED = ["http", "audio", "cli", "process", "api", "worker", "pipeline", "pipeline/live_audio",
-                "pipeline/testing"]  # fmt: skip
+ROOMS_LISTED = [
+    "http",
+    "audio",
+    "cli",
+    "process",
+    "api",
+    "worker",
+    "pipeline",
+    "pipeline/live_audio",
+    "pipeline/testing",
+]
 
 
 @pytest.mark.parametrize("room", ROOMS_LISTED)

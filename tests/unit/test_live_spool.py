@@ -1,4 +1,4 @@
-"""The live relay's parts in-process (issue 35): the spool every listener of a track reads, and the
+"""The live relay's parts in-process: the spool every listener of a track reads, and the
 one MP3 encoder per track that is never used by two threads at once."""
 
 from __future__ import annotations

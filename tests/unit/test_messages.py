@@ -1,4 +1,4 @@
-"""Sentences a person reads: pydantic's "Value error," never leaks into them (issue 37, Why 10)."""
+"""Sentences a person reads: pydantic's "Value error," never leaks into them."""
 
 from __future__ import annotations
 

@@ -28,8 +28,14 @@ def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = Fals
 def job(retake: bool) -> Job:
     cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0} if retake else None
     req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
-    return Job(job_id="fedcba9876543210", seq=1, created_at=0.0, request=req, cleaned_lyrics="",
-               tracks=[Track("fedcba9876543210", 0, 1)])  # fmt: skip
+    return Job(
+        job_id="fedcba9876543210",
+        seq=1,
+        created_at=0.0,
+        request=req,
+        cleaned_lyrics="",
+        tracks=[Track("fedcba9876543210", 0, 1)],
+    )
 
 
 def test_a_retake_goes_to_the_idle_worker_holding_a_snapshot_of_its_original():

@@ -1,5 +1,5 @@
 """Whose fault, in process: what the dispatcher accepts as a worker's answer and its files, the breaker
-that benches a worker, and a results folder that cannot be written (issue 22, items 3 and 4).
+that benches a worker, and a results folder that cannot be written.
 
 The real-process proofs (a misbehaving stand-in worker, a tmpfs that fills) are test_bad_workers.py.
 """
@@ -28,8 +28,15 @@ from tests.support.http import TLS
 from tests.support.servers import results_files
 from tests.unit.test_dispatch_states import aio, body, run_job
 
-RESULT = {"status": "ok", "mp3_filename": "a.mp3", "wav_filename": "a.wav", "duration_sec": 3.0,
-          "backbone_tokens": 1, "gpu_id": 0, "seed": 1}  # fmt: skip
+RESULT = {
+    "status": "ok",
+    "mp3_filename": "a.mp3",
+    "wav_filename": "a.wav",
+    "duration_sec": 3.0,
+    "backbone_tokens": 1,
+    "gpu_id": 0,
+    "seed": 1,
+}
 
 
 # ---- a worker's answer ------------------------------------------------------------------------------

@@ -121,8 +121,10 @@ def _unread_refusal(keys: ApiKeys, authorization: str | None, small: int) -> Ace
     try:
         check_body_or_header(keys, {}, authorization)
     except AceError as exc:
-        return AceError(401, f"{exc} (a body over MAX_BODY_BYTES, {small} bytes, is read only with a key in the "
-                             "Authorization header)")  # fmt: skip
+        return AceError(
+            401,
+            f"{exc} (a body over MAX_BODY_BYTES, {small} bytes, is read only with a key in the Authorization header)",
+        )
     return AceError(401, "Missing or wrong Authorization header")
 
 

@@ -100,8 +100,9 @@ async def continue_from(
     task = repaint.task
     start_key = task.keys.get("at_sec", "repainting_start")
     if repaint.start <= 0:
-        raise field_error(start_key, "must be more than 0 seconds: a repaint keeps the source before it "
-                          "(text2music makes a new song)")  # fmt: skip
+        raise field_error(
+            start_key, "must be more than 0 seconds: a repaint keeps the source before it (text2music makes a new song)"
+        )
     if isinstance(repaint.source, Upload):
         return await _from_upload(uploads, task, repaint.source, repaint.start, start_key, caller)
     key = task.keys.get("src_audio_path", "src_audio_path")

@@ -83,8 +83,12 @@ TAKEN_OVER = "another dispatcher changed it first"
 SILENT = (LEASE_LOST, TAKEN_OVER)  # stops that end an attempt without touching its tracks
 USER_CANCEL = "cancelled by the user"
 IDLE: dict[str, object] = {
-    "worker_phase": "idle", "phase_progress": 0, "phase_detail": "", "phase_rate": None, "preview_sec": 0.0,
-}  # fmt: skip
+    "worker_phase": "idle",
+    "phase_progress": 0,
+    "phase_detail": "",
+    "phase_rate": None,
+    "preview_sec": 0.0,
+}
 
 
 @dataclass
@@ -138,10 +142,23 @@ class Attempts:
             attempt = t.attempts + 1
             # Unique per try: attempts that did not count (busy, environment) must not reuse a task id.
             task_id = f"{job.job_id}-{t.index}-{attempt}-{secrets.token_hex(3)}"
-            wanted.append(dataclasses.replace(
-                t, status=TrackStatus.generating, attempts=attempt, task_id=task_id, worker_id=w.worker_id,
-                owner=self.me, error=None, started_at=now, worker_phase="backbone", phase_progress=0,
-                phase_detail="", phase_rate=None, preview_sec=0.0))  # fmt: skip
+            wanted.append(
+                dataclasses.replace(
+                    t,
+                    status=TrackStatus.generating,
+                    attempts=attempt,
+                    task_id=task_id,
+                    worker_id=w.worker_id,
+                    owner=self.me,
+                    error=None,
+                    started_at=now,
+                    worker_phase="backbone",
+                    phase_progress=0,
+                    phase_detail="",
+                    phase_rate=None,
+                    preview_sec=0.0,
+                )
+            )
         # A retake's kept frames, read before the claim: from the claim to ``_spawn`` nothing awaits.
         retake = job.request.continue_from is not None and not missing
         prefix = await retakes.kept_frames(self.artifacts, job) if retake else None
@@ -151,8 +168,9 @@ class Attempts:
         try:
             started = await self.book.claim(job, tracks, wanted, fence)
         except LeaseLost:
-            log.warning("worker %d: %s is not held here any more; no track sent (job %s)", w.worker_id, fence,
-                        job.job_id)  # fmt: skip
+            log.warning(
+                "worker %d: %s is not held here any more; no track sent (job %s)", w.worker_id, fence, job.job_id
+            )
             w.suspend_lease()  # not used again before the membership reads its leases
             return False
         if not started:
@@ -168,8 +186,14 @@ class Attempts:
         for t in started:
             self.metrics.queue_wait.observe(now - (t.queued_at or job.created_at))
             w.assign(t.key, t.task_id or "")
-            log.info("track %s/%d: attempt %d on worker %d (task %s, batch of %d)", *t.key, t.attempts, w.worker_id,
-                     t.task_id, len(started))  # fmt: skip
+            log.info(
+                "track %s/%d: attempt %d on worker %d (task %s, batch of %d)",
+                *t.key,
+                t.attempts,
+                w.worker_id,
+                t.task_id,
+                len(started),
+            )
         if job.started_at is None:
             job.started_at = now
             start = self.book.events.of(job, "start", None, self.book.positions)  # the job's webhook, if it asked
@@ -297,8 +321,9 @@ class Attempts:
         except Exception as exc:
             log.exception("track %s/%d: internal error", *keys[0])
             for t in tracks:
-                await self._conclude(job, t, self.retry(job, t, f"internal error ({type(exc).__name__})",
-                                                        fence=self._fence(t.key)))  # fmt: skip
+                await self._conclude(
+                    job, t, self.retry(job, t, f"internal error ({type(exc).__name__})", fence=self._fence(t.key))
+                )
         finally:
             for task_id in task_ids:
                 w.release(task_id, answered=False)
@@ -331,9 +356,13 @@ class Attempts:
         take = w.progress_of(task_id) if w.online and t.status.running and t.task_id == task_id else None
         if take is None:
             return
-        fields = {"worker_phase": take.phase, "phase_progress": int(take.progress),
-                  "phase_detail": take.progress_detail, "phase_rate": take.tokens_per_sec,
-                  "preview_sec": take.preview_sec or 0.0}  # fmt: skip
+        fields = {
+            "worker_phase": take.phase,
+            "phase_progress": int(take.progress),
+            "phase_detail": take.progress_detail,
+            "phase_rate": take.tokens_per_sec,
+            "preview_sec": take.preview_sec or 0.0,
+        }
         status = status_of_phase(take.phase)
         a = self.running.get(t.key)
         if status is not t.status:
@@ -397,8 +426,15 @@ class Attempts:
         if a is not None:
             a.collecting = True  # held while the results folder cannot be written: nobody is charged
         try:
-            await self.artifacts.collect(w.client, res, job.job_id, t.index, int(s.max_result_mb * 2**20),
-                                         s.download_timeout_sec, s.download_floor_kb_per_sec * 1000)  # fmt: skip
+            await self.artifacts.collect(
+                w.client,
+                res,
+                job.job_id,
+                t.index,
+                int(s.max_result_mb * 2**20),
+                s.download_timeout_sec,
+                s.download_floor_kb_per_sec * 1000,
+            )
         except WorkerFault as exc:
             raise self._charge(w, f"the files of task {task_id}: {exc}") from None
         except asyncio.CancelledError:  # stopped while copying or held: the user cancelled
@@ -412,8 +448,16 @@ class Attempts:
         now = time.time()
         meta = result_metadata(res, w.worker_id)
         meta["file_bytes"] = self.artifacts.sizes(job.job_id, t.index)
-        await self.book.change(t, TrackStatus.done, fence=fence, finished_at=now, duration_sec=res.duration_sec,
-                               metadata=meta, seed=result_seed(res, t.seed), owner=None)  # fmt: skip
+        await self.book.change(
+            t,
+            TrackStatus.done,
+            fence=fence,
+            finished_at=now,
+            duration_sec=res.duration_sec,
+            metadata=meta,
+            seed=result_seed(res, t.seed),
+            owner=None,
+        )
         models, wall = res.metadata.get("models"), now - (t.started_at or now)
         self.speed.record(str(models.get("backbone", "")) if isinstance(models, dict) else "", t.duration_sec, wall)
         self.metrics.track_done(res.metadata, now - job.created_at, wall, t.duration_sec)
@@ -524,13 +568,15 @@ class Attempts:
         if step.next is Next.cancelled:
             await self.book.change(t, TrackStatus.cancelled, fence, attempts=step.attempts, finished_at=now, owner=None)
         elif step.next is Next.error:
-            await self.book.change(t, TrackStatus.error, fence, attempts=step.attempts, error=step.reason,
-                                   finished_at=now, owner=None)  # fmt: skip
+            await self.book.change(
+                t, TrackStatus.error, fence, attempts=step.attempts, error=step.reason, finished_at=now, owner=None
+            )
             log.warning("track %s/%d: error: %s", job.job_id, t.index, step.reason)
         else:
             log.warning("track %s/%d: retrying (%s)", job.job_id, t.index, step.reason)
-            await self.book.change(t, TrackStatus.queued, fence, attempts=step.attempts, worker_id=-1, owner=None,
-                                   **IDLE)  # fmt: skip
+            await self.book.change(
+                t, TrackStatus.queued, fence, attempts=step.attempts, worker_id=-1, owner=None, **IDLE
+            )
             self.book.enqueue(job, t)
             self.book.reorder()
         await self.book.finish_if_done(job)
@@ -551,13 +597,18 @@ class Attempts:
         try:
             await step
         except LeaseLost as exc:
-            log.warning("track %s/%d: %s is gone; this dispatcher stops acting for it (task %s)", *t.key, exc.fence,
-                        t.task_id)  # fmt: skip
+            log.warning(
+                "track %s/%d: %s is gone; this dispatcher stops acting for it (task %s)", *t.key, exc.fence, t.task_id
+            )
         except StaleTrack:
             log.warning("track %s/%d: another dispatcher changed it first; leaving it to them", *t.key)
         except StoreError as exc:
-            log.warning("track %s/%d: its outcome could not be stored (%s); the repair asks worker %d again",
-                        *t.key, exc, t.worker_id)  # fmt: skip
+            log.warning(
+                "track %s/%d: its outcome could not be stored (%s); the repair asks worker %d again",
+                *t.key,
+                exc,
+                t.worker_id,
+            )
         except Exception as exc:
             log.exception("track %s/%d: internal error", *t.key)
             try:

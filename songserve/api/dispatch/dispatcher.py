@@ -100,8 +100,15 @@ class Dispatcher:
         await self._membership_step(first=True)
         await self._reconcile_step()
         active = sum(any(t.status.running for t in j.tracks) for j in book.jobs.values())  # as /status counts
-        log.info("dispatcher %s: %d unfinished jobs (%d active, %d tracks queued), %d workers (%d leased here)", self.me,
-                 len(book.jobs), active, len(book.queue), len(self.pool.workers), sum(w.leased for w in self.pool.workers))  # fmt: skip
+        log.info(
+            "dispatcher %s: %d unfinished jobs (%d active, %d tracks queued), %d workers (%d leased here)",
+            self.me,
+            len(book.jobs),
+            active,
+            len(book.queue),
+            len(self.pool.workers),
+            sum(w.leased for w in self.pool.workers),
+        )
         loops = [
             ("dispatch", self._dispatch_step, 0.0),
             ("watchdog", self._watchdog_step, 1.0),
@@ -184,8 +191,12 @@ class Dispatcher:
                 if t.status.running and t.owner == self.me and t.key not in self.attempts.running:
                     w = self.pool.by_id(t.worker_id)
                     if w is not None and w.leased and w.lease_epoch and self.attempts.reattach(job, t):
-                        log.info("track %s/%d: no attempt behind it; asking worker %d about task %s", *t.key,
-                                 w.worker_id, t.task_id)  # fmt: skip
+                        log.info(
+                            "track %s/%d: no attempt behind it; asking worker %d about task %s",
+                            *t.key,
+                            w.worker_id,
+                            t.task_id,
+                        )
             try:
                 await self.book.finish_if_done(job)
             except StoreError as exc:  # the next tick tries again

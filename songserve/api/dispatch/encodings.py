@@ -94,8 +94,13 @@ class Encodings:
             w.start_encoding(u.upload_id)
             able.remove(w)
             free = [x for x in free if x is not w]
-            log.info("upload %s: attempt %d on worker %d (%.1f s of audio)", u.upload_id, u.attempts + 1, w.worker_id,
-                     u.duration_sec)  # fmt: skip
+            log.info(
+                "upload %s: attempt %d on worker %d (%.1f s of audio)",
+                u.upload_id,
+                u.attempts + 1,
+                w.worker_id,
+                u.duration_sec,
+            )
             task = asyncio.create_task(
                 self._run(u, w, fence), name=f"encode-{u.upload_id}", context=background_context()
             )
@@ -134,8 +139,14 @@ class Encodings:
             except WorkerUnreachable as exc:  # WorkerFault too: another worker may do better
                 await self._retry(u, str(exc))
                 return
-            head = {"upload_id": u.upload_id, "frame_rate": res.frame_rate, "hop": res.hop,
-                    "sample_rate": res.sample_rate, "source": res.source, "models": {}}  # fmt: skip
+            head = {
+                "upload_id": u.upload_id,
+                "frame_rate": res.frame_rate,
+                "hop": res.hop,
+                "sample_rate": res.sample_rate,
+                "source": res.source,
+                "models": {},
+            }
             try:
                 blob = codes.encode(grid, head)
                 await asyncio.to_thread(self.artifacts.write_upload, u.upload_id, "codes.codes", blob)
@@ -143,8 +154,9 @@ class Encodings:
                 await self._retry(u, f"its codes could not be written ({exc})", count=False)
                 return
             await self._finish(u, frames=int(grid.shape[1]))
-            log.info("upload %s: ready, %d frames (worker %d, %s)", u.upload_id, grid.shape[1], w.worker_id,
-                     res.timings)  # fmt: skip
+            log.info(
+                "upload %s: ready, %d frames (worker %d, %s)", u.upload_id, grid.shape[1], w.worker_id, res.timings
+            )
         except StoreError as exc:  # reconcile re-queues it (its owner, this dispatcher, runs no attempt then)
             log.warning("upload %s: its state could not be stored (%s)", u.upload_id, exc)
         finally:
@@ -169,8 +181,15 @@ class Encodings:
         status = UploadStatus.failed if error is not None else UploadStatus.ready
         if error is not None:
             log.warning("upload %s: failed: %s", u.upload_id, error)
-        done = UploadRecord(**{**u.__dict__, "status": status, "frames": frames if frames is not None else u.frames,
-                               "error": error, "finished_at": time.time()})  # fmt: skip
+        done = UploadRecord(
+            **{
+                **u.__dict__,
+                "status": status,
+                "frames": frames if frames is not None else u.frames,
+                "error": error,
+                "finished_at": time.time(),
+            }
+        )
         if not await self.store.uploads.finish(done, self.me) and await self.store.uploads.load(u.upload_id) is None:
             await asyncio.to_thread(self.artifacts.remove_upload, u.upload_id)  # deleted while it encoded
 

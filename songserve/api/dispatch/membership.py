@@ -93,8 +93,13 @@ class Membership:
         sent = time.monotonic()
         if self._renewed_at is not None and sent - self._renewed_at > ttl:
             self._reload = True
-            log.warning("dispatcher %s: no lease renewal for %.1fs (LEASE_TTL_SEC %.1f): paused? Its leases may be "
-                        "gone; reading its tracks again before it dispatches", self.me, sent - self._renewed_at, ttl)  # fmt: skip
+            log.warning(
+                "dispatcher %s: no lease renewal for %.1fs (LEASE_TTL_SEC %.1f): paused? Its leases may be "
+                "gone; reading its tracks again before it dispatches",
+                self.me,
+                sent - self._renewed_at,
+                ttl,
+            )
         self.alive = await store.members.heartbeat(self.me, ttl)
         held = await store.members.renew_leases(self.me, ttl)
         self._renewed_at = sent
@@ -156,12 +161,21 @@ class Membership:
     def _new_epoch(self, w: WorkerHandle, epoch: int) -> None:
         """``w``'s lease came back to this dispatcher with a new epoch (re-taken after it expired)."""
         if epoch == w.lease_epoch + 1:  # nobody held it meanwhile: the attempts there go on under it
-            log.warning("worker %d: lease re-taken after it expired (epoch %d -> %d; nobody held it meanwhile)",
-                        w.worker_id, w.lease_epoch, epoch)  # fmt: skip
+            log.warning(
+                "worker %d: lease re-taken after it expired (epoch %d -> %d; nobody held it meanwhile)",
+                w.worker_id,
+                w.lease_epoch,
+                epoch,
+            )
             self.attempts.refence(w, w.lease_epoch, epoch)
             return
-        log.warning("worker %d: lease re-taken at epoch %d, held elsewhere since epoch %d: its tracks are read "
-                    "again from the store and the worker", w.worker_id, epoch, w.lease_epoch)  # fmt: skip
+        log.warning(
+            "worker %d: lease re-taken at epoch %d, held elsewhere since epoch %d: its tracks are read "
+            "again from the store and the worker",
+            w.worker_id,
+            epoch,
+            w.lease_epoch,
+        )
         self._lease_lost(w)
         w.lease_held(epoch, self.me)  # ours again, under the new epoch
         self._take_over_due.add(w.worker_id)
@@ -197,20 +211,30 @@ class Membership:
             extra -= 1
             if w.assigned or self.attempts.fenced_on(w.worker_id):  # its last answers are still being applied
                 if not w.handing_back:
-                    log.info("worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
-                             w.worker_id, share, len(self.alive))  # fmt: skip
+                    log.info(
+                        "worker %d: lease goes back once its tasks end (fair share %d of %d dispatchers)",
+                        w.worker_id,
+                        share,
+                        len(self.alive),
+                    )
                 w.hand_back(True)
                 continue
             await self.store.members.release_lease(self.me, w.worker_id)
             held.pop(w.worker_id, None)
             w.hand_back(False)
-            log.info("worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share,
-                     len(self.alive))  # fmt: skip
+            log.info(
+                "worker %d: lease given back (fair share %d of %d dispatchers)", w.worker_id, share, len(self.alive)
+            )
         return taken
 
     def _lease_lost(self, w: WorkerHandle) -> None:
-        log.warning("worker %d: lease (epoch %d) lost: this dispatcher stalled past LEASE_TTL_SEC? It stops "
-                    "acting for the %d tracks it ran there", w.worker_id, w.lease_epoch, len(w.assigned))  # fmt: skip
+        log.warning(
+            "worker %d: lease (epoch %d) lost: this dispatcher stalled past LEASE_TTL_SEC? It stops "
+            "acting for the %d tracks it ran there",
+            w.worker_id,
+            w.lease_epoch,
+            len(w.assigned),
+        )
         w.lease_gone()
         self._reload = True
         for key in list(w.assigned.values()):

@@ -133,5 +133,4 @@ def untrained_notice(fleet: Fleet) -> str | None:
         return None
     if fleet.untrained >= fleet.workers:
         return f"{UNTRAINED[0].upper()}{UNTRAINED[1:]}. Set CHECKPOINTS_DIR to a trained set to hear music."
-    return (f"{fleet.untrained} of {fleet.workers} workers run the {UNTRAINED}; "
-            "a take they make is not music.")  # fmt: skip
+    return f"{fleet.untrained} of {fleet.workers} workers run the {UNTRAINED}; a take they make is not music."

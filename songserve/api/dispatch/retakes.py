@@ -80,39 +80,49 @@ async def resolve(
         raise FieldError("continue_from.track_index", f"job {cf.job_id} has {len(original.tracks)} tracks")
     track = original.tracks[cf.track_index]
     if track.status is not TrackStatus.done:
-        raise FieldError("continue_from.track_index", f"track {cf.track_index} of job {cf.job_id} is "
-                         f"{track.status.value}, not done")  # fmt: skip
+        raise FieldError(
+            "continue_from.track_index", f"track {cf.track_index} of job {cf.job_id} is {track.status.value}, not done"
+        )
     grid = await asyncio.to_thread(_read_codes, artifacts, cf)
     fps = float(grid.header["frame_rate"])
     keep = int(cf.at_sec * fps)  # frames wholly before at_sec
     if not 1 <= keep < grid.frames:
-        raise FieldError("continue_from.at_sec", f"must be inside the song: from {1 / fps:.3f} s to below "
-                         f"{grid.seconds():.2f} s")  # fmt: skip
+        raise FieldError(
+            "continue_from.at_sec", f"must be inside the song: from {1 / fps:.3f} s to below {grid.seconds():.2f} s"
+        )
     request = _merged(req, original.request, grid.header.get("models") or {})
     if int(request.duration * 60 * fps) <= keep:
-        raise FieldError("duration", f"{request.duration:g} minutes end before continue_from.at_sec "
-                         f"({cf.at_sec:g} s); ask for a longer song")  # fmt: skip
+        raise FieldError(
+            "duration",
+            f"{request.duration:g} minutes end before continue_from.at_sec ({cf.at_sec:g} s); ask for a longer song",
+        )
     head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec}
     kept = grid.cut(keep)
     return Retake(request, codes.CodeGrid(kept.codes, {**head, "frames": kept.frames}))
 
 
-async def _resolve_upload(req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore,
-                          load_upload: LoadUpload) -> Retake:  # fmt: skip
+async def _resolve_upload(
+    req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore, load_upload: LoadUpload
+) -> Retake:
     assert cf.upload_id is not None
     u = await load_upload(cf.upload_id)
     if u is None:
-        raise FieldError("continue_from.upload_id", f"upload {cf.upload_id} is not known here (uploads are kept "
-                         "for RESULT_TTL_SEC)")  # fmt: skip
+        raise FieldError(
+            "continue_from.upload_id", f"upload {cf.upload_id} is not known here (uploads are kept for RESULT_TTL_SEC)"
+        )
     if u.status is UploadStatus.failed:
         raise FieldError("continue_from.upload_id", f"upload {cf.upload_id} could not be encoded: {u.error}")
     if cf.at_sec is not None and not 1 / FPS <= cf.at_sec <= u.duration_sec + 1e-6:
-        raise FieldError("continue_from.at_sec", f"must be inside the upload: from {1 / FPS:.3f} s to "
-                         f"{u.duration_sec:.2f} s (or left out: its end)")  # fmt: skip
+        raise FieldError(
+            "continue_from.at_sec",
+            f"must be inside the upload: from {1 / FPS:.3f} s to {u.duration_sec:.2f} s (or left out: its end)",
+        )
     keep = upload_keep(cf, u.frames, FPS)
     if int(req.duration * 60 * FPS) <= keep:
-        raise FieldError("duration", f"{req.duration:g} minutes end before the upload's kept part "
-                         f"({keep / FPS:.2f} s); ask for a longer song")  # fmt: skip
+        raise FieldError(
+            "duration",
+            f"{req.duration:g} minutes end before the upload's kept part ({keep / FPS:.2f} s); ask for a longer song",
+        )
     if u.status is not UploadStatus.ready:
         return Retake(req, None)  # its tracks wait for the encoding (upload_frames_ready)
     try:
@@ -164,14 +174,18 @@ async def upload_frames_ready(job: Job, artifacts: ArtifactStore, load_upload: L
 def _read_codes(artifacts: ArtifactStore, cf: ContinueFrom) -> codes.CodeGrid:
     assert cf.job_id is not None
     if not artifacts.has(cf.job_id, cf.track_index, "codes"):
-        raise FieldError("continue_from.track_index", f"track {cf.track_index} of job {cf.job_id} kept no codes "
-                         "(its worker writes none, or it was made before codes were kept)")  # fmt: skip
+        raise FieldError(
+            "continue_from.track_index",
+            f"track {cf.track_index} of job {cf.job_id} kept no codes "
+            "(its worker writes none, or it was made before codes were kept)",
+        )
     try:
         return codes.read(artifacts.path(cf.job_id, cf.track_index, "codes"))
     except (OSError, codes.CodesFileError) as exc:
         log.error("job %s track %d: codes file unreadable: %s", cf.job_id, cf.track_index, exc)
-        raise FieldError("continue_from.track_index", f"the codes of track {cf.track_index} of job {cf.job_id} "
-                         "cannot be read") from None  # fmt: skip
+        raise FieldError(
+            "continue_from.track_index", f"the codes of track {cf.track_index} of job {cf.job_id} cannot be read"
+        ) from None
 
 
 def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, Any]) -> GenerateRequest:

@@ -62,6 +62,7 @@ def docs_router(title: str, folder: Path = PACKAGE_FILES) -> APIRouter:
     router.add_api_route("/docs", swagger, methods=["GET", "HEAD"], name="docs")
     router.add_api_route("/redoc", redoc, methods=["GET", "HEAD"], name="redoc")
     for name, media in ASSETS.items():
-        router.add_api_route(f"/docs/assets/{name}", _asset(folder / name, media), methods=["GET", "HEAD"],
-                             name=f"docs:{name}")  # fmt: skip
+        router.add_api_route(
+            f"/docs/assets/{name}", _asset(folder / name, media), methods=["GET", "HEAD"], name=f"docs:{name}"
+        )
     return router

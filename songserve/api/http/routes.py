@@ -162,8 +162,9 @@ async def stream(
     """The track from its start as it is made, to its end (``api/service/live.py``); once done, its final file."""
     got = await svc.stream(job_id, idx, format)
     if isinstance(got, TrackFile):
-        return FileResponse(got.path, media_type=got.media_type, filename=got.filename,
-                            content_disposition_type="inline")  # fmt: skip
+        return FileResponse(
+            got.path, media_type=got.media_type, filename=got.filename, content_disposition_type="inline"
+        )
     media, listening = got
     assert listening is not None
     headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
@@ -187,11 +188,14 @@ async def events(job_id: str, request: Request, svc: JobService = JobsDep) -> St
     )
 
 
-UPLOAD_FORM = {"content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file"],
-    "properties": {"file": {"type": "string", "format": "binary",
-                            "description": "an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)"}},
-}}}, "required": True}  # fmt: skip  # the form is read as it streams (UploadService.receive), not by FastAPI
+# The form is read as it streams (UploadService.receive), not by FastAPI: this only documents it.
+_UPLOAD_FILE = {
+    "type": "string",
+    "format": "binary",
+    "description": "an audio file: WAV, FLAC, OGG, MP3, … (UPLOAD_MAX_MB at most)",
+}
+_UPLOAD_SCHEMA = {"type": "object", "required": ["file"], "properties": {"file": _UPLOAD_FILE}}
+UPLOAD_FORM = {"content": {"multipart/form-data": {"schema": _UPLOAD_SCHEMA}}, "required": True}
 
 
 @router.post("/uploads", response_model=UploadView, openapi_extra={"requestBody": UPLOAD_FORM})

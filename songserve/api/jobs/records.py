@@ -35,7 +35,7 @@ class Track:
     phase_progress: int = 0  # the worker's percent within that phase
     phase_detail: str = ""
     phase_rate: float | None = None  # tokens per second, in the backbone
-    preview_sec: float = 0.0  # seconds of live audio the worker has made of it (issue 23)
+    preview_sec: float = 0.0  # seconds of live audio the worker has made of it
     # live, not stored
     queued_at: float = 0.0  # when it last entered the queue (0: since its job was created)
     avoid_worker: int = -1  # its last attempt failed there for an environment reason: prefer another

@@ -2,8 +2,8 @@
 
 Files are streamed (never held in memory) into ``<results>/<job_id>/track_<i>.<ext>``: every file of
 a track first under a temporary name, within one deadline for the whole copy, a floor on its rate
-(a copy that crawls is cut after ``FLOOR_WINDOW_SEC`` instead of waiting out the deadline: issue 35
-saw a worker that dripped a byte a second hold each track for the whole 45 s) and a size cap per
+(a copy that crawls is cut after ``FLOOR_WINDOW_SEC`` instead of waiting out the deadline: without the
+floor, a worker that drips a byte a second holds each track for the whole 45 s) and a size cap per
 file, then checked against what the worker said it wrote (``results/result_check.py``), and only then all
 renamed into place, so a track is never completed with a short or damaged file, and results survive
 a worker's restart and its cleanup. What goes wrong is told apart: ``WorkerFault`` is the worker's
@@ -132,8 +132,9 @@ class ArtifactStore:
         ``WorkerFault``."""
         while True:
             if not self.folder.writable:
-                log.warning("track %s/%d: held until the results folder can be written (%s)", job_id, index,
-                            self.folder.problem)  # fmt: skip
+                log.warning(
+                    "track %s/%d: held until the results folder can be written (%s)", job_id, index, self.folder.problem
+                )
             await self.folder.wait_writable()
             try:
                 return await self.fetch(worker, res, job_id, index, max_bytes, deadline, floor)

@@ -81,8 +81,11 @@ class ResultsFolder:
 
     def _mark(self, problem: str) -> None:
         if self.writable:
-            log.error("results folder %s cannot be written (%s): finished tracks wait, no new track starts",
-                      self.root, problem)  # fmt: skip
+            log.error(
+                "results folder %s cannot be written (%s): finished tracks wait, no new track starts",
+                self.root,
+                problem,
+            )
         self.problem = problem
         self._writable.clear()
 

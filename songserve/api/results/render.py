@@ -7,7 +7,7 @@ already has. ``GET /job/{id}/track/{i}/render?format=flac|opus|mp3|wav&loudness=
   resampled with libsoxr), MP3 (libsndfile's encoder, as export writes it), WAV; all through
   ``soundfile`` (libsndfile). Every one of them carries the take's title and, as its comment, the
   lyrics (FLAC and Opus as Vorbis comments, MP3 as ID3, WAV as RIFF INFO); an instrumental has no
-  lyrics, so no comment (libsndfile refuses an empty tag: that was a 500, issue 35).
+  lyrics, so no comment (libsndfile refuses an empty tag: the render would be a 500).
 - ``loudness``: integrated loudness in LUFS (EBU R128 / ITU-R BS.1770-4, measured with
   ``pyloudnorm``), from -70 to -5; one gain for the whole selection. The gain never clips: when
   reaching the target would push a sample over -1 dBFS the gain stops there, and the answer says
@@ -18,7 +18,7 @@ Renders are cached in the job's results folder (``track_<i>.render-<key>.<ext>``
 beside it holding what the headers say), so retention removes them with the job; at most
 ``MAX_RENDERS`` per track are kept, the oldest go first. Bad parameters are 422 naming the field.
 
-Renders are bounded (issue 35: 60 at once cost +1.3 GiB and both cores, and slowed uploads to 14-21 s
+Renders are bounded (left unbounded, 60 at once cost +1.3 GiB and both cores, and slowed uploads to 14-21 s
 because they filled the executor uploads, live MP3 and file relays share): ``RENDER_CONCURRENCY`` run
 at once on threads of their own, ``RENDER_QUEUE`` more wait, identical requests share the render
 under way, the rest get 429 with a Retry-After; each render holds one block of audio at a time
@@ -161,8 +161,9 @@ def render_file(wav: Path, out: Path, spec: RenderSpec, title: str, lyrics: str)
         if spec.loudness is not None:
             gain_db, info = _gain(render_audio.measure(f, first, frames, loudness=True), spec.loudness)
         tags = {"title": title, "comment": lyrics, "software": f"songserve {__version__}"}
-        output = render_audio.Output(container, subtype, OPUS_RATE if spec.format == "opus" else rate,
-                                     10 ** (gain_db / 20), tags)  # fmt: skip
+        output = render_audio.Output(
+            container, subtype, OPUS_RATE if spec.format == "opus" else rate, 10 ** (gain_db / 20), tags
+        )
         tmp = out.with_name(f".{out.name}.{secrets.token_hex(3)}.tmp")
         try:
             render_audio.write(f, first, frames, tmp, output)
@@ -209,9 +210,11 @@ class Renders:
             if len(self._making) >= self.concurrency + self.queue:
                 retry = max(1, min(60, math.ceil(self._pace * len(self._making) / self.concurrency)))
                 log.info("job %s track %d: render refused, %d being made or waiting", job_id, index, len(self._making))
-                raise RendersBusy(f"{len(self._making)} renders are being made or waiting (RENDER_CONCURRENCY "
-                                  f"{self.concurrency} + RENDER_QUEUE {self.queue}); try again in {retry} s.",
-                                  retry)  # fmt: skip
+                raise RendersBusy(
+                    f"{len(self._making)} renders are being made or waiting (RENDER_CONCURRENCY "
+                    f"{self.concurrency} + RENDER_QUEUE {self.queue}); try again in {retry} s.",
+                    retry,
+                )
             loop = asyncio.get_running_loop()
             making = loop.run_in_executor(self._executor, self.make, job_id, index, spec, title, lyrics)
             self._making[key] = making
@@ -255,6 +258,15 @@ class Renders:
                 old.unlink(missing_ok=True)
                 old.with_suffix(".json").unlink(missing_ok=True)
         what = f"{spec.format}, {spec.loudness} LUFS" if spec.loudness is not None else spec.format
-        log.info("job %s track %d: rendered %s (%s, %.3f-%.3f s) in %.2f s: %s", job_id, index, path.name, what,
-                 spec.start, spec.end, time.monotonic() - t0, info or "no loudness change")  # fmt: skip
+        log.info(
+            "job %s track %d: rendered %s (%s, %.3f-%.3f s) in %.2f s: %s",
+            job_id,
+            index,
+            path.name,
+            what,
+            spec.start,
+            spec.end,
+            time.monotonic() - t0,
+            info or "no loudness change",
+        )
         return Rendered(path, FORMATS[spec.format][2], info)

@@ -56,8 +56,11 @@ def _biquad(kind: str, gain_db: float, q: float, fc: float, rate: int) -> tuple[
     cos, alpha = math.cos(w0), math.sin(w0) / (2 * q)
     if kind == "high_shelf":
         root = 2 * math.sqrt(amp) * alpha
-        b = [amp * ((amp + 1) + (amp - 1) * cos + root), -2 * amp * ((amp - 1) + (amp + 1) * cos),
-             amp * ((amp + 1) + (amp - 1) * cos - root)]  # fmt: skip
+        b = [
+            amp * ((amp + 1) + (amp - 1) * cos + root),
+            -2 * amp * ((amp - 1) + (amp + 1) * cos),
+            amp * ((amp + 1) + (amp - 1) * cos - root),
+        ]
         a = [(amp + 1) - (amp - 1) * cos + root, 2 * ((amp - 1) - (amp + 1) * cos), (amp + 1) - (amp - 1) * cos - root]
     else:  # high pass
         b = [(1 + cos) / 2, -(1 + cos), (1 + cos) / 2]

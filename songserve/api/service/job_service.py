@@ -185,12 +185,24 @@ class JobService:
             self.artifacts.remove_job(job_id)
             log.error("submit: the store or the results folder cannot write: %s", exc)
             raise StoreUnavailable(exc) from None
-        log.info("job %s: %d tracks, %.2f min, priority %d%s", job_id, req.num_tracks, req.duration, req.priority,
-                 f", key {caller.name}" if caller else "")  # fmt: skip
+        log.info(
+            "job %s: %d %s, %.2f min, priority %d%s",
+            job_id,
+            req.num_tracks,
+            "track" if req.num_tracks == 1 else "tracks",
+            req.duration,
+            req.priority,
+            f", key {caller.name}" if caller else "",
+        )
         if retake is not None and retake.kept is not None:
             head = retake.kept.header
-            log.info("job %s: continues %s from %.2f s (%d frames kept)", job_id, head["origin"], head["at_sec"],
-                     retake.kept.frames)  # fmt: skip
+            log.info(
+                "job %s: continues %s from %.2f s (%d frames kept)",
+                job_id,
+                head["origin"],
+                head["at_sec"],
+                retake.kept.frames,
+            )
         if norm.adjusted:  # the values as sent are the client's text: escaped and capped
             log.info("job %s: read as the reference reads it: %s", job_id, safe(norm.adjusted, 500))
         if norm.unknown_count:
@@ -289,8 +301,10 @@ class JobService:
             raise NotFoundError(f"Track {idx} of job {job_id} is not done.")
         expected = (track.metadata.get("file_bytes") or {}).get(kind)
         if kind == "codes" and expected is None:
-            raise NotFoundError(f"Track {idx} of job {job_id} kept no codes (its worker writes none, or it was made "
-                                "before codes were kept).")  # fmt: skip
+            raise NotFoundError(
+                f"Track {idx} of job {job_id} kept no codes (its worker writes none, or it was made "
+                "before codes were kept)."
+            )
         size = self.artifacts.sizes(job_id, idx).get(kind)
         if not size or (expected is not None and size != expected):
             what = "is missing" if size is None else "is empty" if not size else "does not have its recorded size"
@@ -312,8 +326,10 @@ class JobService:
         if track.status == TrackStatus.done:
             return await self.track_file(job_id, idx, fmt)
         if TrackStatus(track.status).terminal:
-            raise NoAudio(f"Track {idx} of job {job_id} is {track.status}: it has no audio"
-                          f"{' (' + track.error + ')' if track.error else ''}.")  # fmt: skip
+            raise NoAudio(
+                f"Track {idx} of job {job_id} is {track.status}: it has no audio"
+                f"{' (' + track.error + ')' if track.error else ''}."
+            )
         return media, self.live.listen(job_id, idx, fmt) if listen else None
 
     async def render(

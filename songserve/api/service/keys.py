@@ -119,8 +119,12 @@ class ApiKeys:
             log.error("%s The %d keys in use stay as they were.", exc, len(self._entries))
             return False
         if not entries and self.enabled:
-            log.error("Setting api_keys_file: %s now holds no key, which would let every request in; the %d keys "
-                      "in use stay as they were.", self.path, len(self._entries))  # fmt: skip
+            log.error(
+                "Setting api_keys_file: %s now holds no key, which would let every request in; the %d keys "
+                "in use stay as they were.",
+                self.path,
+                len(self._entries),
+            )
             return False
         self._use(entries)
         log.info("keys file %s read again: %d keys (%s)", self.path, len(entries), ", ".join(self.names))

@@ -1,4 +1,4 @@
-"""A track's audio while it is made (issue 23): ``GET /job/{id}/track/{i}/stream`` on any dispatcher.
+"""A track's audio while it is made: ``GET /job/{id}/track/{i}/stream`` on any dispatcher.
 
 The relay follows the track wherever it is, as the store tells it (so any dispatcher of a shared
 store serves any track): queued, it waits; running on one of our workers, it relays that worker's
@@ -16,7 +16,7 @@ WAV. The listener hears one stream from the start of the track to its end:
   stream's MP3 has no gapless header (it would have to be written first), so a decoder adds LAME's
   priming samples at its start.
 
-Listeners never cost a generation (issue 35): every listener of a track on this dispatcher shares
+Listeners never cost a generation: every listener of a track on this dispatcher shares
 one relay (``live_feed.TrackFeed``: one connection to the worker, one MP3 encoder, the bytes spooled
 once, ``service/live_spool.py``), the relays have an HTTP client of their own (``worker_client.WorkerHttp``:
 they cannot take the connections of the health polls and the tasks), and listeners are capped per
@@ -163,11 +163,14 @@ class LiveStreams:
         key = (job_id, idx)
         feed = self.feeds.get(key)
         if self.listeners >= self.most:
-            raise TooManyListeners(f"This dispatcher has its most live listeners ({self.most}, "
-                                   "LIVE_LISTENERS_MAX); try again shortly.")  # fmt: skip
+            raise TooManyListeners(
+                f"This dispatcher has its most live listeners ({self.most}, LIVE_LISTENERS_MAX); try again shortly."
+            )
         if feed is not None and feed.listeners >= self.per_track:
-            raise TooManyListeners(f"Track {idx} of job {job_id} has its most live listeners ({self.per_track}, "
-                                   "LIVE_LISTENERS_PER_TRACK); try again shortly.")  # fmt: skip
+            raise TooManyListeners(
+                f"Track {idx} of job {job_id} has its most live listeners ({self.per_track}, "
+                "LIVE_LISTENERS_PER_TRACK); try again shortly."
+            )
         if feed is None:
             feed = self.feeds[key] = TrackFeed(f"{job_id}/{idx}", self._pcm(job_id, idx), self.folder)
             log.info("job %s track %d: live relay started", job_id, idx)
@@ -203,8 +206,13 @@ class LiveStreams:
                     yield block
                 return
             if t.status.terminal:
-                log.info("job %s track %d: stream cut after %.1f s: the track is %s", job_id, idx,
-                         sent / FRAME_BYTES / SAMPLE_RATE, t.status.value)  # fmt: skip
+                log.info(
+                    "job %s track %d: stream cut after %.1f s: the track is %s",
+                    job_id,
+                    idx,
+                    sent / FRAME_BYTES / SAMPLE_RATE,
+                    t.status.value,
+                )
                 raise StreamCut(t.status.value)
             client = self.live_client(t.worker_id) if t.status.running and t.task_id not in heard else None
             if client is None or t.task_id is None:
@@ -222,8 +230,9 @@ class LiveStreams:
                         rest = rest[whole:]
                 heard.add(t.task_id)
             except (WorkerUnreachable, WorkerFault) as exc:
-                log.info("job %s track %d: live audio from worker %d broke (%s); asking again", job_id, idx,
-                         t.worker_id, exc)  # fmt: skip
+                log.info(
+                    "job %s track %d: live audio from worker %d broke (%s); asking again", job_id, idx, t.worker_id, exc
+                )
                 await asyncio.sleep(RETRY_SEC)
 
 

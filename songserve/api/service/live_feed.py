@@ -1,4 +1,4 @@
-"""One live track's relay, shared by every listener of that track on this dispatcher (issue 35).
+"""One live track's relay, shared by every listener of that track on this dispatcher.
 
 Why shared: every listener hears the track from its start, so all of them hear the same bytes. One
 task reads the track's PCM once (one connection to its worker, however many listen) into a
@@ -10,8 +10,8 @@ The encoder is a native object (LAME): it is used by one thread at a time, alway
 awaited one after another by its one task, on the feed's own threads (``LIVE_MP3``), its flush runs
 there too, and a feed that is closed while an encode is in flight drops the encoder without
 flushing it: the thread finishes the encode and nothing touches the encoder again (its memory goes
-with its last reference, the thread's). Issue 35 saw the old per-listener encoder flushed on the
-event loop while a cancelled feed still encoded with it: SIGSEGV, or LAME's assertions.
+with its last reference, the thread's). An encoder flushed on the event loop while a cancelled feed
+still encodes with it is a SIGSEGV, or LAME's assertions.
 """
 
 from __future__ import annotations

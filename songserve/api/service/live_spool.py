@@ -1,4 +1,4 @@
-"""One live track's bytes as they are made, written once and read by every listener (issue 35).
+"""One live track's bytes as they are made, written once and read by every listener.
 
 A listener hears a track from its start, whenever it joined, so a track's stream is one sequence of
 bytes that grows: one writer appends (the track's relay, or its MP3 encoder), any number of readers

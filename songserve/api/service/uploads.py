@@ -64,8 +64,10 @@ class UploadsBusy(UnavailableError):
     """As many uploads as may be in flight are: a 503 with ``Retry-After``, before the body is read."""
 
     def __init__(self, inside: int, s: DispatcherSettings) -> None:
-        super().__init__(f"{inside} uploads are being checked or waiting (UPLOAD_CONCURRENCY {s.upload_concurrency} "
-                         f"+ UPLOAD_QUEUE {s.upload_queue}); nothing was stored, try again shortly.")  # fmt: skip
+        super().__init__(
+            f"{inside} uploads are being checked or waiting (UPLOAD_CONCURRENCY {s.upload_concurrency} "
+            f"+ UPLOAD_QUEUE {s.upload_queue}); nothing was stored, try again shortly."
+        )
         self.headers = {"Retry-After": str(RETRY_AFTER_SEC)}
 
 
@@ -94,8 +96,10 @@ class UploadGate:
             yield
             return
         if self.inside >= self.limit:
-            log.warning("upload refused: %d uploads in flight, the most UPLOAD_CONCURRENCY + UPLOAD_QUEUE allow (503)",
-                        self.inside)  # fmt: skip
+            log.warning(
+                "upload refused: %d uploads in flight, the most UPLOAD_CONCURRENCY + UPLOAD_QUEUE allow (503)",
+                self.inside,
+            )
             raise UploadsBusy(self.inside, self.s)
         self.inside += 1
         held = _HOLDS_TICKET.set(True)
@@ -193,15 +197,24 @@ class UploadService:
                 self.artifacts.remove_upload(u.upload_id)
                 log.error("upload: the store or the results folder cannot write: %s", exc)
                 raise StoreUnavailable(exc) from None
-        log.info("upload %s: %s, %.2f s (%s, %d Hz, %d channels), %d bytes, queued", u.upload_id, safe(u.filename, 80),
-                 u.duration_sec, facts.format, facts.sample_rate, facts.channels, u.bytes)  # fmt: skip
+        log.info(
+            "upload %s: %s, %.2f s (%s, %d Hz, %d channels), %d bytes, queued",
+            u.upload_id,
+            safe(u.filename, 80),
+            u.duration_sec,
+            facts.format,
+            facts.sample_rate,
+            facts.channels,
+            u.bytes,
+        )
         self.dispatcher.kick()
         return view(u)
 
     def _check_encoders(self) -> None:
         if not self.dispatcher.encodings.can_encode(self.dispatcher.pool.workers):
-            raise UnavailableError("No worker here can encode audio (their checkpoint sets hold no encoder); "
-                                   "nothing was stored.")  # fmt: skip
+            raise UnavailableError(
+                "No worker here can encode audio (their checkpoint sets hold no encoder); nothing was stored."
+            )
 
     async def find(self, upload_id: str, caller: Caller | None = None) -> UploadRecord | None:
         """The upload, or None when there is none ``caller``'s key may see (``keys.py``: ``sees``)."""

@@ -52,14 +52,27 @@ def check_request(caller: Caller | None, req: GenerateRequest) -> None:
         return
     lim, who = caller.limits, f"the key '{caller.name}'"  # quoted, and never followed by a possessive 's
     if lim.max_duration is not None and req.duration > lim.max_duration:
-        raise _over("duration", f"{req.duration:g} minutes is over the max_duration of {who}, {lim.max_duration:g}",
-                    "max_duration", lim.max_duration)  # fmt: skip
+        raise _over(
+            "duration",
+            f"{req.duration:g} minutes is over the max_duration of {who}, {lim.max_duration:g}",
+            "max_duration",
+            lim.max_duration,
+        )
     if lim.max_priority is not None and req.priority > lim.max_priority:
-        raise _over("priority", f"{req.priority} is over the max_priority of {who}, {lim.max_priority}",
-                    "max_priority", lim.max_priority)  # fmt: skip
+        raise _over(
+            "priority",
+            f"{req.priority} is over the max_priority of {who}, {lim.max_priority}",
+            "max_priority",
+            lim.max_priority,
+        )
     if lim.tracks_per_hour is not None and req.num_tracks > lim.tracks_per_hour:
-        raise _over("num_tracks", f"{req.num_tracks} tracks are more than the tracks_per_hour of {who}, "
-                    f"{lim.tracks_per_hour}, allows in any hour", "tracks_per_hour", lim.tracks_per_hour)  # fmt: skip
+        raise _over(
+            "num_tracks",
+            f"{req.num_tracks} tracks are more than the tracks_per_hour of {who}, "
+            f"{lim.tracks_per_hour}, allows in any hour",
+            "tracks_per_hour",
+            lim.tracks_per_hour,
+        )
 
 
 def quota(caller: Caller | None, jobs_retry_sec: Callable[[], float]) -> Quota | None:

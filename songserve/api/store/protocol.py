@@ -47,9 +47,23 @@ Events = Sequence[WebhookEvent]
 
 
 STORED_TRACK_FIELDS = (
-    "status", "seed", "attempts", "worker_id", "task_id", "owner", "error", "duration_sec", "started_at",
-    "finished_at", "metadata", "worker_phase", "phase_progress", "phase_detail", "phase_rate", "preview_sec",
-)  # fmt: skip
+    "status",
+    "seed",
+    "attempts",
+    "worker_id",
+    "task_id",
+    "owner",
+    "error",
+    "duration_sec",
+    "started_at",
+    "finished_at",
+    "metadata",
+    "worker_phase",
+    "phase_progress",
+    "phase_detail",
+    "phase_rate",
+    "preview_sec",
+)
 
 
 class StaleTrack(Exception):

@@ -97,8 +97,14 @@ class WebhookSender:
             if failure is None:
                 await self.store.outbox.delivered(d.row)
                 self.metrics.webhook_delivered.labels(e.kind).inc()
-                log.info("job %s: webhook %s (%s) delivered to %s (try %d)", e.job_id, e.event_id, e.kind, host,
-                         d.attempts + 1)  # fmt: skip
+                log.info(
+                    "job %s: webhook %s (%s) delivered to %s (try %d)",
+                    e.job_id,
+                    e.event_id,
+                    e.kind,
+                    host,
+                    d.attempts + 1,
+                )
                 return
             reason, why = failure
             self.metrics.webhook_failures.labels(reason).inc()
@@ -107,14 +113,32 @@ class WebhookSender:
             await self.store.outbox.failed(d.row, self.me, why, retry)
             if retry is None:
                 self.metrics.webhook_given_up.inc()
-                log.warning("job %s: webhook %s (%s) to %s given up after %d tries: %s", e.job_id, e.event_id, e.kind,
-                            host, d.attempts + 1, why)  # fmt: skip
+                log.warning(
+                    "job %s: webhook %s (%s) to %s given up after %d tries: %s",
+                    e.job_id,
+                    e.event_id,
+                    e.kind,
+                    host,
+                    d.attempts + 1,
+                    why,
+                )
             else:
-                log.info("job %s: webhook %s (%s) to %s failed (%s); again in %.1fs", e.job_id, e.event_id, e.kind,
-                         host, why, retry)  # fmt: skip
+                log.info(
+                    "job %s: webhook %s (%s) to %s failed (%s); again in %.1fs",
+                    e.job_id,
+                    e.event_id,
+                    e.kind,
+                    host,
+                    why,
+                    retry,
+                )
         except StoreError as exc:
-            log.warning("job %s: webhook %s: its outcome not stored (%s); tried again when its claim lapses",
-                        e.job_id, e.event_id, exc)  # fmt: skip
+            log.warning(
+                "job %s: webhook %s: its outcome not stored (%s); tried again when its claim lapses",
+                e.job_id,
+                e.event_id,
+                exc,
+            )
         except Exception:
             log.exception("job %s: webhook %s: internal error; tried again when its claim lapses", e.job_id, e.event_id)
         finally:
@@ -130,8 +154,12 @@ class WebhookSender:
         except Refused as exc:
             return "refused", f"refused: {exc}"
         body = e.body.encode()
-        sent = {"content-type": "application/json", "user-agent": f"songserve/{__version__}", "host": target.host,
-                **headers(self.key, e.event_id, body)}  # fmt: skip
+        sent = {
+            "content-type": "application/json",
+            "user-agent": f"songserve/{__version__}",
+            "host": target.host,
+            **headers(self.key, e.event_id, body),
+        }
         request = self.http.build_request(
             "POST",
             target.url,

@@ -4,8 +4,8 @@ Every worker URL is formed here. The calls go over three HTTP clients by purpose
 so that one kind of traffic can never take the connections another needs: ``control`` (health,
 config, task views, cancels, file removal: short calls whose silence marks a worker offline),
 ``work`` (tasks held while they run, encodings, result downloads) and ``live`` (the live-audio
-relays, one per live track, ``service/live_feed.py``). Issue 35 saw 200 listeners fill one shared pool of
-200: the health polls waited for a connection, timed out, and both workers were judged offline. The
+relays, one per live track, ``service/live_feed.py``). With one shared pool of 200, 200 listeners filled
+it: the health polls waited for a connection, timed out, and both workers were judged offline. The
 bodies sent and the answers read are translated in ``workers/to_worker.py`` (the one place that renames a
 field for a worker); here, transport failures raise ``WorkerUnreachable``, answers that are not the
 contract (not a JSON object, wrong fields, a file it cannot serve or that outgrows the cap) raise
@@ -144,8 +144,7 @@ class WorkerClient:
             return [await self.generate(reqs[0], lease)]
         body = to_worker.batch_body(reqs)
         headers = {LEASE_HEADER: lease} if lease else {}
-        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), True, json=body,
-                             headers=headers)  # fmt: skip
+        r = await self._call("POST", "/generate_batch", httpx.Timeout(10, read=None), True, json=body, headers=headers)
         return to_worker.read_batch(r.status_code, self._json(r), len(reqs), self.reference)
 
     async def encode(
@@ -156,8 +155,9 @@ class WorkerClient:
         ``BusyAnswer`` when it cannot take it now (busy, draining, no encoder); ``WorkerRefused`` for
         a 4xx about the file; ``WorkerUnreachable`` / ``WorkerFault`` as for every call."""
         headers = {"Content-Type": "application/octet-stream", **({LEASE_HEADER: lease} if lease else {})}
-        r = await self._call("POST", "/encode", timeout, True, params={"task_id": task_id}, content=audio,
-                             headers=headers)  # fmt: skip
+        r = await self._call(
+            "POST", "/encode", timeout, True, params={"task_id": task_id}, content=audio, headers=headers
+        )
         return to_worker.read_encode(r.status_code, self._json(r))
 
     async def cancel(self, task_id: str, timeout: float = CONTROL_TIMEOUT) -> bool:
@@ -237,8 +237,12 @@ class WorkerClient:
                     raise WorkerFault(
                         f"Copying {filename} from worker {self.url} broke ({type(exc.__cause__).__name__})."
                     ) from exc.__cause__
-                log.info("copying %s from worker %s: no answer (%s); asking once more", filename, self.url,
-                         type(exc.__cause__).__name__)  # fmt: skip
+                log.info(
+                    "copying %s from worker %s: no answer (%s); asking once more",
+                    filename,
+                    self.url,
+                    type(exc.__cause__).__name__,
+                )
 
     async def _file_chunks_once(self, filename: str, max_bytes: int) -> AsyncGenerator[bytes, None]:
         url = f"{self.url}/download/{filename}"

@@ -72,8 +72,10 @@ def encoder_tensors(
         out[name] = t
     extra = sorted(k for k in state if k.startswith("encoder.") and k not in used)
     if extra:
-        raise ConfigError(f"Decoder checkpoint {path} does not match {config}: it has the key 'generator.{extra[0]}', "
-                          f"which the config's encoder does not use ({len(extra)} such keys).")  # fmt: skip
+        raise ConfigError(
+            f"Decoder checkpoint {path} does not match {config}: it has the key 'generator.{extra[0]}', "
+            f"which the config's encoder does not use ({len(extra)} such keys)."
+        )
     release = _RELEASE_BOOK.format(i=0) in state
     pattern = _RELEASE_BOOK if release else _OWN_BOOK
     books = []
@@ -92,8 +94,10 @@ def encoder_tensors(
 
 
 def _shape(path: Path, config: Path, key: str, got: tuple[int, ...], want: tuple[int, ...]) -> ConfigError:
-    return ConfigError(f"Decoder checkpoint {path} does not match {config}: 'generator.{key}' has shape {got}, "
-                       f"the config's encoder needs {want}.")  # fmt: skip
+    return ConfigError(
+        f"Decoder checkpoint {path} does not match {config}: 'generator.{key}' has shape {got}, "
+        f"the config's encoder needs {want}."
+    )
 
 
 def _warn_if_uninitialised(state: dict[str, torch.Tensor], n: int, path: Path) -> None:

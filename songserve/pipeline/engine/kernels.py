@@ -41,8 +41,9 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _add_rmsnorm(x_ptr, d_ptr, b_ptr, w_ptr, x_out, y_out, H, eps, HAS_D: tl.constexpr, HAS_B: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
+def _add_rmsnorm(
+    x_ptr, d_ptr, b_ptr, w_ptr, x_out, y_out, H, eps, HAS_D: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -69,14 +70,26 @@ def add_rmsnorm(
     x_out = torch.empty_like(x) if d is not None else x
     y = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
     dd = d.contiguous() if d is not None else x
-    _add_rmsnorm[(B,)](x, dd, bias if bias is not None else x, weight, x_out, y, H, eps,
-                       HAS_D=d is not None, HAS_B=bias is not None, BLOCK=_pow2(H))  # fmt: skip
+    _add_rmsnorm[(B,)](
+        x,
+        dd,
+        bias if bias is not None else x,
+        weight,
+        x_out,
+        y,
+        H,
+        eps,
+        HAS_D=d is not None,
+        HAS_B=bias is not None,
+        BLOCK=_pow2(H),
+    )
     return x_out, y
 
 
 @triton.jit
-def _swiglu(y_ptr, w_ptr, b_ptr, out_ptr, M, F, H, HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            BK: tl.constexpr):  # fmt: skip
+def _swiglu(
+    y_ptr, w_ptr, b_ptr, out_ptr, M, F, H, HAS_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.arange(0, BM)
     cm, rm = cols < F, rows < M
@@ -98,8 +111,9 @@ def _swiglu(y_ptr, w_ptr, b_ptr, out_ptr, M, F, H, HAS_B: tl.constexpr, BM: tl.c
     g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded where the eager linear rounds
     u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
     h = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32) * u
-    tl.store(out_ptr + rows[:, None] * F + cols[None, :], h.to(out_ptr.dtype.element_ty),
-             mask=rm[:, None] & cm[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + rows[:, None] * F + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :]
+    )
 
 
 def swiglu(
@@ -110,14 +124,45 @@ def swiglu(
     M, H = y.shape
     F = w.shape[0] // 2
     out = torch.empty(M, F, dtype=w.dtype, device=y.device)
-    _swiglu[(triton.cdiv(F, block_n),)](y, w, b if b is not None else w, out, M, F, H, HAS_B=b is not None,
-                                        BM=_pow2(M), BN=block_n, BK=min(block_k, _pow2(H)))  # fmt: skip
+    _swiglu[(triton.cdiv(F, block_n),)](
+        y,
+        w,
+        b if b is not None else w,
+        out,
+        M,
+        F,
+        H,
+        HAS_B=b is not None,
+        BM=_pow2(M),
+        BN=block_n,
+        BK=min(block_k, _pow2(H)),
+    )
     return out
 
 
 @triton.jit
-def _rope_write(mx_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, G, PER, D, ROT, sk_b, sk_g, sk_l, sv_b,
-                sv_g, sv_l, HAS_ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _rope_write(
+    mx_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    G,
+    PER,
+    D,
+    ROT,
+    sk_b,
+    sk_g,
+    sk_l,
+    sv_b,
+    sv_g,
+    sv_l,
+    HAS_ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     slot = pid % (PER + 2)  # per group: its q heads, then k, then v (megatron's qkv layout)
     bg = pid // (PER + 2)
@@ -170,16 +215,47 @@ def rope_write(
     assert k_cache.stride(-1) == 1
     assert v_cache.stride(-1) == 1
     _rope_write[(B * G * (per + 2),)](
-        mixed, cos if cos is not None else mixed, sin if sin is not None else mixed, pos, q, k_cache, v_cache,
-        G, per, D, max(rot, 2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), HAS_ROPE=cos is not None, INTERLEAVED=interleaved, BLOCK_D=_pow2(D),
-    )  # fmt: skip
+        mixed,
+        cos if cos is not None else mixed,
+        sin if sin is not None else mixed,
+        pos,
+        q,
+        k_cache,
+        v_cache,
+        G,
+        per,
+        D,
+        max(rot, 2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        HAS_ROPE=cos is not None,
+        INTERLEAVED=interleaved,
+        BLOCK_D=_pow2(D),
+    )
     return q
 
 
 @triton.jit
-def _project(h_ptr, w_ptr, out_ptr, M, N, H, START, EOD, CB, inv_temp, SCALE: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+def _project(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    H,
+    START,
+    EOD,
+    CB,
+    inv_temp,
+    SCALE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.arange(0, BM)
     nm, rm = n < N, rows < M
@@ -249,9 +325,22 @@ def project_sample(
     N = codebook + (eod is not None)
     logits = torch.empty(M, N, dtype=torch.float32, device=hidden.device)
     bn = 256 if INTERPRETED else 16  # a GPU: 65 programs over the window, not 17
-    _project[(triton.cdiv(N, bn),)](hidden, weight, logits, M, N, H, start, eod if eod is not None else start,
-                                    codebook, max(temperature, 1e-5), SCALE=temperature != 1.0, BM=_pow2(M),
-                                    BN=bn, BK=min(64, _pow2(H)))  # fmt: skip
+    _project[(triton.cdiv(N, bn),)](
+        hidden,
+        weight,
+        logits,
+        M,
+        N,
+        H,
+        start,
+        eod if eod is not None else start,
+        codebook,
+        max(temperature, 1e-5),
+        SCALE=temperature != 1.0,
+        BM=_pow2(M),
+        BN=bn,
+        BK=min(64, _pow2(H)),
+    )
     k = max(1, min(top_k, N))
     q = torch.empty(M, k, dtype=torch.float32, device=hidden.device)
     for row, g in zip(q, generators, strict=True):  # what sample_rows consumes from each generator

@@ -21,8 +21,31 @@ from songserve.pipeline.engine.kernels import _pow2
 
 
 @triton.jit
-def _partial(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, G, PER, D, KV_LEN, CHUNK, SPLITS, sk_b, sk_g,
-             sk_l, sv_b, sv_g, sv_l, scale, BP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+def _partial(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    G,
+    PER,
+    D,
+    KV_LEN,
+    CHUNK,
+    SPLITS,
+    sk_b,
+    sk_g,
+    sk_l,
+    sv_b,
+    sv_g,
+    sv_l,
+    scale,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+):
     bg = tl.program_id(0)
     split = tl.program_id(1)
     b = bg // G
@@ -60,8 +83,7 @@ def _partial(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, G, PER, D, KV_
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, PER, D, SPLITS, BP: tl.constexpr, BD: tl.constexpr,
-             BS: tl.constexpr):  # fmt: skip
+def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, PER, D, SPLITS, BP: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
     bg = tl.program_id(0)
     s = tl.arange(0, BS)
     h = tl.arange(0, BP)
@@ -109,8 +131,30 @@ def decode_attention(
     acc = torch.empty(B * G * splits * bp * bd, dtype=torch.float32, device=dev)
     out = torch.empty(B, heads * D, dtype=q.dtype, device=dev)
     q = q.contiguous()
-    _partial[(B * G, splits)](q, k_cache, v_cache, pos, m, lsum, acc, G, per, D, kv_len, chunk, splits,
-                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-                              v_cache.stride(1), v_cache.stride(2), scale, BP=bp, BD=bd, BN=block)  # fmt: skip
+    _partial[(B * G, splits)](
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        m,
+        lsum,
+        acc,
+        G,
+        per,
+        D,
+        kv_len,
+        chunk,
+        splits,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        scale,
+        BP=bp,
+        BD=bd,
+        BN=block,
+    )
     _combine[(B * G,)](m, lsum, acc, out, per, D, splits, BP=bp, BD=bd, BS=_pow2(splits))
     return out

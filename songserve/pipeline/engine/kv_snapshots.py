@@ -43,7 +43,7 @@ from songserve.pipeline.engine.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)  # a slot is itself: ``==`` on the fields would compare tensors (issue 35)
+@dataclass(eq=False)  # a slot is itself: ``==`` on the fields would compare tensors (and raise)
 class Snapshot:
     model: str
     ids: torch.Tensor  # (N,) long, on the CPU
@@ -122,8 +122,12 @@ class KVSnapshots:
             return False
 
     def _fault(self, what: str, task: str, exc: Exception) -> None:
-        log.error("task %s: kv snapshot %s failed; the slots are dropped and the prefix is prefilled", task or "-",
-                  what, exc_info=exc)  # fmt: skip
+        log.error(
+            "task %s: kv snapshot %s failed; the slots are dropped and the prefix is prefilled",
+            task or "-",
+            what,
+            exc_info=exc,
+        )
         with self._lock:
             self.faults += 1
             self._slots.clear()

@@ -1,4 +1,4 @@
-"""Preview audio while the backbone writes (issue 23): a window of super-resolution, the decoder, PCM out.
+"""Preview audio while the backbone writes: a window of super-resolution, the decoder, PCM out.
 
 The backbone hands every batch of new q0/q1 tokens to a ``Previewer`` (its ``TokenListener``) at
 its periodic host sync. Nothing more happens until someone wants a take's live audio
@@ -184,8 +184,12 @@ class Previewer:
         live = row.ctx.live
         if not live.wanted():
             return None
-        return {"state": live.state.value, "seconds": round(live.seconds, 3), "windows": len(row.windows),
-                "sec": round(sum(row.windows), 3)}  # fmt: skip
+        return {
+            "state": live.state.value,
+            "seconds": round(live.seconds, 3),
+            "windows": len(row.windows),
+            "sec": round(sum(row.windows), 3),
+        }
 
     # -- the preview thread -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -253,8 +257,13 @@ class Previewer:
         row.windows.append(time.perf_counter() - t0)
         if ended:
             live.complete()
-            log.info("task %s: live audio complete, %.1f s in %d windows (%.2f s)", row.ctx.task_id, live.seconds,
-                     len(row.windows), sum(row.windows))  # fmt: skip
+            log.info(
+                "task %s: live audio complete, %.1f s in %d windows (%.2f s)",
+                row.ctx.task_id,
+                live.seconds,
+                len(row.windows),
+                sum(row.windows),
+            )
 
     def _superres(self, row: _Row, stages: PreviewStages, ready: int) -> None:
         assert row.grid is not None

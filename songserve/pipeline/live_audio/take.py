@@ -1,4 +1,4 @@
-"""A take's live audio (issue 23): the preview PCM a listener hears while the take is still being made.
+"""A take's live audio: the preview PCM a listener hears while the take is still being made.
 
 One ``LiveAudio`` per take, shared by three threads: the pipeline (or its preview thread) appends
 16-bit PCM to a file in the output folder, the worker's HTTP thread follows that file for its

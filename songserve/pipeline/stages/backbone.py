@@ -3,7 +3,7 @@
 The backbone writes q0, q1, q0, q1, … (two tokens per audio frame). Each step projects only onto
 the next token's codebook window, plus the end-of-document row once ``min_frames`` are written.
 
-Why the loop looks like this (issue 14):
+Why the loop looks like this:
 - the prompt is prefilled once, in chunks with a cancellation check between them, and its KV is
   copied to every take's row; each take samples with its own seeded generator, so take *i* draws
   exactly what it would draw alone;
@@ -20,7 +20,7 @@ Why the loop looks like this (issue 14):
 - a row that ended keeps drawing until that check, so its generator is rewound to the state right
   after its end-of-audio draw: the later stages see the same generator as a take run alone.
 
-A retake (issue 24) passes the kept frames' q0/q1 codes: they are prefilled after the prompt as the
+A retake passes the kept frames' q0/q1 codes: they are prefilled after the prompt as the
 tokens the loop would have fed, written into the result as they are, and sampling starts after
 them. Only such a prefill uses the KV snapshots (``engine/kv_snapshots.py``): restored positions
 are not prefilled again, and the prefill is kept for the next retake of the same prefix.
@@ -147,8 +147,13 @@ class Backbone:
         if snaps is not None:  # a fault inside the cache is a miss: the whole prefix is prefilled
             restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1), task)
             if restored:
-                log.info("task %s: %d of %d prefix tokens restored from a KV snapshot (%s)", task,
-                         restored, len(ids), came_from or "no origin")  # fmt: skip
+                log.info(
+                    "task %s: %d of %d prefix tokens restored from a KV snapshot (%s)",
+                    task,
+                    restored,
+                    len(ids),
+                    came_from or "no origin",
+                )
         if h is None:
             try:
                 h = self.prefill(ids, cache, ctxs, start=restored)

@@ -152,7 +152,12 @@ def load_encoder(
             own[name].data.copy_(t)
     del tensors
     enc = enc.to(device).eval()
-    log.info("encoder loaded from %s in %.2f s: strides %s, %d codebooks, %.1f M parameters", checkpoint_path,
-             time.perf_counter() - t0, list(cfg.strides), cfg.n_codebooks,
-             sum(p.numel() for p in enc.parameters()) / 1e6)  # fmt: skip
+    log.info(
+        "encoder loaded from %s in %.2f s: strides %s, %d codebooks, %.1f M parameters",
+        checkpoint_path,
+        time.perf_counter() - t0,
+        list(cfg.strides),
+        cfg.n_codebooks,
+        sum(p.numel() for p in enc.parameters()) / 1e6,
+    )
     return enc

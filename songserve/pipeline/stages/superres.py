@@ -6,11 +6,11 @@ T − 1 − c (reference: 128255 − c) replaces the last text position, the net
 and the audio rows' hidden states are projected onto level c's rows only. Songs longer than the
 model's context run in consecutive windows with the same prompt.
 
-Several takes of one prompt run as one batch (issue 14): rows of different lengths are padded
+Several takes of one prompt run as one batch: rows of different lengths are padded
 with ``-1`` and their padding keys masked; a batch of equal lengths runs with no mask at all. Each
 take samples its own frames with its own generator, exactly the draws it makes alone.
 
-A retake (issue 24) passes the kept frames' 64 levels (``known``): at each level's pass they are
+A retake passes the kept frames' 64 levels (``known``): at each level's pass they are
 written into the grid as known values and only the new frames' cells are sampled, so the network
 still sees the whole grid (non-causal) with levels 0..c-1 filled everywhere, as in a take of its
 own. A window of kept frames only is copied, not run.

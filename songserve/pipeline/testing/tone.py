@@ -88,8 +88,10 @@ class TonePipeline:
         codes = (req.seed + np.arange(frames)[None, :] + np.arange(SUPERRES_LEVELS)[:, None]) % CODEBOOK
         if req.prefix is not None:
             if req.prefix.levels != SUPERRES_LEVELS or req.prefix.frames >= frames:
-                raise RequestError(f"The prefix ({req.prefix.levels} × {req.prefix.frames}) does not fit a "
-                                   f"{SUPERRES_LEVELS} × {frames} grid.")  # fmt: skip
+                raise RequestError(
+                    f"The prefix ({req.prefix.levels} × {req.prefix.frames}) does not fit a "
+                    f"{SUPERRES_LEVELS} × {frames} grid."
+                )
             kept = np.frombuffer(req.prefix.raw, dtype="<i2").reshape(SUPERRES_LEVELS, req.prefix.frames)
             codes[:, : req.prefix.frames] = kept
         n = frames * HOP
@@ -109,18 +111,32 @@ class TonePipeline:
             "duration_sec": n / SAMPLE_RATE,
         }
         offered = {"backbone": "default_backbone", "superres": "default_superres"}  # what describe() says
-        head: dict[str, Any] = {"seed": req.seed, "models": offered, "frame_rate": FRAMES_PER_SECOND, "hop": HOP,
-                "sample_rate": SAMPLE_RATE, "job_id": req.job_id, "track_index": req.track_index}  # fmt: skip
+        head: dict[str, Any] = {
+            "seed": req.seed,
+            "models": offered,
+            "frame_rate": FRAMES_PER_SECOND,
+            "hop": HOP,
+            "sample_rate": SAMPLE_RATE,
+            "job_id": req.job_id,
+            "track_index": req.track_index,
+        }
         if req.prefix is not None:
-            meta["continued"] = {"frames": req.prefix.frames, "at_sec": req.prefix.frames / FRAMES_PER_SECOND,
-                                 "origin": req.prefix.origin}  # fmt: skip
+            meta["continued"] = {
+                "frames": req.prefix.frames,
+                "at_sec": req.prefix.frames / FRAMES_PER_SECOND,
+                "origin": req.prefix.origin,
+            }
             head["continued"] = meta["continued"]
         if ctx.live.wanted():
             meta["live"] = {"state": ctx.live.state.value, "seconds": round(ctx.live.seconds, 3)}
         wav, mp3, js, meta = write_track(
-            self.s.output_dir, audio, SAMPLE_RATE, meta, Mp3Options().tagged(req.tags or req.description,
-            req.track_index, req.lyrics), codes=(codes, head)
-        )  # fmt: skip
+            self.s.output_dir,
+            audio,
+            SAMPLE_RATE,
+            meta,
+            Mp3Options().tagged(req.tags or req.description, req.track_index, req.lyrics),
+            codes=(codes, head),
+        )
         return TrackResult(wav, mp3, js, n / SAMPLE_RATE, 2 * frames, req.seed, meta, meta["files"]["codes"])
 
     def _delay(self, req: TrackRequest, ctx: TaskContext, audio: np.ndarray) -> None:

@@ -86,8 +86,9 @@ def _build_into(tmp: Path) -> None:
     (tmp / "decoder").mkdir()
     (tmp / "decoder" / "config.yaml").write_text(yaml.safe_dump(cfg.to_yaml_dict(), sort_keys=False))
     state = {f"generator.{k}": v for k, v in weight_norm_state(decoder.state_dict()).items()}
-    sizes = ReleaseDecoderSizes(encoder_filters=cfg.n_filters // 2, strides=tuple(reversed(cfg.rates)),
-                                d_latent=cfg.latent_dim)  # fmt: skip
+    sizes = ReleaseDecoderSizes(
+        encoder_filters=cfg.n_filters // 2, strides=tuple(reversed(cfg.rates)), d_latent=cfg.latent_dim
+    )
     state.update(encoder_state(sizes, torch.Generator().manual_seed(SEED + 3)))  # the codec's encoder (uploads)
     torch.save({"state_dict": state}, tmp / "decoder" / "model.pth")
     (tmp / "MANIFEST.json").write_text(

@@ -3,9 +3,23 @@
 from songserve.api.store.connector import marks
 
 UPLOAD_COLUMNS = (
-    "upload_id", "created_at", "status", "filename", "ext", "bytes", "duration_sec", "frames", "source", "error",
-    "attempts", "owner", "worker_id", "started_at", "finished_at", "caller",
-)  # fmt: skip
+    "upload_id",
+    "created_at",
+    "status",
+    "filename",
+    "ext",
+    "bytes",
+    "duration_sec",
+    "frames",
+    "source",
+    "error",
+    "attempts",
+    "owner",
+    "worker_id",
+    "started_at",
+    "finished_at",
+    "caller",
+)
 FINISHED = "status IN ('ready', 'failed')"
 
 INSERT = f"INSERT INTO uploads ({', '.join(UPLOAD_COLUMNS)}) VALUES ({marks(len(UPLOAD_COLUMNS))})"
