@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings
 from songserve.errors import ConfigError
 from songserve.http.errors import clean_msg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (run_backend.sh): default state and audio folders
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseSettings)

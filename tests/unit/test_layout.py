@@ -260,3 +260,15 @@ def test_a_rooms_docstring_lists_each_of_its_modules_once(room):
     doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
     counts = {name: len(re.findall(rf"(?<![\w/]){re.escape(name)}\b", doc)) for name in _loose(folder)}
     assert {n: c for n, c in counts.items() if n != "__init__.py" and c != 1} == {}
+
+
+def test_the_default_folders_are_the_checkouts_not_the_packages():
+    """The settings' default folders (``state/``, ``generated_audio/``) sit beside ``run_backend.sh``, as
+    the launcher, the containers and the docs say, wherever the settings module lives in the package."""
+    from songserve.api.settings import DispatcherSettings
+    from songserve.process.settings import ROOT
+    from songserve.worker.settings import WorkerSettings
+
+    assert (ROOT / "run_backend.sh").is_file()
+    assert DispatcherSettings.model_fields["state_dir"].default == ROOT / "state"
+    assert WorkerSettings.model_fields["output_dir"].default == ROOT / "generated_audio"
