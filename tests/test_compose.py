@@ -52,7 +52,8 @@ def main_refusal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(main, "setup_logging", lambda *a: None)  # the test process keeps its own log handlers
     assert main.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("dispatcher: ") and "\n" not in err, err
+    assert err.startswith("dispatcher: "), err
+    assert "\n" not in err, err  # one line
     return err.removeprefix("dispatcher: ")
 
 
@@ -83,12 +84,11 @@ def test_a_bad_keys_file_refuses_main_and_the_in_thread_dispatcher_alike(tmp_pat
     assert str(refused.value) == said
 
 
-def test_an_unreachable_postgresql_store_refuses_main_and_the_in_thread_dispatcher_alike(
-    tmp_path, monkeypatch, capsys
-):
+def test_an_unreachable_postgresql_store_refuses_main_and_the_in_thread_dispatcher_alike(tmp_path, monkeypatch, capsys):
     url = "postgresql://songserve@127.0.0.1:1/songserve"  # port 1: refused at once
     said = main_refusal(capsys, monkeypatch, flags(tmp_path, "--store-url", url))
-    assert said.startswith("The job store ") and "cannot be opened" in said
+    assert said.startswith("The job store "), said
+    assert "cannot be opened" in said
     with pytest.raises(ConfigError) as refused:
         in_thread.dispatcher(tmp_path, [], "--store-url", url)
     assert str(refused.value) == said
