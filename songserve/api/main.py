@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -55,5 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
         http=header_timeout_protocol(s.header_timeout_sec),
     )
+    # What start-up made (the imports, the app, its schemas: most of the heap) lives as long as the
+    # process: frozen, it is left out of every later collection. Without it, each full collection
+    # under a thousand waiting clients walked it again and held the event loop for half a second.
+    gc.collect()
+    gc.freeze()
     GracefulServer(config, drain=lambda: app.state.parts.drain(s.drain_timeout_sec)).run(sockets=sockets)
     return 0
