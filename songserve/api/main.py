@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -55,5 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
         http=header_timeout_protocol(s.header_timeout_sec),
     )
+    # What start-up made (the imports, the app, its schemas: most of the heap) lives as long as the
+    # process: frozen, it is left out of every later collection. Each full collection walked it again:
+    # under a thousand waiting clients, 150-220 ms of held event loop each (70-115 ms frozen).
+    # The collection thresholds stay Python's: a gen-2 threshold of 100 (not 10) made full collections
+    # rarer but left the loop's mean and worst lag as they were (measured under 1,000 waiting clients),
+    # while cyclic garbage would live ten times longer.
+    gc.collect()
+    gc.freeze()
     GracefulServer(config, drain=lambda: app.state.parts.drain(s.drain_timeout_sec)).run(sockets=sockets)
     return 0

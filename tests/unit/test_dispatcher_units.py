@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import httpx
@@ -13,7 +14,7 @@ from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
 from songserve.api.lyrics import clean_lyrics
-from songserve.api.service.job_service import QueueFull
+from songserve.api.service.job_service import QueueFull, job_ended, view_ended
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest
@@ -85,6 +86,17 @@ Q, G, S, D, OK, E, C = (
 )
 def test_job_status_derivation(tracks, cancelled, want):
     assert job_status(tracks, cancelled) is want
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_waiter_reads_the_end_of_a_job_from_its_records_as_its_view_says_it(cancelled):
+    """``Prefer: wait`` checks the records (``job_ended``) and makes the view only at the end: both say the
+    same for every pair of track states, a cancelled job's running tracks included."""
+    req = GenerateRequest(lyrics="x", num_tracks=2)
+    for first, second in itertools.product(TrackStatus, repeat=2):
+        tracks = [Track("j", 0, seed=0, status=first), Track("j", 1, seed=1, status=second)]
+        job = Job("j", 1, created_at=100.0, request=req, cleaned_lyrics="x", tracks=tracks, cancelled=cancelled)
+        assert job_ended(job) == view_ended(job_view(job, {}, None)), (first, second)
 
 
 def test_a_job_reads_started_and_finished_from_its_tracks_before_its_own_marks_land():

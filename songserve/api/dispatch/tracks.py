@@ -78,6 +78,11 @@ class TrackBook:
         self.jobs: dict[str, Job] = {}  # active jobs only
         self.queue: dict[Key, queue_order.QueueEntry] = {}
         self.positions: dict[Key, int] = {}  # 1-based queue positions
+        # The queue's order, made again only after something it depends on changed (``_stale``): with a
+        # thousand tracks queued, ordering them on every submit and dispatch pass held the event loop.
+        self._order: list[queue_order.QueueEntry] = []
+        self._stale = False
+        self._placed: list[queue_order.QueueEntry] | None = None  # the order ``positions`` were made from
         self._write = asyncio.Lock()  # one track write at a time: each sees the state the last one left
         self._dirty: set[str] = set()  # jobs to read again from the store ("*": all)
         self._dirty_event = asyncio.Event()
@@ -87,6 +92,7 @@ class TrackBook:
         """An active job joins the book (a new one, or one restored from the store); its queued tracks
         join the queue. Callers refresh the order once."""
         self.jobs[job.job_id] = job
+        self.order_changed()
         for t in job.tracks:
             if t.status is TrackStatus.queued:
                 self.enqueue(job, t)
@@ -94,18 +100,37 @@ class TrackBook:
     def enqueue(self, job: Job, t: Track) -> None:
         """Queue a track; callers refresh the order once (``reorder`` or a dispatch pass)."""
         self.queue[(job.job_id, t.index)] = queue_order.QueueEntry(job.job_id, t.index, job.priority, job.seq)
+        self.order_changed()
         t.queued_at = time.time()
 
     def started_counts(self) -> dict[str, int]:
         """Tracks of each active job that left the queue (the fair-share key of ``queue_order``)."""
         return {jid: sum(t.status is not TrackStatus.queued for t in j.tracks) for jid, j in self.jobs.items()}
 
+    def order_changed(self) -> None:
+        """Something the queue's order depends on changed (a track joined or left the queue, a track's
+        status or a job's presence changed): the next ``ordered`` or ``reorder`` orders it again.
+        Every method here that makes such a change calls it."""
+        self._stale = True
+
     def ordered(self) -> list[queue_order.QueueEntry]:
-        return queue_order.order(self.queue.values(), self.started_counts())
+        """The queue in dispatch order (``queue_order.order``), made again only when it may have changed."""
+        if self._stale:
+            self._stale = False
+            self._order = queue_order.order(self.queue.values(), self.started_counts())
+        return list(self._order)
 
     def reorder(self) -> None:
-        self.positions = {(e.job_id, e.index): i + 1 for i, e in enumerate(self.ordered())}
-        self.changes.touch()
+        """The queue positions follow the order. Only a change of a position is a visible change: a pass
+        that moved nothing wakes none of the waiting streams."""
+        self.ordered()
+        if self._placed is self._order:
+            return
+        self._placed = self._order
+        positions = {(e.job_id, e.index): i + 1 for i, e in enumerate(self._order)}
+        if positions != self.positions:
+            self.positions = positions
+            self.changes.touch()
 
     # ---- transitions ----------------------------------------------------------------------------
     async def claim(self, job: Job, tracks: list[Track], wanted: list[Track], fence: Fence) -> list[Track]:
@@ -114,6 +139,7 @@ class TrackBook:
         the queue either way, but for a fence that failed (``LeaseLost``: nothing changed)."""
         async with self._write:
             won = await self.store.claim(wanted, fence)
+            self.order_changed()
             for t, new in zip(tracks, wanted, strict=True):
                 self.queue.pop(t.key, None)
                 if t.index in won:
@@ -144,6 +170,7 @@ class TrackBook:
                 raise
             for k in ("status", *fields):
                 setattr(t, k, getattr(new, k))
+            self.order_changed()
         self.changes.touch()
 
     async def progress_event(self, t: Track) -> None:
@@ -173,6 +200,7 @@ class TrackBook:
                 except StaleTrack:  # another dispatcher started it meanwhile: it stops on the job's cancel
                     continue
                 self.queue.pop(t.key, None)
+                self.order_changed()
         self.reorder()
 
     async def finish_if_done(self, job: Job) -> None:
@@ -188,6 +216,7 @@ class TrackBook:
         for t in job.tracks:
             self.metrics.finished.labels(str(t.worker_id), t.status.value).inc()
         self.jobs.pop(job.job_id, None)
+        self.order_changed()
         log.info("job %s: %s", job.job_id, job_status((t.status for t in job.tracks), job.cancelled).value)
         self.changes.touch()
 
@@ -231,6 +260,7 @@ class TrackBook:
         attempts) stay as they are. Returns those of them whose job was just cancelled at another
         dispatcher: the caller stops them."""
         mem = self.jobs.get(job_id)
+        self.order_changed()  # any of what follows may change it
         if stored is None or stored.terminal:
             if mem is not None and not any(t.key in live for t in mem.tracks):
                 for t in mem.tracks:

@@ -357,7 +357,7 @@ class JobService:
             if body != last:
                 last = body
                 yield f"event: job\ndata: {body}\n\n"
-            if _ended(view):
+            if view_ended(view):
                 return
             if await changes.wait(before, timeout=KEEPALIVE_SEC) == before:
                 yield ": keep-alive\n\n"
@@ -369,18 +369,33 @@ class JobService:
         while True:
             before = changes.version
             yield (view := await self.view(job_id))
-            if _ended(view) or (left := deadline - time.monotonic()) <= 0:
+            if view_ended(view) or (left := deadline - time.monotonic()) <= 0:
                 return
             await changes.wait(before, timeout=min(left, 1.0))
 
     async def wait_for_end(self, job_id: str, seconds: float) -> JobView | None:
-        """``Prefer: wait``: the job's view once it has ended, or None after ``seconds``."""
-        async for view in self.watch(job_id, seconds):
-            if _ended(view):
-                return view
-        return None
+        """``Prefer: wait``: the job's view once it has ended, or None after ``seconds``.
+
+        Between changes it reads the job's records (``job_ended``) and makes the view once, at the end:
+        every change wakes every waiter, and a thousand views a change held the event loop in bursts."""
+        changes, deadline = self.dispatcher.changes, time.monotonic() + seconds
+        while True:
+            before = changes.version
+            job = await self.load(job_id)
+            if job_ended(job):
+                return self.view_of(job)
+            if (left := deadline - time.monotonic()) <= 0:
+                return None
+            await changes.wait(before, timeout=min(left, 1.0))
 
 
-def _ended(view: JobView) -> bool:
+def view_ended(view: JobView) -> bool:
     """The job and every track of it have ended."""
     return JobStatus(view.status) in TERMINAL_JOB and all(TrackStatus(t.status).terminal for t in view.tracks)
+
+
+def job_ended(job: Job) -> bool:
+    """``view_ended`` of the job's view, from its records alone: a cancelled job's running track shows as
+    cancelled (``jobs/views.py``), so it has ended for a waiter too."""
+    shown = (TrackStatus.cancelled if job.cancelled and t.status.running else t.status for t in job.tracks)
+    return job_status((t.status for t in job.tracks), job.cancelled) in TERMINAL_JOB and all(s.terminal for s in shown)
