@@ -12,7 +12,6 @@ the kernel kept the process off a core, which no code of the dispatcher decides.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import httpx
 
 from tests.process.test_listeners import Crowd
 from tests.support.http import TLS
-from tests.support.load_probe import HealthWatch
+from tests.support.load_probe import HealthWatch, lag_counts
 from tests.support.servers import ROOT, Cluster, wait_for
 
 WAITERS = 1000
@@ -30,19 +29,6 @@ WAIT_SEC = 15  # each client's Prefer: wait; the tone workers take 20 s a job, s
 # The clients' own process may take longer than the default 10 s between accepting a connection and
 # sending its headers while it opens a thousand of them; the dispatcher would close those.
 API_ARGS = ("--max-queue", "5000", "--header-timeout-sec", "60")
-
-
-def lag_counts(url: str) -> tuple[float, float]:
-    """(probes of the loop lag so far, those that woke more than a second late)."""
-    text = httpx.get(url + "/metrics", timeout=30, verify=TLS).text
-
-    def value(name: str) -> float:
-        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        assert m, f"{name} not in /metrics"
-        return float(m.group(1))
-
-    count = value("songserve_event_loop_lag_seconds_count")
-    return count, count - value('songserve_event_loop_lag_seconds_bucket{le="1.0"}')
 
 
 def test_the_event_loop_never_stalls_a_second_while_a_thousand_clients_wait_on_their_jobs(tmp_path: Path) -> None:

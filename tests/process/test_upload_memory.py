@@ -24,7 +24,7 @@ import pytest
 import soundfile as sf
 
 from tests.support.http import TLS
-from tests.support.load_probe import HealthWatch, peak_mib, raw_request
+from tests.support.load_probe import HealthWatch, lag_counts, peak_mib, raw_request
 from tests.support.servers import Cluster, free_port, wait_for
 
 MIB = 2**20
@@ -95,18 +95,23 @@ def test_twenty_40mb_uploads_at_once_cost_less_than_their_bytes_and_health_answe
         api = site.api
         assert api is not None
         before = peak_mib(api.proc.pid)
+        probes_before, over_before = lag_counts(api.url)
         with HealthWatch(api.url) as health, ThreadPoolExecutor(20) as pool:
             answers = list(pool.map(lambda i: post(site.url, body, f"take{i}.wav"), range(20)))
+        probes, over = lag_counts(api.url)
         growth = peak_mib(api.proc.pid) - before
         in_flight = 20 * len(body) / MIB
         print(
             f"dispatcher peak growth {growth:.0f} MiB for {in_flight:.0f} MiB in flight; "
-            f"/health slowest {health.slowest:.2f} s of {health.asked}"
+            f"/health slowest {health.slowest:.2f} s of {health.asked}; loop lag: {probes - probes_before:.0f} "
+            f"probes, {over - over_before:.0f} over 1 s"
         )
         assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers if a.status_code != 200]
         assert all(a.json()["duration_sec"] == pytest.approx(len(body) / 4 / 44100, abs=0.01) for a in answers)
         assert growth < 1.5 * in_flight
-        assert health.slowest < 2.0
+        # The dispatcher's own loop never stalled a second (a wall-clock answer here also measures this
+        # process: twenty threads sending 40 MB each hold its GIL while the watcher waits for it).
+        assert over == over_before, f"{over - over_before:.0f} loop-lag probes over 1 s"
         assert health.failed == 0
 
 

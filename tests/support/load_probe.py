@@ -9,6 +9,7 @@ read the answer before the rest (or while another thread sends it).
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -119,3 +120,16 @@ def raw_request(
     if not got:
         raise ConnectionError("the server closed the connection without an answer")
     return int(header.split(b" ")[1]), body, took if took is not None else time.monotonic() - t0
+
+
+def lag_counts(url: str) -> tuple[float, float]:
+    """(probes of the loop lag so far, those that woke more than a second late)."""
+    text = httpx.get(url + "/metrics", timeout=30, verify=TLS).text
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert m, f"{name} not in /metrics"
+        return float(m.group(1))
+
+    count = value("songserve_event_loop_lag_seconds_count")
+    return count, count - value('songserve_event_loop_lag_seconds_bucket{le="1.0"}')
