@@ -12,7 +12,7 @@ import json
 from contextlib import AsyncExitStack
 from typing import Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from songserve import __version__
@@ -27,7 +27,7 @@ from songserve.api.acestep.stats import JobTally
 from songserve.api.acestep.tasks import continue_from, find, source_take, submit
 from songserve.api.acestep.translate import Context, Repaint, read_task
 from songserve.api.acestep.wrapper import wrap
-from songserve.api.compose import Parts
+from songserve.api.http.deps import JobsDep, ReadingsDep, UploadsDep, parts
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import ApiKeys, Caller
 from songserve.api.service.readings import Readings
@@ -40,37 +40,17 @@ SERVICE = "ACE-Step API (songserve)"
 Authorization = Header(None)
 
 
-def _parts(request: Request) -> Parts:
-    parts: Parts = request.app.state.host.state.parts  # the dispatcher app's, made in its lifespan
-    return parts
-
-
-async def _jobs(request: Request) -> JobService:
-    return _parts(request).jobs
-
-
-async def _uploads(request: Request) -> UploadService:
-    return _parts(request).uploads
-
-
-async def _readings(request: Request) -> Readings:
-    return _parts(request).readings
-
-
-JobsDep, UploadsDep, ReadingsDep = Depends(_jobs), Depends(_uploads), Depends(_readings)
-
-
 def _settings(request: Request) -> DispatcherSettings:
     s: DispatcherSettings = request.app.state.settings
     return s
 
 
 def _keys(request: Request) -> ApiKeys:
-    return _parts(request).keys  # our port's keys
+    return parts(request).keys  # our port's keys
 
 
 def _catalogue(request: Request) -> dict[str, dict[str, Any]]:
-    return _parts(request).tags
+    return parts(request).tags
 
 
 async def _authorized(

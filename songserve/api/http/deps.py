@@ -21,8 +21,10 @@ from songserve.api.service.usage import UsageService
 
 
 def parts(request: Request) -> Parts:
-    """The running dispatcher's parts (set by the app's lifespan)."""
-    found: Parts = request.app.state.parts
+    """The running dispatcher's parts (set by the dispatcher app's lifespan): on ACE-Step's port, whose
+    app fronts the dispatcher's (``state.host``), the same parts."""
+    state = request.app.state
+    found: Parts = state.host.state.parts if hasattr(state, "host") else state.parts
     return found
 
 
