@@ -19,7 +19,14 @@ import pytest
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.store.members import Fence
-from songserve.api.store.protocol import DuplicateKey, JobStore, StaleTrack, StoreError
+from songserve.api.store.protocol import (
+    BACKGROUND,
+    DuplicateKey,
+    JobStore,
+    StaleTrack,
+    StoreError,
+    background_context,
+)
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.schemas import GenerateRequest
 
@@ -372,3 +379,38 @@ def test_a_transaction_left_idle_by_a_paused_dispatcher_is_ended_by_the_server(p
         with pytest.raises(psycopg.Error, match="idle-in-transaction timeout"):
             paused.execute("SELECT 1")
         assert other.execute("SELECT v FROM idle_probe WHERE id = 1").fetchone() == (10,)  # its update was rolled back
+
+
+def test_a_lease_renewal_is_not_queued_behind_a_burst_of_submissions(tmp_path: Path) -> None:
+    """SQLite has one connection: the background lane (leases, the probe) goes before the routes' queue."""
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path / "jobs.sqlite3")
+        try:
+            token = BACKGROUND.set(True)
+            try:
+                await lease(store, "A")
+            finally:
+                BACKGROUND.reset(token)
+            done: list[str] = []
+
+            async def submit(i: int) -> None:
+                await store.insert_job(new_job(f"burst{i:04d}"))
+                done.append(f"burst{i:04d}")
+
+            burst = [asyncio.create_task(submit(i)) for i in range(300)]
+            await asyncio.sleep(0.05)  # the burst has queued on the connection
+
+            async def renew() -> None:
+                await store.members.renew_leases("A", 60)
+                await store.probe(1.0)
+
+            await asyncio.create_task(renew(), context=background_context())
+            submitted_before = len(done)
+            await asyncio.gather(*burst)
+            assert submitted_before < 150, f"the renewal waited for {submitted_before} of 300 submissions"
+            assert len(await store.job_ids()) == 300
+        finally:
+            await store.close()
+
+    run(scenario)

@@ -11,6 +11,9 @@ units are ordered here longest first, from ``tests/durations.json``:
   ``LAUNCHER_TESTS``, those tests only) are one unit, ``launcher``, run in order on one process: two
   of them hold the reference's port 8791, and every one starts the README's command with its
   workers and dispatcher;
+- the tests that measure the dispatcher's own event loop under a crowd (``CROWDS``: a thousand
+  waiting clients, hundreds of MP3 listeners) are one unit, ``crowds``, so that two crowds never
+  share this machine's cores: each measures one dispatcher's lag, not how many crowds ran at once;
 - a unit ``durations.json`` does not know (a new file or test) goes first, in collection order: it
   may be long, and a short one handed out first costs nothing; the known ones follow, longest first.
 
@@ -47,6 +50,8 @@ LAUNCHER = {
     "process/test_reference_requests.py",
 }
 SPREAD = {"process/test_bench_smoke.py"}
+CROWD_UNIT = "crowds"
+CROWDS = {"process/test_loop_under_load.py", "process/test_listeners.py"}
 
 
 def unit_of(path: str, name: str, test_id: str, launcher_tests: Collection[str] | None) -> str:
@@ -55,6 +60,8 @@ def unit_of(path: str, name: str, test_id: str, launcher_tests: Collection[str] 
     ``LAUNCHER_TESTS`` where the file sets one."""
     if path in LAUNCHER and (launcher_tests is None or name in launcher_tests):
         return LAUNCHER_UNIT
+    if path in CROWDS:
+        return CROWD_UNIT
     if path in SPREAD:
         return f"{path}::{test_id}"
     return path

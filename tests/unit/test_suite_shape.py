@@ -36,9 +36,11 @@ def test_every_test_file_is_in_a_tier_folder_and_every_tier_marks_its_tests():
         assert (TESTS / tier / "__init__.py").exists(), tier
 
 
-def test_a_file_is_a_unit_but_the_launchers_tests_are_one_and_a_spread_files_tests_each_one():
+def test_a_file_is_a_unit_but_the_launchers_and_the_crowds_tests_are_one_each_and_a_spread_files_tests_each_one():
     assert schedule.unit_of("model/test_engine.py", "test_a", "test_a", None) == "model/test_engine.py"
     assert schedule.unit_of("process/test_launcher.py", "test_a", "test_a[x]", None) == "launcher"
+    assert schedule.unit_of("process/test_listeners.py", "test_a", "test_a", None) == "crowds"
+    assert schedule.unit_of("process/test_loop_under_load.py", "test_b", "test_b", None) == "crowds"
     only = {"test_runs_the_launcher"}
     assert schedule.unit_of("process/test_first_hour.py", "test_runs_the_launcher", "test_runs_the_launcher", only) == (
         "launcher"
@@ -51,8 +53,10 @@ def test_a_file_is_a_unit_but_the_launchers_tests_are_one_and_a_spread_files_tes
     )
 
 
-def test_the_launcher_and_spread_files_named_exist():
-    missing = sorted(name for name in schedule.LAUNCHER | schedule.SPREAD if not (TESTS / name).exists())
+def test_the_launcher_crowd_and_spread_files_named_exist():
+    missing = sorted(
+        name for name in schedule.LAUNCHER | schedule.CROWDS | schedule.SPREAD if not (TESTS / name).exists()
+    )
     assert not missing, f"tests/support/schedule.py names files that are not there: {missing}"
 
 

@@ -4,7 +4,11 @@ Why a thread: a statement may wait on the disk, or up to ``BUSY_TIMEOUT_MS`` for
 process holds; on the event loop that wait would stall every request (``/health`` included). So the
 connection is opened, used and closed on one thread (``sqlite-store``) and the loop only awaits the
 answers. An ``asyncio.Lock`` keeps one caller at a time on the connection, so a transaction's statements
-are never interleaved with another caller's, though the transaction awaits between them.
+are never interleaved with another caller's, though the transaction awaits between them. The lock has
+two lanes: the background loops' and the attempts' calls (``BACKGROUND``: lease renewals, the store's
+probe, a track's writes) go before the routes' calls waiting for it, so a burst of a thousand submissions
+queued on the connection cannot hold a lease renewal past ``LEASE_TTL_SEC`` or turn ``/ready`` red while
+the store answers. PostgreSQL gets the same from a pool of their own.
 
 Transactions are ``BEGIN IMMEDIATE`` (SQLite's write lock, which also serialises the quota check with
 the insert it admits); a single statement runs in autocommit. A SQLite failure becomes ``StoreError``,
@@ -16,14 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from songserve.api.store.connector import Conflict, Dialect, Params, Row
-from songserve.api.store.protocol import StoreError
+from songserve.api.store.protocol import BACKGROUND, StoreError
 
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock (sqlite3's default)
 SQLITE = Dialect(
@@ -65,6 +70,54 @@ def _errors() -> Iterator[None]:
         raise StoreError(str(exc)) from exc
 
 
+class LaneLock:
+    """A lock of one event loop with two lanes: a waiter in the first lane is served before any waiter
+    in the second, each lane first come, first served. ``release`` hands the lock straight to the next
+    waiter, so nobody arriving meanwhile can take it in between."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._lanes: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, first: bool) -> None:
+        if not self._held and not (self._lanes[0] or self._lanes[1]):
+            self._held = True
+            return
+        lane = self._lanes[0 if first else 1]
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        lane.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed the lock as the wait was cancelled: pass it on
+            elif turn in lane:
+                lane.remove(turn)
+            raise
+
+    def release(self) -> None:
+        if not self._held:
+            raise RuntimeError("LaneLock released while not held")
+        for lane in self._lanes:
+            while lane:
+                turn = lane.popleft()
+                if not turn.done():
+                    turn.set_result(None)  # the lock passes to this waiter, still held
+                    return
+        self._held = False
+
+    @asynccontextmanager
+    async def hold(self, first: bool) -> AsyncIterator[None]:
+        await self.acquire(first)
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class SqliteTx:
     """A transaction on the connector's thread (the caller holds the connector's lock)."""
 
@@ -99,7 +152,7 @@ class SqliteConnector:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-store")
-        self._lock: asyncio.Lock | None = None
+        self._lock: LaneLock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         try:
             self._db = self._thread.submit(_connect, path).result()
@@ -108,12 +161,16 @@ class SqliteConnector:
             raise
 
     # ---- the thread and the lock -----------------------------------------------------------------
-    def _guard(self) -> asyncio.Lock:
+    def _guard(self) -> LaneLock:
         """The lock of the running loop (a store opened before its loop, or used by two, gets one each)."""
         loop = asyncio.get_running_loop()
         if self._lock is None or self._lock_loop is not loop:
-            self._lock, self._lock_loop = asyncio.Lock(), loop
+            self._lock, self._lock_loop = LaneLock(), loop
         return self._lock
+
+    def _turn(self) -> AbstractAsyncContextManager[None]:
+        """The connection for this caller, in its lane (``BACKGROUND`` first)."""
+        return self._guard().hold(first=BACKGROUND.get())
 
     async def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """``fn(connection)`` on the connector's thread; the caller holds the lock."""
@@ -125,7 +182,7 @@ class SqliteConnector:
         return await asyncio.get_running_loop().run_in_executor(self._thread, run)
 
     async def _alone(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        async with self._guard():
+        async with self._turn():
             return await self._call(fn)
 
     # ---- reads and writes ------------------------------------------------------------------------
@@ -150,7 +207,7 @@ class SqliteConnector:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[SqliteTx]:
-        async with self._guard():
+        async with self._turn():
             await self._call(lambda db: db.execute("BEGIN IMMEDIATE"))
             try:
                 yield SqliteTx(self)
@@ -192,7 +249,7 @@ class SqliteConnector:
 
         try:
             async with asyncio.timeout(timeout):
-                await self._guard().acquire()
+                await self._guard().acquire(first=BACKGROUND.get())
         except TimeoutError:
             raise StoreError(f"the store's connection stayed busy past {timeout:g}s") from None
         try:
