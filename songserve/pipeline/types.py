@@ -17,6 +17,17 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Repaint:
+    """The part of a ``Prefix`` grid a take writes anew: from frame ``start``, rejoining the grid at a
+    frame within ``window`` of ``end`` (the join), the grid's frames before ``start`` and from the
+    join on kept exactly."""
+
+    start: int
+    end: int
+    window: int = 0
+
+
+@dataclass(frozen=True)
 class Prefix:
     """A code grid to continue from: the take starts with exactly these frames, every level of them.
 
@@ -27,6 +38,7 @@ class Prefix:
     levels: int
     frames: int
     origin: str = ""
+    repaint: Repaint | None = None  # None: keep every frame and generate after them
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""Continuing a song: the client's ``continue_from`` and the code grid a worker continues from.
+"""Continuing or repainting a song: the client's ``continue_from`` and the code grid a worker works from.
 
 The two are kept apart on purpose. ``ContinueFrom`` names a finished take (a job, a track, a
 second) or an upload (a person's own audio, encoded by a worker: ``upload_id``, and a second that
-defaults to its end); the dispatcher resolves it into a ``PrefixCodes``: the kept frames themselves,
+defaults to its end), and with ``end_sec`` a part to repaint; the dispatcher resolves it into a
+``PrefixCodes``: the kept frames themselves (for a repaint the whole grid and its ``RepaintSpan``),
 which is all a worker needs. A worker never looks a job or an upload up: both reach it the same way.
 """
 
@@ -51,6 +52,16 @@ class ContinueFrom(BaseModel):
         allow_inf_nan=False,
         description="seconds into the take or upload: what comes before is kept (an upload: its end if left out)",
     )
+    end_sec: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "repaint: the new part ends near this second and the take rejoins the original there (at the frame "
+            "within the join window where the two agree best), keeping the rest exactly; left out, the new part "
+            "runs to the song's end"
+        ),
+    )
 
     @field_validator("job_id", "upload_id")
     @classmethod
@@ -69,11 +80,28 @@ class ContinueFrom(BaseModel):
             raise ValueError("name either a take (job_id, track_index, at_sec) or an upload (upload_id)")
         if self.job_id is not None and self.at_sec is None:
             raise ValueError("at_sec is needed to continue a take: the second its new part starts at")
+        if self.end_sec is not None and (self.at_sec is None or self.end_sec <= self.at_sec):
+            raise ValueError("end_sec must come after at_sec: the part between them is repainted")
         return self
 
 
+class RepaintSpan(BaseModel):
+    """Which frames of a ``PrefixCodes`` grid a repaint writes anew, in frames.
+
+    The take keeps frames ``[0, start)``, writes from ``start`` on, and rejoins the original at a frame
+    ``join`` within ``window`` frames of ``end`` (where the new coarse codes and the original's agree
+    best), keeping frames ``[join, frames)`` of the grid exactly: the take is as long as the grid."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    start: int = Field(ge=1, le=MAX_PREFIX_FRAMES)
+    end: int = Field(ge=2, le=MAX_PREFIX_FRAMES)
+    window: int = Field(0, ge=0, le=MAX_PREFIX_FRAMES)
+
+
 class PrefixCodes(BaseModel):
-    """Dispatcher → worker, with a task: the new take starts with exactly these frames.
+    """Dispatcher → worker, with a task: the new take starts with exactly these frames (with ``repaint``:
+    the take is this grid with the span's part written anew).
 
     ``codes`` is base64 of ``levels × frames`` little-endian int16 values, level-major (row ``c``
     holds level ``c`` of every frame), each in [0, 1024). ``origin`` labels where the grid came
@@ -88,9 +116,14 @@ class PrefixCodes(BaseModel):
     frames: int = Field(ge=1, le=MAX_PREFIX_FRAMES)
     codes: str = Field(max_length=MAX_PREFIX_CHARS, repr=False)
     origin: str = Field("", max_length=200, pattern=NO_CONTROL)
+    repaint: RepaintSpan | None = None  # the grid is a whole take: keep its start and end, write this part anew
 
     @model_validator(mode="after")
     def _codes_fit(self) -> PrefixCodes:
+        if self.repaint is not None and not self.repaint.start < self.repaint.end <= self.frames:
+            raise ValueError(
+                f"repaint {self.repaint.start}..{self.repaint.end} is not a part of the grid's {self.frames} frames"
+            )
         try:
             raw = base64.b64decode(self.codes, validate=True)
         except (binascii.Error, ValueError):
@@ -107,5 +140,7 @@ class PrefixCodes(BaseModel):
         return base64.b64decode(self.codes)
 
     @classmethod
-    def of(cls, raw: bytes, levels: int, frames: int, origin: str = "") -> PrefixCodes:
-        return cls(levels=levels, frames=frames, codes=base64.b64encode(raw).decode(), origin=origin)
+    def of(
+        cls, raw: bytes, levels: int, frames: int, origin: str = "", repaint: RepaintSpan | None = None
+    ) -> PrefixCodes:
+        return cls(levels=levels, frames=frames, codes=base64.b64encode(raw).decode(), origin=origin, repaint=repaint)

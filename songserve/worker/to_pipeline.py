@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from songserve.audio.reading import AudioFacts
 from songserve.errors import SongserveError, TaskCancelled
 from songserve.http.errors import error_response
-from songserve.pipeline.types import EncodeResult, Prefix, TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, Prefix, Repaint, TrackRequest, TrackResult
 from songserve.schemas import (
     PrefixCodes,
     ResultFile,
@@ -72,7 +72,9 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
 
 def prefix(wire: PrefixCodes) -> Prefix:
     """The wire's base64 grid as the pipeline's ``Prefix`` (the codes decoded once, here)."""
-    return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin)
+    span = wire.repaint
+    repaint = Repaint(span.start, span.end, span.window) if span is not None else None
+    return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin, repaint)
 
 
 def generate_result(
