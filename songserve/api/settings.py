@@ -39,6 +39,12 @@ class DispatcherSettings(BaseSettings):
     max_duration: float = Field(10.0, gt=0, description="minutes")
     max_lyrics_chars: int = Field(10_000, ge=1)
     max_attempts: int = Field(3, ge=1, description="tries per track on worker loss or stall")
+    repaint_join_window_sec: float = Field(
+        1.0,
+        ge=0,
+        le=30,
+        description="a repaint rejoins the original within this many seconds of continue_from.end_sec, where they agree best",
+    )
     deadline_base_sec: float = Field(120.0, gt=0, description="track deadline = base + factor × audio seconds")
     deadline_factor: float = Field(20.0, gt=0)
     stall_timeout_sec: float = Field(120.0, gt=0, description="no progress for this long = stalled worker")

@@ -76,6 +76,31 @@ def test_a_retake_keeps_the_frames_before_at_sec_and_inherits_the_request(site, 
     assert done["cleaned_lyrics"] == original["cleaned_lyrics"]
 
 
+def test_a_repaint_keeps_the_take_before_at_sec_and_after_its_join_and_gives_different_candidates(site, original):
+    at, end = 2.0, 4.0
+    cf = {"job_id": original["job_id"], "track_index": 0, "at_sec": at, "end_sec": end}
+    job = submit(site, continue_from=cf, num_tracks=3)
+    done = site.wait_job(job["job_id"])
+    assert done["status"] == "completed", done
+    before = grid_of(site, original["job_id"])
+    start = int(at * FRAMES_PER_SECOND)
+    insides = []
+    for t in done["tracks"]:
+        span = t["metadata"]["repainted"]
+        assert (span["start_frame"], span["end_frame"]) == (start, round(end * FRAMES_PER_SECOND))
+        assert span["window"] == round(1.0 * FRAMES_PER_SECOND)  # REPAINT_JOIN_WINDOW_SEC's default
+        assert abs(span["join_frame"] - span["end_frame"]) <= span["window"]
+        grid = grid_of(site, job["job_id"], t["index"])
+        join = span["join_frame"]
+        assert grid.frames == before.frames  # as long as the original
+        assert np.array_equal(grid.codes[:, :start], before.codes[:, :start])
+        assert np.array_equal(grid.codes[:, join:], before.codes[:, join:])
+        assert not np.array_equal(grid.codes[:, start:join], before.codes[:, start:join])
+        insides.append(grid.codes[:, start:join].tobytes())
+        assert t["metadata"]["batch_size"] == 3  # the candidates of one repaint go as one batch
+    assert len(set(insides)) == 3
+
+
 def test_a_retake_can_change_the_rest_of_the_song(site, original):
     cf = {"job_id": original["job_id"], "track_index": 0, "at_sec": 1.0}
     job = submit(site, continue_from=cf, num_tracks=1, duration=0.15, lyrics="[verse]\nnew words")
@@ -94,6 +119,12 @@ def test_a_retake_can_change_the_rest_of_the_song(site, original):
         ({"at_sec": -1}, "continue_from.at_sec", 422),
         ({"job_id": "../../etc"}, "continue_from.job_id", 422),
         ({"surprise": 1}, "continue_from.surprise", 422),
+        ({"end_sec": 7.0}, "continue_from.end_sec", 422),  # past the 6 s song
+        ({"end_sec": 2.01}, "continue_from.end_sec", 422),  # shorter than a frame
+        ({"end_sec": 1.0}, "continue_from", 422),  # before at_sec
+        ({"end_sec": -3}, "continue_from.end_sec", 422),
+        ({"end_sec": "NaN"}, "continue_from.end_sec", 422),
+        ({"end_sec": "inf"}, "continue_from.end_sec", 422),
     ],
 )
 def test_bad_continue_from_values_answer_4xx_naming_the_field_and_queue_nothing(site, original, change, field, status):
@@ -116,6 +147,11 @@ def test_other_models_or_a_song_that_ends_before_the_cut_are_refused(site, origi
     r = httpx.post(f"{site.url}/generate", json={"continue_from": cf, "duration": 0.05}, timeout=10, verify=TLS)
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "duration"]
+    repaint = {**cf, "end_sec": 4.0}
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": repaint, "duration": 0.2}, timeout=10, verify=TLS)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "duration"]
+    assert "as long as the take it repaints" in r.json()["error"]
 
 
 def test_a_track_that_is_not_done_cannot_be_continued_or_give_codes(tmp_path):

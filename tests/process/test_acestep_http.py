@@ -218,7 +218,11 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
         ({"taskType": "lego"}, "taskType"),
         ({"task_type": "extract"}, "task_type"),
         ({"task_type": "complete"}, "task_type"),
-        ({"task_type": "repaint", "src_audio_path": ours, "repainting_end": 1.5}, "repainting_end"),
+        (
+            {"task_type": "repaint", "src_audio_path": ours, "repainting_start": 2, "repainting_end": 1.5},
+            "repainting_end",
+        ),
+        ({"task_type": "repaint", "src_audio_path": ours, "repainting_start": -1}, "repainting_start"),
         ({"reference_audio_path": "/tmp/ref.wav"}, "reference_audio_path"),
         ({"src_audio_path": "/etc/passwd"}, "src_audio_path"),
         ({"ctxAudioPath": "0123456789abcdef-0.mp3"}, "ctxAudioPath"),  # our form, but no such take
@@ -428,6 +432,27 @@ def test_a_repaint_to_the_end_of_our_take_is_a_retake_that_keeps_its_start(site,
         assert kept["frames"] == int(1.0 * 44_100 / 2_048)
         audio, rate = sf.read(io.BytesIO(client.download(repainted[i]).content), always_2d=True)
         assert abs(len(audio) / rate - 3.0) < 0.1  # the source's length, inherited
+
+
+def test_a_bounded_repaint_of_our_take_keeps_its_start_and_its_end(site, client, finished):
+    """``repainting_start`` 1 s to ``repainting_end`` 2 s of a 3 s take: our ``continue_from.end_sec``;
+    an end past the source is a retake that runs on to it (an extension at the end)."""
+    source_id, takes = finished
+    task_id = client.release(
+        task_type="repaint", src_audio_path=takes[0]["file"], repainting_start=1, repainting_end=2, audio_duration=30
+    )
+    repainted = client.wait(task_id)
+    fps = 44_100 / 2_048
+    for i, take in enumerate(site.job(task_id)["tracks"]):
+        span = take["metadata"]["repainted"]
+        assert (span["start_frame"], span["end_frame"], span["origin"]) == (int(fps), round(2 * fps), f"{source_id}/0")
+        audio, rate = sf.read(io.BytesIO(client.download(repainted[i]).content), always_2d=True)
+        assert abs(len(audio) / rate - 3.0) < 0.1  # as long as the source, whatever audio_duration says
+    task_id = client.release(task_type="repaint", src_audio_path=takes[0]["file"], repainting_start=1, repainting_end=6)
+    (longer, _) = client.wait(task_id)
+    audio, rate = sf.read(io.BytesIO(client.download(longer).content), always_2d=True)
+    assert abs(len(audio) / rate - 6.0) < 0.1
+    assert "repainted" not in site.job(task_id)["tracks"][0]["metadata"]
 
 
 def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):

@@ -247,17 +247,21 @@ def test_reference_audio_and_foreign_sources_are_refused():
         assert "'src_audio_path': is not an audio file this server returned" in refused({"src_audio_path": foreign})
 
 
-def test_a_repaint_to_the_end_from_our_file_is_read_and_a_finite_end_is_refused():
+def test_a_repaint_from_our_file_is_read_to_the_end_or_to_a_finite_end_after_its_start():
     for end in (None, -1, 0, "-1", ""):
         body = {"task_type": "repaint", "src_audio_path": f"/v1/audio?path={OURS}", "repainting_start": "12.5"}
         out = read_task(Params({**body, "repainting_end": end}), {}, CTX)
         assert isinstance(out, Repaint)
-        assert (out.start, out.source) == (12.5, AudioRef("0123456789abcdef", 0, "mp3"))
-    assert "a finite end (30 s) cannot be repainted" in refused(
-        {"task_type": "repaint", "src_audio_path": OURS, "repainting_end": 30}
-    )
+        assert (out.start, out.end, out.source) == (12.5, None, AudioRef("0123456789abcdef", 0, "mp3"))
+    bounded = {"task_type": "repaint", "src_audio_path": OURS, "repainting_start": 10, "repainting_end": "30"}
+    out = read_task(Params(bounded), {}, CTX)
+    assert isinstance(out, Repaint)
+    assert (out.start, out.end) == (10, 30)
+    assert out.task.keys["end_sec"] == "repainting_end"
+    assert "'repainting_end': must come after repainting_start (10 s)" in refused({**bounded, "repainting_end": 10})
+    assert "'repainting_end': must come after repainting_start (10 s)" in refused({**bounded, "repainting_end": 4})
     assert "repaint needs a source" in refused({"task_type": "repaint"})
-    assert "'repainting_start': must be 0 or more" in refused(
+    assert "an extension at the start is not served yet" in refused(
         {"task_type": "repaint", "src_audio_path": OURS, "repainting_start": -2}
     )
     upload = bodies.Upload("src_audio", "a.mp3", "audio/mpeg", b"x")

@@ -1,16 +1,17 @@
-"""``task_type: repaint`` as this model can serve it: continue a take from a point to its end.
+"""``task_type: repaint`` as this model serves it: a bounded repaint, or a retake from a point to the end.
 
-ACE-Step's repaint regenerates ``repainting_start``–``repainting_end`` seconds of a source audio.
-This model generates left to right, so what it can do is the open-ended case: keep the source up to
-``repainting_start`` and generate on from there ("retake from a point"). ACE-Step writes "to the
-end" as ``repainting_end`` -1, 0 or absent (``x if x else -1``), and any negative value reads the same.
-The source is a file this server returned (``src_audio_path``: its ``file``, or the id in it) or an
-upload (multipart ``src_audio``/``ctx_audio``).
+ACE-Step's repaint regenerates ``repainting_start``–``repainting_end`` seconds of a source audio. A
+finite end inside the source is our bounded repaint (``continue_from.end_sec``: the part is written
+again and rejoins the source near the end, the rest kept exactly); an end past the source's end, a
+retake from the start that runs on to that end (an extension at the end); "to the end", which
+ACE-Step writes as ``repainting_end`` -1, 0 or absent (``x if x else -1``; any negative value reads the
+same), a retake from ``repainting_start``. The source is a file this server returned
+(``src_audio_path``: its ``file``, or the id in it) or an upload (multipart ``src_audio``/``ctx_audio``).
 
-Refused with a 400 naming the key: a finite end (the model cannot stop and rejoin the source), a
-negative start, and no source at all. A reference audio or a foreign ``src_audio_path`` is refused
-for every task type (``translate.py``). What a valid repaint becomes is one function,
-``tasks.continue_from``: a retake (``continue_from``) of the source take from ``repainting_start``.
+Refused with a 400 naming the key: an end not after the start, a negative start (an extension at
+the start is not served yet), and no source at all. A reference audio or a foreign
+``src_audio_path`` is refused for every task type (``translate.py``). What a valid repaint becomes is
+one function, ``tasks.continue_from``.
 """
 
 from __future__ import annotations
@@ -21,22 +22,21 @@ from songserve.api.acestep.files import AudioRef
 from songserve.api.acestep.params import Params
 
 
-def read(p: Params, source: AudioRef | None, upload: Upload | None) -> tuple[float, AudioRef | Upload]:
-    """(start seconds, the source) of a repaint that continues to the end, or a 400."""
+def read(p: Params, source: AudioRef | None, upload: Upload | None) -> tuple[float, float | None, AudioRef | Upload]:
+    """(start seconds, end seconds or None for "to the end", the source) of a repaint, or a 400."""
     end = p.number("repainting_end")
-    if end is not None and end[1] > 0:
-        raise field_error(
-            end[0],
-            f"a finite end ({end[1]:g} s) cannot be repainted: this model only continues a take to its end; "
-            "send -1 (or leave it out)",
-        )
     start = p.number("repainting_start")
     seconds = start[1] if start else 0.0
     if start and seconds < 0:
-        raise field_error(start[0], "must be 0 or more seconds into the source")
+        raise field_error(
+            start[0], "must be 0 or more seconds into the source (an extension at the start is not served yet)"
+        )
+    until = end[1] if end is not None and end[1] > 0 else None
+    if end is not None and until is not None and until <= seconds:
+        raise field_error(end[0], f"must come after repainting_start ({seconds:g} s), or be -1 for the end")
     whence: AudioRef | Upload | None = source or upload
     if whence is None:
         raise field_error(
             "src_audio_path", "repaint needs a source: a file this server returned, or an uploaded src_audio"
         )
-    return seconds, whence
+    return seconds, until, whence

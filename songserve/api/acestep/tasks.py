@@ -91,7 +91,9 @@ async def source_take(svc: JobService, ref: AudioRef, key: str, caller: Caller |
 async def continue_from(
     svc: JobService, uploads: UploadService, repaint: Repaint, caller: Caller | None = None
 ) -> Task:
-    """A repaint to the end as the task to submit: a retake of the source take from ``start``.
+    """A repaint as the task to submit: our ``continue_from`` of the source from ``start``, with
+    ``end_sec`` where the end is inside the source (a bounded repaint), a longer duration where it is
+    past it (an extension at the end), and neither for "to the end" (a retake).
 
     Everything about the request is checked by now but the source itself; an uploaded source is
     stored and queued for encoding first (``UploadService.create``), and ``task.upload_id`` names it,
@@ -104,22 +106,34 @@ async def continue_from(
             start_key, "must be more than 0 seconds: a repaint keeps the source before it (text2music makes a new song)"
         )
     if isinstance(repaint.source, Upload):
-        return await _from_upload(uploads, task, repaint.source, repaint.start, start_key, caller)
+        return await _from_upload(uploads, task, repaint, start_key, caller)
     key = task.keys.get("src_audio_path", "src_audio_path")
     source, take = await _source(svc, repaint.source, key, caller)
     if repaint.start > take.duration_sec:
         raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
     cf = {"job_id": repaint.source.job_id, "track_index": repaint.source.index, "at_sec": repaint.start}
-    task.request = _retake(task, cf, caption_of(source), key)
+    task.request = _retake(task, *_bounded(cf, repaint.end, take.duration_sec), caption_of(source), key)
     # Our retake's fields under the names the client sent: where the source and the point came from.
     task.keys |= {"continue_from": key, "job_id": key, "track_index": key, "at_sec": start_key}
     return task
 
 
+def _bounded(cf: dict[str, Any], end: float | None, seconds: float) -> tuple[dict[str, Any], float | None]:
+    """(``continue_from``, a duration in minutes or None) for a repaint ending at ``end`` of a source
+    ``seconds`` long: ``end_sec`` inside it; past it, a retake whose song runs on to ``end``."""
+    if end is None:
+        return cf, None
+    if end < seconds:
+        return {**cf, "end_sec": end}, None
+    return cf, end / 60
+
+
 async def _from_upload(
-    uploads: UploadService, task: Task, upload: Upload, start: float, start_key: str, caller: Caller | None
+    uploads: UploadService, task: Task, repaint: Repaint, start_key: str, caller: Caller | None
 ) -> Task:
-    """A repaint of an uploaded file: our upload of it (``caller``'s), continued from ``start``."""
+    """A repaint of an uploaded file: our upload of it (``caller``'s), repainted or continued from ``start``."""
+    upload, start = repaint.source, repaint.start
+    assert isinstance(upload, Upload)
     try:
         view = await uploads.create(upload.file, upload.filename, caller)
     except FieldError as exc:
@@ -131,13 +145,14 @@ async def _from_upload(
         await uploads.delete(view.upload_id)
         raise field_error(start_key, f"is past the end of the source ({view.duration_sec:.2f} s)")
     caption = task.request.acestep.caption if task.request.acestep is not None else ""
-    task.request = _retake(task, {"upload_id": view.upload_id, "at_sec": start}, caption, upload.field)
+    cf, duration = _bounded({"upload_id": view.upload_id, "at_sec": start}, repaint.end, view.duration_sec)
+    task.request = _retake(task, cf, duration, caption, upload.field)
     task.keys |= {"continue_from": upload.field, "upload_id": upload.field, "at_sec": start_key}
     log.info("acestep: repaint of an uploaded %s from %.2f s: upload %s", upload.field, start, view.upload_id)
     return task
 
 
-def _retake(task: Task, cf: dict[str, Any], caption: str, key: str) -> GenerateRequest:
+def _retake(task: Task, cf: dict[str, Any], duration: float | None, caption: str, key: str) -> GenerateRequest:
     """Our request for the repaint: only what its body sent, and ``continue_from``; the rest is inherited
     (from a take; an upload has nothing to inherit: the defaults apply)."""
     r, sent = task.request, task.request.body.sent
@@ -147,7 +162,11 @@ def _retake(task: Task, cf: dict[str, Any], caption: str, key: str) -> GenerateR
         caption = r.acestep.caption if r.acestep is not None else caption
     if "lyrics" in task.keys:
         body |= {"mode": r.mode, "lyrics": r.lyrics}
-    body |= {k: sent[k] for k in ("duration", "seed", "backbone") if k in sent}
+    body |= {k: sent[k] for k in ("seed", "backbone") if k in sent}
+    if duration is not None:  # an extension at the end: the song runs on to the repaint's end
+        body["duration"] = duration
+    elif "duration" in sent and "end_sec" not in cf:  # a bounded repaint is as long as its source
+        body["duration"] = sent["duration"]
     body["acestep"] = {"audio_format": task.audio_format, "caption": caption}
     try:
         return GenerateRequest.model_validate(body)

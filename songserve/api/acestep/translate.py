@@ -91,11 +91,13 @@ class Task:
 
 @dataclass
 class Repaint:
-    """``task_type: repaint`` to the end: continue ``source`` from ``start`` seconds, as ``task`` says."""
+    """``task_type: repaint``: write ``source`` again from ``start`` seconds to ``end`` (None: to its end),
+    as ``task`` says."""
 
     task: Task
     start: float
     source: AudioRef | Upload
+    end: float | None = None
 
 
 def tag_prompt(text: str, catalogue: Mapping[str, Mapping[str, Any]]) -> tuple[str, str]:
@@ -226,10 +228,12 @@ def read_task(p: Params, uploads: Mapping[str, Upload], ctx: Context) -> Task | 
     if src:
         task.keys["src_audio_path"] = src[0]
     if task_type == "repaint":
-        start, whence = repaint.read(p, source, upload)
+        start, end, whence = repaint.read(p, source, upload)
         if (start_key := p.find("repainting_start")) is not None:
             task.keys["at_sec"] = start_key[0]  # continue_from.at_sec, as the client named it
-        out: Task | Repaint = Repaint(task, start, whence)
+        if (end_key := p.find("repainting_end")) is not None:
+            task.keys["end_sec"] = end_key[0]
+        out: Task | Repaint = Repaint(task, start, whence, end)
     else:
         task.source = source
         out = task

@@ -208,7 +208,9 @@ class Encodings:
         cf = job.request.continue_from
         if cf is None or cf.upload_id is None:
             return ""
-        ready = await retakes.upload_frames_ready(job, self.artifacts, self.store.uploads.load)
+        ready = await retakes.upload_frames_ready(
+            job, self.artifacts, self.store.uploads.load, self.s.repaint_join_window_sec
+        )
         return None if ready is False else "" if ready is True else ready
 
     async def reconcile(self, alive: set[str]) -> None:

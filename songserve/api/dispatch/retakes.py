@@ -12,6 +12,11 @@ What the retake does not send it inherits from the original's request: the style
 duration, sampling settings and models; ``num_tracks``, ``seed``, ``priority`` (and the ACE-Step
 dialect's ``acestep`` extras) are its own.
 
+A repaint (``continue_from.end_sec``) keeps the whole original grid instead of its start: the worker
+writes the frames from ``at_sec`` on and rejoins the original within ``REPAINT_JOIN_WINDOW_SEC`` of
+``end_sec`` (``RepaintSpan``), so the take is as long as the original and inherits its duration; a
+part shorter than a frame, or an end past the song, is a 422 naming the field.
+
 An upload (``continue_from.upload_id``) has no request to inherit from: the continuation is the
 request as sent, keeping the upload's frames before ``at_sec`` (all of them when it is left out).
 Gone or failed: 422 before any work. Ready: its frames are cut now, as a take's. Still queued or
@@ -36,6 +41,7 @@ from songserve.audio import codes
 from songserve.audio.reading import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus
+from songserve.schemas.continuation import RepaintSpan
 
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
@@ -61,13 +67,17 @@ def origin_of(cf: ContinueFrom) -> str:
 
 
 async def resolve(
-    req: GenerateRequest, load_job: Callable[[str], Awaitable[Job]], artifacts: ArtifactStore, load_upload: LoadUpload
+    req: GenerateRequest,
+    load_job: Callable[[str], Awaitable[Job]],
+    artifacts: ArtifactStore,
+    load_upload: LoadUpload,
+    join_window_sec: float,
 ) -> Retake:
     """The retake ``req`` asks for, or the ``FieldError`` that says why it cannot be served."""
     cf = req.continue_from
     assert cf is not None
     if cf.upload_id is not None:
-        return await _resolve_upload(req, cf, artifacts, load_upload)
+        return await _resolve_upload(req, cf, artifacts, load_upload, join_window_sec)
     assert cf.job_id is not None
     assert cf.at_sec is not None
     try:
@@ -91,18 +101,40 @@ async def resolve(
             "continue_from.at_sec", f"must be inside the song: from {1 / fps:.3f} s to below {grid.seconds():.2f} s"
         )
     request = _merged(req, original.request, grid.header.get("models") or {})
+    head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec}
+    if cf.end_sec is not None:
+        if "duration" in req.body.sent and request.duration != original.request.duration:
+            raise FieldError("duration", "a repaint is as long as the take it repaints: leave duration out")
+        span = repaint_span(cf, keep, grid.frames, fps, join_window_sec)
+        return Retake(request, codes.CodeGrid(grid.codes, {**head, "repaint": span.model_dump()}))
     if int(request.duration * 60 * fps) <= keep:
         raise FieldError(
             "duration",
             f"{request.duration:g} minutes end before continue_from.at_sec ({cf.at_sec:g} s); ask for a longer song",
         )
-    head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec}
     kept = grid.cut(keep)
     return Retake(request, codes.CodeGrid(kept.codes, {**head, "frames": kept.frames}))
 
 
+def repaint_span(cf: ContinueFrom, start: int, frames: int, fps: float, join_window_sec: float) -> RepaintSpan:
+    """The frames a repaint writes anew: from ``start`` (frames wholly before ``at_sec``) to the frame
+    of ``end_sec``, the join searched within the window around it; a 422 where that is no part of the song."""
+    assert cf.end_sec is not None
+    end = round(cf.end_sec * fps)
+    if end > frames:
+        raise FieldError(
+            "continue_from.end_sec", f"is past the end of the song ({frames / fps:.2f} s): a repaint ends inside it"
+        )
+    if end <= start:
+        raise FieldError(
+            "continue_from.end_sec",
+            f"the part from continue_from.at_sec to here is shorter than a frame ({1 / fps * 1000:.0f} ms)",
+        )
+    return RepaintSpan(start=start, end=end, window=round(join_window_sec * fps))
+
+
 async def _resolve_upload(
-    req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore, load_upload: LoadUpload
+    req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore, load_upload: LoadUpload, join_window_sec: float
 ) -> Retake:
     assert cf.upload_id is not None
     u = await load_upload(cf.upload_id)
@@ -118,7 +150,12 @@ async def _resolve_upload(
             f"must be inside the upload: from {1 / FPS:.3f} s to {u.duration_sec:.2f} s (or left out: its end)",
         )
     keep = upload_keep(cf, u.frames, FPS)
-    if int(req.duration * 60 * FPS) <= keep:
+    if cf.end_sec is not None:
+        repaint_span(cf, keep, u.frames, FPS, join_window_sec)  # the part must be inside the upload
+        if "duration" in req.body.sent:
+            raise FieldError("duration", "a repaint is as long as the upload it repaints: leave duration out")
+        req = req.model_copy(update={"duration": u.frames / FPS / 60})
+    elif int(req.duration * 60 * FPS) <= keep:
         raise FieldError(
             "duration",
             f"{req.duration:g} minutes end before the upload's kept part ({keep / FPS:.2f} s); ask for a longer song",
@@ -126,7 +163,7 @@ async def _resolve_upload(
     if u.status is not UploadStatus.ready:
         return Retake(req, None)  # its tracks wait for the encoding (upload_frames_ready)
     try:
-        return Retake(req, await asyncio.to_thread(upload_prefix, artifacts, cf))
+        return Retake(req, await asyncio.to_thread(upload_prefix, artifacts, cf, join_window_sec))
     except (OSError, codes.CodesFileError) as exc:
         log.error("upload %s: codes file unreadable: %s", cf.upload_id, exc)
         raise FieldError("continue_from.upload_id", f"the codes of upload {cf.upload_id} cannot be read") from None
@@ -137,16 +174,23 @@ def upload_keep(cf: ContinueFrom, frames: int, fps: float) -> int:
     return frames if cf.at_sec is None else min(frames, int(cf.at_sec * fps))
 
 
-def upload_prefix(artifacts: ArtifactStore, cf: ContinueFrom) -> codes.CodeGrid:
-    """A ready upload's kept frames, labelled as a retake's are (``OSError`` / ``CodesFileError`` if unreadable)."""
+def upload_prefix(artifacts: ArtifactStore, cf: ContinueFrom, join_window_sec: float) -> codes.CodeGrid:
+    """A ready upload's kept frames (for a repaint, all of them and the part written anew), labelled as a
+    retake's are (``OSError`` / ``CodesFileError`` if unreadable)."""
     assert cf.upload_id is not None
     grid = codes.read(artifacts.upload_path(cf.upload_id, "codes.codes"))
     fps = float(grid.header["frame_rate"])
+    if cf.end_sec is not None:
+        span = repaint_span(cf, upload_keep(cf, grid.frames, fps), grid.frames, fps, join_window_sec)
+        head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec, "repaint": span.model_dump()}
+        return codes.CodeGrid(grid.codes, head)
     kept = grid.cut(upload_keep(cf, grid.frames, fps))
     return codes.CodeGrid(kept.codes, {**kept.header, "origin": origin_of(cf), "at_sec": kept.frames / fps})
 
 
-async def upload_frames_ready(job: Job, artifacts: ArtifactStore, load_upload: LoadUpload) -> bool | str:
+async def upload_frames_ready(
+    job: Job, artifacts: ArtifactStore, load_upload: LoadUpload, join_window_sec: float
+) -> bool | str:
     """A job continuing an upload, at dispatch: True once its kept frames are in its folder (cut now if
     the upload has become ready), False while the upload is queued or encoding, else why they never will be."""
     cf = job.request.continue_from
@@ -162,11 +206,13 @@ async def upload_frames_ready(job: Job, artifacts: ArtifactStore, load_upload: L
     if u.status is not UploadStatus.ready:
         return False
     try:
-        grid = await asyncio.to_thread(upload_prefix, artifacts, cf)
+        grid = await asyncio.to_thread(upload_prefix, artifacts, cf, join_window_sec)
         await asyncio.to_thread(artifacts.write_prefix, job.job_id, codes.encode(grid.codes, grid.header))
     except (OSError, codes.CodesFileError) as exc:
         log.error("job %s: the kept frames of upload %s cannot be cut (%s)", job.job_id, cf.upload_id, exc)
         return f"the codes of its upload {cf.upload_id} cannot be read"
+    except FieldError as exc:  # its encoding came out shorter than the part to repaint
+        return f"upload {cf.upload_id}: {exc}"
     log.info("job %s: upload %s is ready, %d frames kept", job.job_id, cf.upload_id, grid.frames)
     return True
 
@@ -205,8 +251,10 @@ def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, 
 
 
 def prefix_codes(grid: codes.CodeGrid) -> PrefixCodes:
-    """The kept frames as a worker receives them."""
-    return PrefixCodes.of(grid.raw(), grid.levels, grid.frames, str(grid.header.get("origin", "")))
+    """The kept frames as a worker receives them (a repaint's whole grid with its span)."""
+    span = grid.header.get("repaint")
+    repaint = RepaintSpan.model_validate(span) if isinstance(span, dict) else None
+    return PrefixCodes.of(grid.raw(), grid.levels, grid.frames, str(grid.header.get("origin", "")), repaint)
 
 
 async def kept_frames(artifacts: ArtifactStore, job: Job) -> PrefixCodes | None:

@@ -142,7 +142,9 @@ class JobService:
         if req.continue_from is not None:
             own_job = functools.partial(self.visible, caller=caller)  # another key's take: "not known here"
             own_upload = functools.partial(self.uploads.find, caller=caller)
-            retake = await retakes.resolve(req, own_job, self.artifacts, own_upload)
+            retake = await retakes.resolve(
+                req, own_job, self.artifacts, own_upload, join_window_sec=self.s.repaint_join_window_sec
+            )
         if retake is not None:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req, strict or self.s.strict_requests)

@@ -2,8 +2,9 @@
 
 For scheduling and fault tests of the dispatcher (``--pipeline test``): it reports progress through
 the same phases, honours cancellation, and writes real WAV/MP3/JSON files and a codes file: a
-deterministic grid (``(seed + frame + level) mod 1024``) that starts with a request's prefix, so
-retakes can be routed and checked through the dispatcher at tone speed. Its audio stays a tone
+deterministic grid (``(seed + frame + level) mod 1024``) that starts with a request's prefix (for a
+repaint: the original grid with the part from its start to its ``end`` written anew, joined at ``end``
+exactly), so retakes and repaints can be routed and checked through the dispatcher at tone speed. Its audio stays a tone
 (it has no decoder). Its ``encode`` is as deterministic: each frame's codes follow from that frame's
 mean level (``tone_codes``), so uploads can be checked through the dispatcher at tone speed too.
 Never a substitute for the model pipeline in its own tests.
@@ -85,15 +86,21 @@ class TonePipeline:
         if self.s.test_max_audio_sec:  # load and fuzz tests: the schedule is the point, not the audio
             seconds = min(seconds, self.s.test_max_audio_sec)
         frames = max(1, int(seconds * SAMPLE_RATE / HOP))
+        repaint = req.prefix.repaint if req.prefix is not None else None
+        if req.prefix is not None and repaint is not None:
+            frames = req.prefix.frames  # a repaint is as long as its original
         codes = (req.seed + np.arange(frames)[None, :] + np.arange(SUPERRES_LEVELS)[:, None]) % CODEBOOK
         if req.prefix is not None:
-            if req.prefix.levels != SUPERRES_LEVELS or req.prefix.frames >= frames:
+            if req.prefix.levels != SUPERRES_LEVELS or (repaint is None and req.prefix.frames >= frames):
                 raise RequestError(
                     f"The prefix ({req.prefix.levels} × {req.prefix.frames}) does not fit a "
                     f"{SUPERRES_LEVELS} × {frames} grid."
                 )
             kept = np.frombuffer(req.prefix.raw, dtype="<i2").reshape(SUPERRES_LEVELS, req.prefix.frames)
-            codes[:, : req.prefix.frames] = kept
+            start = req.prefix.frames if repaint is None else repaint.start
+            codes[:, :start] = kept[:, :start]
+            if repaint is not None:
+                codes[:, repaint.end :] = kept[:, repaint.end :]
         n = frames * HOP
         freq = 220.0 + (req.seed % 440)
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
@@ -121,12 +128,23 @@ class TonePipeline:
             "track_index": req.track_index,
         }
         if req.prefix is not None:
+            kept_frames = req.prefix.frames if repaint is None else repaint.start
             meta["continued"] = {
-                "frames": req.prefix.frames,
-                "at_sec": req.prefix.frames / FRAMES_PER_SECOND,
+                "frames": kept_frames,
+                "at_sec": kept_frames / FRAMES_PER_SECOND,
                 "origin": req.prefix.origin,
             }
             head["continued"] = meta["continued"]
+        if req.prefix is not None and repaint is not None:
+            meta["repainted"] = {
+                "start_frame": repaint.start,
+                "end_frame": repaint.end,
+                "join_frame": repaint.end,
+                "window": repaint.window,
+                "origin": req.prefix.origin,
+                "changed_samples": [repaint.start * HOP, repaint.end * HOP],
+            }
+            head["repainted"] = meta["repainted"]
         if ctx.live.wanted():
             meta["live"] = {"state": ctx.live.state.value, "seconds": round(ctx.live.seconds, 3)}
         wav, mp3, js, meta = write_track(
