@@ -134,6 +134,24 @@ def test_continue_retakes_a_finished_take_and_downloads_rendered_formats(cluster
     assert "expected JOB:TRACK@SEC" in bad.stderr
 
 
+def test_continue_with_an_end_repaints_that_part_and_says_why_a_bad_one_is_refused(cluster, tmp_path):
+    original = cluster.submit(tags="pop", lyrics="[verse]\nfirst take", duration=0.1, num_tracks=1)
+    assert cluster.wait_job(original["job_id"])["status"] == "completed"
+    spec = f"{original['job_id']}:0@2-4"
+    out = cli("--server", cluster.url, "generate", "--continue", spec, "--formats", "codes", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    grid = codes.read(next(tmp_path.glob("*_track0.codes")))
+    fps = grid.header["frame_rate"]
+    assert (grid.header["repainted"]["start_frame"], grid.header["repainted"]["end_frame"]) == (
+        int(2 * fps),
+        round(4 * fps),
+    )
+    assert grid.frames == int(6.0 * fps)
+    bad = cli("--server", cluster.url, "generate", "--continue", f"{original['job_id']}:0@2-9", "--out", str(tmp_path))
+    assert bad.returncode == 1
+    assert "continue_from.end_sec" in bad.stderr and "past the end of the song" in bad.stderr
+
+
 def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, tmp_path):
     dest = tmp_path / "live.wav"
     base = ("--server", cluster.url, "generate", "--lyrics", "la", "--duration", "0.1", "--tracks", "1")
