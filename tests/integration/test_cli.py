@@ -149,7 +149,8 @@ def test_continue_with_an_end_repaints_that_part_and_says_why_a_bad_one_is_refus
     assert grid.frames == int(6.0 * fps)
     bad = cli("--server", cluster.url, "generate", "--continue", f"{original['job_id']}:0@2-9", "--out", str(tmp_path))
     assert bad.returncode == 1
-    assert "continue_from.end_sec" in bad.stderr and "past the end of the song" in bad.stderr
+    assert "continue_from.end_sec" in bad.stderr
+    assert "past the end of the song" in bad.stderr
 
 
 def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, tmp_path):
