@@ -65,6 +65,8 @@ class TrackRequest:
     extra: dict[str, Any] = field(default_factory=dict[str, Any])  # raw_* fields, recorded in the JSON only
     prefix: Prefix | None = None  # continue from these frames (a retake); None: a take from the prompt alone
     preview: bool = False  # live audio from the first seconds, listened to or not (``pipeline/live.py``)
+    adapter: str = ""  # a LoRA adapter of ADAPTERS_DIR by name ("" none), for the backbone and super-resolution
+    adapter_scale: float = 1.0  # its low-rank delta times this (0: the base model exactly)
 
 
 @dataclass

@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from songserve.schemas.common import (
+    ADAPTER_PATTERN,
     FILE_NAME_PATTERN,
     ID_PATTERN,
+    MAX_ADAPTER_SCALE,
     MAX_SEED,
     NO_CONTROL,
     SHA256_PATTERN,
@@ -77,6 +79,8 @@ class WorkerGenerateRequest(BaseModel):
     job_id: str = Field("", max_length=64, pattern=ID_PATTERN)
     track_index: int = Field(0, ge=0, le=1000)
     prefix: PrefixCodes | None = None  # ext: continue from these frames (kept exactly), generate the rest
+    adapter: str = Field("", max_length=64, pattern=r"^$|" + ADAPTER_PATTERN)  # ext: a LoRA adapter by name; "" none
+    adapter_scale: float = Field(1.0, ge=0, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)  # ext: 0 = the base model
     preview: bool = False  # ext: live audio from the first seconds, whether or not anyone listens yet
 
 

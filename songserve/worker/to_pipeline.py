@@ -67,6 +67,8 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
         },
         prefix=prefix(body.prefix) if body.prefix is not None else None,
         preview=body.preview,
+        adapter=body.adapter,
+        adapter_scale=body.adapter_scale,
     )
 
 
