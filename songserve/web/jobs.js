@@ -1,6 +1,7 @@
 // songserve page, the jobs: one card per job, the caller's jobs listed again after a reload (GET /jobs),
 // each take's live and final players (one plays at a time), phase words a listener reads with the
-// engineering figures one click away, and "continue from here". Loaded before app.js, which holds the
+// engineering figures one click away, "continue from here", and a repaint of a part chosen on a take's
+// waveform, whose candidates are heard around their join and one of them kept. Loaded before app.js, which holds the
 // form, the API call helper ($, api, showError, clock) and starts the page; nothing here runs on load.
 "use strict";
 
@@ -43,6 +44,7 @@ function titleOf(asked) {
   const style = asked.tags || asked.prompt || "Untitled";
   const from = asked.continue_from;
   if (!from) return style;
+  if (from.end_sec) return `${style} · repaint ${clock(from.at_sec)}–${clock(from.end_sec)}`;
   if (from.upload_id) return `${style} · from your audio at ${from.at_sec ? clock(from.at_sec) : "its end"}`;
   return `${style} · from ${clock(from.at_sec)}`;
 }
@@ -214,6 +216,8 @@ function showResult(card, el, t, handover) {
     result.querySelector(".dl-mp3").href = t.files.mp3.replace(/^\//, "");
     result.querySelector(".dl-wav").href = t.files.wav.replace(/^\//, "");
     setupResult(result, card.dataset.jobId, t.index, audio);
+    setupRepaint(result, card.dataset.jobId, t.index, audio, t.files.wav.replace(/^\//, ""));
+    if (t.metadata && t.metadata.repainted) setupCandidate(card, el, t, audio);
   }
   result.hidden = false;
   if (handover && handover.at > 0) {
@@ -289,5 +293,118 @@ function setupResult(result, jobId, index, audio) {
     } finally {
       button.disabled = false;
     }
+  });
+}
+
+// ---- repaint: a part chosen on the take's waveform is written again ------------------------------------
+// The waveform is drawn from the take's WAV (Web Audio); a drag over it chooses the part (its seconds in
+// the canvas's data-part, for tests), and "Repaint" asks for it (continue_from with at_sec and end_sec):
+// num_tracks candidates, each the take with only that part written anew.
+function paintTakeWave(canvas, peaks, part) {
+  const g = canvas.getContext("2d"), mid = canvas.height / 2;
+  g.clearRect(0, 0, canvas.width, canvas.height);
+  peaks.forEach(([lo, hi], x) => {
+    const inside = part && x >= part[0] * canvas.width && x <= part[1] * canvas.width;
+    g.fillStyle = inside ? "#b91c1c" : "#818cf8";  // the part to write again, then what stays
+    g.fillRect(x, mid - hi * mid, 1, Math.max(1, (hi - lo) * mid));
+  });
+}
+
+async function drawTakeWave(canvas, href) {
+  const buffer = await (await fetch(href)).arrayBuffer();
+  const ctx = new (window.AudioContext || window.webkitAudioContext)();
+  const audio = await ctx.decodeAudioData(buffer);
+  canvas.width = canvas.clientWidth || 600;
+  const data = audio.getChannelData(0), step = Math.max(1, Math.floor(data.length / canvas.width));
+  const peaks = [];
+  for (let x = 0; x < canvas.width; x++) {
+    let lo = 1, hi = -1;
+    for (let i = x * step; i < Math.min(data.length, (x + 1) * step); i++) { lo = Math.min(lo, data[i]); hi = Math.max(hi, data[i]); }
+    peaks.push([lo, hi]);
+  }
+  return { peaks, seconds: audio.duration };
+}
+
+function setupRepaint(result, jobId, index, audio, wavHref) {
+  const canvas = result.querySelector(".wave"), button = result.querySelector(".repaint");
+  const card = result.closest(".job");
+  let wave = null, part = null, from = null;
+  drawTakeWave(canvas, wavHref).then((w) => { wave = w; paintTakeWave(canvas, w.peaks, null); canvas.dataset.drawn = "1"; })
+    .catch(() => { canvas.hidden = true; });  // no waveform: the take still plays
+  const at = (event) => {
+    const box = canvas.getBoundingClientRect();
+    return Math.min(1, Math.max(0, (event.clientX - box.left) / box.width));
+  };
+  const show = () => {
+    if (!wave) return;
+    paintTakeWave(canvas, wave.peaks, part);
+    const [a, b] = part ? part.map((f) => f * wave.seconds) : [0, 0];
+    canvas.dataset.part = part ? `${a.toFixed(2)}-${b.toFixed(2)}` : "";
+    button.disabled = !part;
+    button.textContent = part ? `Repaint ${clock(a)}–${clock(b)}` : "Repaint a part";
+  };
+  canvas.addEventListener("pointerdown", (e) => { from = at(e); part = null; canvas.setPointerCapture(e.pointerId); show(); });
+  canvas.addEventListener("pointermove", (e) => {
+    if (from === null) return;
+    const to = at(e);
+    part = Math.abs(to - from) > 0.005 ? [Math.min(from, to), Math.max(from, to)] : null;
+    show();
+  });
+  canvas.addEventListener("pointerup", () => { from = null; });
+  button.addEventListener("click", async () => {
+    const error = card.querySelector(".job-error");
+    if (!part || !wave) return;
+    const [a, b] = part.map((f) => Number((f * wave.seconds).toFixed(3)));
+    showError(error, "");
+    const body = { continue_from: { job_id: jobId, track_index: index, at_sec: Math.max(a, 0.05), end_sec: b },
+                   num_tracks: Number($("num_tracks").value) };
+    if ($("seed").value !== "") body.seed = Number($("seed").value);
+    button.disabled = true;
+    try {
+      const accepted = await api("generate", {
+        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+      });
+      const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · repaint ${clock(a)}–${clock(b)}`;
+      followJob(accepted.job_id, { tags: title }, accepted.adjusted);
+    } catch (e) {
+      showError(error, e.message);
+    } finally {
+      button.disabled = !part;
+    }
+  });
+}
+
+// A repaint's candidate: "Hear the part" plays it from a few seconds before the new part to a few after
+// its join; "Keep this one" marks it kept and sets the job's other candidates aside (remembered here).
+const AROUND_SEC = 3;
+
+function setupCandidate(card, el, t, audio) {
+  const r = t.metadata.repainted, fps = 44100 / 2048;
+  const row = el.querySelector(".candidate"), start = r.start_frame / fps, join = r.join_frame / fps;
+  row.hidden = false;
+  row.querySelector(".candidate-part").textContent = `new from ${clock(start)} to ${clock(join)}`;
+  row.querySelector(".hear").addEventListener("click", () => {
+    const stop = Math.min(audio.duration || Infinity, join + AROUND_SEC);
+    const until = () => { if (audio.currentTime >= stop) { audio.pause(); audio.removeEventListener("timeupdate", until); } };
+    audio.addEventListener("timeupdate", until);
+    audio.currentTime = Math.max(0, start - AROUND_SEC);
+    audio.play().catch(() => {});
+    el.dataset.hearing = `${Math.max(0, start - AROUND_SEC).toFixed(2)}-${stop.toFixed(2)}`;
+  });
+  row.querySelector(".keep").addEventListener("click", () => {
+    localStorage.setItem(`songserve.kept.${card.dataset.jobId}`, String(t.index));
+    markKept(card);
+  });
+  markKept(card);
+}
+
+function markKept(card) {
+  const kept = localStorage.getItem(`songserve.kept.${card.dataset.jobId}`);
+  card.querySelectorAll(".track").forEach((track) => {
+    const mine = kept !== null && track.dataset.index === kept;
+    track.classList.toggle("kept", mine);
+    track.classList.toggle("set-aside", kept !== null && !mine);
+    const keep = track.querySelector(".keep");
+    if (keep) keep.textContent = mine ? "Kept" : "Keep this one";
   });
 }
