@@ -62,6 +62,13 @@ class CodeGrid:
         kept = np.ascontiguousarray(self.codes[:, :frames])
         return CodeGrid(kept, {**self.header, "frames": int(kept.shape[1])})
 
+    def opened(self, frames: int) -> CodeGrid:
+        """This grid after ``frames`` placeholder frames (code 0, every level): the room a new opening is
+        written into (an extension at the start); the header says its new length."""
+        room = np.zeros((self.levels, frames), dtype=self.codes.dtype)
+        grid = np.ascontiguousarray(np.concatenate([room, self.codes], axis=1))
+        return CodeGrid(grid, {**self.header, "frames": int(grid.shape[1])})
+
     def raw(self) -> bytes:
         """The codes as the wire carries them (``PrefixCodes``): int16 little-endian, level-major."""
         return self.codes.astype("<i2", copy=False).tobytes()

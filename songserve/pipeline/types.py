@@ -25,6 +25,7 @@ class Repaint:
     start: int
     end: int
     window: int = 0
+    opening: int = 0  # > 0: the grid's first frames are room for a new opening (start 0, the join at or after them)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from songserve.schemas.common import JOB_ID_PATTERN, NO_CONTROL
 CODEBOOK_SIZE = 1024  # codes of every level are in [0, 1024)
 MAX_LEVELS = 64
 # 15 minutes (the worker's longest request) of 44,100 / 2,048 frames per second
-MAX_PREFIX_FRAMES = math.ceil(15 * 60 * 44_100 / 2_048)
+FRAMES_PER_SECOND = 44_100 / 2_048
+MAX_PREFIX_FRAMES = math.ceil(15 * 60 * FRAMES_PER_SECOND)
 JOB_ID = re.compile(JOB_ID_PATTERN)
 MAX_PREFIX_CHARS = 4 * math.ceil(MAX_LEVELS * MAX_PREFIX_FRAMES * 2 / 3)  # base64 of that many int16 codes
 
@@ -62,6 +63,16 @@ class ContinueFrom(BaseModel):
             "runs to the song's end"
         ),
     )
+    before_sec: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_PREFIX_FRAMES / FRAMES_PER_SECOND,
+        allow_inf_nan=False,
+        description=(
+            "extend at the start: a new opening about this many seconds long, joined into the song's first "
+            "seconds where the two agree best; the song after the join is kept exactly"
+        ),
+    )
 
     @field_validator("job_id", "upload_id")
     @classmethod
@@ -78,6 +89,10 @@ class ContinueFrom(BaseModel):
     def _one_source(self) -> ContinueFrom:
         if (self.job_id is None) == (self.upload_id is None):
             raise ValueError("name either a take (job_id, track_index, at_sec) or an upload (upload_id)")
+        if self.before_sec is not None:
+            if self.at_sec is not None or self.end_sec is not None:
+                raise ValueError("before_sec extends the song at its start: it takes no at_sec or end_sec")
+            return self
         if self.job_id is not None and self.at_sec is None:
             raise ValueError("at_sec is needed to continue a take: the second its new part starts at")
         if self.end_sec is not None and (self.at_sec is None or self.end_sec <= self.at_sec):
@@ -90,13 +105,26 @@ class RepaintSpan(BaseModel):
 
     The take keeps frames ``[0, start)``, writes from ``start`` on, and rejoins the original at a frame
     ``join`` within ``window`` frames of ``end`` (where the new coarse codes and the original's agree
-    best), keeping frames ``[join, frames)`` of the grid exactly: the take is as long as the grid."""
+    best), keeping frames ``[join, frames)`` of the grid exactly: the take is as long as the grid.
+
+    An extension at the start is the same with ``opening`` > 0: the grid's first ``opening`` frames are
+    placeholders for the new opening (their codes mean nothing), ``start`` is 0 (nothing kept before),
+    and the join lands at or after them, inside the original."""
 
     model_config = ConfigDict(extra="ignore")
 
-    start: int = Field(ge=1, le=MAX_PREFIX_FRAMES)
-    end: int = Field(ge=2, le=MAX_PREFIX_FRAMES)
+    start: int = Field(ge=0, le=MAX_PREFIX_FRAMES)
+    end: int = Field(ge=1, le=MAX_PREFIX_FRAMES)
     window: int = Field(0, ge=0, le=MAX_PREFIX_FRAMES)
+    opening: int = Field(0, ge=0, le=MAX_PREFIX_FRAMES)
+
+    @model_validator(mode="after")
+    def _kept_or_opened(self) -> RepaintSpan:
+        if self.opening == 0 and self.start == 0:
+            raise ValueError("a repaint keeps at least one frame before its start (start ≥ 1) unless it opens the song")
+        if self.opening > 0 and (self.start != 0 or self.end < self.opening):
+            raise ValueError("an opening starts at frame 0 and ends at or after its placeholder frames")
+        return self
 
 
 class PrefixCodes(BaseModel):

@@ -75,7 +75,7 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
 def prefix(wire: PrefixCodes) -> Prefix:
     """The wire's base64 grid as the pipeline's ``Prefix`` (the codes decoded once, here)."""
     span = wire.repaint
-    repaint = Repaint(span.start, span.end, span.window) if span is not None else None
+    repaint = Repaint(span.start, span.end, span.window, span.opening) if span is not None else None
     return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin, repaint)
 
 

@@ -153,6 +153,61 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     assert not errors
 
 
+def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_and_one_kept(site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    open_song(page, site.url, "[verse]\nkeep the start\nchange the middle\nkeep the end", "0.1")
+    card = submitted(page)
+    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
+    original = card.get_attribute("data-job-id")
+    wave = card.locator("canvas.wave")
+    page.wait_for_function(
+        "(id) => document.querySelector(`.job[data-job-id='${id}'] canvas.wave`).dataset.drawn === '1'",
+        arg=original,
+        timeout=30_000,
+    )
+    box = wave.bounding_box()
+    assert box is not None
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 2 / 6, y)  # 2 s into the 6 s take
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 3 / 6, y, steps=5)
+    page.mouse.move(box["x"] + box["width"] * 4 / 6, y, steps=5)  # to 4 s
+    page.mouse.up()
+    a, b = (float(x) for x in wave.get_attribute("data-part").split("-"))
+    assert abs(a - 2.0) < 0.1
+    assert abs(b - 4.0) < 0.1
+    button = card.locator("button.repaint")
+    assert button.inner_text().startswith("Repaint 0:02")
+    page.fill("#num_tracks", "2")
+    before = page.locator(".job").count()
+    button.click()
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
+    repaint = page.locator(".job").first
+    assert " · repaint 0:02" in repaint.locator(".job-title").inner_text()
+    repaint.locator(".track").nth(1).locator(".result audio").wait_for(state="visible", timeout=180_000)
+    job_id = repaint.get_attribute("data-job-id")
+    job = httpx.get(f"{site.url}/job/{job_id}", timeout=10, verify=TLS).json()
+    for t in job["tracks"]:
+        span = t["metadata"]["repainted"]
+        assert span["origin"] == f"{original}/0"
+        assert span["start_frame"] == int(a * 44100 / 2048)
+    first = repaint.locator(".track").nth(0)
+    assert first.locator(".candidate").is_visible()
+    first.locator("button.hear").click()
+    start, stop = (float(x) for x in first.get_attribute("data-hearing").split("-"))
+    assert abs(start - max(0.0, a - 3)) < 0.1
+    repaint.locator(".track").nth(1).locator("button.keep").click()
+    assert "kept" in (repaint.locator(".track").nth(1).get_attribute("class") or "")
+    assert "set-aside" in (first.get_attribute("class") or "")
+    page.reload()  # the choice is remembered
+    page.wait_for_selector("#jobs[data-listed]", state="attached")
+    listed = page.locator(f'.job[data-job-id="{job_id}"]')
+    listed.locator(".track").nth(1).locator(".result audio").wait_for(state="visible", timeout=30_000)
+    assert "kept" in (listed.locator(".track").nth(1).get_attribute("class") or "")
+    assert not errors
+
+
 def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     """ "Listen live" is on by default: the first take's stream plays while the job is still running."""
     errors: list[str] = []

@@ -101,6 +101,24 @@ def test_a_repaint_keeps_the_take_before_at_sec_and_after_its_join_and_gives_dif
     assert len(set(insides)) == 3
 
 
+def test_an_extension_at_the_start_writes_a_new_opening_and_keeps_the_take_after_its_join(site, original):
+    job = submit(site, continue_from={"job_id": original["job_id"], "track_index": 0, "before_sec": 2.0}, num_tracks=2)
+    done = site.wait_job(job["job_id"])
+    assert done["status"] == "completed", done
+    before = grid_of(site, original["job_id"])
+    room = round(2.0 * FRAMES_PER_SECOND)
+    for t in done["tracks"]:
+        span = t["metadata"]["repainted"]
+        assert (span["start_frame"], span["end_frame"], span["opening"]) == (0, room, room)
+        assert room <= span["join_frame"] <= room + span["window"]  # the join lands inside the original
+        assert "continued" not in t["metadata"]  # nothing of the original comes before the opening
+        grid = grid_of(site, job["job_id"], t["index"])
+        join = span["join_frame"]
+        assert grid.frames == room + before.frames  # longer by the opening
+        assert np.array_equal(grid.codes[:, join:], before.codes[:, join - room :])
+        assert abs(t["duration_sec"] - (6.0 + 2.0)) < 0.1
+
+
 def test_a_retake_can_change_the_rest_of_the_song(site, original):
     cf = {"job_id": original["job_id"], "track_index": 0, "at_sec": 1.0}
     job = submit(site, continue_from=cf, num_tracks=1, duration=0.15, lyrics="[verse]\nnew words")
@@ -125,6 +143,10 @@ def test_a_retake_can_change_the_rest_of_the_song(site, original):
         ({"end_sec": -3}, "continue_from.end_sec", 422),
         ({"end_sec": "NaN"}, "continue_from.end_sec", 422),
         ({"end_sec": "inf"}, "continue_from.end_sec", 422),
+        ({"at_sec": None, "before_sec": 0.01}, "continue_from.before_sec", 422),  # shorter than a frame
+        ({"at_sec": None, "before_sec": "NaN"}, "continue_from.before_sec", 422),
+        ({"at_sec": None, "before_sec": 1e9}, "continue_from.before_sec", 422),
+        ({"before_sec": 2.0}, "continue_from", 422),  # an opening takes no at_sec
     ],
 )
 def test_bad_continue_from_values_answer_4xx_naming_the_field_and_queue_nothing(site, original, change, field, status):
@@ -152,6 +174,10 @@ def test_other_models_or_a_song_that_ends_before_the_cut_are_refused(site, origi
     assert r.status_code == 422
     assert r.json()["detail"][0]["loc"] == ["body", "duration"]
     assert "as long as the take it repaints" in r.json()["error"]
+    opening = {"job_id": cf["job_id"], "track_index": 0, "before_sec": 2.0}
+    r = httpx.post(f"{site.url}/generate", json={"continue_from": opening, "duration": 0.2}, timeout=10, verify=TLS)
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["body", "duration"]
 
 
 def test_a_track_that_is_not_done_cannot_be_continued_or_give_codes(tmp_path):

@@ -222,7 +222,11 @@ def test_what_cannot_be_served_is_a_400_naming_the_key_and_queues_nothing(site, 
             {"task_type": "repaint", "src_audio_path": ours, "repainting_start": 2, "repainting_end": 1.5},
             "repainting_end",
         ),
-        ({"task_type": "repaint", "src_audio_path": ours, "repainting_start": -1}, "repainting_start"),
+        (
+            {"task_type": "repaint", "src_audio_path": ours, "repainting_start": -1, "repainting_end": 2},
+            "repainting_end",
+        ),
+        ({"task_type": "repaint", "src_audio_path": ours, "repainting_start": 0}, "repainting_start"),
         ({"reference_audio_path": "/tmp/ref.wav"}, "reference_audio_path"),
         ({"src_audio_path": "/etc/passwd"}, "src_audio_path"),
         ({"ctxAudioPath": "0123456789abcdef-0.mp3"}, "ctxAudioPath"),  # our form, but no such take
@@ -453,6 +457,12 @@ def test_a_bounded_repaint_of_our_take_keeps_its_start_and_its_end(site, client,
     audio, rate = sf.read(io.BytesIO(client.download(longer).content), always_2d=True)
     assert abs(len(audio) / rate - 6.0) < 0.1
     assert "repainted" not in site.job(task_id)["tracks"][0]["metadata"]
+    task_id = client.release(task_type="repaint", src_audio_path=takes[0]["file"], repainting_start=-2, batch_size=1)
+    (opened,) = client.wait(task_id)
+    audio, rate = sf.read(io.BytesIO(client.download(opened).content), always_2d=True)
+    assert abs(len(audio) / rate - 5.0) < 0.1  # a 2 s opening before the 3 s source
+    span = site.job(task_id)["tracks"][0]["metadata"]["repainted"]
+    assert (span["start_frame"], span["opening"]) == (0, round(2 * fps))
 
 
 def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):

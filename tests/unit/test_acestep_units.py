@@ -261,8 +261,11 @@ def test_a_repaint_from_our_file_is_read_to_the_end_or_to_a_finite_end_after_its
     assert "'repainting_end': must come after repainting_start (10 s)" in refused({**bounded, "repainting_end": 10})
     assert "'repainting_end': must come after repainting_start (10 s)" in refused({**bounded, "repainting_end": 4})
     assert "repaint needs a source" in refused({"task_type": "repaint"})
-    assert "an extension at the start is not served yet" in refused(
-        {"task_type": "repaint", "src_audio_path": OURS, "repainting_start": -2}
+    opening = read_task(Params({"task_type": "repaint", "src_audio_path": OURS, "repainting_start": -2}), {}, CTX)
+    assert isinstance(opening, Repaint)
+    assert (opening.start, opening.end) == (-2, None)  # an extension at the start: a 2 s opening
+    assert "'repainting_end': must be -1 with a negative repainting_start" in refused(
+        {"task_type": "repaint", "src_audio_path": OURS, "repainting_start": -2, "repainting_end": 3}
     )
     upload = bodies.Upload("src_audio", "a.mp3", "audio/mpeg", b"x")
     out = read_task(Params({"task_type": "repaint"}), {"src_audio": upload}, CTX)

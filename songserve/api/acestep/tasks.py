@@ -101,9 +101,11 @@ async def continue_from(
     """
     task = repaint.task
     start_key = task.keys.get("at_sec", "repainting_start")
-    if repaint.start <= 0:
+    if repaint.start == 0:
         raise field_error(
-            start_key, "must be more than 0 seconds: a repaint keeps the source before it (text2music makes a new song)"
+            start_key,
+            "must not be 0: a repaint keeps the source before it, a negative start adds an opening "
+            "(text2music makes a new song)",
         )
     if isinstance(repaint.source, Upload):
         return await _from_upload(uploads, task, repaint, start_key, caller)
@@ -111,11 +113,18 @@ async def continue_from(
     source, take = await _source(svc, repaint.source, key, caller)
     if repaint.start > take.duration_sec:
         raise field_error(start_key, f"is past the end of the source ({take.duration_sec:.2f} s)")
-    cf = {"job_id": repaint.source.job_id, "track_index": repaint.source.index, "at_sec": repaint.start}
+    cf = {"job_id": repaint.source.job_id, "track_index": repaint.source.index, **_point(repaint.start)}
     task.request = _retake(task, *_bounded(cf, repaint.end, take.duration_sec), caption_of(source), key)
     # Our retake's fields under the names the client sent: where the source and the point came from.
     task.keys |= {"continue_from": key, "job_id": key, "track_index": key, "at_sec": start_key}
+    task.keys |= {"before_sec": start_key}
     return task
+
+
+def _point(start: float) -> dict[str, float]:
+    """``repainting_start`` as our ``continue_from``: the second a retake or repaint starts at, or (negative)
+    the length of a new opening."""
+    return {"before_sec": -start} if start < 0 else {"at_sec": start}
 
 
 def _bounded(cf: dict[str, Any], end: float | None, seconds: float) -> tuple[dict[str, Any], float | None]:
@@ -145,9 +154,10 @@ async def _from_upload(
         await uploads.delete(view.upload_id)
         raise field_error(start_key, f"is past the end of the source ({view.duration_sec:.2f} s)")
     caption = task.request.acestep.caption if task.request.acestep is not None else ""
-    cf, duration = _bounded({"upload_id": view.upload_id, "at_sec": start}, repaint.end, view.duration_sec)
+    cf, duration = _bounded({"upload_id": view.upload_id, **_point(start)}, repaint.end, view.duration_sec)
     task.request = _retake(task, cf, duration, caption, upload.field)
     task.keys |= {"continue_from": upload.field, "upload_id": upload.field, "at_sec": start_key}
+    task.keys |= {"before_sec": start_key}
     log.info("acestep: repaint of an uploaded %s from %.2f s: upload %s", upload.field, start, view.upload_id)
     return task
 
@@ -165,7 +175,7 @@ def _retake(task: Task, cf: dict[str, Any], duration: float | None, caption: str
     body |= {k: sent[k] for k in ("seed", "backbone") if k in sent}
     if duration is not None:  # an extension at the end: the song runs on to the repaint's end
         body["duration"] = duration
-    elif "duration" in sent and "end_sec" not in cf:  # a bounded repaint is as long as its source
+    elif "duration" in sent and "end_sec" not in cf and "before_sec" not in cf:  # a repaint keeps its length
         body["duration"] = sent["duration"]
     body["acestep"] = {"audio_format": task.audio_format, "caption": caption}
     try:

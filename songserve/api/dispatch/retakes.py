@@ -12,6 +12,10 @@ What the retake does not send it inherits from the original's request: the style
 duration, sampling settings and models; ``num_tracks``, ``seed``, ``priority`` (and the ACE-Step
 dialect's ``acestep`` extras) are its own.
 
+An extension at the start (``continue_from.before_sec``) is a repaint of a grid that starts with room
+for the new opening (``CodeGrid.opened``): nothing kept before it, the join at or after the room, so
+the song is longer by about ``before_sec`` and the original is kept exactly after the join.
+
 A repaint (``continue_from.end_sec``) keeps the whole original grid instead of its start: the worker
 writes the frames from ``at_sec`` on and rejoins the original within ``REPAINT_JOIN_WINDOW_SEC`` of
 ``end_sec`` (``RepaintSpan``), so the take is as long as the original and inherits its duration; a
@@ -41,7 +45,7 @@ from songserve.audio import codes
 from songserve.audio.reading import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus
-from songserve.schemas.continuation import RepaintSpan
+from songserve.schemas.continuation import MAX_PREFIX_FRAMES, RepaintSpan
 
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
@@ -79,7 +83,6 @@ async def resolve(
     if cf.upload_id is not None:
         return await _resolve_upload(req, cf, artifacts, load_upload, join_window_sec)
     assert cf.job_id is not None
-    assert cf.at_sec is not None
     try:
         original = await load_job(cf.job_id)
     except NotFoundError:
@@ -95,6 +98,13 @@ async def resolve(
         )
     grid = await asyncio.to_thread(_read_codes, artifacts, cf)
     fps = float(grid.header["frame_rate"])
+    if cf.before_sec is not None:
+        request = _merged(req, original.request, grid.header.get("models") or {})
+        if "duration" in req.body.sent:
+            raise FieldError("duration", "an extension is as long as the take and its new opening: leave duration out")
+        opened = opening(grid, cf, fps, join_window_sec)
+        return Retake(request.model_copy(update={"duration": opened.seconds() / 60}), opened)
+    assert cf.at_sec is not None
     keep = int(cf.at_sec * fps)  # frames wholly before at_sec
     if not 1 <= keep < grid.frames:
         raise FieldError(
@@ -114,6 +124,24 @@ async def resolve(
         )
     kept = grid.cut(keep)
     return Retake(request, codes.CodeGrid(kept.codes, {**head, "frames": kept.frames}))
+
+
+def opening(grid: codes.CodeGrid, cf: ContinueFrom, fps: float, join_window_sec: float) -> codes.CodeGrid:
+    """The grid an extension at the start is written into: room for ``before_sec`` of new opening, then
+    the original; its header names the span (``RepaintSpan.opening``) and where it came from."""
+    assert cf.before_sec is not None
+    room = round(cf.before_sec * fps)
+    if room < 1:
+        raise FieldError("continue_from.before_sec", f"is shorter than a frame ({1 / fps * 1000:.0f} ms)")
+    if room + grid.frames > MAX_PREFIX_FRAMES:
+        raise FieldError(
+            "continue_from.before_sec",
+            f"makes the song longer than {MAX_PREFIX_FRAMES / fps / 60:.0f} minutes, the longest a worker makes",
+        )
+    span = RepaintSpan(start=0, end=room, window=round(join_window_sec * fps), opening=room)
+    opened = grid.opened(room)
+    head = {**opened.header, "origin": origin_of(cf), "before_sec": cf.before_sec, "repaint": span.model_dump()}
+    return codes.CodeGrid(opened.codes, head)
 
 
 def repaint_span(cf: ContinueFrom, start: int, frames: int, fps: float, join_window_sec: float) -> RepaintSpan:
@@ -150,7 +178,16 @@ async def _resolve_upload(
             f"must be inside the upload: from {1 / FPS:.3f} s to {u.duration_sec:.2f} s (or left out: its end)",
         )
     keep = upload_keep(cf, u.frames, FPS)
-    if cf.end_sec is not None:
+    if cf.before_sec is not None:
+        if "duration" in req.body.sent:
+            raise FieldError(
+                "duration", "an extension is as long as the upload and its new opening: leave duration out"
+            )
+        room = round(cf.before_sec * FPS)
+        if room < 1 or room + u.frames > MAX_PREFIX_FRAMES:
+            raise FieldError("continue_from.before_sec", "must be at least a frame, and the song at most 15 minutes")
+        req = req.model_copy(update={"duration": (room + u.frames) / FPS / 60})
+    elif cf.end_sec is not None:
         repaint_span(cf, keep, u.frames, FPS, join_window_sec)  # the part must be inside the upload
         if "duration" in req.body.sent:
             raise FieldError("duration", "a repaint is as long as the upload it repaints: leave duration out")
@@ -180,6 +217,8 @@ def upload_prefix(artifacts: ArtifactStore, cf: ContinueFrom, join_window_sec: f
     assert cf.upload_id is not None
     grid = codes.read(artifacts.upload_path(cf.upload_id, "codes.codes"))
     fps = float(grid.header["frame_rate"])
+    if cf.before_sec is not None:
+        return opening(grid, cf, fps, join_window_sec)
     if cf.end_sec is not None:
         span = repaint_span(cf, upload_keep(cf, grid.frames, fps), grid.frames, fps, join_window_sec)
         head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec, "repaint": span.model_dump()}
@@ -248,6 +287,18 @@ def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, 
     merged = GenerateRequest.model_validate({**body, **own})
     merged._body = req.body  # what the client sent (and its unknown names) is what the answer reports on
     return merged
+
+
+def describe(grid: codes.CodeGrid) -> str:
+    """What a resolved ``continue_from`` does, for the log: a retake, a repaint or an extension."""
+    head = grid.header
+    span = head.get("repaint")
+    fps = float(head["frame_rate"])
+    if isinstance(span, dict) and span.get("opening"):
+        return f"extends {head['origin']} by a {span['opening'] / fps:.2f} s opening ({grid.frames} frames)"
+    if isinstance(span, dict):
+        return f"repaints {head['origin']} from {span['start'] / fps:.2f} s to {span['end'] / fps:.2f} s"
+    return f"continues {head['origin']} from {head['at_sec']:.2f} s ({grid.frames} frames kept)"
 
 
 def prefix_codes(grid: codes.CodeGrid) -> PrefixCodes:

@@ -197,14 +197,7 @@ class JobService:
             f", key {caller.name}" if caller else "",
         )
         if retake is not None and retake.kept is not None:
-            head = retake.kept.header
-            log.info(
-                "job %s: continues %s from %.2f s (%d frames kept)",
-                job_id,
-                head["origin"],
-                head["at_sec"],
-                retake.kept.frames,
-            )
+            log.info("job %s: %s", job_id, retakes.describe(retake.kept))
         if norm.adjusted:  # the values as sent are the client's text: escaped and capped
             log.info("job %s: read as the reference reads it: %s", job_id, safe(norm.adjusted, 500))
         if norm.unknown_count:

@@ -98,7 +98,7 @@ class TonePipeline:
                 )
             kept = np.frombuffer(req.prefix.raw, dtype="<i2").reshape(SUPERRES_LEVELS, req.prefix.frames)
             start = req.prefix.frames if repaint is None else repaint.start
-            codes[:, :start] = kept[:, :start]
+            codes[:, :start] = kept[:, :start]  # an opening (start 0) keeps nothing before
             if repaint is not None:
                 codes[:, repaint.end :] = kept[:, repaint.end :]
         n = frames * HOP
@@ -127,8 +127,8 @@ class TonePipeline:
             "job_id": req.job_id,
             "track_index": req.track_index,
         }
-        if req.prefix is not None:
-            kept_frames = req.prefix.frames if repaint is None else repaint.start
+        kept_frames = 0 if req.prefix is None else req.prefix.frames if repaint is None else repaint.start
+        if req.prefix is not None and kept_frames > 0:
             meta["continued"] = {
                 "frames": kept_frames,
                 "at_sec": kept_frames / FRAMES_PER_SECOND,
@@ -141,6 +141,7 @@ class TonePipeline:
                 "end_frame": repaint.end,
                 "join_frame": repaint.end,
                 "window": repaint.window,
+                "opening": repaint.opening,
                 "origin": req.prefix.origin,
                 "changed_samples": [repaint.start * HOP, repaint.end * HOP],
             }
