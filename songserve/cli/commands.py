@@ -15,7 +15,8 @@ Without ``--duration`` the song has the server's default length (``POST /generat
 ``--continue JOB:TRACK@SEC`` retakes a finished take from SEC seconds on: what comes before is kept,
 and whatever is not given on the command line (style, lyrics, duration) stays the original's.
 ``--continue JOB:TRACK@SEC-END`` repaints the part from SEC to END seconds: the take is kept before SEC
-and after a join near END, and the part between is written again (with the lyrics given, if any).
+and after a join near END, and the part between is written again (with the lyrics given, if any);
+``--continue JOB:TRACK@-SEC`` extends the take at its start with a new opening of SEC seconds.
 ``--continue-audio FILE[@SEC]`` uploads your own audio (``POST /uploads``: WAV, FLAC, OGG, MP3, any
 rate) and continues it from SEC seconds on (its end without ``@SEC``) with the style and lyrics given;
 without ``--duration`` the song is the upload plus 30 s (at least a minute).
@@ -46,7 +47,7 @@ import httpx
 from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
-CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?$")
+CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(-?\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?$")
 AUDIO_AT = re.compile(r"^(.+)@(\d+(?:\.\d*)?)$")
 STORED = ("mp3", "wav", "codes")  # the files a track has; any other format is rendered from its WAV
 
@@ -103,13 +104,18 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
 
 
 def continue_from(text: str) -> dict[str, Any]:
-    """``JOB:TRACK@SEC`` (a retake) or ``JOB:TRACK@SEC-END`` (a repaint) → the request's ``continue_from``."""
+    """``JOB:TRACK@SEC`` (a retake), ``JOB:TRACK@SEC-END`` (a repaint) or ``JOB:TRACK@-SEC`` (an opening of
+    SEC seconds) → the request's ``continue_from``."""
     m = CONTINUE.match(text)
     if m is None:
         raise ClientError(
             f"--continue {text!r}: expected JOB:TRACK@SEC or JOB:TRACK@SEC-END, e.g. 3f2a9c01d4e5b677:0@80.5"
         )
-    cf: dict[str, Any] = {"job_id": m.group(1), "track_index": int(m.group(2)), "at_sec": float(m.group(3))}
+    cf: dict[str, Any] = {"job_id": m.group(1), "track_index": int(m.group(2))}
+    at = float(m.group(3))
+    if at < 0 and m.group(4) is None:
+        return cf | {"before_sec": -at}  # JOB:TRACK@-SEC: a new opening of SEC seconds
+    cf["at_sec"] = at
     if m.group(4) is not None:
         cf["end_sec"] = float(m.group(4))
     return cf
@@ -340,8 +346,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--continue",
         dest="cont",
-        metavar="JOB:TRACK@SEC[-END]",
-        help="retake a finished take from SEC on (with -END: repaint the part from SEC to END)",
+        metavar="JOB:TRACK@[-]SEC[-END]",
+        help="retake a finished take from SEC on (with -END: repaint the part from SEC to END; @-SEC: a new opening)",
     )
     g.add_argument(
         "--continue-audio", dest="cont_audio", metavar="FILE[@SEC]", help="upload your audio, continue it from SEC on"

@@ -147,6 +147,13 @@ def test_continue_with_an_end_repaints_that_part_and_says_why_a_bad_one_is_refus
         round(4 * fps),
     )
     assert grid.frames == int(6.0 * fps)
+    opened = tmp_path / "opened"
+    spec = f"{original['job_id']}:0@-1.5"
+    out = cli("--server", cluster.url, "generate", "--continue", spec, "--formats", "codes", "--out", str(opened))
+    assert out.returncode == 0, out.stderr
+    grid = codes.read(next(opened.glob("*_track0.codes")))
+    assert grid.header["repainted"]["opening"] == round(1.5 * fps)
+    assert grid.frames == int(6.0 * fps) + round(1.5 * fps)
     bad = cli("--server", cluster.url, "generate", "--continue", f"{original['job_id']}:0@2-9", "--out", str(tmp_path))
     assert bad.returncode == 1
     assert "continue_from.end_sec" in bad.stderr
