@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from songserve.schemas.body_fields import BodyFields, read_body
+from songserve.schemas.common import ADAPTER_PATTERN, MAX_ADAPTER_SCALE
 from songserve.schemas.continuation import ContinueFrom
 
 WebhookEventName = Literal["start", "progress", "track", "completed"]
@@ -35,6 +36,15 @@ class AceStepExtras(BaseModel):
 
     audio_format: Literal["mp3", "wav", "flac"] = "mp3"
     caption: str = Field("", max_length=50_000)
+
+
+class TakeChoice(BaseModel):
+    """One take's own choices in ``GenerateRequest.takes``: its LoRA adapter and the adapter's scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapter: str | None = Field(None, max_length=64, pattern=ADAPTER_PATTERN, description="null: the base model")
+    adapter_scale: float = Field(1.0, ge=0, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
 
 
 class GenerateRequest(BaseModel):
@@ -81,6 +91,20 @@ class GenerateRequest(BaseModel):
     preview: bool = Field(
         False, description="make live audio from the first seconds, listened to or not (a listener asks for it too)"
     )
+    adapter: str | None = Field(
+        None,
+        max_length=64,
+        pattern=ADAPTER_PATTERN,
+        description="a LoRA adapter (GET /adapters) for every take; left out: the base model (a retake: the take's)",
+    )
+    adapter_scale: float = Field(
+        1.0, ge=0, le=MAX_ADAPTER_SCALE, allow_inf_nan=False, description="the adapter's strength; 0 is the base model"
+    )
+    takes: list[TakeChoice] | None = Field(
+        None,
+        max_length=1000,
+        description="each take's own adapter and scale, one entry per take (as many as num_tracks)",
+    )
 
     webhook: str | None = Field(
         None, max_length=2000, description="an http(s) URL that receives the job's events, signed (docs/api.md)"
@@ -114,6 +138,19 @@ class GenerateRequest(BaseModel):
         if value is not None and not info.data.get("webhook"):
             raise ValueError("needs a webhook to send them to")
         return list(dict.fromkeys(value)) if value is not None else None
+
+    @model_validator(mode="after")
+    def _one_choice_per_take(self) -> GenerateRequest:
+        if self.takes is not None and len(self.takes) != self.num_tracks:
+            raise ValueError(f"takes has {len(self.takes)} entries for {self.num_tracks} takes (num_tracks)")
+        return self
+
+    def take_adapter(self, index: int) -> tuple[str, float]:
+        """The adapter (``""`` none) and scale take ``index`` is made with."""
+        if self.takes is not None and index < len(self.takes):
+            choice = self.takes[index]
+            return choice.adapter or "", choice.adapter_scale
+        return self.adapter or "", self.adapter_scale
 
     @model_validator(mode="wrap")
     @classmethod

@@ -133,6 +133,29 @@ class TakeHealth(BaseModel):
     preview_sec: float | None = None  # seconds of its live audio written so far
 
 
+class AdapterHeld(BaseModel):
+    """A LoRA adapter a worker holds in one of its slots."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(max_length=64)
+    rank: int = Field(0, ge=0)
+    targets: list[str] = Field(default_factory=list)
+    bytes: int = Field(0, ge=0)
+    hits: int = Field(0, ge=0)
+
+
+class AdaptersHealth(BaseModel):
+    """A worker's adapters: those resident in its slots (at most ``capacity``, ``MAX_ADAPTERS``) and every
+    name in its ``ADAPTERS_DIR`` it could load."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    resident: list[AdapterHeld] = Field(default_factory=list)
+    capacity: int = Field(0, ge=0)
+    available: list[str] = Field(default_factory=list)
+
+
 class WorkerHealth(BaseModel):
     """Worker ``GET /health``: the reference's fields and our extensions (ext), all optional, in our wire order."""
 
@@ -171,6 +194,7 @@ class WorkerHealth(BaseModel):
     tasks: list[TakeHealth] = Field(default_factory=list)  # ext: the takes of the running batch
     cuda_allocated_mb: float | None = None  # ext, on CUDA: memory torch holds on the device
     kv_snapshots: dict[str, Any] | None = None  # ext, model pipeline: the backbone's kept prefixes (slots, bytes)
+    adapters: AdaptersHealth | None = None  # ext, model pipeline: the LoRA adapters it can load and holds
     launch_nonce: str | None = None  # ext: the id run_backend.sh gave this process (LAUNCH_NONCE), if any
 
     def take(self, task_id: str) -> TakeHealth | None:

@@ -61,6 +61,8 @@ def _plain(schema: dict[str, Any]) -> dict[str, Any]:
         out = {**(kept[0] if len(kept) == 1 else {"anyOf": kept}), **out}
     if "$ref" in out:
         out["$ref"] = out["$ref"].rsplit("/", 1)[-1]
+    if isinstance(out.get("items"), dict):
+        out["items"] = _plain(out["items"])
     return out
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import httpx
 
-from songserve.api.dispatch.placement import pick
+from songserve.api.dispatch.placement import NO_ADAPTER, NO_WORKER, PlanFacts, pack, pick, plan
+from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
-from songserve.schemas import GenerateRequest, WorkerHealth
+from songserve.schemas import GenerateRequest, WorkerConfig, WorkerHealth
+from songserve.schemas.worker import AdapterHeld, AdaptersHealth
 from tests.support.http import TLS
 
 ORIGINAL = "0123456789abcdef"
@@ -81,3 +83,48 @@ def test_a_retake_that_failed_on_the_snapshots_holder_goes_to_another_of_our_wor
     j = job(retake=True)
     j.tracks[0].avoid_worker = 0
     assert pick([holder, other], j, j.tracks[0]) is other
+
+
+def with_adapters(worker_id: int, available: tuple[str, ...], resident: tuple[str, ...] = ()) -> WorkerHandle:
+    w = handle(worker_id)
+    held = AdaptersHealth(
+        resident=[AdapterHeld(name=n, rank=4) for n in resident], capacity=4, available=list(available)
+    )
+    w.health = w.health.model_copy(update={"adapters": held})
+    return w
+
+
+def adapter_job(*choices: str | None) -> Job:
+    takes = [{"adapter": c} for c in choices]
+    req = GenerateRequest.model_validate({"tags": "pop", "num_tracks": len(choices), "takes": takes})
+    tracks = [Track("fedcba9876543210", i, 1 + i) for i in range(len(choices))]
+    return Job(job_id="fedcba9876543210", seq=1, created_at=0.0, request=req, cleaned_lyrics="", tracks=tracks)
+
+
+def test_a_take_with_an_adapter_goes_to_a_worker_that_can_load_it_one_that_holds_it_first():
+    free = [handle(0), with_adapters(1, ("a", "b")), with_adapters(2, ("a", "b"), resident=("b",))]
+    j = adapter_job("a", "b", None)
+    assert pick(free, j, j.tracks[0]) is free[1]  # the first that can load it
+    assert pick(free, j, j.tracks[1]) is free[2]  # the one that holds it
+    assert pick(free, j, j.tracks[2]) is free[0]  # no adapter: any worker, in the pool's order
+    assert pick([handle(0), with_adapters(1, ("b",))], j, j.tracks[0]) is None  # nobody can load "a": it waits
+
+
+def test_a_batch_packs_only_the_takes_whose_adapters_its_worker_can_load_and_waits_say_why():
+    j = adapter_job("a", "c", "b", None)
+    w = with_adapters(1, ("a", "b"))
+    w.config = WorkerConfig(max_batch=4)
+    more = pack(j, w, "always", queued_after=3, free_after=0, taken={j.tracks[0].key})
+    assert [t.index for t in more] == [2, 3]  # "c" is not on this worker
+    entries = [QueueEntry(j.job_id, i, 0, 1) for i in range(4)]
+    out = plan(entries, {j.job_id: j}, {t.key for t in j.tracks}, [w], PlanFacts("never"))
+    assert [a.keys for a in out.assignments] == [[j.tracks[0].key]]
+    assert out.waiting[j.tracks[1].key] == NO_WORKER  # the only worker is taken by then
+
+
+def test_without_any_worker_that_can_load_it_a_take_waits_saying_so():
+    j = adapter_job("c")
+    out = plan(
+        [QueueEntry(j.job_id, 0, 0, 1)], {j.job_id: j}, {j.tracks[0].key}, [with_adapters(1, ("a",))], PlanFacts("auto")
+    )
+    assert out.waiting[j.tracks[0].key] == NO_ADAPTER

@@ -349,7 +349,9 @@ class Dispatcher:
     def fleet(self) -> Fleet:
         pool = self.pool
         models = pool.models("backbone"), pool.models("superres")
-        return Fleet(*models, pool.context_minutes(), len(pool.workers), pool.untrained(), pool.on_cpu())
+        return Fleet(
+            *models, pool.context_minutes(), len(pool.workers), pool.untrained(), pool.on_cpu(), pool.adapters()
+        )
 
     def kick(self) -> None:
         """Something may start now (an upload was stored): the dispatch loop looks at once."""

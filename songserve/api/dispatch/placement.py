@@ -8,7 +8,9 @@ A retake is pickier: only our workers can continue a song (a reference worker kn
 prefix), and among them one whose ``/health`` lists a KV
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
-same song, only the prefill is longer.
+same song, only the prefill is longer. A take with a LoRA adapter goes only to a worker whose
+``/health`` lists it among the adapters it can load (``adapters.available``), one that holds it in
+a slot (``adapters.resident``) first, for the same reason: it starts without loading it.
 
 ``pack`` (``PACK_TRACKS``): a job's queued takes go to one worker as one batch when more are
 queued than workers are free (``auto``), always, or never; retakes of one prefix always go
@@ -35,6 +37,17 @@ NO_WORKER = "no free worker"
 NOT_ENCODED = "its upload is not encoded yet"
 NO_PREFIX = "no free worker can continue a song (a reference worker knows no prefix)"
 NOT_THERE_AGAIN = "it waits for a worker other than the one its last attempt failed on"
+NO_ADAPTER = "no free worker can load its adapter"
+
+
+def serves_adapter(w: WorkerHandle, name: str) -> bool:
+    """``w`` can make a take with adapter ``name`` ("" none: every worker can)."""
+    return not name or (w.health.adapters is not None and name in w.health.adapters.available)
+
+
+def holds_adapter(w: WorkerHandle, name: str) -> bool:
+    """``w``'s latest health lists adapter ``name`` in one of its slots."""
+    return w.health.adapters is not None and any(a.name == name for a in w.health.adapters.resident)
 
 
 def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
@@ -58,16 +71,21 @@ def pick(free: list[WorkerHandle], job: Job, t: Track, fleet: Sequence[WorkerHan
     the worker ``t`` last failed on is free and another of ``fleet`` (the pool) could take it later."""
     candidates = free
     cf = job.request.continue_from
+    adapter, _ = job.request.take_adapter(t.index)
+    if adapter:
+        candidates = [w for w in candidates if serves_adapter(w, adapter)]
+        holders = [w for w in candidates if holds_adapter(w, adapter)]
+        candidates = holders + [w for w in candidates if w not in holders]
     if cf is not None:
-        candidates = [w for w in free if not w.client.reference]
+        candidates = [w for w in candidates if not w.client.reference]
         holders = [w for w in candidates if holds_snapshot(w, origin_of(cf))]
         candidates = holders + [w for w in candidates if w not in holders]
-        if not candidates:
-            return None
+    if not candidates:
+        return None
     chosen = next((w for w in candidates if w.worker_id != t.avoid_worker), None)
     if chosen is not None:
         return chosen
-    if any(w.worker_id != t.avoid_worker and could_take(w, job) for w in fleet):
+    if any(w.worker_id != t.avoid_worker and could_take(w, job) and serves_adapter(w, adapter) for w in fleet):
         return None  # wait for that one
     return candidates[0]
 
@@ -78,7 +96,13 @@ def pack(job: Job, w: WorkerHandle, mode: str, queued_after: int, free_after: in
         mode = "always"  # retakes of one prefix: one batch prefills it once
     if w.max_batch <= 1 or mode == "never" or (mode == "auto" and queued_after <= free_after):
         return []
-    more = [x for x in job.tracks if x.status is TrackStatus.queued and (job.job_id, x.index) not in taken]
+    more = [
+        x
+        for x in job.tracks
+        if x.status is TrackStatus.queued
+        and (job.job_id, x.index) not in taken
+        and serves_adapter(w, job.request.take_adapter(x.index)[0])  # takes of several adapters batch together
+    ]
     room = w.max_batch - 1
     if mode == "auto":
         room = min(room, queued_after - free_after)  # leave the free workers their share
@@ -148,8 +172,12 @@ def plan(
         w = pick(left, job, t, facts.fleet)
         if w is None:
             cf = job.request.continue_from
+            adapter = job.request.take_adapter(t.index)[0]
             ours = any(not x.client.reference for x in left)
-            out.waiting[key] = NO_PREFIX if cf is not None and not ours else NOT_THERE_AGAIN
+            if not any(serves_adapter(x, adapter) for x in left):
+                out.waiting[key] = NO_ADAPTER
+            else:
+                out.waiting[key] = NO_PREFIX if cf is not None and not ours else NOT_THERE_AGAIN
             continue
         more = pack(job, w, facts.pack_tracks, len(ordered) - len(done) - 1, len(left) - 1, done | {key})
         tracks = [t, *more]

@@ -33,9 +33,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from songserve.api.jobs.facts import AdapterOffer
 from songserve.api.jobs.records import Key
 from songserve.api.store.members import WorkerRow
 from songserve.api.workers.client import WorkerClient, WorkerHttp
@@ -347,6 +348,22 @@ class WorkerPool:
     def on_cpu(self) -> int:
         """Workers whose ``/config`` names the CPU as their device (the page's default length is short then)."""
         return sum(w.config is not None and (w.config.device or "").startswith("cpu") for w in self.workers)
+
+    def adapters(self) -> list[AdapterOffer]:
+        """The LoRA adapters the online workers can load (their ``/health``), by name."""
+        found: dict[str, AdapterOffer] = {}
+        for w in self.workers:
+            held = w.health.adapters
+            if not w.online or held is None:
+                continue
+            for name in held.available:
+                offer = found.setdefault(name, AdapterOffer(name, [], []))
+                offer.workers.append(w.worker_id)
+            for a in held.resident:
+                offer = found.setdefault(a.name, AdapterOffer(a.name, [], []))
+                offer.resident_on.append(w.worker_id)
+                found[a.name] = replace(offer, rank=a.rank, targets=list(a.targets), bytes=a.bytes)
+        return sorted(found.values(), key=lambda o: o.name)
 
     def models(self, kind: str) -> list[str]:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""

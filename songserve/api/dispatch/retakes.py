@@ -9,7 +9,7 @@ themselves (``PrefixCodes``): they are cut from the original's codes now and kep
 folder, so the retake does not depend on the original staying within its retention.
 
 What the retake does not send it inherits from the original's request: the style, lyrics,
-duration, sampling settings and models; ``num_tracks``, ``seed``, ``priority`` (and the ACE-Step
+duration, sampling settings and models, and the LoRA adapter and scale its take was made with; ``num_tracks``, ``seed``, ``priority`` (and the ACE-Step
 dialect's ``acestep`` extras) are its own.
 
 An extension at the start (``continue_from.before_sec``) is a repaint of a grid that starts with room
@@ -51,7 +51,19 @@ log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
 MODELS = ("backbone", "superres")
 # A retake's own, never the original's: how many, seeds, priority, what it continues, its preview, its events' URL.
-OWN = {"num_tracks", "seed", "priority", "continue_from", "acestep", "preview", "webhook", "webhook_events"}
+OWN = {
+    "num_tracks",
+    "seed",
+    "priority",
+    "continue_from",
+    "acestep",
+    "preview",
+    "webhook",
+    "webhook_events",
+    "adapter",
+    "adapter_scale",
+    "takes",
+}
 FPS = SAMPLE_RATE / HOP  # an upload's frames per second before its codes (which say so) exist
 LoadUpload = Callable[[str], Awaitable[UploadRecord | None]]
 
@@ -99,7 +111,7 @@ async def resolve(
     grid = await asyncio.to_thread(_read_codes, artifacts, cf)
     fps = float(grid.header["frame_rate"])
     if cf.before_sec is not None:
-        request = _merged(req, original.request, grid.header.get("models") or {})
+        request = _merged(req, original.request, grid.header.get("models") or {}, cf.track_index)
         if "duration" in req.body.sent:
             raise FieldError("duration", "an extension is as long as the take and its new opening: leave duration out")
         opened = opening(grid, cf, fps, join_window_sec)
@@ -110,7 +122,7 @@ async def resolve(
         raise FieldError(
             "continue_from.at_sec", f"must be inside the song: from {1 / fps:.3f} s to below {grid.seconds():.2f} s"
         )
-    request = _merged(req, original.request, grid.header.get("models") or {})
+    request = _merged(req, original.request, grid.header.get("models") or {}, cf.track_index)
     head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec}
     if cf.end_sec is not None:
         if "duration" in req.body.sent and request.duration != original.request.duration:
@@ -273,10 +285,14 @@ def _read_codes(artifacts: ArtifactStore, cf: ContinueFrom) -> codes.CodeGrid:
         ) from None
 
 
-def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, Any]) -> GenerateRequest:
-    """The retake's body: what it sent, else the original's values; the models must be the ones that made it."""
+def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, Any], index: int) -> GenerateRequest:
+    """The retake's body: what it sent, else the original's values (the adapter: take ``index``'s); the
+    models must be the ones that made it."""
     sent = req.body.sent
     body: dict[str, Any] = {k: getattr(original, k) for k in INHERITED}
+    if not {"adapter", "adapter_scale", "takes"} & sent.keys():
+        adapter, scale = original.take_adapter(index)
+        body |= {"adapter": adapter or None, "adapter_scale": scale}
     body.update({k: v for k, v in sent.items() if k in INHERITED})
     for name in MODELS:
         want, made = sent.get(name) or getattr(original, name), made_by.get(name)

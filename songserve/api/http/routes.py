@@ -247,6 +247,12 @@ async def ready(request: Request, readings: Readings = ReadingsDep, keys: ApiKey
     return JSONResponse({"status": "ready", **({"workers_ready": readings.workers_ready()} if told else {})})
 
 
+@router.get("/adapters")
+async def adapters(readings: Readings = ReadingsDep) -> dict[str, object]:
+    """The LoRA adapters this fleet can serve: ``[{name, workers, resident_on, rank, targets, bytes}]``."""
+    return readings.adapters()
+
+
 @router.get("/config")
 async def config(readings: Readings = ReadingsDep) -> dict[str, object]:
     return readings.config()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from songserve.api.jobs.records import Key
 
@@ -26,3 +26,17 @@ class Fleet:
     workers: int
     untrained: int = 0  # workers running an untrained set (their /config says so): what they make is noise
     on_cpu: int = 0  # workers whose /config names the CPU as their device: minutes of song take them minutes
+    adapters: list[AdapterOffer] = field(default_factory=list)  # the LoRA adapters some worker can load, by name
+
+
+@dataclass(frozen=True)
+class AdapterOffer:
+    """A LoRA adapter as the fleet offers it: which workers can load it, which hold it now, and what it
+    is (rank, the layers it targets, its size) as a worker that holds it says."""
+
+    name: str
+    workers: list[int]
+    resident_on: list[int]
+    rank: int | None = None
+    targets: list[str] = field(default_factory=list)
+    bytes: int | None = None

@@ -110,6 +110,16 @@ class JobService:
         self._check_context(norm.request.duration, fleet.context)
         return norm
 
+    def _check_adapters(self, req: GenerateRequest) -> None:
+        """Refuse before any work a take whose LoRA adapter no worker here can load (``GET /adapters``)."""
+        offered = {o.name for o in self.dispatcher.fleet().adapters}
+        for i in range(req.num_tracks):
+            name, _ = req.take_adapter(i)
+            if name and name not in offered:
+                field = f"takes.{i}.adapter" if req.takes is not None else "adapter"
+                known = ", ".join(sorted(offered)[:20]) or "none"
+                raise FieldError(field, f"no worker here can load adapter {name!r} (GET /adapters; known: {known})")
+
     def _check_context(self, minutes: float, known: tuple[int, int] | None) -> None:
         """Refuse before any work a song that no worker's context can hold (the workers say their limits)."""
         if known is None:
@@ -149,6 +159,7 @@ class JobService:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req, strict or self.s.strict_requests)
         req, lyrics = norm.request, norm.cleaned_lyrics
+        self._check_adapters(req)
         check_request(caller, req)
         if req.webhook:
             await self._check_webhook(req.webhook)

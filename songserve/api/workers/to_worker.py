@@ -47,6 +47,7 @@ def worker_request(job: Job, t: Track, prefix: PrefixCodes | None = None) -> Wor
     r = job.request
     natural = r.prompt_mode == "natural"
     style = r.prompt if natural else r.tags
+    adapter, scale = r.take_adapter(t.index)
     return WorkerGenerateRequest(
         # The prompt builder (ours and the reference's) reads a tags prompt from ``tags`` and a
         # natural-language one from ``description``; the client sends either as ``prompt``/``tags``.
@@ -73,6 +74,8 @@ def worker_request(job: Job, t: Track, prefix: PrefixCodes | None = None) -> Wor
         track_index=t.index,
         prefix=prefix,
         preview=r.preview,
+        adapter=adapter,
+        adapter_scale=scale,
     )
 
 
