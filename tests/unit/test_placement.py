@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 
 from songserve.api.dispatch.placement import NO_ADAPTER, NO_WORKER, PlanFacts, pack, pick, plan
-from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.pool import WorkerHandle
+from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.jobs.records import Job, Track
 from songserve.api.workers.client import REFERENCE, WorkerClient, WorkerHttp
 from songserve.schemas import GenerateRequest, WorkerConfig, WorkerHealth
