@@ -17,7 +17,10 @@ import pytest
 import torch
 
 from songserve.audio import codes as codes_file
+from songserve.errors import RequestError
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.stages.codec import decode_chunks, samples_touched
+from songserve.pipeline.stages.length import plan_repaint
 from songserve.pipeline.stages.superres import SuperRes, repaint_windows
 from songserve.pipeline.types import Prefix, Repaint, TrackRequest
 
@@ -165,3 +168,24 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
         assert torch.equal(got[:, j:], known[:, j:])
         assert torch.equal(got[:2], c)
         assert not torch.equal(got[2:, s:j], known[2:, s:j])
+
+
+def test_a_repaint_plan_writes_every_frame_a_join_may_need_and_never_offers_end_of_audio():
+    plan = plan_repaint(100, 215, 323, 12, 646, context=25600, max_new_tokens=23552)
+    assert (plan.budget_frames, plan.min_frames) == (335, 335)  # the backbone offers end-of-audio from min_frames
+    assert plan_repaint(100, 215, 640, 12, 646, context=25600, max_new_tokens=23552).budget_frames == 646
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        plan_repaint(100, 215, 323, 12, 646, context=25600, max_new_tokens=200)
+    with pytest.raises(RequestError, match="max_sequence_length"):
+        plan_repaint(100, 215, 323, 12, 646, context=700, max_new_tokens=23552)
+
+
+def test_changed_samples_are_the_decoder_chunks_whose_frames_or_context_hold_a_new_frame():
+    hop = 2048
+    assert samples_touched(1000, 256, 16, hop, 300, 400) == (256 * hop, 512 * hop)
+    assert samples_touched(1000, 256, 16, hop, 500, 530) == (256 * hop, 768 * hop)  # 500 is in chunk 2's context
+    assert samples_touched(1000, 256, 16, hop, 300, 496) == (256 * hop, 512 * hop)  # 496 is not: 512 − 16
+    assert samples_touched(1000, 256, 16, hop, 900, 1000) == (768 * hop, 1000 * hop)
+    assert samples_touched(200, 256, 16, hop, 50, 60) == (0, 200 * hop)  # one chunk: the whole take
+    assert samples_touched(1000, 256, 16, hop, 50, 50) == (0, 0)
+    assert [c[:2] for c in decode_chunks(600, 256, 16)] == [(0, 256), (256, 512), (512, 600)]
