@@ -305,6 +305,7 @@ class ModelPipeline:
                 ctxs=[ctxs[i] for i in live],
                 known=kept if original is None else original,
                 spans=spans,
+                span_context=self.s.repaint_context_frames,
             )
             timings["superres_sec"] = time.perf_counter() - t
             residency.leave_superres()

@@ -119,17 +119,22 @@ def test_a_repaint_keeps_the_original_outside_its_new_frames_and_its_audio_outsi
         assert not torch.equal(wave[..., first:last], wave0[..., first:last])
 
 
-def test_a_second_repaint_of_the_same_start_restores_the_prefix_kv_snapshot(pipeline, original):
+def test_a_second_repaint_of_the_same_start_restores_the_prefix_kv_snapshot(pipeline, original, monkeypatch):
     _, grid0 = original
     pipeline.snapshots.clear()
     ((first, _),) = repaint(pipeline, grid0, (21,))
+    monkeypatch.setattr(pipeline.s, "repaint_context_frames", 24)  # a window of the span and 24 frames each side
     ((second, grid),) = repaint(pipeline, grid0, (22,), window=0)  # another span from the same start
+    sec = [r.metadata["timings"]["superres_sec"] for r in (first, second)]
+    print(f"superres: {sec[0]:.2f} s over the whole take, {sec[1]:.2f} s over the span and 24 frames each side")
     tokens = first.metadata["prefill"]["tokens"]
     assert tokens == first.metadata["tokens"]["backbone_prompt"] + 2 * START  # a retake's prefix at START
     assert first.metadata["prefill"]["restored"] == 0
     assert second.metadata["prefill"]["restored"] == tokens
     assert second.metadata["repainted"]["join_frame"] == END  # no window: the join is end
     assert np.array_equal(grid[:, END:], grid0[:, END:])
+    assert np.array_equal(grid[:, :START], grid0[:, :START])
+    assert not np.array_equal(grid[2:, START:END], grid0[2:, START:END])
 
 
 def test_windows_sit_around_the_span_and_each_samples_what_no_window_before_it_did():
@@ -156,14 +161,19 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
         c = known[:2].clone()
         c[:, s:j] = torch.randint(0, 1024, (2, j - s), generator=g)
         coarse.append(c)
-    seen: list[int] = []
+    seen: list[tuple[int, ...]] = []
     forward = small.dm.forward
-    small.dm.forward = lambda x, **kw: (seen.append(x.shape[0]), forward(x, **kw))[1]  # type: ignore[method-assign]
+    small.dm.forward = lambda x, **kw: (seen.append(tuple(x.shape[:2])), forward(x, **kw))[1]  # type: ignore[method-assign]
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
     ctxs = [TaskContext("a"), TaskContext("b")]
     out = small.generate_batch(PROMPT, coarse, top_k=10, generators=gens, ctxs=ctxs, known=known, spans=spans)
-    assert seen == [2] * 62  # one window per take, both takes in one batch, 62 passes
-    for got, c, (s, j) in zip(out, coarse, spans, strict=True):
+    assert seen == [(2, len(PROMPT) + 20)] * 62  # one window per take, both takes in one batch, 62 passes
+    seen.clear()
+    near = small.generate_batch(
+        PROMPT, coarse, top_k=10, generators=gens, ctxs=ctxs, known=known, spans=spans, span_context=3
+    )
+    assert seen == [(2, len(PROMPT) + 18)] * 62  # the longer span and 3 frames each side; the other take padded
+    for got, c, (s, j) in zip([*out, *near], [*coarse, *coarse], [*spans, *spans], strict=True):
         assert torch.equal(got[:, :s], known[:, :s])
         assert torch.equal(got[:, j:], known[:, j:])
         assert torch.equal(got[:2], c)

@@ -64,6 +64,7 @@ class SuperRes:
         known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
         upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
         spans: list[tuple[int, int]] | None = None,  # per take the frames [s, j) written anew; known is the whole grid
+        span_context: int = 0,  # with spans: frames of context on each side of a span in its window; 0 = a whole window
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
         when every take is cancelled; its codes are then simply not used by the caller. With ``upto``
@@ -75,7 +76,7 @@ class SuperRes:
             raise ValueError("the super-resolution prompt fills the whole context")
         if spans is not None:
             assert known is not None, "a repaint's spans need the grid they are spans of"
-            return self._repaint(prompt, coarse, top_k, generators, ctxs, known, spans, window, top)
+            return self._repaint(prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context)
         kept = 0 if known is None else int(known.shape[1])
         if known is not None and int(known.shape[0]) != self.levels:
             raise ValueError(f"the kept frames have {known.shape[0]} levels; this model writes {self.levels}")
@@ -121,8 +122,12 @@ class SuperRes:
         spans: list[tuple[int, int]],
         window: int,
         top: int,
+        span_context: int = 0,
     ) -> list[torch.Tensor]:
         """Each take's span sampled in the windows ``repaint_windows`` places around it; all else is ``known``.
+
+        With ``span_context`` a window holds at most the span and that many frames on each side of it,
+        so a short repaint of a long take costs a short window, not the model's whole one.
 
         The takes' k-th windows run as one batch (a take's rows start where its own window does:
         the positions are the window's own, as in any window), and what a window samples is known
@@ -138,7 +143,10 @@ class SuperRes:
             out = known.clone()
             out[:2] = c
             outs.append(out)
-        plans = [repaint_windows(s, j, int(c.shape[1]), window) for c, (s, j) in zip(coarse, spans, strict=True)]
+        plans = []
+        for c, (s, j) in zip(coarse, spans, strict=True):
+            size = min(window, j - s + 2 * span_context) if span_context > 0 else window
+            plans.append(repaint_windows(s, j, int(c.shape[1]), size))
         rounds = max((len(p) for p in plans), default=0)
         passes = top - 2
         done = [s for s, _ in spans]  # per take: its span is sampled up to this frame
