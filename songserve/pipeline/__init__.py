@@ -12,7 +12,7 @@ its modules. At the top, the orchestration and the seams:
     pipeline.py      ``ModelPipeline``: the stages in order for one request's takes
     finish.py        the decoder, metadata and files of one take
     encoding.py      one upload's encoding on the model thread
-    continuation.py  a retake's kept frames as the stages take them
+    continuation.py  a retake's kept frames as the stages take them, a repaint's splice and metadata
     residency.py     where each stage's weights are (``RUNTIME_MODE``)
     numbers.py       the model's numbers, once
 """

@@ -1,8 +1,10 @@
-"""A take that continues a prefix (a retake): its kept frames as the stages take them, and what its files say.
+"""A take that continues a prefix (a retake or a repaint): its kept frames as the stages take them, and what its files say.
 
 The stages never see a ``Prefix``: the backbone gets the kept q0/q1 codes, super-resolution all
 64 levels of the kept frames, and the decoder the whole grid. Checked here, before any work: the
-grid has the levels the models write, and leaves frames to generate.
+grid has the levels the models write, and (a retake) leaves frames to generate. A repaint's grid is
+a whole take: the backbone continues its frames before the span, and its coarse codes are spliced
+back into the original's at the join (``splice``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,18 @@ import torch
 
 from songserve.errors import RequestError
 from songserve.pipeline.numbers import CODEBOOK, HOP
+from songserve.pipeline.stages.join import Join
 from songserve.pipeline.types import Prefix
+
+
+def prefix_grid(prefix: Prefix, levels: int) -> torch.Tensor:
+    """The prefix's whole grid as (levels, frames) long codes, or a ``RequestError`` saying why it cannot be used."""
+    if prefix.levels != levels:
+        raise RequestError(f"The prefix has {prefix.levels} code levels; these models write {levels}.")
+    grid = np.frombuffer(prefix.raw, dtype="<i2").reshape(prefix.levels, prefix.frames)
+    if grid.size and (int(grid.min()) < 0 or int(grid.max()) >= CODEBOOK):
+        raise RequestError(f"The prefix's codes must be in [0, {CODEBOOK}).")
+    return torch.from_numpy(grid.astype(np.int64))
 
 
 def kept_codes(prefix: Prefix, levels: int, budget_frames: int) -> torch.Tensor:
@@ -26,15 +39,37 @@ def kept_codes(prefix: Prefix, levels: int, budget_frames: int) -> torch.Tensor:
             f"The prefix's {prefix.frames} frames leave nothing to generate in a song of {budget_frames} frames; "
             "ask for a longer duration or continue from an earlier point."
         )
-    grid = np.frombuffer(prefix.raw, dtype="<i2").reshape(prefix.levels, prefix.frames)
-    if grid.size and (int(grid.min()) < 0 or int(grid.max()) >= CODEBOOK):
-        raise RequestError(f"The prefix's codes must be in [0, {CODEBOOK}).")
-    return torch.from_numpy(grid.astype(np.int64))
+    return prefix_grid(prefix, levels)
+
+
+def splice(original: torch.Tensor, new: torch.Tensor, start: int, join: int) -> torch.Tensor:
+    """A repaint's coarse codes (2, F): the original's before ``start`` and from ``join`` on, the new take's between."""
+    return torch.cat([original[:2, :start], new[:2, start:join], original[:2, join:]], dim=1)
 
 
 def continued(prefix: Prefix, frame_rate: float) -> dict[str, Any]:
-    """The metadata's ``continued``: how many frames were kept, where the new part starts, from what."""
-    return {"frames": prefix.frames, "at_sec": round(prefix.frames / frame_rate, 6), "origin": prefix.origin}
+    """The metadata's ``continued``: how many frames were kept, where the new part starts, from what
+    (a repaint's kept start: the frames before its span)."""
+    frames = prefix.repaint.start if prefix.repaint is not None else prefix.frames
+    return {"frames": frames, "at_sec": round(frames / frame_rate, 6), "origin": prefix.origin}
+
+
+def repainted(prefix: Prefix, join: Join, touched: tuple[int, int]) -> dict[str, Any]:
+    """The metadata's ``repainted``: the span asked for, the join chosen with its score and the score of
+    joining at ``end`` exactly (lower is closer, ``stages/join.py``), and the samples ``[first, last)``
+    that may differ from the original's decode (outside them the audio is the original's)."""
+    span = prefix.repaint
+    assert span is not None
+    return {
+        "start_frame": span.start,
+        "end_frame": span.end,
+        "join_frame": join.frame,
+        "join_score": round(join.score, 6),
+        "end_score": round(join.end_score, 6),
+        "window": span.window,
+        "origin": prefix.origin,
+        "changed_samples": list(touched),
+    }
 
 
 def codes_header(metadata: dict[str, Any], frame_rate: float) -> dict[str, Any]:
@@ -44,6 +79,7 @@ def codes_header(metadata: dict[str, Any], frame_rate: float) -> dict[str, Any]:
     head["models"] = {k: v for k, v in metadata.get("models", {}).items() if k in ("backbone", "superres")}
     head["frame_rate"] = frame_rate
     head["hop"] = HOP
-    if "continued" in metadata:
-        head["continued"] = metadata["continued"]
+    for key in ("continued", "repainted"):
+        if key in metadata:
+            head[key] = metadata[key]
     return head

@@ -15,9 +15,11 @@ import torch
 
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.continuation import codes_header, continued
+from songserve.pipeline.continuation import codes_header, continued, repainted
 from songserve.pipeline.residency import Residency
+from songserve.pipeline.stages.codec import samples_touched
 from songserve.pipeline.stages.export import Mp3Options, write_track
+from songserve.pipeline.stages.join import Join
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ def finish_take(
     bb: BackboneResult,
     batch: BatchFacts,
     live: dict[str, object] | None = None,
+    join: Join | None = None,  # a repaint's join (``stages/join.py``)
 ) -> TrackResult:
     """Decoder and files for one take of a batch."""
     t = time.perf_counter()
@@ -107,6 +110,10 @@ def finish_take(
         metadata["parked"] = batch.parked
     if req.prefix is not None:
         metadata["continued"] = continued(req.prefix, cfg.frame_rate)
+    if req.prefix is not None and req.prefix.repaint is not None and join is not None:
+        frames, span = int(codes.shape[1]), (req.prefix.repaint.start, join.frame)
+        touched = samples_touched(frames, s.decode_chunk_frames, s.decode_context_frames, cfg.hop, *span)
+        metadata["repainted"] = repainted(req.prefix, join, touched)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live
     mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level).tagged(

@@ -6,7 +6,11 @@ are (``RUNTIME_MODE``, park mode's state machine) is ``residency.py``'s; each ba
 transitions. All model work runs on the worker's single model thread, under
 ``torch.inference_mode``. Several takes of one request run as one batch (``run_batch``); ``run``
 is a batch of one. A retake (a request with a ``prefix``) keeps the prefix's frames and generates
-the rest (``continuation.py``), through the KV snapshots this pipeline keeps for the backbones.
+the rest (``continuation.py``), through the KV snapshots this pipeline keeps for the backbones. A
+repaint (a prefix with a ``repaint`` span) is a retake at the span's start with a fixed length,
+rejoined to the original at a join near the span's end (``stages/join.py``); super-resolution then
+fills only the new frames, with the original's cells known on both sides. Its live preview starts
+from the kept frames before the span, like a retake's, and plays the backbone's new frames as written.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from songserve.errors import RequestError, TaskCancelled
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.continuation import kept_codes
+from songserve.pipeline.continuation import kept_codes, prefix_grid, splice
 from songserve.pipeline.encoding import encode_audio
 from songserve.pipeline.engine.decode_step import DecodeStep, choose_mode
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
@@ -33,10 +37,12 @@ from songserve.pipeline.live_audio.previewer import Previewer, PreviewStages
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.residency import Residency, mem_available
 from songserve.pipeline.stages.backbone import Backbone, Take
-from songserve.pipeline.stages.length import LengthPlan, plan_length
+from songserve.pipeline.stages.codec import AudioDecoder
+from songserve.pipeline.stages.join import Join, choose_join, coarse_tables
+from songserve.pipeline.stages.length import LengthPlan, plan_length, plan_repaint
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.stages.superres import SuperRes
-from songserve.pipeline.types import EncodeResult, TrackRequest, TrackResult
+from songserve.pipeline.types import EncodeResult, Repaint, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
 CPU_PREVIEW_LEVELS = 16  # PREVIEW_LEVELS' default on the CPU (bench P14)
@@ -181,21 +187,38 @@ class ModelPipeline:
             backbone.gpt.arch.max_prompt_length,
         )
         arch = backbone.gpt.arch
-        plan = plan_length(
-            len(bb_prompt),
-            req.duration,
-            self.residency.decoder_cfg.frame_rate,
-            context=arch.context_length,
-            max_new_tokens=self.s.max_new_tokens,
-            min_share=self.min_share(),
-            kept_frames=req.prefix.frames if req.prefix is not None else 0,  # prefilled, not generated
-        )
-        kept = kept_codes(req.prefix, SUPERRES_LEVELS, plan.budget_frames) if req.prefix is not None else None
+        original: torch.Tensor | None = None  # (64, F): a repaint's whole grid
+        if req.prefix is not None and req.prefix.repaint is not None:
+            span = req.prefix.repaint
+            original = prefix_grid(req.prefix, SUPERRES_LEVELS)
+            plan = plan_repaint(
+                len(bb_prompt),
+                span.start,
+                span.end,
+                span.window,
+                req.prefix.frames,
+                context=arch.context_length,
+                max_new_tokens=self.s.max_new_tokens,
+            )
+            kept: torch.Tensor | None = original[:, : span.start]  # the token ids of a retake at start
+        else:
+            plan = plan_length(
+                len(bb_prompt),
+                req.duration,
+                self.residency.decoder_cfg.frame_rate,
+                context=arch.context_length,
+                max_new_tokens=self.s.max_new_tokens,
+                min_share=self.min_share(),
+                kept_frames=req.prefix.frames if req.prefix is not None else 0,  # prefilled, not generated
+            )
+            kept = kept_codes(req.prefix, SUPERRES_LEVELS, plan.budget_frames) if req.prefix is not None else None
         length = len(bb_prompt) + 2 * plan.budget_frames
         size = self._fit(len(reqs), lambda b: backbone.kv_bytes_new(b, length))
         out: list[TrackResult | BaseException] = []
         for a in range(0, len(reqs), size):
-            out += self._run_batch(reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan, kept)
+            out += self._run_batch(
+                reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan, kept, original
+            )
         return out
 
     def _run_batch(
@@ -207,6 +230,7 @@ class ModelPipeline:
         bb_prompt: list[int],
         plan: LengthPlan,
         kept: torch.Tensor | None = None,  # (64, K): a retake's kept frames
+        original: torch.Tensor | None = None,  # (64, F): a repaint's whole grid (kept is its frames before the span)
     ) -> list[TrackResult | BaseException]:
         residency, tokenizer = self.residency, self.residency.tokenizer
         assert tokenizer is not None
@@ -250,7 +274,22 @@ class ModelPipeline:
             residency.load_stage2()
             sr_name, superres = self._pick(residency.superres, req.superres_name, "superres")
             sr_prompt = self._superres_prompt(req, superres)
-            frames = max(got.codes.shape[1] for got in bbs if got is not None)
+            coarse = []
+            for i in live:
+                got = bbs[i]
+                assert got is not None
+                coarse.append(got.codes)
+            joins: list[Join | None] = [None] * len(live)
+            spans: list[tuple[int, int]] | None = None
+            if original is not None:  # a repaint: rejoin the original, then fill only the new frames
+                assert req.prefix is not None
+                assert req.prefix.repaint is not None
+                assert residency.decoder is not None
+                coarse, spans, joins = self._rejoin(req.prefix.repaint, original, coarse, residency.decoder)
+                for i, got_join in zip(live, joins, strict=True):
+                    assert got_join is not None
+                    log.info("task %s: repaint rejoins at frame %d", reqs[i].task_id, got_join.frame)
+            frames = max(c.shape[1] for c in coarse)
             seq = min(superres.gpt.arch.context_length, len(sr_prompt) + frames)
             residency.enter_superres(superres, len(live), seq)
             timings["load_sec"] = time.perf_counter() - t
@@ -258,18 +297,15 @@ class ModelPipeline:
             t = time.perf_counter()
             for i in live:
                 ctxs[i].report("superres", 0, SUPERRES_LEVELS - BACKBONE_LEVELS)
-            coarse = []
-            for i in live:
-                got = bbs[i]
-                assert got is not None
-                coarse.append(got.codes)
             codes_list = superres.generate_batch(
                 sr_prompt,
                 coarse,
                 top_k=req.top_k_sr,
                 generators=[gens[i] for i in live],
                 ctxs=[ctxs[i] for i in live],
-                known=kept,
+                known=kept if original is None else original,
+                spans=spans,
+                span_context=self.s.repaint_context_frames,
             )
             timings["superres_sec"] = time.perf_counter() - t
             residency.leave_superres()
@@ -277,7 +313,7 @@ class ModelPipeline:
             residency.enter_decoder()
             timings["load_sec"] += time.perf_counter() - t
             parked_during["decoder"] = sorted(residency.parked)
-            for i, codes in zip(live, codes_list, strict=True):
+            for i, codes, join in zip(live, codes_list, joins, strict=True):
                 bb = bbs[i]
                 assert bb is not None
                 if ctxs[i].cancelled():
@@ -304,6 +340,7 @@ class ModelPipeline:
                         bb,
                         batch,
                         previewer.report(i),
+                        join,
                     )
                 except TaskCancelled as exc:
                     results[i] = exc
@@ -312,6 +349,22 @@ class ModelPipeline:
             residency.end_batch()
         log.info("tasks %s: batch of %d done in %.2fs", ids, B, time.perf_counter() - t_all)
         return results
+
+    @staticmethod
+    def _rejoin(
+        span: Repaint, original: torch.Tensor, coarse: list[torch.Tensor], decoder: AudioDecoder
+    ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[Join | None]]:
+        """A repaint's takes: per take its join (``stages/join.py``, scored on the decoder's codebook
+        latents), its coarse codes spliced into the original's, and the frames super-resolution fills."""
+        tables = coarse_tables(decoder)
+        joins: list[Join | None] = []
+        spliced, spans = [], []
+        for new in coarse:
+            join = choose_join(original[:BACKBONE_LEVELS], new, span.start, span.end, span.window, tables)
+            joins.append(join)
+            spliced.append(splice(original, new, span.start, join.frame))
+            spans.append((span.start, join.frame))
+        return spliced, spans, joins
 
     def _superres_prompt(self, req: TrackRequest, superres: SuperRes) -> list[int]:
         tokenizer = self.residency.tokenizer

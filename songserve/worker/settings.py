@@ -88,6 +88,12 @@ class WorkerSettings(BaseSettings):
     )
     decode_chunk_frames: int = Field(256, ge=0, description="decoder chunk; 0 = one pass")
     decode_context_frames: int = Field(16, ge=12, description="decoder context on each side of a chunk")
+    repaint_context_frames: int = Field(
+        0,
+        ge=0,
+        description="a repaint's super-resolution: frames of the original on each side of the new ones in its "
+        "window (cost follows the edit); 0 = the model's whole window around them",
+    )
     preview_chunk_sec: float = Field(
         3.0, ge=0, le=60, description="live audio: seconds of new frames per preview window; 0 = no live audio"
     )

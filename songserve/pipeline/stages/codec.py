@@ -30,7 +30,15 @@ from songserve.pipeline.checkpoints.decoder_load import (
     tensors_of,
 )
 
-__all__ = ["AudioDecoder", "DecoderConfig", "fold_weight_norm", "load_decoder", "weight_norm_state"]
+__all__ = [
+    "AudioDecoder",
+    "DecoderConfig",
+    "decode_chunks",
+    "fold_weight_norm",
+    "load_decoder",
+    "samples_touched",
+    "weight_norm_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -151,15 +159,38 @@ class AudioDecoder(nn.Module):
                 on_chunk(1, 1)
             return out
         pieces = []
-        n = math.ceil(frames / chunk_frames)
-        for k in range(n):
-            a, b = k * chunk_frames, min(frames, (k + 1) * chunk_frames)
-            lo, hi = max(0, a - context_frames), min(frames, b + context_frames)
+        spans = decode_chunks(frames, chunk_frames, context_frames)
+        n = len(spans)
+        for k, (a, b, lo, hi) in enumerate(spans):
             wave = self.decoder(self.quantizer.dequantize(codes[..., lo:hi]))
             pieces.append(wave[..., (a - lo) * hop : (b - lo) * hop])
             if on_chunk:
                 on_chunk(k + 1, n)
         return torch.cat(pieces, dim=-1)
+
+
+def decode_chunks(frames: int, chunk_frames: int, context_frames: int) -> list[tuple[int, int, int, int]]:
+    """``decode``'s chunks of a grid of ``frames`` frames: per chunk its frames [a, b) and the frames
+    [lo, hi) it decodes to make them (the context on each side). One chunk when the grid fits one."""
+    if chunk_frames <= 0 or frames <= chunk_frames:
+        return [(0, frames, 0, frames)]
+    out = []
+    for k in range(math.ceil(frames / chunk_frames)):
+        a, b = k * chunk_frames, min(frames, (k + 1) * chunk_frames)
+        out.append((a, b, max(0, a - context_frames), min(frames, b + context_frames)))
+    return out
+
+
+def samples_touched(
+    frames: int, chunk_frames: int, context_frames: int, hop: int, start: int, stop: int
+) -> tuple[int, int]:
+    """The samples ``[first, last)`` of ``decode``'s output that frames ``[start, stop)`` can change: those of
+    every chunk whose decoded frames (its context included) hold one of them; elsewhere a grid that
+    differs only there decodes to the same samples. ``(0, 0)`` when the span is empty."""
+    hit = [(a, b) for a, b, lo, hi in decode_chunks(frames, chunk_frames, context_frames) if lo < stop and hi > start]
+    if start >= stop or not hit:
+        return 0, 0
+    return hit[0][0] * hop, hit[-1][1] * hop
 
 
 # ---- weight norm helpers (tests and the tiny-set builder) ------------------------------------------

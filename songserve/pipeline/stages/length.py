@@ -55,3 +55,24 @@ def plan_length(
     estimate = round(TOKENS_PER_MINUTE * (duration_min + 0.8))
     floor = max(1, math.ceil(min_share * requested))  # at least one frame: the decoder needs audio to decode
     return LengthPlan(budget, min(budget, floor), estimate)
+
+
+def plan_repaint(
+    prompt_len: int, start: int, end: int, window: int, frames: int, *, context: int, max_new_tokens: int
+) -> LengthPlan:
+    """A repaint's fixed budget: every frame a join may need, ``min(end + window, frames)``, written in
+    full (end-of-audio is never offered: the take ends with the original's frames from the join on),
+    or a ``RequestError`` naming the limit. Only the frames after ``start`` are generated, so only
+    they are charged to ``max_new_tokens``."""
+    budget = min(end + window, frames)
+    if prompt_len + 2 * budget > context:
+        raise RequestError(
+            f"The repaint needs {prompt_len} prompt tokens plus {2 * budget} audio tokens up to its last "
+            f"possible join, more than the model's context of {context} tokens (max_sequence_length)."
+        )
+    if 2 * (budget - start) > max_new_tokens:
+        raise RequestError(
+            f"The repaint writes up to {2 * (budget - start)} new tokens, more than this worker's "
+            f"budget of {max_new_tokens} (max_new_tokens); repaint a shorter part."
+        )
+    return LengthPlan(budget, budget, 2 * budget)

@@ -14,6 +14,11 @@ A retake passes the kept frames' 64 levels (``known``): at each level's pass the
 written into the grid as known values and only the new frames' cells are sampled, so the network
 still sees the whole grid (non-causal) with levels 0..c-1 filled everywhere, as in a take of its
 own. A window of kept frames only is copied, not run.
+
+A repaint passes the whole grid as ``known`` and per take the span of frames it writes anew
+(``spans``): every cell outside it is known, levels 0..63, on both sides of the span. Only windows
+that hold frames of the span run, and they are placed around it (``repaint_windows``) so the new
+frames see the original's frames after them as well as before them.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class SuperRes:
         ctxs: list[TaskContext],
         known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
         upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
+        spans: list[tuple[int, int]] | None = None,  # per take the frames [s, j) written anew; known is the whole grid
+        span_context: int = 0,  # with spans: frames of context on each side of a span in its window; 0 = a whole window
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
         when every take is cancelled; its codes are then simply not used by the caller. With ``upto``
@@ -67,6 +74,9 @@ class SuperRes:
         window = self.gpt.arch.context_length - len(prompt)
         if window <= 0:
             raise ValueError("the super-resolution prompt fills the whole context")
+        if spans is not None:
+            assert known is not None, "a repaint's spans need the grid they are spans of"
+            return self._repaint(prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context)
         kept = 0 if known is None else int(known.shape[1])
         if known is not None and int(known.shape[0]) != self.levels:
             raise ValueError(f"the kept frames have {known.shape[0]} levels; this model writes {self.levels}")
@@ -101,6 +111,71 @@ class SuperRes:
                 outs[i][:, a : a + codes.shape[1]] = codes
         return outs
 
+    def _repaint(
+        self,
+        prompt: list[int],
+        coarse: list[torch.Tensor],  # per take (2, F): the original's coarse codes outside its span
+        top_k: int,
+        generators: list[torch.Generator],
+        ctxs: list[TaskContext],
+        known: torch.Tensor,  # (levels, F): the original grid
+        spans: list[tuple[int, int]],
+        window: int,
+        top: int,
+        span_context: int = 0,
+    ) -> list[torch.Tensor]:
+        """Each take's span sampled in the windows ``repaint_windows`` places around it; all else is ``known``.
+
+        With ``span_context`` a window holds at most the span and that many frames on each side of it,
+        so a short repaint of a long take costs a short window, not the model's whole one.
+
+        The takes' k-th windows run as one batch (a take's rows start where its own window does:
+        the positions are the window's own, as in any window), and what a window samples is known
+        to the take's next one."""
+        if int(known.shape[0]) != self.levels:
+            raise ValueError(f"the grid has {known.shape[0]} levels; this model writes {self.levels}")
+        outs = []
+        for c, (s, j) in zip(coarse, spans, strict=True):
+            if int(c.shape[1]) != int(known.shape[1]) or not 0 <= s <= j <= int(c.shape[1]):
+                raise ValueError(
+                    f"a repaint span {s}..{j} of a take of {c.shape[1]} frames and a grid of {known.shape[1]}"
+                )
+            out = known.clone()
+            out[:2] = c
+            outs.append(out)
+        plans = []
+        for c, (s, j) in zip(coarse, spans, strict=True):
+            size = min(window, j - s + 2 * span_context) if span_context > 0 else window
+            plans.append(repaint_windows(s, j, int(c.shape[1]), size))
+        rounds = max((len(p) for p in plans), default=0)
+        passes = top - 2
+        done = [s for s, _ in spans]  # per take: its span is sampled up to this frame
+        for w in range(rounds):
+            members = [i for i, p in enumerate(plans) if len(p) > w]
+            rows, fresh, kept = [], [], []
+            for i in members:
+                a, b = plans[i][w]
+                rows.append(outs[i][:2, a:b])
+                fresh.append((done[i] - a, min(b, spans[i][1]) - a))
+                kept.append(outs[i][:, a:b])
+            got = self._window(
+                prompt,
+                rows,
+                top_k,
+                [generators[i] for i in members],
+                [ctxs[i] for i in members],
+                w * passes,
+                passes * rounds,
+                top=top,
+                fresh=fresh,
+                around=kept,
+            )
+            for i, codes, (lo, hi) in zip(members, got, fresh, strict=True):
+                a = plans[i][w][0]
+                outs[i][2:, a + lo : a + hi] = codes[2:, lo:hi]
+                done[i] = a + hi
+        return outs
+
     def _window(
         self,
         prompt: list[int],
@@ -112,6 +187,8 @@ class SuperRes:
         total: int,
         known: torch.Tensor | None = None,  # (levels, k): the window's first k frames, kept
         top: int = 0,  # levels [0, top) are filled
+        fresh: list[tuple[int, int]] | None = None,  # per row the frames [lo, hi) sampled; the rest are ``around``
+        around: list[torch.Tensor] | None = None,  # per row (levels, F_i): the known cells outside its fresh frames
     ) -> list[torch.Tensor]:
         """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
         dm, dev, T = self.dm, self.dm.device, self.text_vocab
@@ -137,14 +214,50 @@ class SuperRes:
             grid[:, P - 1, 0] = T - 1 - c  # task marker
             h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
-            for r in range(B):
-                if k and lens[r] <= k:
-                    continue  # a take that ended right where the kept frames end samples nothing
-                logits = self.gpt.project(h[r, k : lens[r]], start, start + CODEBOOK)
-                grid[r, P + k : P + lens[r], c] = start + sample(logits, top_k, generators[r])
-            if kept is not None:
-                grid[:, P : P + k, c] = start + kept[c]
+            if fresh is not None and around is not None:  # a repaint's rows: known on both sides of [lo, hi)
+                for r, ((lo, hi), cells) in enumerate(zip(fresh, around, strict=True)):
+                    logits = self.gpt.project(h[r, lo:hi], start, start + CODEBOOK)
+                    grid[r, P + lo : P + hi, c] = start + sample(logits, top_k, generators[r])
+                    grid[r, P : P + lo, c] = start + cells[c, :lo].to(dev)
+                    grid[r, P + hi : P + lens[r], c] = start + cells[c, hi : lens[r]].to(dev)
+            else:
+                for r in range(B):
+                    if k and lens[r] <= k:
+                        continue  # a take that ended right where the kept frames end samples nothing
+                    logits = self.gpt.project(h[r, k : lens[r]], start, start + CODEBOOK)
+                    grid[r, P + k : P + lens[r], c] = start + sample(logits, top_k, generators[r])
+                if kept is not None:
+                    grid[:, P : P + k, c] = start + kept[c]
             for x in ctxs:
                 x.report("superres", done0 + c - 1, total, f"level {c}/{self.levels - 1}")
         levels = torch.arange(self.levels, device=dev) * CODEBOOK
         return [(grid[r, P : P + lens[r]] - T - levels).t().cpu() for r in range(B)]
+
+
+def repaint_windows(start: int, join: int, frames: int, window: int) -> list[tuple[int, int]]:
+    """The windows ``[a, b)`` that sample a repaint's frames ``[start, join)`` of a ``frames``-frame grid.
+
+    Each window samples the span's frames in it that no window before sampled, and sees every other
+    frame in it as known. A span that fits one window gets one, centred on it (moved inside the grid),
+    so the original's frames on both sides are in view. A longer one is walked left to right: each
+    window starts a quarter window before the first frame it samples (the frames sampled just before
+    are its left context), until what is left fits a window with a quarter window of the original on
+    its right too; that last one is centred on what is left."""
+    if join <= start:
+        return []
+    if frames <= window:
+        return [(0, frames)]
+    margin = window // 4
+    out: list[tuple[int, int]] = []
+    done = start
+    while True:
+        left = join - done
+        if left <= window - 2 * margin or (not out and left <= window):
+            a = min(max(0, done - (window - left) // 2), frames - window)
+            out.append((a, a + window))
+            return out
+        a = min(max(0, done - margin), frames - window)
+        out.append((a, a + window))
+        done = min(a + window, join)
+        if done >= join:
+            return out
