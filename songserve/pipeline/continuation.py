@@ -67,6 +67,7 @@ def repainted(prefix: Prefix, join: Join, touched: tuple[int, int]) -> dict[str,
         "join_score": round(join.score, 6),
         "end_score": round(join.end_score, 6),
         "window": span.window,
+        "opening": span.opening,
         "origin": prefix.origin,
         "changed_samples": list(touched),
     }

@@ -108,8 +108,8 @@ def finish_take(
     }
     if batch.parked is not None:  # park mode: which stages waited in host memory while each stage ran
         metadata["parked"] = batch.parked
-    if req.prefix is not None:
-        metadata["continued"] = continued(req.prefix, cfg.frame_rate)
+    if req.prefix is not None and (req.prefix.repaint is None or req.prefix.repaint.start > 0):
+        metadata["continued"] = continued(req.prefix, cfg.frame_rate)  # an opening keeps nothing before it
     if req.prefix is not None and req.prefix.repaint is not None and join is not None:
         frames, span = int(codes.shape[1]), (req.prefix.repaint.start, join.frame)
         touched = samples_touched(frames, s.decode_chunk_frames, s.decode_context_frames, cfg.hop, *span)

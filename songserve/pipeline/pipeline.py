@@ -200,7 +200,8 @@ class ModelPipeline:
                 context=arch.context_length,
                 max_new_tokens=self.s.max_new_tokens,
             )
-            kept: torch.Tensor | None = original[:, : span.start]  # the token ids of a retake at start
+            # The token ids of a retake at start; an opening (start 0) keeps nothing: a take from the prompt.
+            kept: torch.Tensor | None = original[:, : span.start] if span.start > 0 else None
         else:
             plan = plan_length(
                 len(bb_prompt),
@@ -360,7 +361,9 @@ class ModelPipeline:
         joins: list[Join | None] = []
         spliced, spans = [], []
         for new in coarse:
-            join = choose_join(original[:BACKBONE_LEVELS], new, span.start, span.end, span.window, tables)
+            join = choose_join(
+                original[:BACKBONE_LEVELS], new, span.start, span.end, span.window, tables, floor=span.opening
+            )
             joins.append(join)
             spliced.append(splice(original, new, span.start, join.frame))
             spans.append((span.start, join.frame))

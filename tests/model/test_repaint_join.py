@@ -82,3 +82,13 @@ def test_a_join_never_falls_before_start_plus_one_nor_past_the_grid():
 def test_new_codes_that_stop_short_of_the_range_are_refused():
     with pytest.raises(ValueError, match="needs them all"):
         choose_join(codes(100, seed=6), codes(55, seed=7), start=10, end=50, window=8)
+
+
+def test_an_openings_join_lands_at_or_after_its_placeholders_and_scores_only_real_frames():
+    assert join_range(0, 40, 8, 100, floor=40) == (40, 48)
+    original = codes(120, seed=3)
+    new = agreeing_at(original, 36)  # the best match lies inside the placeholders: never chosen
+    new[:, 44 - RADIUS : 44 + RADIUS] = original[:, 44 - RADIUS : 44 + RADIUS]
+    got = choose_join(original, new, start=0, end=40, window=8, floor=40)
+    assert got.frame == 44
+    assert got.score == 0.0

@@ -199,3 +199,27 @@ def test_changed_samples_are_the_decoder_chunks_whose_frames_or_context_hold_a_n
     assert samples_touched(200, 256, 16, hop, 50, 60) == (0, 200 * hop)  # one chunk: the whole take
     assert samples_touched(1000, 256, 16, hop, 50, 50) == (0, 0)
     assert [c[:2] for c in decode_chunks(600, 256, 16)] == [(0, 256), (256, 512), (512, 600)]
+
+
+def test_an_opening_is_written_before_the_take_and_joins_it_inside_its_first_frames(pipeline, original):
+    """An extension at the start: room for 80 new frames, then the original; the join lands at or after
+    the room (inside the original), everything after it is the original's, and nothing is kept before."""
+    _, grid0 = original
+    room, window = 80, 12
+    opened = np.concatenate([np.zeros((64, room), dtype=np.int64), grid0], axis=1)
+    span = Repaint(0, room, window, opening=room)
+    prefix = Prefix(opened.astype("<i2").tobytes(), 64, opened.shape[1], "orig/0", span)
+    (result,) = pipeline.run_batch(
+        [TrackRequest(**SONG, seed=21, task_id="open", prefix=prefix)], [TaskContext("open")]
+    )
+    assert not isinstance(result, BaseException), result
+    grid = codes_file.read(pipeline.s.output_dir / result.codes_filename).codes.astype(np.int64)
+    meta = result.metadata["repainted"]
+    join = meta["join_frame"]
+    assert room <= join <= room + window
+    assert (meta["start_frame"], meta["opening"]) == (0, room)
+    assert "continued" not in result.metadata
+    assert grid.shape == opened.shape  # longer than the original by the room
+    assert np.array_equal(grid[:, join:], grid0[:, join - room :])
+    assert not np.array_equal(grid[:, :room], opened[:, :room])  # the placeholders were written over
+    assert result.metadata["prefill"]["restored"] == 0  # nothing before it to restore

@@ -36,9 +36,10 @@ class Join:
     end_score: float
 
 
-def join_range(start: int, end: int, window: int, frames: int) -> tuple[int, int]:
-    """The candidate joins, inclusive: within ``window`` of ``end``, after ``start``, inside the grid."""
-    return max(start + 1, end - window), min(end + window, frames)
+def join_range(start: int, end: int, window: int, frames: int, floor: int = 0) -> tuple[int, int]:
+    """The candidate joins, inclusive: within ``window`` of ``end``, after ``start``, at or after ``floor``
+    (an opening's placeholder frames), inside the grid."""
+    return max(start + 1, end - window, floor), min(end + window, frames)
 
 
 def coarse_tables(decoder: AudioDecoder) -> torch.Tensor:
@@ -62,16 +63,17 @@ def choose_join(
     end: int,
     window: int,
     tables: torch.Tensor | None = None,  # (2, codebook, latent): ``coarse_tables``
+    floor: int = 0,  # an opening: the original's frames before it are placeholders, never joined or compared
 ) -> Join:
     """The join frame in ``join_range`` where the new codes best continue into the original's."""
     frames = int(original.shape[1])
     written = int(new.shape[1])
-    lo, hi = join_range(start, end, window, frames)
+    lo, hi = join_range(start, end, window, frames, floor)
     if not start < end <= frames:
         raise ValueError(f"repaint {start}..{end} is not a part of a grid of {frames} frames")
     if written < hi:
         raise ValueError(f"the new take has {written} frames; a join up to frame {hi} needs them all")
-    a, b = max(start, lo - RADIUS), min(written, frames, hi + RADIUS)
+    a, b = max(start, floor, lo - RADIUS), min(written, frames, hi + RADIUS)
     dist = _distance(original[:, a:b], new[:, a:b], tables)  # (b − a,): per frame
 
     def score(j: int) -> float:
