@@ -19,7 +19,7 @@ import torch
 from songserve.audio import codes as codes_file
 from songserve.errors import RequestError
 from songserve.pipeline.context import TaskContext
-from songserve.pipeline.stages.codec import decode_chunks, samples_touched
+from songserve.pipeline.stages.codec import REACH_FRAMES, decode_chunks, samples_touched
 from songserve.pipeline.stages.length import plan_repaint
 from songserve.pipeline.stages.superres import SuperRes, repaint_windows
 from songserve.pipeline.types import Prefix, Repaint, TrackRequest
@@ -35,13 +35,11 @@ def pipeline(tiny_dir, megatron_cpu, tmp_path_factory):
     from songserve.pipeline.pipeline import ModelPipeline
     from songserve.worker.settings import WorkerSettings
 
-    # Decoder chunks of 8 frames with 12 of context (the least exact one): the changed samples then round
-    # out to 20 frames at most on each side of the new ones, under a second (256-frame chunks: 12 s).
+    # The worker's own decoding (256-frame chunks, 16 of context): the changed samples are the decoder's
+    # reach around the new frames, not the chunks that hold them.
     s = WorkerSettings(
         output_dir=tmp_path_factory.mktemp("repaint"),
         runtime_mode="keep_loaded",
-        decode_chunk_frames=8,
-        decode_context_frames=12,
     )
     pipe = ModelPipeline(s, resolve(s), megatron_cpu)
     pipe.load()
@@ -190,13 +188,14 @@ def test_a_repaint_plan_writes_every_frame_a_join_may_need_and_never_offers_end_
         plan_repaint(100, 215, 323, 12, 646, context=700, max_new_tokens=23552)
 
 
-def test_changed_samples_are_the_decoder_chunks_whose_frames_or_context_hold_a_new_frame():
-    hop = 2048
-    assert samples_touched(1000, 256, 16, hop, 300, 400) == (256 * hop, 512 * hop)
-    assert samples_touched(1000, 256, 16, hop, 500, 530) == (256 * hop, 768 * hop)  # 500 is in chunk 2's context
-    assert samples_touched(1000, 256, 16, hop, 300, 496) == (256 * hop, 512 * hop)  # 496 is not: 512 − 16
-    assert samples_touched(1000, 256, 16, hop, 900, 1000) == (768 * hop, 1000 * hop)
-    assert samples_touched(200, 256, 16, hop, 50, 60) == (0, 200 * hop)  # one chunk: the whole take
+def test_changed_samples_are_the_decoders_reach_around_the_new_frames_within_the_chunks_that_hold_them():
+    hop, r = 2048, REACH_FRAMES
+    assert samples_touched(1000, 256, 16, hop, 300, 400) == ((300 - r) * hop, (400 + r) * hop)
+    assert samples_touched(1000, 256, 16, hop, 500, 530) == ((500 - r) * hop, (530 + r) * hop)
+    assert samples_touched(1000, 256, 16, hop, 260, 300) == ((260 - r) * hop, (300 + r) * hop)  # across a chunk edge
+    assert samples_touched(200, 256, 16, hop, 5, 60) == (0, (60 + r) * hop)  # the take starts
+    assert samples_touched(1000, 256, 16, hop, 900, 995) == ((900 - r) * hop, 1000 * hop)  # the take ends
+    assert samples_touched(1000, 8, 12, hop, 300, 400) == ((300 - r) * hop, (400 + r) * hop)
     assert samples_touched(1000, 256, 16, hop, 50, 50) == (0, 0)
     assert [c[:2] for c in decode_chunks(600, 256, 16)] == [(0, 256), (256, 512), (512, 600)]
 

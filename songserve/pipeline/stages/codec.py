@@ -181,16 +181,23 @@ def decode_chunks(frames: int, chunk_frames: int, context_frames: int) -> list[t
     return out
 
 
+REACH_FRAMES = 12  # how far a frame's codes reach into the decoded audio, frames each side (exact chunking needs it)
+
+
 def samples_touched(
     frames: int, chunk_frames: int, context_frames: int, hop: int, start: int, stop: int
 ) -> tuple[int, int]:
-    """The samples ``[first, last)`` of ``decode``'s output that frames ``[start, stop)`` can change: those of
-    every chunk whose decoded frames (its context included) hold one of them; elsewhere a grid that
-    differs only there decodes to the same samples. ``(0, 0)`` when the span is empty."""
+    """The samples ``[first, last)`` of ``decode``'s output that frames ``[start, stop)`` can change, the
+    narrower of two bounds that each hold alone: the chunks whose decoded frames (context included)
+    hold one of them (elsewhere the decoder ran on the same input), and ``REACH_FRAMES`` each side of
+    them (the decoder's receptive field: within one chunk, a sample further away is computed from the
+    same codes by the same kernels; on the CPU, bit for bit). ``(0, 0)`` when the span is empty."""
     hit = [(a, b) for a, b, lo, hi in decode_chunks(frames, chunk_frames, context_frames) if lo < stop and hi > start]
     if start >= stop or not hit:
         return 0, 0
-    return hit[0][0] * hop, hit[-1][1] * hop
+    first = max(hit[0][0], start - REACH_FRAMES, 0)
+    last = min(hit[-1][1], stop + REACH_FRAMES, frames)
+    return first * hop, last * hop
 
 
 # ---- weight norm helpers (tests and the tiny-set builder) ------------------------------------------
