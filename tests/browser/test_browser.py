@@ -166,6 +166,7 @@ def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_an
         arg=original,
         timeout=30_000,
     )
+    wave.scroll_into_view_if_needed()  # the mouse acts on what the viewport shows
     box = wave.bounding_box()
     assert box is not None
     y = box["y"] + box["height"] / 2
