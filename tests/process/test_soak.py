@@ -2,7 +2,8 @@
 
 One dispatcher (our port and the ACE-Step port) over two real workers on the tiny set, all real
 processes on loopback. A fixed seed draws the plan — generates of one or two takes (vocal and
-instrumental), retakes of the same take again and again, uploads continued several times, cancels,
+instrumental), retakes of the same take again and again, repaints of a part and new openings,
+uploads continued several times, cancels,
 renders in every format, live MP3 listeners that hang up after 0.3-1.2 s, ACE-Step tasks — and a few
 threads carry it out at once, so the order of events differs from run to run while the plan does not.
 
@@ -10,7 +11,8 @@ What must hold whatever the interleaving:
 - every accepted job ends; none fails but what was cancelled;
 - the dispatcher and both workers are alive, and no worker's log holds a traceback;
 - every retake and continuation keeps its prefix: the first frames of its code grid are the
-  original's (or the upload's), all 64 levels;
+  original's (or the upload's), all 64 levels; every repaint keeps the original outside the frames
+  it wrote anew, and every opening keeps the original after its join;
 - each worker's memory stays flat: its RSS after each step, less what its KV snapshot cache says it
   holds (a cache bounded by ``KV_SNAPSHOT_MB``), grows by at most ``GROWTH_MB`` from the end of the
   first third of the steps (the warm-up: models touched, first windows decoded) to the end, and by
@@ -56,6 +58,7 @@ class Ledger:
     jobs: dict[str, str] = field(default_factory=dict)  # job id -> kind (generate, retake, upload, cancel, acestep)
     cancelled: set[str] = field(default_factory=set)
     origins: dict[str, tuple[str, str | int, int]] = field(default_factory=dict)  # retake -> (kind, source, frames)
+    edits: dict[str, str] = field(default_factory=dict)  # repaint or opening -> its source take "job/index"
     done_takes: list[tuple[str, int]] = field(default_factory=list)
     uploads: list[str] = field(default_factory=list)
     renders: list[int] = field(default_factory=list)
@@ -140,6 +143,27 @@ def op_retake(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     if new is not None:
         with ledger.lock:
             ledger.origins[new] = ("take", f"{job_id}/{index}", int(at * 44100 // 2048))
+    _finished(fleet, ledger, new)
+
+
+def op_edit(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
+    """A repaint of a second or two inside a finished take, or a new opening of one to three seconds."""
+    with ledger.lock:
+        takes = list(ledger.done_takes)
+    if not takes:
+        return op_generate(fleet, ledger, rng)
+    job_id, index = rng.choice(takes)
+    seconds = fleet.job(job_id)["tracks"][index]["duration_sec"]
+    cf: dict = {"job_id": job_id, "track_index": index}
+    if rng.random() < 0.6:
+        at = round(rng.uniform(1.0, seconds - 3.0), 2)
+        cf |= {"at_sec": at, "end_sec": round(at + rng.uniform(1.0, 2.0), 2)}
+    else:
+        cf["before_sec"] = round(rng.uniform(1.0, 3.0), 2)
+    new = _post(fleet, ledger, "edit", continue_from=cf, num_tracks=rng.choice([1, 2]), seed=rng.randrange(1, 10_000))
+    if new is not None:
+        with ledger.lock:
+            ledger.edits[new] = f"{job_id}/{index}"
     _finished(fleet, ledger, new)
 
 
@@ -246,6 +270,7 @@ def _memory_mb(worker) -> float:
 OPS = [
     (op_generate, 3),
     (op_retake, 4),
+    (op_edit, 3),
     (op_upload, 3),
     (op_cancel, 2),
     (op_render, 3),
@@ -306,6 +331,22 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
             assert grid.frames > frames, (job_id, grid.frames, frames)
             assert (grid.codes[:, :frames] == origin.codes[:, :frames]).all(), (job_id, kind, source)
 
+    # Every repaint kept the original outside its new frames; every opening kept it after its join.
+    for job_id, source in ledger.edits.items():
+        src_job, src_index = source.split("/")
+        origin = codes.decode(
+            httpx.get(f"{fleet.url}/job/{src_job}/track/{src_index}/codes", timeout=30, verify=TLS).content
+        )
+        for track in views[job_id]["tracks"]:
+            span = track["metadata"]["repainted"]
+            grid = codes.decode(
+                httpx.get(f"{fleet.url}/job/{job_id}/track/{track['index']}/codes", timeout=30, verify=TLS).content
+            )
+            start, join, room = span["start_frame"], span["join_frame"], span["opening"]
+            assert grid.frames == origin.frames + room, (job_id, grid.frames, origin.frames, span)
+            assert (grid.codes[:, :start] == origin.codes[:, :start]).all(), (job_id, span)
+            assert (grid.codes[:, join:] == origin.codes[:, join - room :]).all(), (job_id, span)
+
     # The fleet is whole: every process alive, answering, and no traceback in a worker's log.
     assert httpx.get(fleet.url + "/health", timeout=10, verify=TLS).status_code == 200
     assert httpx.get(fleet.ace + "/health", timeout=10, verify=TLS).status_code == 200
@@ -326,6 +367,7 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
     kinds_run = sorted(set(ledger.jobs.values()))
     print(
         f"\nsoak: {len(ledger.jobs)} jobs ({kinds_run}), {len(ledger.origins)} retakes/continuations, "
+        f"{len(ledger.edits)} repaints/openings, "
         f"{len(ledger.renders)} renders {sorted(set(ledger.renders))}, {ledger.listeners} listeners hung up, "
         f"{len(ledger.cancelled)} cancels; {ledger.notes}"
     )
