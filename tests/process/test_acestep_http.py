@@ -504,3 +504,30 @@ def test_a_repaint_of_an_uploaded_file_continues_our_upload_of_it(site, client):
         400,
         "Field 'repainting_start': is past the end of the source (2.00 s).",
     )
+
+
+def test_the_lora_calls_keep_a_session_of_the_key_and_refuse_what_the_fleet_cannot_load(site):
+    """Tone workers offer no adapter: a load names lora_path; status, toggle and scale answer in ACE-Step's form."""
+    status = httpx.get(site.ace + "/v1/lora/status", verify=TLS).json()
+    assert status["code"] == 200
+    assert (status["data"]["lora_loaded"], status["data"]["use_lora"], status["data"]["lora_scale"]) == (
+        False,
+        False,
+        1.0,
+    )
+    r = httpx.post(site.ace + "/v1/lora/load", json={"lora_path": "/models/loras/studio-a"}, verify=TLS)
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("Field 'lora_path': no worker here can load adapter 'studio-a'")
+    r = httpx.post(site.ace + "/v1/lora/load", json={"lora_path": "../../etc/passwd x"}, verify=TLS)
+    assert r.status_code == 400
+    assert "is not an adapter name" in r.json()["error"]
+    r = httpx.post(site.ace + "/v1/lora/toggle", json={"use_lora": True}, verify=TLS)
+    assert (r.status_code, r.json()["error"]) == (400, "No LoRA adapter loaded: call /v1/lora/load first")
+    r = httpx.post(site.ace + "/v1/lora/scale", json={"scale": 2}, verify=TLS)
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("Field 'scale': must be a number from 0 to 1")
+    r = httpx.post(site.ace + "/v1/lora/scale", json={"scale": 0.5}, verify=TLS)
+    assert r.json()["data"]["scale"] == 0.5
+    assert httpx.get(site.ace + "/v1/lora/status", verify=TLS).json()["data"]["lora_scale"] == 0.5
+    assert httpx.post(site.ace + "/v1/lora/unload", verify=TLS).json()["data"]["message"] == "No LoRA was loaded"
+    assert httpx.get(site.ace + "/v1/lora/list", verify=TLS).json()["data"] == []

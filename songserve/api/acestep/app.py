@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from songserve import __version__
 from songserve.api.acestep.failures import install_error_handlers
+from songserve.api.acestep.lora import LoraSessions
 from songserve.api.acestep.routes import router
 from songserve.api.acestep.stats import JobTally
 from songserve.api.http.app import LOCAL_ORIGINS, cors_origins
@@ -39,6 +40,7 @@ def create_acestep_app(s: DispatcherSettings, host: FastAPI) -> FastAPI:
     app.state.host = host
     app.state.settings = s
     app.state.tally = JobTally()
+    app.state.lora = LoraSessions()  # each key's /v1/lora/* choice for its later tasks
     install_error_handlers(app)
     app.add_middleware(
         CORSMiddleware,

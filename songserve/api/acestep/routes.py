@@ -21,6 +21,7 @@ from songserve.api.acestep.auth import check_body_or_header, check_header, heade
 from songserve.api.acestep.bodies import Body, is_multipart, read_bytes, release_body, small_body, stream_multipart
 from songserve.api.acestep.failures import AceError, field_error
 from songserve.api.acestep.files import audio_file
+from songserve.api.acestep.lora import LoraSession, LoraSessions, adapter_name, scale_of, toggle_of
 from songserve.api.acestep.params import Params
 from songserve.api.acestep.samples import format_input, random_sample
 from songserve.api.acestep.stats import JobTally
@@ -138,19 +139,21 @@ async def release_task(
         try:
             models = tuple(readings.fleet().backbone_models)
             ctx = Context(_catalogue(request), s.max_tracks, models, s.strict_requests)
-            return await _release(svc, uploads, ctx, body, caller)
+            return await _release(svc, uploads, ctx, body, caller, _session(request, caller))
         finally:
             body.close()
 
 
 async def _release(
-    svc: JobService, uploads: UploadService, ctx: Context, body: Body, caller: Caller | None
+    svc: JobService, uploads: UploadService, ctx: Context, body: Body, caller: Caller | None, lora: LoraSession
 ) -> JSONResponse:
     task = read_task(Params(body.fields), body.uploads, ctx)
     if isinstance(task, Repaint):
         task = await continue_from(svc, uploads, task, caller)  # our retake of the source take from repainting_start
     elif task.source is not None:
         await source_take(svc, task.source, task.keys["src_audio_path"], caller)
+    if (chosen := lora.applies()) is not None:  # the key's /v1/lora session: its adapter for this task
+        task.request = task.request.model_copy(update={"adapter": chosen[0], "adapter_scale": chosen[1]})
     try:
         accepted = await submit(svc, task, caller)
     except BaseException:
@@ -224,3 +227,69 @@ async def audio(
     caller = check_header(_keys(request), authorization)
     file, media = await audio_file(svc, path, caller)
     return FileResponse(file, media_type=media)
+
+
+# ---- /v1/lora/*: the calling key's adapter for its later tasks (``lora.py``) ------------------------------
+def _session(request: Request, caller: Caller | None) -> LoraSession:
+    sessions: LoraSessions = request.app.state.lora
+    return sessions.of(caller.name if caller is not None else "")
+
+
+async def _lora_call(request: Request, authorization: str | None) -> tuple[dict[str, Any], LoraSession]:
+    body, caller = await _authorized(request, authorization, files=False)
+    return body.fields, _session(request, caller)
+
+
+@router.post("/v1/lora/load")
+async def lora_load(
+    request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
+) -> JSONResponse:
+    fields, session = await _lora_call(request, authorization)
+    offered = {o.name for o in readings.fleet().adapters}
+    name = adapter_name(fields.get("lora_path"), fields.get("adapter_name"), offered)
+    session.adapter, session.use = name, True
+    data: dict[str, Any] = {"message": f"LoRA {name!r} loaded for this key's tasks", "lora_path": fields["lora_path"]}
+    if fields.get("adapter_name"):
+        data["adapter_name"] = name
+    return JSONResponse(wrap(data))
+
+
+@router.post("/v1/lora/unload")
+async def lora_unload(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+    _, session = await _lora_call(request, authorization)
+    had = session.adapter
+    session.adapter, session.use, session.scale = None, False, 1.0
+    said = f"LoRA {had!r} unloaded: this key's tasks use the base model" if had else "No LoRA was loaded"
+    return JSONResponse(wrap({"message": said}))
+
+
+@router.post("/v1/lora/toggle")
+async def lora_toggle(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+    fields, session = await _lora_call(request, authorization)
+    session.use = toggle_of(session, fields.get("use_lora"))
+    said = "LoRA enabled for this key's tasks" if session.use else "LoRA disabled: this key's tasks use the base model"
+    return JSONResponse(wrap({"message": said, "use_lora": session.use}))
+
+
+@router.post("/v1/lora/scale")
+async def lora_scale(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+    fields, session = await _lora_call(request, authorization)
+    session.scale = scale_of(fields.get("scale"))
+    data: dict[str, Any] = {"message": f"LoRA scale set to {session.scale:g}", "scale": session.scale}
+    if fields.get("adapter_name"):
+        data["adapter_name"] = fields["adapter_name"]
+    return JSONResponse(wrap(data))
+
+
+@router.get("/v1/lora/status")
+async def lora_status(request: Request, authorization: str | None = Authorization) -> JSONResponse:
+    caller = check_header(_keys(request), authorization)
+    return JSONResponse(wrap(_session(request, caller).status()))
+
+
+@router.get("/v1/lora/list")
+async def lora_list(
+    request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
+) -> JSONResponse:
+    check_header(_keys(request), authorization)
+    return JSONResponse(wrap([{"name": o.name, "path": o.name} for o in readings.fleet().adapters]))

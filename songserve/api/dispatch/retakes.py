@@ -290,7 +290,7 @@ def _merged(req: GenerateRequest, original: GenerateRequest, made_by: dict[str, 
     models must be the ones that made it."""
     sent = req.body.sent
     body: dict[str, Any] = {k: getattr(original, k) for k in INHERITED}
-    if not {"adapter", "adapter_scale", "takes"} & sent.keys():
+    if req.adapter is None and req.takes is None and "adapter_scale" not in sent:
         adapter, scale = original.take_adapter(index)
         body |= {"adapter": adapter or None, "adapter_scale": scale}
     body.update({k: v for k, v in sent.items() if k in INHERITED})
