@@ -7,7 +7,9 @@ works from any folder (``python -m songserve`` is the same program).
     songserve generate --continue 3f2a9c01d4e5b677:0@80 --tracks 2 --formats mp3,flac --loudness -14
     songserve generate --continue 3f2a9c01d4e5b677:0@80-100 --tracks 3 --lyrics-file bridge.txt
     songserve generate --continue-audio demo.mp3@42.5 --tags "rock" --lyrics-file rest.txt --duration 3
+    songserve generate --lyrics-file song.txt --tags "pop" --tracks 3 --adapters studio-a,studio-b@0.5,none
     songserve status
+    songserve adapters
     songserve mcp                    # an MCP server on stdin/stdout for desktop clients (docs/mcp.md)
 
 Without ``--duration`` the song has the server's default length (``POST /generate``: 3 minutes).
@@ -20,6 +22,8 @@ and after a join near END, and the part between is written again (with the lyric
 ``--continue-audio FILE[@SEC]`` uploads your own audio (``POST /uploads``: WAV, FLAC, OGG, MP3, any
 rate) and continues it from SEC seconds on (its end without ``@SEC``) with the style and lyrics given;
 without ``--duration`` the song is the upload plus 30 s (at least a minute).
+``--adapter NAME[@SCALE]`` makes every take with that LoRA adapter (``songserve adapters`` lists those the
+workers can load); ``--adapters A,B@0.5,none`` gives each take its own (``none``: the base model).
 ``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
 ``--listen FILE`` writes the first take to FILE as it is made (``.wav``: 16-bit PCM, else MP3), from
 its first seconds to its end; ``--listen -`` writes it to standard output (progress goes to
@@ -129,6 +133,29 @@ def audio_at(text: str) -> tuple[Path, float | None]:
     return Path(text), None
 
 
+def adapter_choice(text: str, option: str) -> tuple[str | None, float]:
+    """``NAME``, ``NAME@SCALE`` or ``none`` (the base model) → (name, scale)."""
+    if text in ("none", "-", ""):
+        return None, 1.0
+    name, _, scale = text.partition("@")
+    try:
+        return name, float(scale) if scale else 1.0
+    except ValueError:
+        raise ClientError(f"{option} {text!r}: expected NAME or NAME@SCALE, e.g. studio-a@0.8") from None
+
+
+def adapters(_: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
+    """The LoRA adapters the workers can load (``GET /adapters``), and where each is resident."""
+    listed = _check(client.get("/adapters"))["adapters"]
+    if not listed:
+        print("no adapters: no worker has one in its ADAPTERS_DIR", file=out)
+    for a in listed:
+        rank = f"rank {a['rank']}" if a.get("rank") else "rank ?"
+        where = ", ".join(str(w) for w in a["resident_on"]) or "none"
+        print(f"{a['name']}: {rank}, workers {a['workers']}, resident on {where}", file=out)
+    return 0
+
+
 def upload_audio(client: httpx.Client, path: Path, out: TextIO = sys.stdout) -> dict[str, Any]:
     """``POST /uploads`` of one file; its view (status queued: the server encodes it while the job waits)."""
     with open(path, "rb") as f:
@@ -160,6 +187,13 @@ def request_body(args: argparse.Namespace, upload: dict[str, Any] | None = None)
         body.update(prompt_mode="natural", prompt=args.prompt)
     if args.seed is not None:
         body["seed"] = args.seed
+    if args.adapter:
+        name, scale = adapter_choice(args.adapter, "--adapter")
+        body |= {"adapter": name, "adapter_scale": scale}
+    if args.adapters:
+        choices = [adapter_choice(c.strip(), "--adapters") for c in args.adapters.split(",")]
+        body["takes"] = [{"adapter": n, "adapter_scale": s} for n, s in choices]
+        body["num_tracks"] = len(choices)
     if args.listen:
         body["preview"] = True  # live audio from the first seconds, not only once the listener connects
     return body
@@ -356,7 +390,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--poll", type=float, default=0.5, metavar="SEC", help="seconds between progress checks (default 0.5)"
     )
+    g.add_argument("--adapter", metavar="NAME[@SCALE]", help="a LoRA adapter for every take (songserve adapters)")
+    g.add_argument(
+        "--adapters", metavar="A,B@0.5,none", help="each take's own adapter (none: the base model); sets --tracks"
+    )
     sub.add_parser("status", help="show the workers and the queue")
+    sub.add_parser("adapters", help="list the LoRA adapters the workers can load")
     sub.add_parser("mcp", help="serve the dispatcher's MCP tools on stdin/stdout, for desktop clients (docs/mcp.md)")
     return ap
 
@@ -373,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_SEC)
         with httpx.Client(base_url=args.server, headers=headers, timeout=30, limits=limits) as client:
             out = sys.stderr if getattr(args, "listen", None) == "-" else sys.stdout  # stdout carries the audio
-            return {"generate": generate, "status": status}[args.command](args, client, out)
+            return {"generate": generate, "status": status, "adapters": adapters}[args.command](args, client, out)
     except ClientError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -76,6 +76,20 @@ def test_status_prints_the_worker_table(cluster):
     assert cluster.workers[0].url in lines[2]
 
 
+def test_adapters_are_listed_and_a_take_naming_one_the_workers_lack_is_refused_in_the_servers_words(cluster, tmp_path):
+    out = cli("--server", cluster.url, "adapters")
+    assert out.returncode == 0
+    assert out.stdout.strip() == "no adapters: no worker has one in its ADAPTERS_DIR"
+    out = cli(
+        "--server", cluster.url, "generate", "--lyrics", "x", "--adapters", "none,studio-a@0.5", "--out", str(tmp_path)
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: Field 'takes.1.adapter': no worker here can load adapter 'studio-a'")
+    out = cli("--server", cluster.url, "generate", "--lyrics", "x", "--adapter", "a@loud", "--out", str(tmp_path))
+    assert out.returncode == 1
+    assert "expected NAME or NAME@SCALE" in out.stderr
+
+
 class LosesFirstAnswer(httpx.HTTPTransport):
     """Real HTTP, except that the first answer is lost on the way back (the server did the work)."""
 
