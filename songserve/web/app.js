@@ -188,6 +188,20 @@ async function refreshConfig() {
       durationChosen = true;
     }
   } catch (_) { /* the header says when the server cannot be reached */ }
+  refreshAdapters();
+}
+
+// The LoRA adapters the workers can load (GET /adapters): offered in the form only when there are any.
+async function refreshAdapters() {
+  try {
+    const names = (await api("adapters")).adapters.map((a) => a.name);
+    const select = $("adapter"), chosen = select.value;
+    [...select.options].slice(1).forEach((o) => o.remove());
+    names.forEach((n) => select.add(new Option(n, n)));
+    select.value = names.includes(chosen) ? chosen : "";
+    $("adapter-label").hidden = $("adapter-scale-label").hidden = names.length === 0;
+    select.dataset.listed = String(names.length);  // what a test waits for
+  } catch (_) { /* without the list the form makes base-model songs */ }
 }
 
 function formBody() {
@@ -202,6 +216,10 @@ function formBody() {
     num_tracks: Number($("num_tracks").value),
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if ($("adapter").value) {
+    body.adapter = $("adapter").value;
+    body.adapter_scale = Number($("adapter_scale").value);
+  }
   return body;
 }
 
