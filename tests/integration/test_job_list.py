@@ -46,6 +46,8 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
         "track_index": 1,
         "upload_id": None,
         "at_sec": 1.0,
+        "end_sec": None,  # a retake: no part repainted, no opening
+        "before_sec": None,
     }
 
     page = httpx.get(cluster.url + "/jobs", params={"limit": 2}, timeout=10, verify=TLS).json()

@@ -241,9 +241,17 @@ class Dispatcher:
         job sooner: more tracks are queued than workers are free (``PACK_TRACKS=auto``), or always
         (``always``). Otherwise tracks spread over idle workers, one each. Each batch is claimed in
         the store first; takes another dispatcher claimed meanwhile are skipped.
+
+        Its store calls go in the background lane wherever it is called from (a submission's route
+        too): the attempts it starts write there, and a job's start must be stored before its tracks'
+        ends, which a route's place in the store's queue would not keep.
         """
-        async with self._dispatching:
-            await self._dispatch_pass()
+        lane = BACKGROUND.set(True)
+        try:
+            async with self._dispatching:
+                await self._dispatch_pass()
+        finally:
+            BACKGROUND.reset(lane)
 
     async def _dispatch_pass(self) -> None:
         """Gather the facts, plan (``placement.plan``: pure), apply the plan (start its attempts). A
