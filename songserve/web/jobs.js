@@ -254,6 +254,28 @@ function renderLinks(result, jobId, index) {
   }
 }
 
+// A new job made from a finished take (POST /generate with continue_from): the form's number of takes and
+// seed, followed in a card of its own titled after the take's style and ``what``. ``stayOff`` says whether
+// the button stays disabled after the answer.
+async function submitFrom(card, button, continueFrom, what, stayOff = () => false) {
+  const error = card.querySelector(".job-error");
+  showError(error, "");
+  const body = { continue_from: continueFrom, num_tracks: Number($("num_tracks").value) };
+  if ($("seed").value !== "") body.seed = Number($("seed").value);
+  button.disabled = true;
+  try {
+    const accepted = await api("generate", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    });
+    const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · ${what}`;
+    followJob(accepted.job_id, { tags: title }, accepted.adjusted);
+  } catch (e) {
+    showError(error, e.message);
+  } finally {
+    button.disabled = stayOff();
+  }
+}
+
 // A retake: the server keeps this track's audio before the player's position and generates the
 // rest again (POST /generate with continue_from); style, lyrics and length stay the original's.
 function setupResult(result, jobId, index, audio) {
@@ -277,22 +299,8 @@ function setupResult(result, jobId, index, audio) {
     const error = card.querySelector(".job-error");
     const at = audio.currentTime;
     if (!(at > 0)) { showError(error, "Play the track and pause where its new part should start."); return; }
-    showError(error, "");
-    const body = { continue_from: { job_id: jobId, track_index: index, at_sec: Number(at.toFixed(3)) },
-                   num_tracks: Number($("num_tracks").value) };
-    if ($("seed").value !== "") body.seed = Number($("seed").value);
-    button.disabled = true;
-    try {
-      const accepted = await api("generate", {
-        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-      });
-      const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · from ${clock(at)}`;
-      followJob(accepted.job_id, { tags: title }, accepted.adjusted);
-    } catch (e) {
-      showError(error, e.message);
-    } finally {
-      button.disabled = false;
-    }
+    await submitFrom(card, button, { job_id: jobId, track_index: index, at_sec: Number(at.toFixed(3)) },
+      `from ${clock(at)}`);
   });
 }
 
@@ -352,25 +360,10 @@ function setupRepaint(result, jobId, index, audio, wavHref) {
   });
   canvas.addEventListener("pointerup", () => { from = null; });
   button.addEventListener("click", async () => {
-    const error = card.querySelector(".job-error");
     if (!part || !wave) return;
     const [a, b] = part.map((f) => Number((f * wave.seconds).toFixed(3)));
-    showError(error, "");
-    const body = { continue_from: { job_id: jobId, track_index: index, at_sec: Math.max(a, 0.05), end_sec: b },
-                   num_tracks: Number($("num_tracks").value) };
-    if ($("seed").value !== "") body.seed = Number($("seed").value);
-    button.disabled = true;
-    try {
-      const accepted = await api("generate", {
-        method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-      });
-      const title = `${card.querySelector(".job-title").textContent.split(" · ")[0]} · repaint ${clock(a)}–${clock(b)}`;
-      followJob(accepted.job_id, { tags: title }, accepted.adjusted);
-    } catch (e) {
-      showError(error, e.message);
-    } finally {
-      button.disabled = !part;
-    }
+    await submitFrom(card, button, { job_id: jobId, track_index: index, at_sec: Math.max(a, 0.05), end_sec: b },
+      `repaint ${clock(a)}–${clock(b)}`, () => !part);
   });
 }
 
