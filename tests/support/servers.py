@@ -274,13 +274,16 @@ class Cluster:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def job(self, job_id: str) -> dict:
-        return httpx.get(f"{self.url}/job/{job_id}", timeout=10, verify=TLS).json()
+    def job(self, job_id: str, headers: dict[str, str] | None = None) -> dict:
+        """``GET /job/{id}`` (``headers``: a key's ``Authorization`` behind ``API_KEY``)."""
+        return httpx.get(f"{self.url}/job/{job_id}", headers=headers, timeout=10, verify=TLS).json()
 
-    def wait_job(self, job_id: str, timeout: float = 60.0) -> dict:
+    def wait_job(self, job_id: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> dict:
         terminal = {"completed", "partial", "failed", "cancelled"}
         return wait_for(
-            lambda: (j := self.job(job_id)) and j["status"] in terminal and j, timeout=timeout, interval=0.1
+            lambda: (j := self.job(job_id, headers)) and j.get("status") in terminal and j,
+            timeout=timeout,
+            interval=0.1,
         )
 
     def stop(self) -> None:

@@ -37,7 +37,7 @@ REFERENCE_SUPERRES_TEXT_MODE = "same_as_backbone_no_description"  # what the ref
 # What a track's view keeps of its worker's metadata; the batch keys only when the worker sent them
 # (a reference worker runs each take alone and sends none of them; "live" only where someone listened).
 METADATA_KEYS = ("models", "tokens", "timings", "sample_rate", "device")
-BATCH_KEYS = ("batch_size", "parked", "prefill", "continued", "repainted", "live")
+BATCH_KEYS = ("batch_size", "parked", "prefill", "continued", "repainted", "adapter", "live")
 
 
 # ---- what a worker receives -----------------------------------------------------------------------
