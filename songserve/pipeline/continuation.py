@@ -46,4 +46,6 @@ def codes_header(metadata: dict[str, Any], frame_rate: float) -> dict[str, Any]:
     head["hop"] = HOP
     if "continued" in metadata:
         head["continued"] = metadata["continued"]
+    if "adapter" in metadata:  # a retake of this grid uses the same adapter and scale
+        head["adapter"] = metadata["adapter"]
     return head

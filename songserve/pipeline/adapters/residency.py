@@ -28,9 +28,10 @@ from songserve.errors import RequestError
 from songserve.pipeline.adapters.format import MAX_RANK, Adapter, AdapterError, ModelShape, adapter_names, read_adapter
 from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.engine.transformer import DecodeModel
+from songserve.schemas.common import ADAPTER_PATTERN
 
 log = logging.getLogger(__name__)
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a folder name, never a path
+NAME = re.compile(ADAPTER_PATTERN)  # the contract's: a folder name, never a path
 
 
 @dataclass
@@ -113,19 +114,20 @@ class AdapterStore:
         except AdapterError as exc:
             raise RequestError(f"Field 'adapter': adapter {name!r} cannot be loaded: {exc}.") from None
 
-    def get(self, name: str, keep: set[str] | frozenset[str] = frozenset()) -> Resident:
-        """``name`` resident (loaded now when it is not), counted as used; an eviction spares ``keep``
-        (the batch's other adapters). Raises ``RequestError`` naming ``adapter`` and the reason."""
+    def get(self, name: str, keep: set[str] | frozenset[str] = frozenset(), hit: bool = True) -> Resident:
+        """``name`` resident (loaded now when it is not), counted as used by a take when ``hit``; an
+        eviction spares ``keep`` (the batch's other adapters). Raises ``RequestError`` naming
+        ``adapter`` and the reason."""
         with self._lock:
             got = self._resident.get(name)
             if got is not None:
                 self._resident.move_to_end(name)
-                got.hits += 1
+                got.hits += hit
                 return got
         adapter = self._read(name)  # off the lock: the disk and the checks
         with self._lock:
             got = self._place(adapter, keep)
-            got.hits += 1
+            got.hits += hit
             return got
 
     def prefetch(self, name: str) -> None:

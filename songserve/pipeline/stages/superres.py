@@ -22,6 +22,7 @@ import torch
 
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.lora import RowLoRA
 from songserve.pipeline.engine.sampling import sample
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.numbers import CODEBOOK
@@ -58,6 +59,7 @@ class SuperRes:
         ctxs: list[TaskContext],
         known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
         upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
+        lora: RowLoRA | None = None,  # each take's adapter (``engine/lora.py``); None: the base model
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
         when every take is cancelled; its codes are then simply not used by the caller. With ``upto``
@@ -96,6 +98,7 @@ class SuperRes:
                 passes * len(spans),
                 known_here,
                 top,
+                None if lora is None else lora.select(torch.tensor(members, device=self.dm.device)),
             )
             for i, codes in zip(members, got, strict=True):
                 outs[i][:, a : a + codes.shape[1]] = codes
@@ -112,6 +115,7 @@ class SuperRes:
         total: int,
         known: torch.Tensor | None = None,  # (levels, k): the window's first k frames, kept
         top: int = 0,  # levels [0, top) are filled
+        lora: RowLoRA | None = None,
     ) -> list[torch.Tensor]:
         """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
         dm, dev, T = self.dm, self.dm.device, self.text_vocab
@@ -135,7 +139,7 @@ class SuperRes:
             if all(x.cancelled() for x in ctxs):
                 ctxs[0].check()
             grid[:, P - 1, 0] = T - 1 - c  # task marker
-            h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding)[:, P:]  # (B, F, H)
+            h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding, lora=lora)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
             for r in range(B):
                 if k and lens[r] <= k:
