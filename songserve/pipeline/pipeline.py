@@ -138,14 +138,15 @@ class ModelPipeline:
         factor = install(dm, used, model, self.adapters.capacity, self.adapters.max_rank)
         if not factor:
             return None
-        return TakeLoRA(used.slot, scale * factor, f"{used.key}@{scale:g}")
+        return TakeLoRA(used.slot, scale * factor, f"{used.key}@{scale:g}", used.adapter.rank)
 
     def _rows_lora(
         self, dm: DecodeModel, model: str, used: list[Resident | None], reqs: list[TrackRequest]
     ) -> RowLoRA | None:
         loras = [self._take_lora(dm, model, u, r.adapter_scale) for u, r in zip(used, reqs, strict=True)]
         slots = [x.slot if x is not None else 0 for x in loras]
-        return row_lora(slots, [x.coef if x is not None else 0.0 for x in loras], dm.device, dm.dtype)
+        coefs = [x.coef if x is not None else 0.0 for x in loras]
+        return row_lora(slots, coefs, dm.device, dm.dtype, [x.rank if x is not None else 0 for x in loras])
 
     def describe(self) -> dict[str, Any]:
         cfg = self.residency.decoder_cfg

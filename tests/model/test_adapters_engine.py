@@ -76,7 +76,7 @@ def _run(bb: Backbone, seeds: list[int], loras: list[TakeLoRA | None]):
 
 def _use(n: int, scale: float = 1.0) -> TakeLoRA:
     rank = {1: 8, 2: 4, 3: 2}[n]
-    return TakeLoRA(n, scale * 16.0 / rank, f"a{n}@{scale}")
+    return TakeLoRA(n, scale * 16.0 / rank, f"a{n}@{scale}", rank)
 
 
 def test_a_take_on_an_adapter_is_the_take_on_the_merged_model(parts):
@@ -85,12 +85,16 @@ def test_a_take_on_an_adapter_is_the_take_on_the_merged_model(parts):
     ids = torch.tensor(PROMPT).view(1, -1)
     pos = torch.arange(len(PROMPT)).view(1, -1)
     with torch.inference_mode():
-        rows = row_lora([2], [0.5 * 16.0 / 4], bb.dm.device, bb.dm.dtype)
+        rows = row_lora([2], [0.5 * 16.0 / 4], bb.dm.device, bb.dm.dtype, [4])
+        assert rows is not None
+        assert rows.rank == 8  # the slots' first 8 columns of 64 are read
         h = bb.dm.forward(bb.dm.embed(ids, pos), lora=rows)
+        h_all = bb.dm.forward(bb.dm.embed(ids, pos), lora=rows._replace(rank=0))
         h_merged = merged_bb.dm.forward(merged_bb.dm.embed(ids, pos))
         logits, want = bb.gpt.project(h, 0, 2048), merged_bb.gpt.project(h_merged, 0, 2048)
         base = bb.gpt.project(bb.dm.forward(bb.dm.embed(ids, pos)), 0, 2048)
     assert (logits - want).abs().max() < 1e-5
+    assert (h - h_all).abs().max() < 1e-6  # the zero-padded columns add (about) nothing
     assert (logits - base).abs().max() > 1e-2
     got = _run(bb, [11], [_use(2, 0.5)])[0]
     assert torch.equal(got, _run(merged_bb, [11], [None])[0])
@@ -150,10 +154,11 @@ def test_a_snapshot_made_without_an_adapter_is_never_restored_for_a_take_with_on
 def test_installing_into_a_slot_replaces_it_in_place(parts):
     _, _, bb, adapters = parts
     slots = bb.dm.lora
-    before = [t.data_ptr() for t in slots.A["linear_qkv"]]
+    before = slots.A["linear_qkv"].data_ptr()
     slots.install(4, "x", {k: v for k, v in adapters[3].items() if k[1] in TARGETS[:2]})
-    assert [t.data_ptr() for t in slots.A["linear_qkv"]] == before
-    assert slots.A["linear_fc1"][0][4].abs().sum() == 0  # a target it does not adapt stays zero
+    assert slots.A["linear_qkv"].data_ptr() == before
+    assert slots.A["linear_qkv"][4, 0].abs().sum() > 0
+    assert slots.A["linear_fc1"][4].abs().sum() == 0  # a target it does not adapt stays zero
     slots.clear(4)
     assert slots.held[4] is None
 

@@ -92,7 +92,7 @@ class DecodeStep:
         self.rows = 0  # takes the persistent cache holds (allocated on first use, at load by warm)
         self._cache: KVCache | None = None
         self._views: dict[int, KVCache] = {}  # batch size → the first rows of the persistent cache
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}  # (batch, KV length, adapters)
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch, KV length, adapters' rank or -1)
         self._ran: set[tuple[int, int]] = set()  # shapes compiled or run (not persistent)
         self.pool: Any = None  # one memory pool shared by every captured graph
         self.fn: StepFn = dm.step
@@ -181,7 +181,7 @@ class DecodeStep:
         lora: RowLoRA | None = None,
     ) -> _Graph:
         st, sp = tokens.clone(), pos.clone()
-        sl = None if lora is None else RowLoRA(lora.slot.clone(), lora.coef.clone())
+        sl = None if lora is None else RowLoRA(lora.slot.clone(), lora.coef.clone(), lora.rank)
         if not self.capture:  # graphs on the CPU: the same buffers, the step called where CUDA replays
             out = self.fn(st, sp, k, v, kv_len, True, sl)
 
@@ -231,7 +231,7 @@ class DecodeStep:
             own = self._views.get(key[0])
             if own is None or own.k[0].data_ptr() != k[0].data_ptr():  # a cache not ours: no graph reads it
                 return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
-            gkey = (*key, lora is not None)
+            gkey = (*key, -1 if lora is None else lora.rank)
             g = self._graphs.get(gkey)
             if g is None:
                 g = self._graphs[gkey] = self._record(tokens, pos, k, v, kv_len, lora)

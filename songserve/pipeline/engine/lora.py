@@ -3,12 +3,16 @@
 A LoRA adapter adds ``scale·(alpha/r)·(x Aᵀ) Bᵀ`` to a linear layer's output ``x Wᵀ + b``, with
 ``A`` (r × in) and ``B`` (out × r). Several rows of one batch may read different adapters: the base
 matmul runs once for every row, and each row's delta is gathered by its slot index — ``A[slot]``,
-``B[slot]`` picked per row and applied as two batched matmuls (Punica's SGMV done with ``bmm``).
+``Bᵀ[slot]`` picked per row and applied as two batched matmuls (Punica's SGMV done with ``bmm``).
+The picking runs once per step for every layer at once (``pick``: one gather per target and
+half), so each adapted layer adds two ``bmm``, the factor and an add.
 
 Why fixed slots: the stacked tensors are allocated once per model, ``slots + 1`` deep and
 ``rank`` wide (the largest rank an adapter may have; a smaller adapter is zero-padded, which adds
 exact zeros), and installing an adapter copies into them in place. So the step's shapes never
-change and a compiled step or a captured CUDA graph stays valid when the slots change. Slot 0 is
+change and a compiled step or a captured CUDA graph stays valid when the slots change. A batch
+reads only the first ``RowLoRA.rank`` columns (its largest adapter's rank rounded up to a power of
+two, at least 8): a handful of static shapes, so a rank-8 adapter does not pay for 64. Slot 0 is
 always zero: a row with no adapter in a mixed batch reads it with a factor of 0 and gets exactly
 its base output. A batch with no adapter at all passes no ``RowLoRA`` and runs the base step
 unchanged (bitwise the base model).
@@ -24,29 +28,50 @@ TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron'
 
 
 class RowLoRA(NamedTuple):
-    """Each row's slot and its factor ``scale·alpha/r`` (0 and slot 0 for a row with no adapter)."""
+    """Each row's slot and its factor ``scale·alpha/r`` (0 and slot 0 for a row with no adapter), and
+    how many of the slots' columns the batch reads (static: a compiled step or a graph per value)."""
 
     slot: torch.Tensor  # (B,) long, on the device
     coef: torch.Tensor  # (B,) the model's dtype, on the device
+    rank: int = 0  # 0: every column
 
     def select(self, rows: torch.Tensor) -> RowLoRA:
         """The rows ``rows`` of this batch (a batch that dropped its finished rows)."""
-        return RowLoRA(self.slot.index_select(0, rows), self.coef.index_select(0, rows))
+        return RowLoRA(self.slot.index_select(0, rows), self.coef.index_select(0, rows), self.rank)
 
 
-def row_lora(slots: list[int], coefs: list[float], device: torch.device, dtype: torch.dtype) -> RowLoRA | None:
-    """The batch's ``RowLoRA``, or None when no row reads an adapter (the base step, unchanged)."""
-    if not any(s and c for s, c in zip(slots, coefs, strict=True)):
+# target → (A (B, L, r, in), Bᵀ (B, L, r, out)) of each row's slot, and the rows' factors (B, 1, 1)
+Picked = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+MIN_RANK = 8
+
+
+def rank_bucket(rank: int) -> int:
+    """The columns a batch whose largest adapter has ``rank`` reads: a power of two, at least 8."""
+    n = MIN_RANK
+    while n < rank:
+        n *= 2
+    return n
+
+
+def row_lora(
+    slots: list[int], coefs: list[float], device: torch.device, dtype: torch.dtype, ranks: list[int] | None = None
+) -> RowLoRA | None:
+    """The batch's ``RowLoRA``, or None when no row reads an adapter (the base step, unchanged).
+    ``ranks``: each row's adapter's rank (None: read every column)."""
+    on = [bool(s and c) for s, c in zip(slots, coefs, strict=True)]
+    if not any(on):
         return None
-    slot = torch.tensor([s if c else 0 for s, c in zip(slots, coefs, strict=True)], dtype=torch.long, device=device)
-    return RowLoRA(
-        slot, torch.tensor([c if s else 0.0 for s, c in zip(slots, coefs, strict=True)], dtype=dtype).to(device)
-    )
+    slot = torch.tensor([s if o else 0 for s, o in zip(slots, on, strict=True)], dtype=torch.long, device=device)
+    coef = torch.tensor([c if o else 0.0 for c, o in zip(coefs, on, strict=True)], dtype=dtype).to(device)
+    rank = rank_bucket(max(r for r, o in zip(ranks, on, strict=True) if o)) if ranks is not None else 0
+    return RowLoRA(slot, coef, rank)
 
 
 class LoRASlots:
-    """One model's adapter slots: per target module and layer, ``A`` (slots+1, rank, in) and
-    ``B`` (slots+1, out, rank); ``held[s]`` names what slot ``s`` holds now (``None``: zeros)."""
+    """One model's adapter slots: per target module, ``A`` (slots+1, layers, rank, in) and ``Bᵀ``
+    (slots+1, layers, rank, out): slot-major and rank before features, so that a row's gather of
+    its first r ranks reads contiguous rows; ``held[s]`` names what slot ``s`` holds now (``None``:
+    zeros)."""
 
     def __init__(
         self,
@@ -59,16 +84,16 @@ class LoRASlots:
     ) -> None:
         self.slots, self.rank, self.layers = slots, rank, layers
         self.dims = dict(dims)
-        self.A: dict[str, list[torch.Tensor]] = {}
-        self.B: dict[str, list[torch.Tensor]] = {}
+        self.A: dict[str, torch.Tensor] = {}
+        self.Bt: dict[str, torch.Tensor] = {}
         for name, (n_in, n_out) in self.dims.items():
-            self.A[name] = [torch.zeros(slots + 1, rank, n_in, device=device, dtype=dtype) for _ in range(layers)]
-            self.B[name] = [torch.zeros(slots + 1, n_out, rank, device=device, dtype=dtype) for _ in range(layers)]
+            self.A[name] = torch.zeros(slots + 1, layers, rank, n_in, device=device, dtype=dtype)
+            self.Bt[name] = torch.zeros(slots + 1, layers, rank, n_out, device=device, dtype=dtype)
         self.held: list[str | None] = [None] * (slots + 1)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in (*self.A.values(), *self.B.values()) for t in ts)
+        return sum(t.numel() * t.element_size() for t in (*self.A.values(), *self.Bt.values()))
 
     def install(self, slot: int, key: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy one adapter's (A, B) per (layer, target) into ``slot``, in place; what it does not
@@ -80,19 +105,30 @@ class LoRASlots:
             r = int(a.shape[0])
             if r > self.rank:
                 raise ValueError(f"rank {r} exceeds the slots' rank {self.rank}")
-            self.A[name][layer][slot, :r].copy_(a)
-            self.B[name][layer][slot, :, :r].copy_(b)
+            self.A[name][slot, layer, :r].copy_(a)
+            self.Bt[name][slot, layer, :r].copy_(b.t())
         self.held[slot] = key
 
     def clear(self, slot: int) -> None:
-        for ts in (*self.A.values(), *self.B.values()):
-            for t in ts:
-                t[slot].zero_()
+        for t in (*self.A.values(), *self.Bt.values()):
+            t[slot].zero_()
         self.held[slot] = None
 
-    def delta(self, name: str, layer: int, x: torch.Tensor, rows: RowLoRA) -> torch.Tensor:
-        """x (B, S, in) → each row's ``coef·(x A[slot]ᵀ) B[slot]ᵀ`` (B, S, out)."""
-        a = self.A[name][layer].index_select(0, rows.slot)  # (B, rank, in)
-        b = self.B[name][layer].index_select(0, rows.slot)  # (B, out, rank)
-        xa = torch.bmm(x, a.transpose(1, 2)) * rows.coef.view(-1, 1, 1)  # (B, S, rank)
-        return torch.bmm(xa, b.transpose(1, 2))
+    def pick(self, rows: RowLoRA) -> Picked:
+        """Every layer's ``A`` and ``Bᵀ`` of each row's slot, its first ``rows.rank`` ranks: once a step."""
+        r = min(rows.rank or self.rank, self.rank)
+        halves = {
+            name: (
+                self.A[name][:, :, :r].index_select(0, rows.slot),
+                self.Bt[name][:, :, :r].index_select(0, rows.slot),
+            )
+            for name in self.A
+        }
+        return halves, rows.coef.view(-1, 1, 1)
+
+
+def delta(picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """x (B, S, in) → each row's ``coef·(x Aᵀ) Bᵀ`` (B, S, out), its slot's, for target ``name`` of ``layer``."""
+    halves, coef = picked
+    a, b = halves[name]
+    return torch.bmm(torch.bmm(x, a[:, layer].transpose(1, 2)) * coef, b[:, layer])

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from songserve.pipeline.engine.kv_cache import KVCache
-from songserve.pipeline.engine.lora import LoRASlots, RowLoRA
+from songserve.pipeline.engine.lora import LoRASlots, Picked, RowLoRA, delta
 
 Linear = Callable[..., torch.Tensor]
 
@@ -202,11 +202,16 @@ class DecodeModel:
             self.lora = LoRASlots(self.lora_dims(), len(self.layers), slots, rank, self.device, self.dtype)
         return self.lora
 
-    def _delta(self, out: torch.Tensor, name: str, i: int, x: torch.Tensor, lora: RowLoRA | None) -> torch.Tensor:
+    def _pick(self, lora: RowLoRA | None) -> Picked | None:
+        """Each row's adapter weights for this forward or step (None: the base model)."""
+        return None if lora is None or self.lora is None else self.lora.pick(lora)
+
+    @staticmethod
+    def _delta(out: torch.Tensor, name: str, i: int, x: torch.Tensor, lora: Picked | None) -> torch.Tensor:
         """``out`` plus each row's adapter delta for target ``name`` of layer ``i`` (none: ``out`` itself)."""
-        if lora is None or self.lora is None:
+        if lora is None:
             return out
-        return out + self.lora.delta(name, i, x, lora).to(out.dtype)
+        return out + delta(lora, name, i, x).to(out.dtype)
 
     # -- buffers ---------------------------------------------------------------------------------
     def kv_bytes_per_take(self, length: int) -> int:
@@ -252,7 +257,7 @@ class DecodeModel:
         return x
 
     def _qkv(
-        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear, lora: RowLoRA | None = None, i: int = 0
+        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear, lora: Picked | None = None, i: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, H) → q (B, heads, S, D), k and v (B, groups, S, D), in megatron's interleaved layout."""
         s = self.spec
@@ -300,7 +305,7 @@ class DecodeModel:
         x: torch.Tensor,
         attn: torch.Tensor,
         linear: Linear = F.linear,
-        lora: RowLoRA | None = None,
+        lora: Picked | None = None,
         i: int = 0,
     ) -> torch.Tensor:
         """attn (B, S, heads·D) → output projection, residual, MLP, residual."""
@@ -355,8 +360,9 @@ class DecodeModel:
             mask = (~key_padding)[:, None, None, :]  # SDPA: True = attend
         elif causal and start > 0:  # a later chunk: its rows see the whole prefix plus their own past
             mask = torch.ones(S, end, dtype=torch.bool, device=x.device).tril(start)
+        picked = self._pick(lora)
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, lora=lora, i=i)
+            q, k, v = self._qkv(lw, x, lora=picked, i=i)
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             if cache is not None:
@@ -366,7 +372,7 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.spec.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.transpose(1, 2).reshape(x.shape[0], S, -1), lora=lora, i=i)
+            x = self._finish_layer(lw, x, o.transpose(1, 2).reshape(x.shape[0], S, -1), lora=picked, i=i)
         return self.final(x)
 
     # -- the one-token step ----------------------------------------------------------------------
@@ -400,9 +406,10 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         per, D = s.heads // s.groups, s.head_dim
+        picked = self._pick(lora)
         for i, lw in enumerate(self.layers):
             xn = _norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype)
-            mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, lora)
+            mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, picked)
             mixed = mixed.view(B, s.groups, per + 2, D)  # megatron's layout: per group, its q heads, k, v
             qk = mixed[:, :, : per + 1]
             if cos is not None and sin is not None:  # q and k of every group rotated in one pass
@@ -413,5 +420,5 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear, lora, i)
+            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear, picked, i)
         return self.final(x)[:, 0]

@@ -68,6 +68,7 @@ class TakeLoRA:
     slot: int
     coef: float
     key: str
+    rank: int = 0  # the adapter's (0: read every column of the slots)
 
 
 @dataclass
@@ -178,7 +179,7 @@ class Backbone:
         restored, h, task = 0, None, ctxs[0].task_id
         faults = snaps.faults if snaps is not None else 0
         model = self.name if lora is None else f"{self.name}+adapter:{lora.key}"
-        rows = None if lora is None else row_lora([lora.slot], [lora.coef], self.dm.device, self.dm.dtype)
+        rows = None if lora is None else row_lora([lora.slot], [lora.coef], self.dm.device, self.dm.dtype, [lora.rank])
         if snaps is not None:  # a fault inside the cache is a miss: the whole prefix is prefilled
             restored, came_from, h = snaps.restore(model, ids_t, cache.rows(0, 1), task)
             if restored:
@@ -445,7 +446,7 @@ def _row_lora(takes: list[Take], rows: list[int], dm: DecodeModel) -> RowLoRA | 
     loras = [takes[r].lora for r in rows]
     slots = [x.slot if x is not None else 0 for x in loras]
     coefs = [x.coef if x is not None else 0.0 for x in loras]
-    return row_lora(slots, coefs, dm.device, dm.dtype)
+    return row_lora(slots, coefs, dm.device, dm.dtype, [x.rank if x is not None else 0 for x in loras])
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
