@@ -25,12 +25,11 @@ full context per request instead (static shapes: one compile per batch and bucke
 Any failure to compile, capture or launch turns the step into the eager one for good, with one log
 line (``/health`` → ``decode_step``).
 
-A batch with adapters (``lora.py``: each row's slot and factor) runs in every mode but ``fused``:
-the compiled step compiles its own graph for it (one per batch and bucket, beside the base one),
-and ``graphs`` records one with static slot and factor buffers, replayed like the base one (the
-slots' tensors never move). The fused step's Triton kernels have no adapter delta: a batch with
-adapters runs the eager step there (a warning the first time, and ``/health`` → ``decode_step``
-→ ``adapters``: ``eager``), never silently the base model.
+A batch with adapters (``lora.py``: each row's slot and factor) runs in every mode: the compiled
+step compiles its own graph for it (one per batch, bucket and rank bucket, beside the base one);
+``graphs`` (and ``fused`` on CUDA) records one with static slot and factor buffers, replayed like
+the base one (the slots' tensors never move); the fused step adds the delta with torch's batched
+products between its kernels (``fused_step.py``).
 """
 
 from __future__ import annotations
@@ -96,7 +95,6 @@ class DecodeStep:
         self._ran: set[tuple[int, int]] = set()  # shapes compiled or run (not persistent)
         self.pool: Any = None  # one memory pool shared by every captured graph
         self.fn: StepFn = dm.step
-        self._fused_lora_logged = False
         try:
             if mode == "compiled":
                 self.fn = self._compile(backend)
@@ -213,11 +211,6 @@ class DecodeStep:
     ) -> torch.Tensor:
         if self.failed is not None:
             return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
-        if lora is not None and self.mode == "fused":  # its kernels have no adapter delta
-            if not self._fused_lora_logged:
-                log.warning("decode step (fused): a batch with adapters runs the eager step")
-                self._fused_lora_logged = True
-            return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
         key = (int(tokens.shape[0]), kv_len)
         try:
             if not self.persistent:
@@ -274,7 +267,6 @@ class DecodeStep:
             "cuda_graphs": self.capture and ok,
             "graphs": sorted(f"{b}x{n}" for b, n in self.graphs),
             "fallback": self.failed,
-            "adapters": "eager" if self.mode == "fused" or not ok else self.mode,  # how a batch with adapters runs
             "kv_rows": self.rows,  # takes the persistent cache holds (the graphs' batch sizes share it)
             "kv_bytes": self.rows * self.dm.kv_bytes_per_take(self.max_len) if self._cache is not None else 0,
         }

@@ -202,7 +202,7 @@ class DecodeModel:
             self.lora = LoRASlots(self.lora_dims(), len(self.layers), slots, rank, self.device, self.dtype)
         return self.lora
 
-    def _pick(self, lora: RowLoRA | None) -> Picked | None:
+    def pick_lora(self, lora: RowLoRA | None) -> Picked | None:
         """Each row's adapter weights for this forward or step (None: the base model)."""
         return None if lora is None or self.lora is None else self.lora.pick(lora)
 
@@ -360,7 +360,7 @@ class DecodeModel:
             mask = (~key_padding)[:, None, None, :]  # SDPA: True = attend
         elif causal and start > 0:  # a later chunk: its rows see the whole prefix plus their own past
             mask = torch.ones(S, end, dtype=torch.bool, device=x.device).tril(start)
-        picked = self._pick(lora)
+        picked = self.pick_lora(lora)
         for i, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, lora=picked, i=i)
             if cos is not None and sin is not None:
@@ -406,7 +406,7 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         per, D = s.heads // s.groups, s.head_dim
-        picked = self._pick(lora)
+        picked = self.pick_lora(lora)
         for i, lw in enumerate(self.layers):
             xn = _norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype)
             mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, picked)
