@@ -201,3 +201,34 @@ def test_the_fused_step_draws_the_eager_tokens_with_adapters(parts, monkeypatch)
     for a, b in zip(eager, got, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(got[0], _run(bb, [41], [None])[0])
+
+
+class _CancelledAtFirstCheck(TaskContext):
+    """Cancelled once the loop first asks after the prefill (its check after 16 tokens)."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.asked = 0
+
+    def cancelled(self) -> bool:
+        self.asked += 1
+        return self.asked > 1  # the prefill's own question is the first
+
+
+def test_a_batch_that_drops_a_row_keeps_each_rows_adapter(parts):
+    """Rows 0 and 2 on different adapters, row 1 cancelled at the first check: the batch shrinks to
+    rows 0 and 2, and each still draws what it draws alone (its adapter follows it)."""
+    _, _, bb, _ = parts
+    loras = [_use(1), _use(2), _use(3, 2.0)]
+    alone = [_run(bb, [50 + i], [lo])[0] for i, lo in enumerate(loras)]
+    takes = [
+        Take(torch.Generator().manual_seed(50 + i), ctx, lo)
+        for i, (ctx, lo) in enumerate(
+            zip([TaskContext("a"), _CancelledAtFirstCheck("b"), TaskContext("c")], loras, strict=True)
+        )
+    ]
+    with torch.inference_mode():
+        out = bb.generate_batch(PROMPT, LengthPlan(FRAMES, FRAMES, 2 * FRAMES), takes, top_k=20, temperature=0.9)
+    assert out[1] is None
+    assert torch.equal(out[0].codes, alone[0])
+    assert torch.equal(out[2].codes, alone[2])
