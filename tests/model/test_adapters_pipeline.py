@@ -96,7 +96,7 @@ def test_an_unknown_or_broken_adapter_fails_only_its_own_take(pipe):
 
 def test_more_adapters_than_slots_in_turn_never_hold_more_than_the_capacity(pipe):
     names = ["tiny-a", "tiny-b", "tiny-c", "tiny-d", "tiny-e"]  # CAPACITY + 2
-    for i, name in enumerate(names * 2):
+    for i, name in enumerate(names):
         got = _take(pipe, [_req(20 + i % 5, name)])[0]
         assert not isinstance(got, BaseException), got
         health = pipe.loaded()["adapters"]
@@ -104,4 +104,19 @@ def test_more_adapters_than_slots_in_turn_never_hold_more_than_the_capacity(pipe
         assert health["capacity"] == CAPACITY
     assert {"tiny-a", "tiny-e"} <= set(health["available"])
     assert pipe.adapters is not None
-    assert pipe.adapters.evictions >= 2 * len(names) - CAPACITY
+    assert pipe.adapters.evictions >= len(names) - CAPACITY
+
+
+def test_an_adapter_that_does_not_fit_a_second_model_of_a_kind_is_a_request_error(pipe):
+    from songserve.pipeline.adapters.residency import install
+
+    assert pipe.adapters is not None
+    used = pipe.adapters.get("tiny-b")
+    bb = next(iter(pipe.residency.backbones.values()))
+    a, b = used.adapter.weights["backbone"][(0, "linear_qkv")]
+    used.adapter.weights["backbone"][(0, "linear_qkv")] = (a[:, :-1], b)  # as if shaped for another backbone
+    try:
+        with pytest.raises(RequestError, match="does not fit this backbone"):
+            install(bb.dm, used, "backbone", CAPACITY)
+    finally:
+        used.adapter.weights["backbone"][(0, "linear_qkv")] = (a, b)

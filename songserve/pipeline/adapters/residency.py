@@ -186,6 +186,13 @@ def install(dm: DecodeModel, res: Resident, model: str, capacity: int, rank: int
     weights = res.adapter.weights.get(model)
     if not weights:
         return 0.0
+    dims, r = dm.lora_dims(), res.adapter.rank
+    for (layer, target), (a, b) in weights.items():  # a set with several models of one kind: checked per model
+        if layer >= len(dm.layers) or (a.shape[1], b.shape[0]) != dims[target]:
+            raise RequestError(
+                f"Field 'adapter': adapter {res.adapter.name!r} does not fit this {model} "
+                f"(layer {layer} {target}: rank {r}, {a.shape[1]} → {b.shape[0]}; the model's {dims[target]})."
+            )
     slots = dm.lora_slots(capacity, rank)
     if slots.held[res.slot] != res.key:
         slots.install(
