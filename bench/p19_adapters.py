@@ -1,4 +1,4 @@
-"""P18: the decode step with LoRA adapters: one row on an adapter vs the base step, and 4 rows on 4
+"""P19: the decode step with LoRA adapters: one row on an adapter vs the base step, and 4 rows on 4
 different adapters vs 4 rows on one.
 
 Baselines in the same run: the base step (batch 1) and the batch of 4 on one adapter. Eager step,
@@ -78,7 +78,7 @@ def main() -> None:
             f"{name}: one adapter {m['one'] / m['base']:.2f}x the base step ({m['one']:.2f} vs {m['base']:.2f} ms); "
             f"4 rows on 4 adapters {m['mixed4'] / m['same4']:.2f}x 4 on one ({m['mixed4']:.2f} vs {m['same4']:.2f} ms)"
         )
-    report("P18", f"decode step with LoRA adapters (rank {a.rank}, eager, 1 thread): " + "; ".join(parts))
+    report("P19", f"decode step with LoRA adapters (rank {a.rank}, eager, 1 thread): " + "; ".join(parts))
 
 
 if __name__ == "__main__":
