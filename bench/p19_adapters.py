@@ -28,11 +28,12 @@ def _adapter(dm, rank: int, seed: int) -> dict:
 def step_ms(dm, batch: int, lora, position: int, steps: int) -> float:
     cache = dm.new_cache(batch, position + steps + 1)
     tokens = torch.randint(0, 1024, (batch,))
+    picked = dm.pick_lora(lora)  # as the eager loop does: once a batch
     times = []
     for i in range(steps):
         pos = torch.tensor([position + i])
         t0 = time.perf_counter()
-        dm.step(tokens, pos, cache.k, cache.v, position + i + 1, False, lora)
+        dm.step(tokens, pos, cache.k, cache.v, position + i + 1, False, lora, picked)
         times.append(time.perf_counter() - t0)
     return median(times) * 1000
 

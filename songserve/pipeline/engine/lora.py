@@ -4,8 +4,10 @@ A LoRA adapter adds ``scale·(alpha/r)·(x Aᵀ) Bᵀ`` to a linear layer's outp
 ``A`` (r × in) and ``B`` (out × r). Several rows of one batch may read different adapters: the base
 matmul runs once for every row, and each row's delta is gathered by its slot index — ``A[slot]``,
 ``Bᵀ[slot]`` picked per row and applied as two batched matmuls (Punica's SGMV done with ``bmm``).
-The picking runs once per step for every layer at once (``pick``: one gather per target and
-half), so each adapted layer adds two ``bmm``, the factor and an add.
+The picking gathers every layer's halves at once, the row's factor folded into its ``A`` (``pick``:
+one gather per target and half), so each adapted layer adds two ``bmm`` and an add. The compiled
+and captured steps pick inside the step (the slot and factor are its inputs); the eager loop picks
+once per batch and hands the picked halves to every step (``DecodeModel.step``'s ``picked``).
 
 Why fixed slots: the stacked tensors are allocated once per model, ``slots + 1`` deep and
 ``rank`` wide (the largest rank an adapter may have; a smaller adapter is zero-padded, which adds
@@ -40,8 +42,8 @@ class RowLoRA(NamedTuple):
         return RowLoRA(self.slot.index_select(0, rows), self.coef.index_select(0, rows), self.rank)
 
 
-# target → (A (B, L, r, in), Bᵀ (B, L, r, out)) of each row's slot, and the rows' factors (B, 1, 1)
-Picked = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+# target → (coef·A (B, L, r, in), Bᵀ (B, L, r, out)) of each row's slot
+Picked = dict[str, tuple[torch.Tensor, torch.Tensor]]
 MIN_RANK = 8
 
 
@@ -115,20 +117,19 @@ class LoRASlots:
         self.held[slot] = None
 
     def pick(self, rows: RowLoRA) -> Picked:
-        """Every layer's ``A`` and ``Bᵀ`` of each row's slot, its first ``rows.rank`` ranks: once a step."""
+        """Every layer's ``coef·A`` and ``Bᵀ`` of each row's slot, its first ``rows.rank`` ranks."""
         r = min(rows.rank or self.rank, self.rank)
-        halves = {
+        coef = rows.coef.view(-1, 1, 1, 1)
+        return {
             name: (
-                self.A[name][:, :, :r].index_select(0, rows.slot),
+                self.A[name][:, :, :r].index_select(0, rows.slot) * coef,
                 self.Bt[name][:, :, :r].index_select(0, rows.slot),
             )
             for name in self.A
         }
-        return halves, rows.coef.view(-1, 1, 1)
 
 
 def delta(picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
     """x (B, S, in) → each row's ``coef·(x Aᵀ) Bᵀ`` (B, S, out), its slot's, for target ``name`` of ``layer``."""
-    halves, coef = picked
-    a, b = halves[name]
-    return torch.bmm(torch.bmm(x, a[:, layer].transpose(1, 2)) * coef, b[:, layer])
+    a, b = picked[name]
+    return torch.bmm(torch.bmm(x, a[:, layer].transpose(1, 2)), b[:, layer])

@@ -385,6 +385,7 @@ class DecodeModel:
         kv_len: int,  # static: keys [0, kv_len) are read
         masked: bool,  # static: False when kv_len == pos + 1 exactly (no mask at all)
         lora: RowLoRA | None = None,  # each row's adapter slot and factor; None: the base step
+        picked: Picked | None = None,  # ``lora``'s halves picked already (the eager loop: once a batch)
     ) -> torch.Tensor:
         """One token per row → hidden (B, H) after the final norm. No host synchronisation: shapes
         depend only on (B, kv_len); the position lives on the device."""
@@ -406,7 +407,8 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         per, D = s.heads // s.groups, s.head_dim
-        picked = self.pick_lora(lora)
+        if picked is None:
+            picked = self.pick_lora(lora)
         for i, lw in enumerate(self.layers):
             xn = _norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype)
             mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, picked)

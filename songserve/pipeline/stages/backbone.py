@@ -289,6 +289,7 @@ class Backbone:
             where = {r: g for g, members in enumerate(groups) for r in members}
             h = torch.cat([group_h[where[r]] for r in range(B)])
         lora = _row_lora(takes, list(range(B)), dm)
+        picked = dm.pick_lora(lora) if self.compiled is None else None  # eager: the rows' halves once a batch
 
         rows = list(range(B))  # original take index of each active row
         slots = list(range(B))  # its row in h and the cache (compiled mode keeps ended rows' slots)
@@ -339,7 +340,10 @@ class Backbone:
                 if not full:
                     step_in = torch.full((h.shape[0],), start, device=dev).index_copy_(0, slots_t, step_in)
                 kv_len, masked = self._kv_len(P + t + 1, cache.length)
-                h = step_fn(step_in, pos, cache.k, cache.v, kv_len, masked, lora)
+                if picked is not None:
+                    h = dm.step(step_in, pos, cache.k, cache.v, kv_len, masked, lora, picked)
+                else:
+                    h = step_fn(step_in, pos, cache.k, cache.v, kv_len, masked, lora)
                 pos += 1
             t += 1
             if t - last_check >= self.check_every or last:
@@ -364,6 +368,7 @@ class Backbone:
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
                 if lora is not None and lora.slot.shape[0] != h.shape[0]:  # the batch shrank to ``rows``
                     lora = _row_lora(takes, rows, dm)
+                    picked = dm.pick_lora(lora) if self.compiled is None else None
                 saved.clear()
                 last_check = t
         for i in rows:  # budget reached
