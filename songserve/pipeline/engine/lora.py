@@ -42,8 +42,8 @@ class RowLoRA(NamedTuple):
         return RowLoRA(self.slot.index_select(0, rows), self.coef.index_select(0, rows), self.rank)
 
 
-# target → (coef·A (B, L, r, in), Bᵀ (B, L, r, out)) of each row's slot
-Picked = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# target → per layer (coef·Aᵀ (B, in, r), Bᵀ (B, r, out)) of each row's slot: views of one gather
+Picked = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
 MIN_RANK = 8
 
 
@@ -117,19 +117,26 @@ class LoRASlots:
         self.held[slot] = None
 
     def pick(self, rows: RowLoRA) -> Picked:
-        """Every layer's ``coef·A`` and ``Bᵀ`` of each row's slot, its first ``rows.rank`` ranks."""
+        """Every layer's ``coef·Aᵀ`` and ``Bᵀ`` of each row's slot, its first ``rows.rank`` ranks."""
         r = min(rows.rank or self.rank, self.rank)
         coef = rows.coef.view(-1, 1, 1, 1)
-        return {
-            name: (
-                self.A[name][:, :, :r].index_select(0, rows.slot) * coef,
-                self.Bt[name][:, :, :r].index_select(0, rows.slot),
-            )
-            for name in self.A
-        }
+        out: Picked = {}
+        for name in self.A:
+            a = self.A[name][:, :, :r].index_select(0, rows.slot) * coef  # (B, L, r, in)
+            b = self.Bt[name][:, :, :r].index_select(0, rows.slot)  # (B, L, r, out)
+            out[name] = [(a[:, i].transpose(1, 2), b[:, i]) for i in range(self.layers)]
+        return out
+
+
+def add_delta(out: torch.Tensor, picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, S, out) plus each row's delta for ``x`` (B, S, in): the add fused into the second product."""
+    at, b = picked[name][layer]
+    if out.dtype != b.dtype:
+        return out + torch.bmm(torch.bmm(x, at), b).to(out.dtype)
+    return torch.baddbmm(out, torch.bmm(x, at), b)
 
 
 def delta(picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
     """x (B, S, in) → each row's ``coef·(x Aᵀ) Bᵀ`` (B, S, out), its slot's, for target ``name`` of ``layer``."""
-    a, b = picked[name]
-    return torch.bmm(torch.bmm(x, a[:, layer].transpose(1, 2)), b[:, layer])
+    at, b = picked[name][layer]
+    return torch.bmm(torch.bmm(x, at), b)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from songserve.pipeline.engine.kv_cache import KVCache
-from songserve.pipeline.engine.lora import LoRASlots, Picked, RowLoRA, delta
+from songserve.pipeline.engine.lora import LoRASlots, Picked, RowLoRA, add_delta
 
 Linear = Callable[..., torch.Tensor]
 
@@ -211,7 +211,7 @@ class DecodeModel:
         """``out`` plus each row's adapter delta for target ``name`` of layer ``i`` (none: ``out`` itself)."""
         if lora is None:
             return out
-        return out + delta(lora, name, i, x).to(out.dtype)
+        return add_delta(out, lora, name, i, x)
 
     # -- buffers ---------------------------------------------------------------------------------
     def kv_bytes_per_take(self, length: int) -> int:
