@@ -5,7 +5,8 @@ A LoRA adapter adds ``scale·(alpha/r)·(x Aᵀ) Bᵀ`` to a linear layer's outp
 matmul runs once for every row, and each row's delta is gathered by its slot index — ``A[slot]``,
 ``Bᵀ[slot]`` picked per row and applied as two batched matmuls (Punica's SGMV done with ``bmm``).
 The picking gathers every layer's halves at once, the row's factor folded into its ``A`` (``pick``:
-one gather per target and half), so each adapted layer adds two ``bmm`` and an add. The compiled
+one gather per target and half), so each adapted layer adds two batched products, the add fused
+into the second (``baddbmm``). The compiled
 and captured steps pick inside the step (the slot and factor are its inputs); the eager loop picks
 once per batch and hands the picked halves to every step (``DecodeModel.step``'s ``picked``).
 
