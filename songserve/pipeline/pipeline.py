@@ -299,7 +299,7 @@ class ModelPipeline:
         ids = ",".join(r.task_id for r in reqs)
 
         t = time.perf_counter()
-        previewer = self._previewer(reqs, ctxs, plan, kept)
+        previewer = self._previewer(reqs, ctxs, plan, kept, used)
         try:
             bbs = backbone.generate_batch(
                 bb_prompt,
@@ -407,7 +407,12 @@ class ModelPipeline:
         )
 
     def _previewer(
-        self, reqs: list[TrackRequest], ctxs: list[TaskContext], plan: LengthPlan, kept: torch.Tensor | None
+        self,
+        reqs: list[TrackRequest],
+        ctxs: list[TaskContext],
+        plan: LengthPlan,
+        kept: torch.Tensor | None,
+        used: list[Resident | None],
     ) -> Previewer:
         """The batch's live audio (``preview.py``); it costs nothing until a take is wanted."""
         req, fps = reqs[0], self.residency.decoder_cfg.frame_rate
@@ -417,7 +422,12 @@ class ModelPipeline:
             self.residency.enter_preview()
             superres = self._pick(self.residency.superres, req.superres_name, "superres")[1]
             assert self.residency.decoder is not None
-            return PreviewStages(superres, self._superres_prompt(req, superres), self.residency.decoder)
+            loras = {}
+            for c, u, r in zip(ctxs, used, reqs, strict=True):
+                lora = self._rows_lora(superres.dm, "superres", [u], [r])
+                if lora is not None:
+                    loras[c.task_id] = lora
+            return PreviewStages(superres, self._superres_prompt(req, superres), self.residency.decoder, loras)
 
         chunk = round(self.s.preview_chunk_sec * fps)
         for ctx in ctxs:

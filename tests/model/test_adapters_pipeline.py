@@ -120,3 +120,22 @@ def test_an_adapter_that_does_not_fit_a_second_model_of_a_kind_is_a_request_erro
             install(bb.dm, used, "backbone", CAPACITY)
     finally:
         used.adapter.weights["backbone"][(0, "linear_qkv")] = (a, b)
+
+
+def test_the_live_preview_reads_its_takes_adapter_too(pipe, monkeypatch):
+    from songserve.pipeline.stages.superres import SuperRes
+
+    seen = []
+    real = SuperRes.generate_batch
+
+    def spy(self, *a, **k):
+        seen.append((k.get("upto", 0), k.get("lora")))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SuperRes, "generate_batch", spy)
+    got = _take(pipe, [dataclasses.replace(_req(30, "tiny-sr"), preview=True)])[0]
+    assert not isinstance(got, BaseException), got
+    previews = [lora for upto, lora in seen if upto]
+    assert previews
+    assert all(lora is not None for lora in previews)
+    assert all(lora is not None for upto, lora in seen if not upto)  # and the final pass
