@@ -92,7 +92,7 @@ class DecodeStep:
         self._cache: KVCache | None = None
         self._views: dict[int, KVCache] = {}  # batch size → the first rows of the persistent cache
         self._graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch, KV length, adapters' rank or -1)
-        self._ran: set[tuple[int, int]] = set()  # shapes compiled or run (not persistent)
+        self._ran: set[tuple[int, int, int]] = set()  # (batch, KV length, adapters' rank or -1) run (not persistent)
         self.pool: Any = None  # one memory pool shared by every captured graph
         self.fn: StepFn = dm.step
         try:
@@ -123,7 +123,7 @@ class DecodeStep:
     @property
     def graphs(self) -> set[tuple[int, int]]:
         """(batch, KV length) shapes compiled or captured."""
-        return {(b, n) for b, n, _ in self._graphs} | self._ran
+        return {(b, n) for b, n, _ in (*self._graphs, *self._ran)}
 
     def reset(self) -> None:
         """Forget every graph and persistent cache: the weights moved (park mode), and a graph reads
@@ -160,14 +160,15 @@ class DecodeStep:
             return 0
         return max(batch, self.rows) * self.dm.kv_bytes_per_take(self.max_len)
 
-    def can_shrink(self, rows: int, kv_len: int) -> bool:
+    def can_shrink(self, rows: int, kv_len: int, rank: int = -1) -> bool:
         """Whether the loop may drop finished rows: never over the persistent cache (the rows would
-        have to move to its front); compiled, when the smaller batch is compiled already."""
+        have to move to its front); compiled, when the smaller batch is compiled already (with
+        adapters of the rank bucket ``rank``, or none: -1)."""
         if self.failed is not None or self.mode == "eager":
             return True
         if self.persistent:
             return False
-        return self.mode != "compiled" or (rows, kv_len) in self._ran
+        return self.mode != "compiled" or (rows, kv_len, rank) in self._ran
 
     def _record(
         self,
@@ -219,7 +220,7 @@ class DecodeStep:
                     if lora is None
                     else self.fn(tokens, pos, k, v, kv_len, masked, lora)
                 )
-                self._ran.add(key)
+                self._ran.add((*key, -1 if lora is None else lora.rank))
                 return out
             own = self._views.get(key[0])
             if own is None or own.k[0].data_ptr() != k[0].data_ptr():  # a cache not ours: no graph reads it

@@ -364,6 +364,7 @@ class Backbone:
                     P,
                     t_first,
                     listener,
+                    -1 if lora is None else lora.rank,
                 )
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
                 if lora is not None and lora.slot.shape[0] != h.shape[0]:  # the batch shrank to ``rows``
@@ -393,6 +394,7 @@ class Backbone:
         prompt_len: int,
         first: int = 0,
         listener: TokenListener | None = None,
+        rank: int = -1,  # the batch's adapters' rank bucket (-1: none): which compiled shapes it runs
     ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
         """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
         block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
@@ -423,19 +425,19 @@ class Backbone:
         new_rows = [rows[j] for j in keep]
         if len(keep) == len(rows) or not new_rows or last:
             return h, cache, new_rows, [slots[j] for j in keep]
-        if self._can_shrink(len(keep), prompt_len + t + 1, cache.length):  # finished rows stop costing
+        if self._can_shrink(len(keep), prompt_len + t + 1, cache.length, rank):  # finished rows stop costing
             kept_slots = [slots[j] for j in keep]
             idx = _long(kept_slots, h.device)
             return h.index_select(0, idx), cache.keep_rows(kept_slots), new_rows, list(range(len(keep)))
         # keep the batch shape (its graph); ended rows cost the tail but are never read
         return h, cache, new_rows, [slots[j] for j in keep]
 
-    def _can_shrink(self, rows: int, end: int, cache_len: int) -> bool:
+    def _can_shrink(self, rows: int, end: int, cache_len: int, rank: int = -1) -> bool:
         """Eager: always. The compiled step: when it holds a graph for ``rows`` at the next step's KV
         bucket already (a smaller batch is a new shape). CUDA graphs: never (see the module docstring)."""
         if self.compiled is None:
             return True
-        return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0])
+        return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0], rank)
 
 
 def _adapter_groups(takes: list[Take]) -> list[list[int]]:
