@@ -6,6 +6,7 @@
 #   bash bench/gpu_check.sh --smoke         the same script on the CPU at tiny shapes (CI: seconds)
 #   bash bench/gpu_check.sh --fetch-wheels  HERE, with the network: the wheels the GPU machine lacks, into .whl/
 #   bash bench/gpu_check.sh --with-tests    also tests/model/test_gpu.py first (about 3 more minutes)
+# After the table, bench/gpu_adapters.py's rows: the decode step with LoRA adapters per mode (not in --smoke).
 # The GPU machine reaches no network: what its image lacks travels as wheels in .whl/ (ignored by git;
 # the device tool's `carry`), installed with pip --no-index into /tmp/site. Its python3 holds a CUDA
 # torch and triton already; the service's pinned torch is not installed there.
@@ -85,4 +86,8 @@ timeout "${GPU_CHECK_LIMIT:-290}" $PY -m bench.gpu_check --out "$OUT" "${pass[@]
 rc=${PIPESTATUS[0]}
 echo "gpu_check: exit $rc in $(( $(date +%s) - t0 ))s; table $OUT/gpu_check.md, log $OUT/gpu-check.log, errors $OUT/gpu-check.err"
 [ $rc = 0 ] || tail -20 "$OUT/gpu-check.err"
+if [ $smoke = 0 ]; then  # LoRA adapters' rows (bench/gpu_adapters.py): about a minute more
+  timeout "${GPU_ADAPTERS_LIMIT:-120}" $PY -m bench.gpu_adapters --out "$OUT" 2>"$OUT/gpu-adapters.err" | tee -a "$OUT/gpu-check.log"
+  echo "gpu_adapters: exit ${PIPESTATUS[0]}; rows $OUT/gpu_adapters.json, errors $OUT/gpu-adapters.err"
+fi
 exit $rc

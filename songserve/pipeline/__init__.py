@@ -1,10 +1,10 @@
 """The model pipeline: prompt → backbone (q0/q1) → super-resolution (q2..q63) → decoder → files.
 
-Six rooms: ``stages/`` (one module per stage, each with a typed seam),
-``engine/`` (the transformer the stages run), ``checkpoints/`` (which files make a set, and loading
-them), ``tiny/`` (writers of the tiny checkpoint sets), ``live_audio/`` (a take's audio while it is
-made) and ``testing/`` (the test tone, run instead of the model). Each room's ``__init__.py`` lists
-its modules. At the top, the orchestration and the seams:
+Seven rooms: ``stages/`` (one module per stage, each with a typed seam), ``engine/`` (the
+transformer the stages run), ``checkpoints/`` (which files make a set, and loading them),
+``adapters/`` (LoRA adapters' files and which a worker holds), ``tiny/`` (writers of the tiny
+checkpoint sets), ``live_audio/`` (a take's audio while it is made) and ``testing/`` (the test
+tone, run instead of the model). Each room's ``__init__.py`` lists its modules. At the top, the orchestration and the seams:
 
     types.py         the seams: ``TrackRequest``/``TrackResult``, the ``Pipeline`` Protocol the worker drives
     context.py       cancellation and progress of one task

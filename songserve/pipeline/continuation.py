@@ -80,7 +80,7 @@ def codes_header(metadata: dict[str, Any], frame_rate: float) -> dict[str, Any]:
     head["models"] = {k: v for k, v in metadata.get("models", {}).items() if k in ("backbone", "superres")}
     head["frame_rate"] = frame_rate
     head["hop"] = HOP
-    for key in ("continued", "repainted"):
+    for key in ("continued", "repainted", "adapter"):  # "adapter": a retake of this grid uses the same one
         if key in metadata:
             head[key] = metadata[key]
     return head

@@ -51,6 +51,7 @@ def finish_take(
     batch: BatchFacts,
     live: dict[str, object] | None = None,
     join: Join | None = None,  # a repaint's join (``stages/join.py``)
+    adapter: dict[str, object] | None = None,  # name, scale, rank of the take's adapter
 ) -> TrackResult:
     """Decoder and files for one take of a batch."""
     t = time.perf_counter()
@@ -116,6 +117,8 @@ def finish_take(
         metadata["repainted"] = repainted(req.prefix, join, touched)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live
+    if adapter is not None:
+        metadata["adapter"] = adapter
     mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level).tagged(
         req.tags or req.description, req.track_index, req.lyrics
     )

@@ -11,6 +11,8 @@ repaint (a prefix with a ``repaint`` span) is a retake at the span's start with 
 rejoined to the original at a join near the span's end (``stages/join.py``); super-resolution then
 fills only the new frames, with the original's cells known on both sides. Its live preview starts
 from the kept frames before the span, like a retake's, and plays the backbone's new frames as written.
+Each take may name a LoRA adapter of ``ADAPTERS_DIR`` and its scale (``adapters/``): the takes of
+one batch may name different ones, and each take's metadata records the one it used.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from songserve.errors import RequestError, TaskCancelled
+from songserve.pipeline.adapters.residency import AdapterStore, Resident, install, model_shape
 from songserve.pipeline.checkpoints.layout import CheckpointSet
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
@@ -32,11 +35,13 @@ from songserve.pipeline.continuation import kept_codes, prefix_grid, splice
 from songserve.pipeline.encoding import encode_audio
 from songserve.pipeline.engine.decode_step import DecodeStep, choose_mode
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
+from songserve.pipeline.engine.lora import RowLoRA, row_lora
+from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.finish import BatchFacts, finish_take
 from songserve.pipeline.live_audio.previewer import Previewer, PreviewStages
 from songserve.pipeline.numbers import BACKBONE_LEVELS, SUPERRES_LEVELS, TOKENS_PER_MINUTE
 from songserve.pipeline.residency import Residency, mem_available
-from songserve.pipeline.stages.backbone import Backbone, Take
+from songserve.pipeline.stages.backbone import Backbone, Take, TakeLoRA
 from songserve.pipeline.stages.codec import AudioDecoder
 from songserve.pipeline.stages.join import Join, choose_join, coarse_tables
 from songserve.pipeline.stages.length import LengthPlan, plan_length, plan_repaint
@@ -55,6 +60,7 @@ class ModelPipeline:
         self.device = device
         self.residency = Residency(settings, ckpt, device, phase=self._phase)
         self.snapshots = KVSnapshots(int(settings.kv_snapshot_mb * 2**20), settings.kv_snapshot_memory)
+        self.adapters: AdapterStore | None = None  # made at load, when the models' shapes are known
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
         )  # set by the runtime: loading phases show in /health
@@ -69,6 +75,7 @@ class ModelPipeline:
         for name, bb in self.residency.backbones.items():
             bb.name = name
             bb.snapshots = self.snapshots if self.snapshots.capacity > 0 else None
+        self.adapters = self._adapter_store()
         mode = choose_mode(self.s.decode_mode, self.s.compile, self.device)
         if mode != "eager":
             self.phase_hook("compiling")
@@ -85,7 +92,67 @@ class ModelPipeline:
             compiled[0] if compiled else {"mode": "eager", "compiled": False, "cuda_graphs": False, "graphs": []}
         )
         out["kv_snapshots"] = self.snapshots.describe()
+        if self.adapters is not None:
+            out["adapters"] = self.adapters.describe()
         return out
+
+    def _adapter_store(self) -> AdapterStore:
+        """The adapters this worker may load: shaped for its first backbone and super-resolution, and
+        trained on a model this set answers to (a model's name, its folder's, or the set's folder's)."""
+        shapes = {}
+        if self.residency.backbones:
+            shapes["backbone"] = model_shape(next(iter(self.residency.backbones.values())).gpt.arch)
+        if self.residency.superres_arch:
+            shapes["superres"] = model_shape(next(iter(self.residency.superres_arch.values())))
+        paths = [*self.ckpt.backbones.items(), *self.ckpt.superres.items()]
+        names = {n for n, _ in paths} | {p.name for _, p in paths} | {p.parent.name for _, p in paths}
+        return AdapterStore(self.s.adapters_dir, self.s.max_adapters, shapes, names)
+
+    def prefetch_adapters(self, names: list[str]) -> None:
+        """Load the named adapters ahead of their batch, off the model thread (a failure is the batch's to report)."""
+        if self.adapters is not None:
+            for name in dict.fromkeys(n for n in names if n):
+                self.adapters.prefetch(name)
+
+    def _adapter_errors(self, reqs: list[TrackRequest]) -> dict[int, BaseException]:
+        """The takes whose adapter cannot be loaded (unknown, refused, more than the slots), each with its error."""
+        names = {r.adapter for r in reqs if r.adapter and r.adapter_scale}
+        errors: dict[str, BaseException] = {}
+        for name in sorted(names):
+            try:
+                if self.adapters is None:
+                    raise RequestError("Field 'adapter': this worker serves no adapters.")
+                self.adapters.get(name, keep=names, hit=False)
+            except RequestError as exc:
+                errors[name] = exc
+        return {i: errors[r.adapter] for i, r in enumerate(reqs) if r.adapter_scale and r.adapter in errors}
+
+    def _resolve_adapters(self, reqs: list[TrackRequest]) -> list[Resident | None]:
+        """Each take's adapter, resident (loaded now if need be); None for none or scale 0."""
+        names = {r.adapter for r in reqs if r.adapter and r.adapter_scale}
+        if not names:
+            return [None] * len(reqs)
+        if self.adapters is None:
+            raise RequestError("Field 'adapter': this worker serves no adapters.")
+        store = self.adapters
+        return [store.get(r.adapter, keep=names) if r.adapter and r.adapter_scale else None for r in reqs]
+
+    def _take_lora(self, dm: DecodeModel, model: str, used: Resident | None, scale: float) -> TakeLoRA | None:
+        """A take's adapter in ``dm``'s slots (installed if need be); None: the base model."""
+        if used is None or self.adapters is None:
+            return None
+        factor = install(dm, used, model, self.adapters.capacity, self.adapters.max_rank)
+        if not factor:
+            return None
+        return TakeLoRA(used.slot, scale * factor, f"{used.key}@{scale:g}", used.adapter.rank)
+
+    def _rows_lora(
+        self, dm: DecodeModel, model: str, used: list[Resident | None], reqs: list[TrackRequest]
+    ) -> RowLoRA | None:
+        loras = [self._take_lora(dm, model, u, r.adapter_scale) for u, r in zip(used, reqs, strict=True)]
+        slots = [x.slot if x is not None else 0 for x in loras]
+        coefs = [x.coef if x is not None else 0.0 for x in loras]
+        return row_lora(slots, coefs, dm.device, dm.dtype, [x.rank if x is not None else 0 for x in loras])
 
     def describe(self) -> dict[str, Any]:
         cfg = self.residency.decoder_cfg
@@ -172,11 +239,21 @@ class ModelPipeline:
         assert tokenizer is not None
         assert reqs
         assert len(reqs) == len(ctxs)
-        shared = [asdict(dataclasses.replace(r, seed=0, task_id="", track_index=0)) for r in reqs]
+        shared = [
+            asdict(dataclasses.replace(r, seed=0, task_id="", track_index=0, adapter="", adapter_scale=0.0))
+            for r in reqs
+        ]
         if any(x != shared[0] for x in shared[1:]):
             raise RequestError(
-                "A batch holds takes of one request: they may differ only in seed, task_id, track_index."
+                "A batch holds takes of one request: they may differ only in seed, task_id, track_index, adapter, "
+                "adapter_scale."
             )
+        refused = self._adapter_errors(reqs)
+        if refused:  # those takes fail alone; the others run
+            ok = [i for i in range(len(reqs)) if i not in refused]
+            got = self.run_batch([reqs[i] for i in ok], [ctxs[i] for i in ok]) if ok else []
+            done: dict[int, TrackResult | BaseException] = {**refused, **dict(zip(ok, got, strict=True))}
+            return [done[i] for i in range(len(reqs))]
         req = reqs[0]
         bb_name, backbone = self._pick(self.residency.backbones, req.backbone_name, "backbone")
         style = style_of(req.description, req.tags, req.genre)
@@ -239,11 +316,15 @@ class ModelPipeline:
         timings: dict[str, float] = {}
         t_all = time.perf_counter()
         gens = [torch.Generator(device=self.device).manual_seed(r.seed) for r in reqs]
-        takes = [Take(g, c) for g, c in zip(gens, ctxs, strict=True)]
+        used = self._resolve_adapters(reqs)
+        takes = [
+            Take(g, c, self._take_lora(backbone.dm, "backbone", u, r.adapter_scale))
+            for g, c, u, r in zip(gens, ctxs, used, reqs, strict=True)
+        ]
         ids = ",".join(r.task_id for r in reqs)
 
         t = time.perf_counter()
-        previewer = self._previewer(reqs, ctxs, plan, kept)
+        previewer = self._previewer(reqs, ctxs, plan, kept, used)
         try:
             bbs = backbone.generate_batch(
                 bb_prompt,
@@ -307,6 +388,7 @@ class ModelPipeline:
                 known=kept if original is None else original,
                 spans=spans,
                 span_context=self.s.repaint_context_frames,
+                lora=self._rows_lora(superres.dm, "superres", [used[i] for i in live], [reqs[i] for i in live]),
             )
             timings["superres_sec"] = time.perf_counter() - t
             residency.leave_superres()
@@ -342,6 +424,7 @@ class ModelPipeline:
                         batch,
                         previewer.report(i),
                         join,
+                        adapter_of(used[i], reqs[i]),
                     )
                 except TaskCancelled as exc:
                     results[i] = exc
@@ -380,7 +463,12 @@ class ModelPipeline:
         )
 
     def _previewer(
-        self, reqs: list[TrackRequest], ctxs: list[TaskContext], plan: LengthPlan, kept: torch.Tensor | None
+        self,
+        reqs: list[TrackRequest],
+        ctxs: list[TaskContext],
+        plan: LengthPlan,
+        kept: torch.Tensor | None,
+        used: list[Resident | None],
     ) -> Previewer:
         """The batch's live audio (``preview.py``); it costs nothing until a take is wanted."""
         req, fps = reqs[0], self.residency.decoder_cfg.frame_rate
@@ -390,7 +478,12 @@ class ModelPipeline:
             self.residency.enter_preview()
             superres = self._pick(self.residency.superres, req.superres_name, "superres")[1]
             assert self.residency.decoder is not None
-            return PreviewStages(superres, self._superres_prompt(req, superres), self.residency.decoder)
+            loras = {}
+            for c, u, r in zip(ctxs, used, reqs, strict=True):
+                lora = self._rows_lora(superres.dm, "superres", [u], [r])
+                if lora is not None:
+                    loras[c.task_id] = lora
+            return PreviewStages(superres, self._superres_prompt(req, superres), self.residency.decoder, loras)
 
         chunk = round(self.s.preview_chunk_sec * fps)
         for ctx in ctxs:
@@ -418,6 +511,13 @@ class ModelPipeline:
         if self.s.preview_levels:
             return self.s.preview_levels
         return SUPERRES_LEVELS if self.device.type == "cuda" else CPU_PREVIEW_LEVELS
+
+
+def adapter_of(used: Resident | None, req: TrackRequest) -> dict[str, Any] | None:
+    """A take's ``adapter`` in its metadata and codes header: name, scale and rank (None: the base model)."""
+    if used is None:
+        return None
+    return {"name": used.adapter.name, "scale": req.adapter_scale, "rank": used.adapter.rank}
 
 
 def vocal_lang_of(req: TrackRequest) -> str:

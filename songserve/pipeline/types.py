@@ -125,6 +125,11 @@ class Pipeline(Protocol):
         error that concerns them all (an unknown model, takes that differ) raises instead."""
         ...
 
+    def prefetch_adapters(self, names: list[str]) -> None:
+        """Load the named LoRA adapters ahead of their takes; called off the model thread (the
+        worker's request handler). A failure is left for the takes to report."""
+        ...
+
     def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:
         """44.1 kHz stereo samples (numpy (2, n) float32 in [-1, 1], ``songserve/audio/reading.py``) as the
         codec's code grid; raises ``UnavailableError`` when this pipeline has no encoder."""

@@ -211,6 +211,9 @@ class WorkerRuntime:
         t0 = time.perf_counter()
         facts: list[dict[str, ResultFile]] = [{} for _ in ctxs]
         try:
+            adapters = [b.adapter for b in bodies if b.adapter and b.adapter_scale]
+            if adapters:  # read and checked here, off the model thread; the batch installs them
+                await asyncio.to_thread(self.pipeline.prefetch_adapters, adapters)
             raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, reqs, ctxs)
             # Read back off the event loop while the tasks still show running: /tasks and /cancel
             # must not find them gone before they are remembered as done.

@@ -72,6 +72,12 @@ class WorkerSettings(BaseSettings):
     kv_snapshot_memory: Literal["device", "host"] = Field(
         "device", description="where KV snapshots live: on the device, or in host memory (pinned on CUDA)"
     )
+    adapters_dir: Path = Field(
+        ROOT / "adapters", description="folder of LoRA adapters, one subfolder each (PEFT's layout, docs/model.md)"
+    )
+    max_adapters: int = Field(
+        4, ge=1, le=64, description="adapters held at once (one slot each in every model); least recently used evicted"
+    )
     compile: Literal["auto", "0", "1"] = Field(
         "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
     )
@@ -172,7 +178,7 @@ class WorkerSettings(BaseSettings):
     )
 
     # TOKENIZER_PATH and DECODER_*_PATH are not here: a relative one is under CHECKPOINTS_DIR (layout.py).
-    _caller_paths = field_validator("checkpoints_dir", "output_dir", mode="before")(caller_path)
+    _caller_paths = field_validator("checkpoints_dir", "output_dir", "adapters_dir", mode="before")(caller_path)
 
     @field_validator("announce")
     @classmethod

@@ -24,6 +24,12 @@ full context per request instead (static shapes: one compile per batch and bucke
 
 Any failure to compile, capture or launch turns the step into the eager one for good, with one log
 line (``/health`` → ``decode_step``).
+
+A batch with adapters (``lora.py``: each row's slot and factor) runs in every mode: the compiled
+step compiles its own graph for it (one per batch, bucket and rank bucket, beside the base one);
+``graphs`` (and ``fused`` on CUDA) records one with static slot and factor buffers, replayed like
+the base one (the slots' tensors never move); the fused step adds the delta with torch's batched
+products between its kernels (``fused_step.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 import torch
 
 from songserve.pipeline.engine.kv_cache import KVCache
+from songserve.pipeline.engine.lora import RowLoRA
 from songserve.pipeline.engine.transformer import DecodeModel
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ class _Graph:
     tokens: torch.Tensor
     pos: torch.Tensor
     out: torch.Tensor
+    lora: RowLoRA | None = None  # static slot and factor buffers of a graph with adapters
 
 
 def _reason(exc: BaseException) -> str:
@@ -83,8 +91,8 @@ class DecodeStep:
         self.rows = 0  # takes the persistent cache holds (allocated on first use, at load by warm)
         self._cache: KVCache | None = None
         self._views: dict[int, KVCache] = {}  # batch size → the first rows of the persistent cache
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._ran: set[tuple[int, int]] = set()  # shapes compiled or run (not persistent)
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch, KV length, adapters' rank or -1)
+        self._ran: set[tuple[int, int, int]] = set()  # (batch, KV length, adapters' rank or -1) run (not persistent)
         self.pool: Any = None  # one memory pool shared by every captured graph
         self.fn: StepFn = dm.step
         try:
@@ -115,7 +123,7 @@ class DecodeStep:
     @property
     def graphs(self) -> set[tuple[int, int]]:
         """(batch, KV length) shapes compiled or captured."""
-        return set(self._graphs) | self._ran
+        return {(b, n) for b, n, _ in (*self._graphs, *self._ran)}
 
     def reset(self) -> None:
         """Forget every graph and persistent cache: the weights moved (park mode), and a graph reads
@@ -152,37 +160,45 @@ class DecodeStep:
             return 0
         return max(batch, self.rows) * self.dm.kv_bytes_per_take(self.max_len)
 
-    def can_shrink(self, rows: int, kv_len: int) -> bool:
+    def can_shrink(self, rows: int, kv_len: int, rank: int = -1) -> bool:
         """Whether the loop may drop finished rows: never over the persistent cache (the rows would
-        have to move to its front); compiled, when the smaller batch is compiled already."""
+        have to move to its front); compiled, when the smaller batch is compiled already (with
+        adapters of the rank bucket ``rank``, or none: -1)."""
         if self.failed is not None or self.mode == "eager":
             return True
         if self.persistent:
             return False
-        return self.mode != "compiled" or (rows, kv_len) in self._ran
+        return self.mode != "compiled" or (rows, kv_len, rank) in self._ran
 
     def _record(
-        self, tokens: torch.Tensor, pos: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], kv_len: int
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        kv_len: int,
+        lora: RowLoRA | None = None,
     ) -> _Graph:
         st, sp = tokens.clone(), pos.clone()
+        sl = None if lora is None else RowLoRA(lora.slot.clone(), lora.coef.clone(), lora.rank)
         if not self.capture:  # graphs on the CPU: the same buffers, the step called where CUDA replays
-            out = self.fn(st, sp, k, v, kv_len, True)
+            out = self.fn(st, sp, k, v, kv_len, True, sl)
 
             def replay() -> None:
-                out.copy_(self.fn(st, sp, k, v, kv_len, True))
+                out.copy_(self.fn(st, sp, k, v, kv_len, True, sl))
 
-            return _Graph(replay, st, sp, out)
+            return _Graph(replay, st, sp, out, sl)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # compiles (compiled), autotunes / JITs (fused) outside the capture
-                self.fn(st, sp, k, v, kv_len, True)
+                self.fn(st, sp, k, v, kv_len, True, sl)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(st, sp, k, v, kv_len, True)
+            out = self.fn(st, sp, k, v, kv_len, True, sl)
         self.pool = graph.pool()
-        return _Graph(graph.replay, st, sp, out)
+        return _Graph(graph.replay, st, sp, out, sl)
 
     def __call__(
         self,
@@ -192,28 +208,37 @@ class DecodeStep:
         v: list[torch.Tensor],
         kv_len: int,
         masked: bool,
+        lora: RowLoRA | None = None,
     ) -> torch.Tensor:
         if self.failed is not None:
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
+            return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
         key = (int(tokens.shape[0]), kv_len)
         try:
             if not self.persistent:
-                out = self.fn(tokens, pos, k, v, kv_len, masked)
-                self._ran.add(key)
+                out = (
+                    self.fn(tokens, pos, k, v, kv_len, masked)
+                    if lora is None
+                    else self.fn(tokens, pos, k, v, kv_len, masked, lora)
+                )
+                self._ran.add((*key, -1 if lora is None else lora.rank))
                 return out
             own = self._views.get(key[0])
             if own is None or own.k[0].data_ptr() != k[0].data_ptr():  # a cache not ours: no graph reads it
-                return self.dm.step(tokens, pos, k, v, kv_len, masked)
-            g = self._graphs.get(key)
+                return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
+            gkey = (*key, -1 if lora is None else lora.rank)
+            g = self._graphs.get(gkey)
             if g is None:
-                g = self._graphs[key] = self._record(tokens, pos, k, v, kv_len)
+                g = self._graphs[gkey] = self._record(tokens, pos, k, v, kv_len, lora)
             g.tokens.copy_(tokens)
             g.pos.copy_(pos)
+            if lora is not None and g.lora is not None:
+                g.lora.slot.copy_(lora.slot)
+                g.lora.coef.copy_(lora.coef)
             g.replay()
             return g.out
         except Exception as exc:
             self._fail(exc, f"batch {key[0]}, kv {key[1]}")
-            return self.dm.step(tokens, pos, k, v, kv_len, masked)
+            return self.dm.step(tokens, pos, k, v, kv_len, masked, lora)
 
     def warm(self, batches: list[int], kv_lens: list[int], cache_len: int | None = None) -> None:
         """Compile or capture the given shapes now, at load, under inference mode as the backbone

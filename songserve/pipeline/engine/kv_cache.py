@@ -37,6 +37,17 @@ class KVCache:
             for t in (*self.k, *self.v):
                 t[1:, :, :upto] = t[:1, :, :upto]
 
+    def copy_row(self, src: int, dst: list[int], upto: int) -> None:
+        """Copy row ``src``'s first ``upto`` positions (one group's prefill) into rows ``dst``."""
+        if not dst:
+            return
+        if src == 0 and dst == list(range(1, self.batch)):
+            self.broadcast_row0(upto)
+            return
+        for r in dst:
+            for t in (*self.k, *self.v):
+                t[r : r + 1, :, :upto] = t[src : src + 1, :, :upto]
+
     def keep_rows(self, rows: list[int]) -> KVCache:
         """A smaller cache holding only ``rows`` (finished rows stop costing)."""
         idx = torch.tensor(rows, device=self.k[0].device)

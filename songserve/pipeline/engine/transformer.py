@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from songserve.pipeline.engine.kv_cache import KVCache
+from songserve.pipeline.engine.lora import LoRASlots, Picked, RowLoRA, add_delta
 
 Linear = Callable[..., torch.Tensor]
 
@@ -154,6 +155,7 @@ class DecodeModel:
         self.final_w, self.final_b = fn.weight, getattr(fn, "bias", None)
         self.output_weight = output_weight
         self.device, self.dtype = self.word.device, self.word.dtype
+        self.lora: LoRASlots | None = None  # adapter slots (``lora.py``), made with the first adapter
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
         self._inv_freq: torch.Tensor | None = None
@@ -182,6 +184,34 @@ class DecodeModel:
             mlp.linear_fc2.weight,
             mlp.linear_fc2.bias,
         )
+
+    def lora_dims(self) -> dict[str, tuple[int, int]]:
+        """Each adapter target's (in, out) features: what an adapter's A and B must fit."""
+        lw = self.layers[0]
+        return {
+            "linear_qkv": (lw.qkv_w.shape[1], lw.qkv_w.shape[0]),
+            "linear_proj": (lw.proj_w.shape[1], lw.proj_w.shape[0]),
+            "linear_fc1": (lw.fc1_w.shape[1], lw.fc1_w.shape[0]),
+            "linear_fc2": (lw.fc2_w.shape[1], lw.fc2_w.shape[0]),
+        }
+
+    def lora_slots(self, slots: int, rank: int) -> LoRASlots:
+        """The model's adapter slots, made once (their tensors never move: a compiled or captured
+        step keeps reading them)."""
+        if self.lora is None or self.lora.slots != slots or self.lora.rank != rank:
+            self.lora = LoRASlots(self.lora_dims(), len(self.layers), slots, rank, self.device, self.dtype)
+        return self.lora
+
+    def pick_lora(self, lora: RowLoRA | None) -> Picked | None:
+        """Each row's adapter weights for this forward or step (None: the base model)."""
+        return None if lora is None or self.lora is None else self.lora.pick(lora)
+
+    @staticmethod
+    def _delta(out: torch.Tensor, name: str, i: int, x: torch.Tensor, lora: Picked | None) -> torch.Tensor:
+        """``out`` plus each row's adapter delta for target ``name`` of layer ``i`` (none: ``out`` itself)."""
+        if lora is None:
+            return out
+        return add_delta(out, lora, name, i, x)
 
     # -- buffers ---------------------------------------------------------------------------------
     def kv_bytes_per_take(self, length: int) -> int:
@@ -227,12 +257,13 @@ class DecodeModel:
         return x
 
     def _qkv(
-        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear
+        self, lw: LayerWeights, x: torch.Tensor, linear: Linear = F.linear, lora: Picked | None = None, i: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, S, H) → q (B, heads, S, D), k and v (B, groups, S, D), in megatron's interleaved layout."""
         s = self.spec
         B, S = x.shape[:2]
-        mixed = linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
+        xn = _norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype)
+        mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, lora)
         per = s.heads // s.groups
         mixed = mixed.view(B, S, s.groups, (per + 2) * s.head_dim)
         q, k, v = mixed.split([per * s.head_dim, s.head_dim, s.head_dim], dim=-1)
@@ -269,15 +300,23 @@ class DecodeModel:
         return torch.cat((r, t[..., rot:]), dim=-1) if rot < t.shape[-1] else r
 
     def _finish_layer(
-        self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor, linear: Linear = F.linear
+        self,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        linear: Linear = F.linear,
+        lora: Picked | None = None,
+        i: int = 0,
     ) -> torch.Tensor:
         """attn (B, S, heads·D) → output projection, residual, MLP, residual."""
         s = self.spec
         out = linear(attn, lw.proj_w)
         if lw.proj_b is not None:
             out = out + lw.proj_b
+        out = self._delta(out, "linear_proj", i, attn, lora)
         x = x + out.to(x.dtype)
-        h = linear(_norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype), lw.fc1_w, lw.fc1_b)
+        xn = _norm(x, lw.ln2_w, lw.ln2_b, s).to(self.dtype)
+        h = self._delta(linear(xn, lw.fc1_w, lw.fc1_b), "linear_fc1", i, xn, lora)
         if s.gated:
             a, b = h.chunk(2, dim=-1)
             h = self.activation(a) * b
@@ -286,6 +325,7 @@ class DecodeModel:
         out = linear(h, lw.fc2_w)
         if lw.fc2_b is not None:
             out = out + lw.fc2_b
+        out = self._delta(out, "linear_fc2", i, h, lora)
         return x + out.to(x.dtype)
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,6 +343,7 @@ class DecodeModel:
         cache: KVCache | None = None,
         causal: bool = True,
         key_padding: torch.Tensor | None = None,  # (B, S) True = a padding key (non-causal only)
+        lora: RowLoRA | None = None,  # each row's adapter (``lora.py``); None: the base model
     ) -> torch.Tensor:
         """Hidden states (B, S, H) after the final norm. With a cache, positions [start, start+S)
         are written and attended causally over the cache prefix (chunked prefill)."""
@@ -319,8 +360,9 @@ class DecodeModel:
             mask = (~key_padding)[:, None, None, :]  # SDPA: True = attend
         elif causal and start > 0:  # a later chunk: its rows see the whole prefix plus their own past
             mask = torch.ones(S, end, dtype=torch.bool, device=x.device).tril(start)
+        picked = self.pick_lora(lora)
         for i, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x)
+            q, k, v = self._qkv(lw, x, lora=picked, i=i)
             if cos is not None and sin is not None:
                 q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             if cache is not None:
@@ -330,7 +372,7 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.spec.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.transpose(1, 2).reshape(x.shape[0], S, -1))
+            x = self._finish_layer(lw, x, o.transpose(1, 2).reshape(x.shape[0], S, -1), lora=picked, i=i)
         return self.final(x)
 
     # -- the one-token step ----------------------------------------------------------------------
@@ -342,6 +384,8 @@ class DecodeModel:
         v_cache: list[torch.Tensor],
         kv_len: int,  # static: keys [0, kv_len) are read
         masked: bool,  # static: False when kv_len == pos + 1 exactly (no mask at all)
+        lora: RowLoRA | None = None,  # each row's adapter slot and factor; None: the base step
+        picked: Picked | None = None,  # ``lora``'s halves picked already (the eager loop: once a batch)
     ) -> torch.Tensor:
         """One token per row → hidden (B, H) after the final norm. No host synchronisation: shapes
         depend only on (B, kv_len); the position lives on the device."""
@@ -363,8 +407,11 @@ class DecodeModel:
         if masked:
             mask = (torch.arange(kv_len, device=tokens.device) <= pos).view(1, 1, 1, kv_len)
         per, D = s.heads // s.groups, s.head_dim
+        if picked is None:
+            picked = self.pick_lora(lora)
         for i, lw in enumerate(self.layers):
-            mixed = linear(_norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype), lw.qkv_w, lw.qkv_b)
+            xn = _norm(x, lw.ln1_w, lw.ln1_b, s).to(self.dtype)
+            mixed = self._delta(linear(xn, lw.qkv_w, lw.qkv_b), "linear_qkv", i, xn, picked)
             mixed = mixed.view(B, s.groups, per + 2, D)  # megatron's layout: per group, its q heads, k, v
             qk = mixed[:, :, : per + 1]
             if cos is not None and sin is not None:  # q and k of every group rotated in one pass
@@ -375,5 +422,5 @@ class DecodeModel:
             o = F.scaled_dot_product_attention(
                 q, k_cache[i][:, :, :kv_len], v_cache[i][:, :, :kv_len], attn_mask=mask, scale=s.scale, enable_gqa=True
             )
-            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear)
+            x = self._finish_layer(lw, x, o.reshape(B, 1, -1), linear, picked, i)
         return self.final(x)[:, 0]

@@ -42,6 +42,7 @@ import torch
 
 from songserve.errors import TaskCancelled
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.engine.lora import RowLoRA
 from songserve.pipeline.numbers import BACKBONE_LEVELS
 from songserve.pipeline.stages.codec import AudioDecoder
 from songserve.pipeline.stages.superres import SuperRes
@@ -53,11 +54,13 @@ WAIT_SEC = 0.05  # how often the idle preview thread looks for wanted takes
 
 @dataclass(frozen=True)
 class PreviewStages:
-    """What a preview runs: super-resolution with its prompt, and the decoder (loaded on first use)."""
+    """What a preview runs: super-resolution with its prompt, and the decoder (loaded on first use);
+    ``loras``: a take's adapter in super-resolution, by task id (as its final pass reads it)."""
 
     superres: SuperRes
     prompt: list[int]
     decoder: AudioDecoder
+    loras: dict[str, RowLoRA] = field(default_factory=dict[str, RowLoRA])
 
 
 class _Follow(TaskContext):
@@ -280,6 +283,7 @@ class Previewer:
             ctxs=[_Follow(row.ctx)],
             known=known,
             upto=self.levels,
+            lora=stages.loras.get(row.ctx.task_id),
         )[0]
         row.grid = torch.cat([row.grid, got[:, left:]], dim=1)
 

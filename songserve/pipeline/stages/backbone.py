@@ -20,10 +20,17 @@ Why the loop looks like this:
 - a row that ended keeps drawing until that check, so its generator is rewound to the state right
   after its end-of-audio draw: the later stages see the same generator as a take run alone.
 
+Takes on adapters (``Take.lora``: a slot of the model's ``engine/lora.py`` slots and its factor)
+decode in the same batch as takes on none: the step gathers each row's delta by its slot. An
+adapter changes keys and values, so the prompt is prefilled once per distinct adapter (and scale)
+in the batch, into that group's first row, and copied to the group's other rows.
+
 A retake passes the kept frames' q0/q1 codes: they are prefilled after the prompt as the
 tokens the loop would have fed, written into the result as they are, and sampling starts after
 them. Only such a prefill uses the KV snapshots (``engine/kv_snapshots.py``): restored positions
-are not prefilled again, and the prefill is kept for the next retake of the same prefix.
+are not prefilled again, and the prefill is kept for the next retake of the same prefix. Snapshots
+are keyed by the model's name and the take's adapter and scale, so a prefix prefilled without an
+adapter is never restored for a take with one (or the reverse).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from songserve.pipeline.engine.decode_step import DecodeStep
 from songserve.pipeline.engine.gpt import AcousticGPT
 from songserve.pipeline.engine.kv_cache import KVCache
 from songserve.pipeline.engine.kv_snapshots import KVSnapshots
+from songserve.pipeline.engine.lora import RowLoRA, row_lora
 from songserve.pipeline.engine.sampling import sample_rows
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.numbers import CODEBOOK
@@ -52,12 +60,24 @@ from songserve.pipeline.types import BackboneResult
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TakeLoRA:
+    """A take's adapter as the step reads it: its slot, its factor ``scale·alpha/r``, and the key
+    that tells its prefills apart (name, load and scale)."""
+
+    slot: int
+    coef: float
+    key: str
+    rank: int = 0  # the adapter's (0: read every column of the slots)
+
+
 @dataclass
 class Take:
-    """One row of a batch: its generator (seeded per take) and its task context."""
+    """One row of a batch: its generator (seeded per take), its task context, its adapter (None: the base model)."""
 
     generator: torch.Generator
     ctx: TaskContext
+    lora: TakeLoRA | None = None
 
 
 StepFn = Callable[..., torch.Tensor]
@@ -114,7 +134,14 @@ class Backbone:
         return [int(x) for x in (kept.long().cpu() + offsets).t().reshape(-1)]
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], cache: KVCache, ctxs: list[TaskContext], start: int = 0) -> torch.Tensor:
+    def prefill(
+        self,
+        prompt: list[int],
+        cache: KVCache,
+        ctxs: list[TaskContext],
+        start: int = 0,
+        lora: RowLoRA | None = None,
+    ) -> torch.Tensor:
         """Prompt → hidden at its last position (1, H); KV written to row 0, then copied to all rows.
 
         Chunks of ``prefill_chunk`` tokens with a cancellation check between them; the result
@@ -129,23 +156,32 @@ class Backbone:
                 raise TaskCancelled(f"Task {ctxs[0].task_id} was cancelled.")
             b = min(len(prompt), a + self.prefill_chunk)
             pos = torch.arange(a, b, device=dev).view(1, -1)
-            h = self.dm.forward(self.dm.embed(ids[:, a:b], pos), start=a, cache=row0)[:, -1]
+            h = self.dm.forward(self.dm.embed(ids[:, a:b], pos), start=a, cache=row0, lora=lora)[:, -1]
         assert h is not None
         cache.broadcast_row0(len(prompt))
         return h
 
     def _prefill_kept(
-        self, ids: list[int], cache: KVCache, ctxs: list[TaskContext], continues: bool, origin: str
+        self,
+        ids: list[int],
+        cache: KVCache,
+        ctxs: list[TaskContext],
+        continues: bool,
+        origin: str,
+        lora: TakeLoRA | None = None,
     ) -> dict[str, Any]:
         """The prefill, through the KV snapshots when the take continues a prefix: ``h`` (1, H) and
-        the metadata's ``prefill`` (tokens, restored, sec)."""
+        the metadata's ``prefill`` (tokens, restored, sec). ``lora``: the adapter every row of
+        ``cache`` decodes with (the snapshots' key names it)."""
         t0 = time.perf_counter()
         snaps = self.snapshots if continues else None
         ids_t = torch.tensor(ids, dtype=torch.long)
         restored, h, task = 0, None, ctxs[0].task_id
         faults = snaps.faults if snaps is not None else 0
+        model = self.name if lora is None else f"{self.name}+adapter:{lora.key}"
+        rows = None if lora is None else row_lora([lora.slot], [lora.coef], self.dm.device, self.dm.dtype, [lora.rank])
         if snaps is not None:  # a fault inside the cache is a miss: the whole prefix is prefilled
-            restored, came_from, h = snaps.restore(self.name, ids_t, cache.rows(0, 1), task)
+            restored, came_from, h = snaps.restore(model, ids_t, cache.rows(0, 1), task)
             if restored:
                 log.info(
                     "task %s: %d of %d prefix tokens restored from a KV snapshot (%s)",
@@ -156,7 +192,7 @@ class Backbone:
                 )
         if h is None:
             try:
-                h = self.prefill(ids, cache, ctxs, start=restored)
+                h = self.prefill(ids, cache, ctxs, start=restored, lora=rows)
             except Exception as exc:
                 if isinstance(exc, TaskCancelled) or snaps is None or snaps.faults == faults:
                     raise
@@ -165,7 +201,7 @@ class Backbone:
         else:  # all of it, and its last hidden state: nothing to prefill
             cache.broadcast_row0(len(ids))
         if snaps is not None:
-            snaps.save(self.name, ids_t, cache.rows(0, 1), origin, h, task)
+            snaps.save(model, ids_t, cache.rows(0, 1), origin, h, task)
         if self.dm.device.type == "cuda":
             torch.cuda.synchronize(self.dm.device)  # the seconds below are the prefill's, not its launch's
         return {"h": h, "tokens": len(ids), "restored": restored, "sec": round(time.perf_counter() - t0, 6)}
@@ -235,9 +271,25 @@ class Backbone:
         else:
             cache = dm.new_cache(B, self._cache_len(P + total))
         dm.rope_tables(P + total)
-        prefill = self._prefill_kept(prompt + kept_ids, cache, [t.ctx for t in takes], kept is not None, origin)
-        h = prefill.pop("h").expand(B, -1)
         dev = dm.device
+        prefills: list[dict[str, Any]] = [{} for _ in takes]
+        groups = _adapter_groups(takes)
+        group_h: list[torch.Tensor] = []
+        for members in groups:  # one prefill per distinct adapter, copied to its other rows
+            r0, lora0 = members[0], takes[members[0]].lora
+            ctxs = [takes[r].ctx for r in members]
+            got = self._prefill_kept(prompt + kept_ids, cache.rows(r0, r0 + 1), ctxs, kept is not None, origin, lora0)
+            cache.copy_row(r0, members[1:], P + t_first)
+            group_h.append(got.pop("h"))
+            for r in members:
+                prefills[r] = got
+        if len(groups) == 1:
+            h = group_h[0].expand(B, -1)
+        else:
+            where = {r: g for g, members in enumerate(groups) for r in members}
+            h = torch.cat([group_h[where[r]] for r in range(B)])
+        lora = _row_lora(takes, list(range(B)), dm)
+        picked = dm.pick_lora(lora) if self.compiled is None else None  # eager: the rows' halves once a batch
 
         rows = list(range(B))  # original take index of each active row
         slots = list(range(B))  # its row in h and the cache (compiled mode keeps ended rows' slots)
@@ -262,7 +314,7 @@ class Backbone:
                 listener.ended(i, n_codes)
             codes = buf[:n_codes, i].to("cpu")
             grid = codes.view(-1, 2).t().contiguous() if n_codes else torch.zeros(2, 0, dtype=torch.long)
-            results[i] = BackboneResult(grid, P, n_codes - t_first, stopped_by, dict(prefill))
+            results[i] = BackboneResult(grid, P, n_codes - t_first, stopped_by, dict(prefills[i]))
 
         t = t_first
         while t < total and rows:
@@ -288,7 +340,10 @@ class Backbone:
                 if not full:
                     step_in = torch.full((h.shape[0],), start, device=dev).index_copy_(0, slots_t, step_in)
                 kv_len, masked = self._kv_len(P + t + 1, cache.length)
-                h = step_fn(step_in, pos, cache.k, cache.v, kv_len, masked)
+                if picked is not None:
+                    h = dm.step(step_in, pos, cache.k, cache.v, kv_len, masked, lora, picked)
+                else:
+                    h = step_fn(step_in, pos, cache.k, cache.v, kv_len, masked, lora)
                 pos += 1
             t += 1
             if t - last_check >= self.check_every or last:
@@ -309,8 +364,12 @@ class Backbone:
                     P,
                     t_first,
                     listener,
+                    -1 if lora is None else lora.rank,
                 )
                 rows_t, slots_t = _long(rows, dev), _long(slots, dev)
+                if lora is not None and lora.slot.shape[0] != h.shape[0]:  # the batch shrank to ``rows``
+                    lora = _row_lora(takes, rows, dm)
+                    picked = dm.pick_lora(lora) if self.compiled is None else None
                 saved.clear()
                 last_check = t
         for i in rows:  # budget reached
@@ -335,6 +394,7 @@ class Backbone:
         prompt_len: int,
         first: int = 0,
         listener: TokenListener | None = None,
+        rank: int = -1,  # the batch's adapters' rank bucket (-1: none): which compiled shapes it runs
     ) -> tuple[torch.Tensor, KVCache, list[int], list[int]]:
         """The periodic host sync: end rows on end-of-audio, drop cancelled rows, report, shrink."""
         block = buf[a:t].index_select(1, _long(rows, buf.device)).to("cpu")  # the one sync per check
@@ -365,19 +425,35 @@ class Backbone:
         new_rows = [rows[j] for j in keep]
         if len(keep) == len(rows) or not new_rows or last:
             return h, cache, new_rows, [slots[j] for j in keep]
-        if self._can_shrink(len(keep), prompt_len + t + 1, cache.length):  # finished rows stop costing
+        if self._can_shrink(len(keep), prompt_len + t + 1, cache.length, rank):  # finished rows stop costing
             kept_slots = [slots[j] for j in keep]
             idx = _long(kept_slots, h.device)
             return h.index_select(0, idx), cache.keep_rows(kept_slots), new_rows, list(range(len(keep)))
         # keep the batch shape (its graph); ended rows cost the tail but are never read
         return h, cache, new_rows, [slots[j] for j in keep]
 
-    def _can_shrink(self, rows: int, end: int, cache_len: int) -> bool:
+    def _can_shrink(self, rows: int, end: int, cache_len: int, rank: int = -1) -> bool:
         """Eager: always. The compiled step: when it holds a graph for ``rows`` at the next step's KV
         bucket already (a smaller batch is a new shape). CUDA graphs: never (see the module docstring)."""
         if self.compiled is None:
             return True
-        return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0])
+        return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0], rank)
+
+
+def _adapter_groups(takes: list[Take]) -> list[list[int]]:
+    """The rows of each distinct adapter (and scale), in order of first appearance; one group when
+    every take reads the same (none included)."""
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(takes):
+        groups.setdefault(t.lora.key if t.lora is not None else "", []).append(i)
+    return list(groups.values())
+
+
+def _row_lora(takes: list[Take], rows: list[int], dm: DecodeModel) -> RowLoRA | None:
+    loras = [takes[r].lora for r in rows]
+    slots = [x.slot if x is not None else 0 for x in loras]
+    coefs = [x.coef if x is not None else 0.0 for x in loras]
+    return row_lora(slots, coefs, dm.device, dm.dtype, [x.rank if x is not None else 0 for x in loras])
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:

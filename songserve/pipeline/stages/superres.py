@@ -27,6 +27,7 @@ import torch
 
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.engine.gpt import AcousticGPT
+from songserve.pipeline.engine.lora import RowLoRA
 from songserve.pipeline.engine.sampling import sample
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.pipeline.numbers import CODEBOOK
@@ -65,6 +66,7 @@ class SuperRes:
         upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
         spans: list[tuple[int, int]] | None = None,  # per take the frames [s, j) written anew; known is the whole grid
         span_context: int = 0,  # with spans: frames of context on each side of a span in its window; 0 = a whole window
+        lora: RowLoRA | None = None,  # each take's adapter (``engine/lora.py``); None: the base model
     ) -> list[torch.Tensor]:
         """Per take codes (levels, frames_i). A take whose context is cancelled stops the batch only
         when every take is cancelled; its codes are then simply not used by the caller. With ``upto``
@@ -76,7 +78,9 @@ class SuperRes:
             raise ValueError("the super-resolution prompt fills the whole context")
         if spans is not None:
             assert known is not None, "a repaint's spans need the grid they are spans of"
-            return self._repaint(prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context)
+            return self._repaint(
+                prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context, lora
+            )
         kept = 0 if known is None else int(known.shape[1])
         if known is not None and int(known.shape[0]) != self.levels:
             raise ValueError(f"the kept frames have {known.shape[0]} levels; this model writes {self.levels}")
@@ -106,6 +110,7 @@ class SuperRes:
                 passes * len(spans),
                 known_here,
                 top,
+                lora=None if lora is None else lora.select(torch.tensor(members, device=self.dm.device)),
             )
             for i, codes in zip(members, got, strict=True):
                 outs[i][:, a : a + codes.shape[1]] = codes
@@ -123,6 +128,7 @@ class SuperRes:
         window: int,
         top: int,
         span_context: int = 0,
+        lora: RowLoRA | None = None,  # each take's adapter
     ) -> list[torch.Tensor]:
         """Each take's span sampled in the windows ``repaint_windows`` places around it; all else is ``known``.
 
@@ -169,6 +175,7 @@ class SuperRes:
                 top=top,
                 fresh=fresh,
                 around=kept,
+                lora=None if lora is None else lora.select(torch.tensor(members, device=self.dm.device)),
             )
             for i, codes, (lo, hi) in zip(members, got, fresh, strict=True):
                 a = plans[i][w][0]
@@ -189,6 +196,7 @@ class SuperRes:
         top: int = 0,  # levels [0, top) are filled
         fresh: list[tuple[int, int]] | None = None,  # per row the frames [lo, hi) sampled; the rest are ``around``
         around: list[torch.Tensor] | None = None,  # per row (levels, F_i): the known cells outside its fresh frames
+        lora: RowLoRA | None = None,  # the rows' adapters
     ) -> list[torch.Tensor]:
         """One window: per row coarse (2, F_i) → codes (levels, F_i)."""
         dm, dev, T = self.dm, self.dm.device, self.text_vocab
@@ -212,7 +220,7 @@ class SuperRes:
             if all(x.cancelled() for x in ctxs):
                 ctxs[0].check()
             grid[:, P - 1, 0] = T - 1 - c  # task marker
-            h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding)[:, P:]  # (B, F, H)
+            h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding, lora=lora)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
             if fresh is not None and around is not None:  # a repaint's rows: known on both sides of [lo, hi)
                 for r, ((lo, hi), cells) in enumerate(zip(fresh, around, strict=True)):

@@ -42,6 +42,9 @@ class TonePipeline:
     def loaded(self) -> dict[str, bool]:
         return {"backbone_loaded": True, "superres_loaded": True, "decoder_loaded": True, "encoder_loaded": True}
 
+    def prefetch_adapters(self, names: list[str]) -> None:
+        """The tone has no adapters (a take naming one is a tone all the same)."""
+
     def encode(self, audio: np.ndarray, ctx: TaskContext) -> EncodeResult:
         """``tone_codes`` of the audio, after a quarter of ``TEST_DELAY_S`` (an encoding is short work)."""
         steps = max(1, int(self.s.test_delay_s / 0.04))

@@ -7,6 +7,7 @@ Same layout and on-disk formats a real set has, with small widths and depths (th
     backbone/                        Megatron-LM torch_dist checkpoint + model_config.json
     superres/                        the same, vocabulary T + 64·1024
     decoder/config.yaml, model.pth   YAML + checkpoint with ``generator.``-prefixed, weight-normed keys
+    adapters/                        seeded LoRA adapters for both models (``tiny/adapters.py``)
 
 ``--layout release`` writes the layout and formats of the published release at tiny widths
 (``RELEASE_LAYOUT`` below): Megatron-LM torch_dist checkpoints with the architecture in the saved
@@ -76,6 +77,10 @@ def _build_into(tmp: Path) -> None:
         model = build_model(arch, cpu, torch.float32)
         save_checkpoint(tmp / kind, arch, model)
         log.info("%s: %d parameters", kind, sum(p.numel() for p in model.parameters()))
+
+    from songserve.pipeline.tiny.adapters import write_tiny_adapters
+
+    write_tiny_adapters(tmp / "adapters", {k: tiny_arch(k, text_vocab) for k in ("backbone", "superres")})
 
     torch.manual_seed(SEED + 2)
     cfg = tiny_decoder_config()
