@@ -190,3 +190,12 @@ def test_the_store_refuses_a_batch_of_more_adapters_than_slots_and_unknown_names
     with pytest.raises(RequestError, match=r"Field 'adapter': adapter 'ad2' cannot be loaded: .*missing key"):
         store.get("ad2")
     assert store.resident() == ["ad0", "ad1"]  # a refused one evicts nothing
+
+
+def test_a_prefetch_loads_without_counting_a_use_and_never_raises(tmp_path):
+    _good(tmp_path / "ad0")
+    store = AdapterStore(tmp_path, 2, SHAPES, BASES)
+    store.prefetch("ad0")
+    store.prefetch("nope")
+    store.prefetch("../up")
+    assert [(r["name"], r["hits"]) for r in store.describe()["resident"]] == [("ad0", 0)]

@@ -137,7 +137,8 @@ class AdapterStore:
                 return
         try:
             adapter = self._read(name)
-        except RequestError:
+        except Exception as exc:  # the batch loads it again and reports what went wrong
+            log.info("adapter %s not prefetched: %s", name, exc)
             return
         with self._lock:
             if name not in self._resident:
