@@ -78,9 +78,7 @@ class SuperRes:
             raise ValueError("the super-resolution prompt fills the whole context")
         if spans is not None:
             assert known is not None, "a repaint's spans need the grid they are spans of"
-            return self._repaint(
-                prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context, lora
-            )
+            return self._repaint(prompt, coarse, top_k, generators, ctxs, known, spans, window, top, span_context, lora)
         kept = 0 if known is None else int(known.shape[1])
         if known is not None and int(known.shape[0]) != self.levels:
             raise ValueError(f"the kept frames have {known.shape[0]} levels; this model writes {self.levels}")

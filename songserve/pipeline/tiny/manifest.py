@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# 5: the decoder file holds the codec's encoder (uploads); 4: model_config.json without num_tokens_to_generate
-TINY_VERSION = 5
+# 6: the tiny adapter set in adapters/; 5: the decoder file holds the codec's encoder (uploads); 4:
+# model_config.json without num_tokens_to_generate
+TINY_VERSION = 6
 RELEASE_VERSION = 3  # 3: the golden YAML's layout and q_dropout: False
 
 
