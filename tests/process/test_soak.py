@@ -2,7 +2,8 @@
 
 One dispatcher (our port and the ACE-Step port) over two real workers on the tiny set, all real
 processes on loopback. A fixed seed draws the plan — generates of one or two takes (vocal and
-instrumental), retakes of the same take again and again, repaints of a part and new openings,
+instrumental), retakes of the same take again and again, repaints of a part and new openings, takes
+on four LoRA adapters over two slots per worker,
 uploads continued several times, cancels,
 renders in every format, live MP3 listeners that hang up after 0.3-1.2 s, ACE-Step tasks — and a few
 threads carry it out at once, so the order of events differs from run to run while the plan does not.
@@ -36,6 +37,8 @@ import httpx
 import pytest
 
 from songserve.audio import codes
+from songserve.pipeline.tiny.adapters import write_tiny_adapters
+from songserve.pipeline.tiny.build import tiny_arch
 from tests.model.test_encoder import music, wav_bytes
 from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, free_port, start_worker, wait_for
@@ -59,6 +62,7 @@ class Ledger:
     cancelled: set[str] = field(default_factory=set)
     origins: dict[str, tuple[str, str | int, int]] = field(default_factory=dict)  # retake -> (kind, source, frames)
     edits: dict[str, str] = field(default_factory=dict)  # repaint or opening -> its source take "job/index"
+    adapters: dict[str, list[str | None]] = field(default_factory=dict)  # job -> each take's LoRA adapter
     done_takes: list[tuple[str, int]] = field(default_factory=list)
     uploads: list[str] = field(default_factory=list)
     renders: list[int] = field(default_factory=list)
@@ -76,7 +80,20 @@ class Ledger:
 @pytest.fixture(scope="module")
 def fleet(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("soak")
-    workers = [start_worker(tmp, "--checkpoints-dir", str(tiny_dir), name=f"tiny{i}") for i in range(2)]
+    adapters = write_tiny_adapters(tmp / "adapters", {k: tiny_arch(k, 1024) for k in ("backbone", "superres")})
+    workers = [
+        start_worker(
+            tmp,
+            "--checkpoints-dir",
+            str(tiny_dir),
+            "--adapters-dir",
+            str(adapters),
+            "--max-adapters",
+            "2",
+            name=f"tiny{i}",
+        )
+        for i in range(2)
+    ]
     for w in workers:
         w.wait_healthy(timeout=300)
     ace = free_port()
@@ -164,6 +181,20 @@ def op_edit(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     if new is not None:
         with ledger.lock:
             ledger.edits[new] = f"{job_id}/{index}"
+    _finished(fleet, ledger, new)
+
+
+ADAPTERS = ("tiny-a", "tiny-b", "tiny-c", "tiny-sr", None)  # four adapters on two slots per worker, and none
+
+
+def op_adapters(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
+    """A song whose takes are made on LoRA adapters drawn from the tiny set's four (or none)."""
+    chosen = [rng.choice(ADAPTERS) for _ in range(rng.choice([1, 2]))]
+    takes = [{"adapter": a, "adapter_scale": round(rng.uniform(0.2, 2.0), 2)} for a in chosen]
+    new = _post(fleet, ledger, "adapters", **_song(rng), num_tracks=len(takes), takes=takes)
+    if new is not None:
+        with ledger.lock:
+            ledger.adapters[new] = chosen
     _finished(fleet, ledger, new)
 
 
@@ -271,6 +302,7 @@ OPS = [
     (op_generate, 3),
     (op_retake, 4),
     (op_edit, 3),
+    (op_adapters, 2),
     (op_upload, 3),
     (op_cancel, 2),
     (op_render, 3),
@@ -347,6 +379,11 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
             assert (grid.codes[:, :start] == origin.codes[:, :start]).all(), (job_id, span)
             assert (grid.codes[:, join:] == origin.codes[:, join - room :]).all(), (job_id, span)
 
+    # Every take was made on the adapter it asked for (none: the base model), whichever worker and slot.
+    for job_id, chosen in ledger.adapters.items():
+        made = [(t["metadata"].get("adapter") or {}).get("name") for t in views[job_id]["tracks"]]
+        assert made == chosen, (job_id, made, chosen)
+
     # The fleet is whole: every process alive, answering, and no traceback in a worker's log.
     assert httpx.get(fleet.url + "/health", timeout=10, verify=TLS).status_code == 200
     assert httpx.get(fleet.ace + "/health", timeout=10, verify=TLS).status_code == 200
@@ -367,7 +404,7 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
     kinds_run = sorted(set(ledger.jobs.values()))
     print(
         f"\nsoak: {len(ledger.jobs)} jobs ({kinds_run}), {len(ledger.origins)} retakes/continuations, "
-        f"{len(ledger.edits)} repaints/openings, "
+        f"{len(ledger.edits)} repaints/openings, {len(ledger.adapters)} on adapters, "
         f"{len(ledger.renders)} renders {sorted(set(ledger.renders))}, {ledger.listeners} listeners hung up, "
         f"{len(ledger.cancelled)} cancels; {ledger.notes}"
     )

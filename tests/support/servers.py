@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import signal
@@ -258,6 +259,8 @@ class Cluster:
         """Until the dispatcher answers and counts every worker idle."""
         self.api.wait_healthy(want=("ok",))
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        if key is None and "--api-keys-file" in args:  # any of the file's keys may read /status
+            key = next(iter(json.loads(Path(args[args.index("--api-keys-file") + 1]).read_text())), None)
         auth = {"Authorization": f"Bearer {key}"} if key else {}
         url = self.api.url + "/status"
         wait_for(lambda: httpx.get(url, headers=auth, verify=TLS).json()["idle_gpus"] == len(self.workers), timeout=30)
