@@ -96,7 +96,7 @@ def test_twenty_40mb_uploads_at_once_cost_less_than_their_bytes_and_health_answe
         assert api is not None
         before = peak_mib(api.proc.pid)
         probes_before, over_before = lag_counts(api.url)
-        with HealthWatch(api.url) as health, ThreadPoolExecutor(20) as pool:
+        with HealthWatch(api.url, timeout=30) as health, ThreadPoolExecutor(20) as pool:
             answers = list(pool.map(lambda i: post(site.url, body, f"take{i}.wav"), range(20)))
         probes, over = lag_counts(api.url)
         growth = peak_mib(api.proc.pid) - before
