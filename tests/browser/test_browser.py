@@ -494,3 +494,39 @@ def test_behind_an_api_key_a_wrong_key_is_said_wrong_and_a_dismissed_prompt_says
             expected.append("The API key given was not accepted (wrong, or no longer valid). Enter the right key:")
         assert asked == expected  # and not asked again by the page's own refreshes
         context.close()
+
+
+@pytest.fixture(scope="module")
+def lora_site(tiny_dir, tmp_path_factory):
+    """A dispatcher over a tiny-set worker with the tiny adapter set in its ADAPTERS_DIR."""
+    from songserve.pipeline.tiny.adapters import write_tiny_adapters
+    from songserve.pipeline.tiny.build import tiny_arch
+    from tests.support.servers import cluster_of, start_worker
+
+    tmp = tmp_path_factory.mktemp("browser_lora")
+    folder = write_tiny_adapters(tmp / "adapters", {k: tiny_arch(k, 1024) for k in ("backbone", "superres")})
+    worker = start_worker(tmp, "--runtime-mode", "keep_loaded", "--adapters-dir", str(folder), name="lora")
+    c = cluster_of(tmp, [worker])
+    yield c
+    c.stop()
+
+
+def test_the_form_offers_the_fleets_adapters_and_a_take_is_made_on_the_one_chosen(lora_site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    open_song(page, lora_site.url, "[verse]\nin the studio's sound", "0.05")
+    page.wait_for_function("document.getElementById('adapter').dataset.listed === '4'", timeout=30_000)
+    assert page.locator("#adapter option").all_inner_texts() == [
+        "none (the base model)",
+        "tiny-a",
+        "tiny-b",
+        "tiny-c",
+        "tiny-sr",
+    ]
+    page.select_option("#adapter", "tiny-b")
+    page.fill("#adapter_scale", "0.7")
+    card = submitted(page)
+    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
+    job = httpx.get(f"{lora_site.url}/job/{card.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
+    assert job["tracks"][0]["metadata"]["adapter"] == {"name": "tiny-b", "scale": 0.7, "rank": 4}
+    assert not errors
