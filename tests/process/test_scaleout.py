@@ -116,7 +116,10 @@ def test_a_job_submitted_at_one_dispatcher_is_polled_and_streamed_at_another(tmp
 
 def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tmp_path, pg_url):
     workers = tone_workers(tmp_path, 3, 0.0, "--test-max-audio-sec", "0.1")  # the schedule is the point
-    apis = [start_dispatcher(tmp_path, n, pg_url, workers, "--max-queue", "40") for n in ("A", "B")]
+    # Leases of 10 s (the file's others: 3 s): under the suite's load a dispatcher can be kept off a core
+    # for seconds, and a lease that lapses meanwhile retries its tracks, which this test counts as twice.
+    longer = ("--max-queue", "40", "--lease-ttl-sec", "10")
+    apis = [start_dispatcher(tmp_path, n, pg_url, workers, *longer) for n in ("A", "B")]
     try:
         rng = random.Random(0)
         rejections = {"429": 0, "retry_after_missing": 0}
@@ -155,7 +158,9 @@ def test_500_tracks_from_50_clients_over_two_dispatchers_none_lost_none_twice(tm
         assert all(j["status"] == "completed" for j in jobs)
         assert rejections["429"] > 0
         assert rejections["retry_after_missing"] == 0
-        assert all(t["attempts"] == 1 for j in jobs for t in j["tracks"])
+        again = [(j["job_id"], t["index"], t["attempts"]) for j in jobs for t in j["tracks"] if t["attempts"] != 1]
+        leases = [ln for api in apis for ln in api.log_tail(200_000).splitlines() if "lease" in ln and "WARNING" in ln]
+        assert not again, (again, leases[-10:])
         assert generated(workers) == 500  # 0 generated twice
         ran_at = {w: 0 for w in ("A", "B")}
         for api in apis:
