@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from songserve.api.jobs.facts import AdapterOffer
@@ -42,6 +42,7 @@ from songserve.api.store.members import WorkerRow
 from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import WorkerUnreachable
 from songserve.schemas import TakeHealth, WorkerConfig, WorkerHealth
+from songserve.schemas.worker import AdapterHeld
 
 log = logging.getLogger(__name__)
 MAX_BENCH_FACTOR = 8  # a worker that keeps failing after its bench is benched up to 8 × BENCH_SEC
@@ -351,19 +352,24 @@ class WorkerPool:
 
     def adapters(self) -> list[AdapterOffer]:
         """The LoRA adapters the online workers can load (their ``/health``), by name."""
-        found: dict[str, AdapterOffer] = {}
+        workers: dict[str, list[int]] = {}
+        resident: dict[str, list[int]] = {}
+        held_as: dict[str, AdapterHeld] = {}  # what a worker holding it says of it (the last one asked)
         for w in self.workers:
             held = w.health.adapters
             if not w.online or held is None:
                 continue
             for name in held.available:
-                offer = found.setdefault(name, AdapterOffer(name, [], []))
-                offer.workers.append(w.worker_id)
+                workers.setdefault(name, []).append(w.worker_id)
             for a in held.resident:
-                offer = found.setdefault(a.name, AdapterOffer(a.name, [], []))
-                offer.resident_on.append(w.worker_id)
-                found[a.name] = replace(offer, rank=a.rank, targets=list(a.targets), bytes=a.bytes)
-        return sorted(found.values(), key=lambda o: o.name)
+                resident.setdefault(a.name, []).append(w.worker_id)
+                held_as[a.name] = a
+        offers = []
+        for name in sorted(workers.keys() | resident.keys()):
+            said = held_as.get(name)
+            rank, targets, size = (said.rank, list(said.targets), said.bytes) if said is not None else (None, [], None)
+            offers.append(AdapterOffer(name, workers.get(name, []), resident.get(name, []), rank, targets, size))
+        return offers
 
     def models(self, kind: str) -> list[str]:
         """Model names the workers offer, in first-seen order (``kind`` is backbone or superres)."""

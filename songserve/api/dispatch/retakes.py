@@ -142,18 +142,25 @@ def opening(grid: codes.CodeGrid, cf: ContinueFrom, fps: float, join_window_sec:
     """The grid an extension at the start is written into: room for ``before_sec`` of new opening, then
     the original; its header names the span (``RepaintSpan.opening``) and where it came from."""
     assert cf.before_sec is not None
-    room = round(cf.before_sec * fps)
-    if room < 1:
-        raise FieldError("continue_from.before_sec", f"is shorter than a frame ({1 / fps * 1000:.0f} ms)")
-    if room + grid.frames > MAX_PREFIX_FRAMES:
-        raise FieldError(
-            "continue_from.before_sec",
-            f"makes the song longer than {MAX_PREFIX_FRAMES / fps / 60:.0f} minutes, the longest a worker makes",
-        )
+    room = opening_room(cf.before_sec, grid.frames, fps)
     span = RepaintSpan(start=0, end=room, window=round(join_window_sec * fps), opening=room)
     opened = grid.opened(room)
     head = {**opened.header, "origin": origin_of(cf), "before_sec": cf.before_sec, "repaint": span.model_dump()}
     return codes.CodeGrid(opened.codes, head)
+
+
+def opening_room(before_sec: float, frames: int, fps: float) -> int:
+    """The frames of a new opening of ``before_sec`` before a ``frames``-frame song, or a 422 where it is
+    shorter than a frame or makes the song longer than a worker makes one."""
+    room = round(before_sec * fps)
+    if room < 1:
+        raise FieldError("continue_from.before_sec", f"is shorter than a frame ({1 / fps * 1000:.0f} ms)")
+    if room + frames > MAX_PREFIX_FRAMES:
+        raise FieldError(
+            "continue_from.before_sec",
+            f"makes the song longer than {MAX_PREFIX_FRAMES / fps / 60:.0f} minutes, the longest a worker makes",
+        )
+    return room
 
 
 def repaint_span(cf: ContinueFrom, start: int, frames: int, fps: float, join_window_sec: float) -> RepaintSpan:
@@ -195,9 +202,7 @@ async def _resolve_upload(
             raise FieldError(
                 "duration", "an extension is as long as the upload and its new opening: leave duration out"
             )
-        room = round(cf.before_sec * FPS)
-        if room < 1 or room + u.frames > MAX_PREFIX_FRAMES:
-            raise FieldError("continue_from.before_sec", "must be at least a frame, and the song at most 15 minutes")
+        room = opening_room(cf.before_sec, u.frames, FPS)
         req = req.model_copy(update={"duration": (room + u.frames) / FPS / 60})
     elif cf.end_sec is not None:
         repaint_span(cf, keep, u.frames, FPS, join_window_sec)  # the part must be inside the upload
