@@ -353,6 +353,11 @@ def test_the_key_is_taken_as_ai_token_or_as_the_authorization_header(keyed):
         r = httpx.post(release, **kwargs, verify=TLS)
         assert (r.status_code, r.json()["detail"], r.json()["code"]) == (401, says, 401)
     assert httpx.get(keyed.ace + "/v1/stats", verify=TLS).json()["detail"] == "Missing Authorization header"
+    for route in ("/v1/lora/status", "/v1/lora/list"):  # an adapter session is the key's: none without one
+        assert httpx.get(keyed.ace + route, verify=TLS).json()["detail"] == "Missing Authorization header"
+    r = httpx.post(keyed.ace + "/v1/lora/load", json={"lora_path": "x"}, verify=TLS)
+    assert (r.status_code, r.json()["detail"]) == (401, "Missing ai_token or Authorization header")
+    assert httpx.get(keyed.url + "/adapters", verify=TLS).status_code == 401  # our port's list too
     assert httpx.get(keyed.ace + "/health", verify=TLS).status_code == 200
     by_token = httpx.post(release, json={"ai_token": "s3cret", "batch_size": 1}, verify=TLS).json()
     by_header = httpx.post(
