@@ -134,14 +134,17 @@ def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
 
 def test_200_tracks_from_20_clients_on_4_workers_none_lost_none_twice(tmp_path):
     """One dispatcher under load (500 tracks over two dispatchers: test_scaleout)."""
+    # The schedule is the point; 0.2 s a take bounds the four workers at ~20 tracks/s, so twenty clients
+    # sending back to back fill the queue of 20 whatever the machine's speed (with takes of 0 s, a loaded
+    # machine could drain it as fast as they sent, and no 429 came).
     tiny_tones = (
         "--pipeline",
         "test",
         "--test-delay-s",
-        "0",
+        "0.2",
         "--test-max-audio-sec",
         "0.1",
-    )  # the schedule is the point
+    )
     with Cluster(tmp_path, workers=4, api_args=("--max-queue", "20"), worker_args=tiny_tones) as c:
         rng = random.Random(0)
         accepted: list[str] = []
