@@ -83,8 +83,11 @@ def test_the_tools_are_listed_with_their_schemas(site):
                 "get_job",
                 "list_jobs",
                 "retake",
+                "repaint",
+                "extend_start",
                 "cancel_job",
                 "list_style_tags",
+                "list_adapters",
                 "upload_audio",
             }
             song = tools["make_song"].input_schema
@@ -157,6 +160,41 @@ def test_a_two_take_song_with_progress_its_takes_as_resources_a_retake_and_a_can
     run(go())
 
 
+def test_a_part_repainted_an_opening_written_and_the_adapters_listed(site):
+    async def go() -> None:
+        async with session(site) as c:
+            made = await c.call_tool("make_song", {**SONG, "num_tracks": 1, "seed": 3})
+            job = made.structured_content["job_id"]
+            assert (await c.call_tool("wait_for_job", {"job_id": job})).structured_content["status"] == "completed"
+            ends = {}
+            for tool, args in (
+                ("repaint", {"at_sec": 1.0, "end_sec": 2.0, "num_tracks": 2, "lyrics": "[verse]\nnew words"}),
+                ("extend_start", {"before_sec": 1.0}),
+            ):
+                asked = await c.call_tool(tool, {"job_id": job, "track_index": 0, **args})
+                assert not asked.is_error, text(asked)
+                ended = await c.call_tool("wait_for_job", {"job_id": asked.structured_content["job_id"]})
+                assert ended.structured_content["status"] == "completed", text(ended)
+                ends[tool] = ended.structured_content
+            painted = [t["metadata"]["repainted"] for t in ends["repaint"]["tracks"]]
+            assert len(painted) == 2
+            assert all(p["origin"] == f"{job}/0" for p in painted)
+            assert all(p["start_frame"] < p["join_frame"] for p in painted)
+            assert ends["extend_start"]["tracks"][0]["metadata"]["repainted"]["opening"] > 0
+            original = (await c.call_tool("get_job", {"job_id": job})).structured_content["takes"][0]["duration_sec"]
+            assert ends["extend_start"]["takes"][0]["duration_sec"] > original
+
+            listed = await c.call_tool("list_adapters", {})
+            assert not listed.is_error
+            assert listed.structured_content == {"adapters": []}  # the tone workers offer none
+            refused = await c.call_tool("make_song", {**SONG, "adapter": "studio-a"})
+            assert refused.is_error
+            assert "'adapter'" in text(refused)
+            assert "no worker here can load adapter 'studio-a'" in text(refused)
+
+    run(go())
+
+
 def test_without_a_key_nothing_is_served(site):
     r = httpx.post(
         site.url + "/mcp",
@@ -223,6 +261,11 @@ HOSTILE = [
     ("retake", {"job_id": "../../etc", "at_sec": 1}, "job_id"),
     ("retake", {"job_id": "0123456789abcdef"}, "at_sec"),
     ("retake", {"job_id": "0123456789abcdef", "at_sec": -3}, "at_sec"),
+    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0, "end_sec": float("nan")}, "end_sec"),
+    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0}, "end_sec"),
+    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0, "end_sec": 2.0, "duration": 1.0}, "duration"),
+    ("extend_start", {"job_id": "0123456789abcdef", "before_sec": -1.0}, "before_sec"),
+    ("make_song", {**SONG, "adapter_scale": 9.0}, "adapter_scale"),
     ("wait_for_job", {"job_id": "0123456789abcdef", "timeout_sec": 3600}, "timeout_sec"),
     ("wait_for_job", {"job_id": 5}, "job_id"),
     ("get_job", {}, "job_id"),

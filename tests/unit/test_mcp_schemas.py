@@ -29,6 +29,9 @@ MIRRORS: dict[str, dict[str, tuple[str, str]]] = {
             "duration",
             "num_tracks",
             "seed",
+            "adapter",
+            "adapter_scale",
+            "takes",
             "continue_from",
         )
     },
@@ -40,6 +43,15 @@ MIRRORS: dict[str, dict[str, tuple[str, str]]] = {
             n: ("GenerateRequest", n)
             for n in ("tags", "prompt", "prompt_mode", "lyrics", "duration", "num_tracks", "seed")
         },
+    },
+    **{
+        tool: {
+            "job_id": ("ContinueFrom", "job_id"),
+            "track_index": ("ContinueFrom", "track_index"),
+            **{edge: ("ContinueFrom", edge) for edge in edges},
+            **{n: ("GenerateRequest", n) for n in ("tags", "prompt", "prompt_mode", "lyrics", "num_tracks", "seed")},
+        }
+        for tool, edges in (("repaint", ("at_sec", "end_sec")), ("extend_start", ("before_sec",)))
     },
     "list_jobs": {"limit": ("GET /jobs", "limit"), "cursor": ("GET /jobs", "cursor")},
 }

@@ -34,7 +34,7 @@ Progress = Callable[[float, str], Awaitable[None]]  # percent of the job, a line
 @dataclass(frozen=True)
 class Call:
     """One tool call: the services, who calls, the dispatcher's URL as the caller reaches it, the style
-    catalogue, a progress sink."""
+    catalogue, a progress sink, the fleet's adapters."""
 
     jobs: JobService
     uploads: UploadService
@@ -42,6 +42,7 @@ class Call:
     base_url: str
     tags: dict[str, dict[str, Any]]
     progress: Progress
+    adapters: Callable[[], dict[str, object]]  # GET /adapters' answer
 
 
 def take_uri(job_id: str, index: int, kind: str = "mp3") -> str:
@@ -79,10 +80,15 @@ async def make_song(c: Call, args: Any) -> dict[str, Any]:
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
 
 
+ORIGIN = ("job_id", "track_index", "at_sec", "end_sec", "before_sec")  # the tools' arguments that are continue_from's
+
+
 async def retake(c: Call, args: Any) -> dict[str, Any]:
+    """A retake, a repaint or an extension at the start: the tools differ only in which of ``continue_from``'s
+    fields they take as their own arguments."""
     sent = args.model_dump(exclude_unset=True)
-    origin = {k: sent.pop(k) for k in ("job_id", "track_index", "at_sec") if k in sent}
-    try:  # the take is named by this tool's own arguments (job_id, track_index, at_sec), not continue_from's
+    origin = {k: sent.pop(k) for k in ORIGIN if k in sent}
+    try:  # the take is named by this tool's own arguments (job_id, at_sec, ...), so a refusal names them
         req = GenerateRequest.model_validate({**sent, "continue_from": origin})
         accepted = await c.jobs.submit(req, caller=c.caller, strict=True)
     except (ValidationError, FieldError) as exc:
@@ -132,6 +138,10 @@ async def list_style_tags(c: Call, _: Any) -> dict[str, Any]:
     return c.tags
 
 
+async def list_adapters(c: Call, _: Any) -> dict[str, Any]:
+    return c.adapters()
+
+
 async def upload_audio(c: Call, args: Any) -> dict[str, Any]:
     try:
         data = base64.b64decode(args.audio_base64, validate=True)
@@ -151,7 +161,10 @@ CALLS: dict[str, Callable[[Call, Any], Awaitable[dict[str, Any]]]] = {
     "get_job": get_job,
     "list_jobs": list_jobs,
     "retake": retake,
+    "repaint": retake,
+    "extend_start": retake,
     "cancel_job": cancel_job,
     "list_style_tags": list_style_tags,
+    "list_adapters": list_adapters,
     "upload_audio": upload_audio,
 }

@@ -38,6 +38,7 @@ from songserve.api.mcp.resources import TEMPLATES, Reader
 from songserve.api.mcp.tools import ToolSpec, max_audio_bytes, tool_specs
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import CALLER, Caller
+from songserve.api.service.readings import Readings
 from songserve.api.service.uploads import UploadService
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import NotFoundError, SongserveError
@@ -53,7 +54,8 @@ RETRY_AFTER_SEC = 5
 INSTRUCTIONS = (
     "songserve makes songs from a style and lyrics. make_song starts one (list_style_tags names the styles); "
     "wait_for_job follows it with progress and answers each finished take as a resource (song://job/track, the "
-    "MP3) and an HTTP link; retake regenerates a take from a second on; cancel_job stops one."
+    "MP3) and an HTTP link; retake regenerates a take from a second on, repaint a part of it, extend_start writes a new opening; "
+    "list_adapters names the fine-tuned sounds make_song's adapter takes; cancel_job stops one."
 )
 
 
@@ -91,6 +93,7 @@ class Services(Protocol):
     jobs: JobService
     uploads: UploadService
     tags: dict[str, dict[str, Any]]
+    readings: Readings
 
 
 class McpServer:
@@ -179,7 +182,7 @@ class McpServer:
             await ctx.session.report_progress(percent, 100.0, line)
 
         got = self.services()
-        call = Call(got.jobs, got.uploads, caller, base, got.tags, progress)
+        call = Call(got.jobs, got.uploads, caller, base, got.tags, progress, got.readings.adapters)
         try:
             args = spec.arguments.model_validate(params.arguments or {})
             body = await CALLS[spec.name](call, args)

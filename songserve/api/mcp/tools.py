@@ -22,8 +22,21 @@ from songserve.api.service import job_list
 from songserve.api.settings import DispatcherSettings
 from songserve.schemas import JOB_ID_PATTERN, MAX_WAIT_SEC, NO_CONTROL, ContinueFrom, GenerateRequest
 
-SONG_FIELDS = ("tags", "prompt", "prompt_mode", "mode", "lyrics", "duration", "num_tracks", "seed")
+SONG_FIELDS = (
+    "tags",
+    "prompt",
+    "prompt_mode",
+    "mode",
+    "lyrics",
+    "duration",
+    "num_tracks",
+    "seed",
+    "adapter",
+    "adapter_scale",
+    "takes",
+)
 RETAKE_SONG_FIELDS = ("tags", "prompt", "prompt_mode", "lyrics", "duration", "num_tracks", "seed")
+EDIT_SONG_FIELDS = ("tags", "prompt", "prompt_mode", "lyrics", "num_tracks", "seed")  # an edit keeps its length
 STRICT = ConfigDict(extra="forbid")
 
 
@@ -59,6 +72,23 @@ Retake = _arguments(
     track_index=mirrored(ContinueFrom, "track_index"),
     at_sec=mirrored(ContinueFrom, "at_sec", required=True),
     **{f: mirrored(GenerateRequest, f) for f in RETAKE_SONG_FIELDS},
+)
+Repaint = _arguments(
+    "Repaint",
+    "POST /generate with continue_from naming a take and a part of it (at_sec to end_sec).",
+    job_id=mirrored(ContinueFrom, "job_id", required=True),
+    track_index=mirrored(ContinueFrom, "track_index"),
+    at_sec=mirrored(ContinueFrom, "at_sec", required=True),
+    end_sec=mirrored(ContinueFrom, "end_sec", required=True),
+    **{f: mirrored(GenerateRequest, f) for f in EDIT_SONG_FIELDS},
+)
+ExtendStart = _arguments(
+    "ExtendStart",
+    "POST /generate with continue_from naming a take and an opening of before_sec seconds.",
+    job_id=mirrored(ContinueFrom, "job_id", required=True),
+    track_index=mirrored(ContinueFrom, "track_index"),
+    before_sec=mirrored(ContinueFrom, "before_sec", required=True),
+    **{f: mirrored(GenerateRequest, f) for f in EDIT_SONG_FIELDS},
 )
 WaitForJob = _arguments(
     "WaitForJob",
@@ -132,7 +162,8 @@ def tool_specs(s: DispatcherSettings) -> list[ToolSpec]:
             "Start a song from a style (tags such as 'pop, piano' — list_style_tags names them — or a prompt with "
             "prompt_mode 'natural') and lyrics ([verse], [chorus] sections; mode 'instrumental' for none). "
             f"num_tracks takes are made in parallel, each a different version. {limits} Answers at once with "
-            "the job_id: follow it with wait_for_job. continue_from continues a take or an upload_audio file.",
+            "the job_id: follow it with wait_for_job. continue_from continues a take or an upload_audio file. "
+            "adapter (list_adapters names them) makes it in a fine-tuned sound; takes gives each take its own.",
             MakeSong,
         ),
         ToolSpec(
@@ -166,6 +197,23 @@ def tool_specs(s: DispatcherSettings) -> list[ToolSpec]:
             Retake,
         ),
         ToolSpec(
+            "repaint",
+            "Repaint a part",
+            "Write the part of a finished take between at_sec and end_sec again (new lyrics or style for it if "
+            "given) and keep everything else exactly: each take rejoins the original within a second of end_sec, "
+            "where the two agree best, and is as long as the original. num_tracks candidates in one job; "
+            "a take's metadata.repainted says where it joined and which samples changed.",
+            Repaint,
+        ),
+        ToolSpec(
+            "extend_start",
+            "Extend at the start",
+            "Write a new opening of about before_sec seconds before a finished take, joined into its first "
+            "seconds where the two agree best; from the join on the take is kept exactly. (To extend at the "
+            "end, retake from a second near the end with a longer duration.)",
+            ExtendStart,
+        ),
+        ToolSpec(
             "cancel_job",
             "Cancel a song",
             "Stop the job: its queued and running takes end (finished ones stay). Cancelling a finished job "
@@ -178,6 +226,14 @@ def tool_specs(s: DispatcherSettings) -> list[ToolSpec]:
             "Style tags",
             "The tags the model was trained on, by group (genre, vocals and instruments, mood, production): "
             "choose make_song's tags from these.",
+            NoArguments,
+            read_only=True,
+        ),
+        ToolSpec(
+            "list_adapters",
+            "Adapters",
+            "The fine-tuned sounds (LoRA adapters) this fleet can make songs with: make_song's adapter, with an "
+            "adapter_scale for how strongly (0 is the base model).",
             NoArguments,
             read_only=True,
         ),
