@@ -6,7 +6,10 @@ matmul runs once for every row, and each row's delta is gathered by its slot ind
 ``Bᵀ[slot]`` picked per row and applied as two batched matmuls (Punica's SGMV done with ``bmm``).
 The picking gathers every layer's halves at once, the row's factor folded into its ``A`` (``pick``:
 one gather per target and half), so each adapted layer adds two batched products, the add fused
-into the second (``baddbmm``). The compiled
+into the second (``baddbmm``). A small layer (``in × out`` at most ``DENSE_MAX_ELEMENTS``) is picked
+as one dense ``coef·Aᵀ Bᵀ`` per row instead, one product a step: at such sizes a step is made of
+operator calls more than of arithmetic, and the dense product does more arithmetic in one call
+fewer (the tiny models' layers; every layer of a released model is factored). The compiled
 and captured steps pick inside the step (the slot and factor are its inputs); the eager loop picks
 once per batch and hands the picked halves to every step (``DecodeModel.step``'s ``picked``).
 
@@ -43,9 +46,11 @@ class RowLoRA(NamedTuple):
         return RowLoRA(self.slot.index_select(0, rows), self.coef.index_select(0, rows), self.rank)
 
 
-# target → per layer (coef·Aᵀ (B, in, r), Bᵀ (B, r, out)) of each row's slot: views of one gather
-Picked = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+# target → per layer, each row's slot's (coef·Aᵀ (B, in, r), Bᵀ (B, r, out)), views of one gather, or
+# (coef·Aᵀ Bᵀ (B, in, out), None) for a layer small enough to be dense
+Picked = dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]
 MIN_RANK = 8
+DENSE_MAX_ELEMENTS = 1 << 16  # in × out up to which a row's delta is one dense matrix (256 KB in fp32)
 
 
 def rank_bucket(rank: int) -> int:
@@ -125,19 +130,24 @@ class LoRASlots:
         for name in self.A:
             a = self.A[name][:, :, :r].index_select(0, rows.slot) * coef  # (B, L, r, in)
             b = self.Bt[name][:, :, :r].index_select(0, rows.slot)  # (B, L, r, out)
-            out[name] = [(a[:, i].transpose(1, 2), b[:, i]) for i in range(self.layers)]
+            n_in, n_out = self.dims[name]
+            if n_in * n_out <= DENSE_MAX_ELEMENTS:
+                dense = torch.matmul(a.transpose(2, 3), b)  # (B, L, in, out)
+                out[name] = [(dense[:, i], None) for i in range(self.layers)]
+            else:
+                out[name] = [(a[:, i].transpose(1, 2), b[:, i]) for i in range(self.layers)]
         return out
 
 
 def add_delta(out: torch.Tensor, picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
     """``out`` (B, S, out) plus each row's delta for ``x`` (B, S, in): the add fused into the second product."""
     at, b = picked[name][layer]
-    if out.dtype != b.dtype:
-        return out + torch.bmm(torch.bmm(x, at), b).to(out.dtype)
-    return torch.baddbmm(out, torch.bmm(x, at), b)
+    if out.dtype != at.dtype:
+        return out + delta(picked, name, layer, x).to(out.dtype)
+    return torch.baddbmm(out, x, at) if b is None else torch.baddbmm(out, torch.bmm(x, at), b)
 
 
 def delta(picked: Picked, name: str, layer: int, x: torch.Tensor) -> torch.Tensor:
     """x (B, S, in) → each row's ``coef·(x Aᵀ) Bᵀ`` (B, S, out), its slot's, for target ``name`` of ``layer``."""
     at, b = picked[name][layer]
-    return torch.bmm(torch.bmm(x, at), b)
+    return torch.bmm(x, at) if b is None else torch.bmm(torch.bmm(x, at), b)
