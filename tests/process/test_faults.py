@@ -211,7 +211,7 @@ def test_a_drain_time_of_0_stops_the_dispatcher_without_waiting_for_its_running_
         wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["running_tracks"] == 1, timeout=10)
         c.api.signal(signal.SIGTERM)
         assert c.api.proc.wait(10) == 0  # the track is held: only a drain that waits for none ends
-        assert "1 tracks still running are picked up again at the next start" in c.api.log_tail()
+        assert "1 track still running is picked up again at the next start" in c.api.log_tail()
         hold.unlink()
         c.start_api()
         assert c.wait_job(job["job_id"], timeout=30)["tracks"][0]["attempts"] == 1  # collected, not made again

@@ -141,13 +141,14 @@ class Dispatcher:
         self._drained = True
         running = {key: a.task for key, a in self.attempts.running.items()}  # the takes of a batch share one task
         if running:
-            log.info("draining: waiting up to %.0fs for %d running tracks", timeout, len(running))
+            log.info("draining: waiting up to %.0fs for %s", timeout, _tracks(len(running), "running "))
             left = set(running.values())
             if timeout > 0:  # 0 waits for none (it once became asyncio.wait's None: without end)
                 _, left = await asyncio.wait(left, timeout=timeout)
             if left:
                 n = sum(task in left for task in running.values())
-                log.info("drained: %d tracks still running are picked up again at the next start", n)
+                said = "is" if n == 1 else "are"
+                log.info("drained: %s still running %s picked up again at the next start", _tracks(n), said)
             else:
                 log.info("drained: every running track finished and was collected")
 
@@ -327,7 +328,7 @@ class Dispatcher:
             self.book.merge(job.job_id, job, self.attempts.running)  # nothing of it runs here: nothing to stop
         await self.book.cancel_queued(job)
         running = [t for t in job.tracks if t.status.running]
-        log.info("job %s: cancel (%d running tracks)", job.job_id, len(running))
+        log.info("job %s: cancel (%s)", job.job_id, _tracks(len(running), "running "))
         await self.attempts.cancel_running(running)
         await self.book.finish_if_done(job)
         self.book.changes.touch()
@@ -413,3 +414,8 @@ class Dispatcher:
 
     def seconds_per_audio_second(self) -> float | None:
         return self.speed.ratio()
+
+
+def _tracks(n: int, kind: str = "") -> str:
+    """``n`` tracks in a log line: "1 running track", "3 running tracks"."""
+    return f"{n} {kind}track{'' if n == 1 else 's'}"
