@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ from songserve.pipeline.adapters.safetensors_file import read_safetensors, write
 from songserve.pipeline.tiny.adapters import write_tiny_adapters
 from songserve.pipeline.tiny.build import tiny_arch
 from tests.support.http import TLS
-from tests.support.servers import ServerProcess, cluster_of, free_port, start_worker, wait_for
+from tests.support.servers import ROOT, ServerProcess, cluster_of, free_port, start_worker, wait_for
 
 WAIT = 600.0  # seconds: tiny-set takes are seconds on an idle core, minutes under the suite's load
 SONG = {"tags": "pop", "lyrics": "[verse]\nla la", "duration": 0.05}
@@ -244,3 +246,24 @@ def test_a_deleted_upload_leaves_every_worker_and_cannot_be_used(fleet):
     refused = generate(fleet, A, adapter="mine")
     assert (refused.status_code, field_of(refused)) == (422, "adapter")
     assert httpx.delete(f"{fleet.url}/adapters/mine", headers=auth(A), timeout=30, verify=TLS).status_code == 404
+
+
+def test_the_command_line_uploads_a_folder_lists_it_as_the_keys_and_deletes_it(fleet):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "songserve", "--server", fleet.url, "--api-key", C, "adapters", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    up = cli("upload", str(fleet.folder / "tiny-b"), "--name", "from-cli")
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.startswith("adapter from-cli: uploaded (rank ")
+    listing = cli()
+    assert "from-cli: rank " in listing.stdout
+    assert "uploaded by third" in listing.stdout
+    gone = cli("delete", "from-cli")
+    assert gone.returncode == 0, gone.stderr
+    assert "from-cli" not in listed(fleet, C)

@@ -204,9 +204,7 @@ class AdapterService:
             if w.online and not w.client.reference and w.health.adapters is not None
         ]
 
-    async def _taken(self, name: str) -> bool:
-        if name in self._creating or any(o.name == name for o in self.dispatcher.fleet().adapters):
-            return True
+    async def _stored(self, name: str) -> bool:
         try:
             return await self.store.adapters.load(name) is not None
         except StoreError as exc:
@@ -214,16 +212,19 @@ class AdapterService:
 
     async def create(self, name: str, config: IO[bytes], weights: IO[bytes], caller: Caller | None) -> AdapterView:
         """Send the files to every worker that holds uploads; all that answered took them, or nothing is kept."""
-        if await self._taken(name):
+        # Taken here and now, before any wait: a second upload of the name to this dispatcher meanwhile is a 409.
+        if name in self._creating or any(o.name == name for o in self.dispatcher.fleet().adapters):
             raise NameTaken(name)
-        await self._check_count(caller)
-        takers = self._takers()
-        if not takers:
-            raise UnavailableError(
-                "No worker here can check an adapter now (none online serves adapters); nothing was stored."
-            )
         self._creating.add(name)
         try:
+            if await self._stored(name):
+                raise NameTaken(name)
+            await self._check_count(caller)
+            takers = self._takers()
+            if not takers:
+                raise UnavailableError(
+                    "No worker here can check an adapter now (none online serves adapters); nothing was stored."
+                )
             async with self.gate.slot():
                 staged, size, digest = await self.gate.run(self.artifacts.stage_adapter, config, weights)
             try:
