@@ -100,7 +100,7 @@ def test_adapter_upload_and_delete_say_the_servers_refusal_and_a_folder_without_
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 16)
     out = cli("--server", cluster.url, "adapters", "upload", str(tmp_path), "--name", "mine")
     assert out.returncode == 1
-    assert out.stderr.startswith("error: No worker here can check an adapter now"), out.stderr  # tone workers
+    assert out.stderr.startswith("error: No worker here serves adapters"), out.stderr  # tone workers
     out = cli("--server", cluster.url, "adapters", "delete", "mine")
     assert out.returncode == 1
     assert out.stderr.startswith("error: No uploaded adapter 'mine'"), out.stderr

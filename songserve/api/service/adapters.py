@@ -28,7 +28,7 @@ import re
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from starlette.requests import Request
 
@@ -43,7 +43,14 @@ from songserve.api.settings import DispatcherSettings
 from songserve.api.store.adapters import AdapterRecord
 from songserve.api.store.protocol import JobStore, StoreError
 from songserve.api.workers.outcomes import AdapterRefused, WorkerUnreachable
-from songserve.errors import ConflictError, FieldError, NotFoundError, SongserveError, UnavailableError
+from songserve.errors import (
+    ConflictError,
+    FieldError,
+    NotFoundError,
+    RequestError,
+    SongserveError,
+    UnavailableError,
+)
 from songserve.http.forms import FormLimits, read_form
 from songserve.schemas import AdapterView
 from songserve.schemas.common import ADAPTER_PATTERN
@@ -204,6 +211,16 @@ class AdapterService:
             if w.online and not w.client.reference and w.health.adapters is not None
         ]
 
+    def _no_takers(self) -> NoReturn:
+        """Why no worker can check an upload: none online (503: try again), or those online serve no adapters
+        (the test tone, the reference's: 400, as for any request this fleet cannot serve)."""
+        if not any(w.online for w in self.dispatcher.pool.workers):
+            raise UnavailableError("No worker is online to check the adapter; nothing was stored, try again shortly.")
+        raise RequestError(
+            "No worker here serves adapters (those online run the test tone or are the reference's); "
+            "nothing was stored."
+        )
+
     async def _stored(self, name: str) -> bool:
         try:
             return await self.store.adapters.load(name) is not None
@@ -222,9 +239,7 @@ class AdapterService:
             await self._check_count(caller)
             takers = self._takers()
             if not takers:
-                raise UnavailableError(
-                    "No worker here can check an adapter now (none online serves adapters); nothing was stored."
-                )
+                self._no_takers()
             async with self.gate.slot():
                 staged, size, digest = await self.gate.run(self.artifacts.stage_adapter, config, weights)
             try:
