@@ -1,7 +1,7 @@
 """Who may see, use, upload and delete an uploaded adapter, decided without a server: the fleet's own
 adapters are everyone's; an upload is seen only by keys that see its owner's work; a worker's upload the
 store no longer has is no one's; only keys with ``upload_adapters`` (and API_KEY, and no keys at all)
-may upload. Also how a worker's answer to ``PUT /adapters/{name}`` reads, and the body limit of a path
+may upload; what the sync sends a worker and tells it to drop. Also how a worker's answer to ``PUT /adapters/{name}`` reads, and the body limit of a path
 under a prefix."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from songserve.api.jobs.facts import AdapterOffer
-from songserve.api.service.adapters import hidden, listing, may_upload
+from songserve.api.service.adapters import hidden, listing, may_upload, plan_sync
 from songserve.api.service.keys import ApiKeys, Caller
 from songserve.api.store.adapters import AdapterRecord
 from songserve.api.workers.outcomes import AdapterRefused, WorkerFault
@@ -68,6 +68,17 @@ def test_only_keys_given_upload_adapters_may_upload_and_api_key_and_no_keys_may(
     assert not may_upload(known.identify(b"k-b"))
     assert may_upload(known.identify(b"shared-key"))
     assert may_upload(None)
+
+
+def test_a_worker_is_sent_what_it_lacks_or_holds_another_copy_of_and_drops_what_the_store_forgot():
+    wanted = {"a": "1", "b": "2", "c": "3"}
+    held = {"a": "1", "b": "old", "gone": "9", "coming": "8"}
+    assert plan_sync(held, wanted, {}, {"coming"}) == (["b", "c"], ["gone"])
+
+
+def test_a_copy_a_worker_refused_is_not_sent_again_but_a_new_copy_is():
+    wanted = {"a": "1", "b": "2"}
+    assert plan_sync({}, wanted, {"a": "1", "b": "old"}, set()) == (["b"], [])
 
 
 def test_a_workers_refusal_names_the_file_and_its_reason():

@@ -134,6 +134,18 @@ def listing(offers: list[AdapterOffer], rows: dict[str, AdapterRecord], caller: 
     return out
 
 
+def plan_sync(
+    held: dict[str, str], wanted: dict[str, str], refused: dict[str, str], creating: set[str]
+) -> tuple[list[str], list[str]]:
+    """What one worker is sent and told to delete, by name: the uploads of the store (``wanted``, name →
+    sha256) it does not hold as they are (``held``: its ``/health``'s ``uploaded``), but for a copy it
+    refused already (``refused``); and what it holds that the store no longer has, but for an upload
+    being made now (``creating``: its row is not written yet)."""
+    send = sorted(n for n, d in wanted.items() if held.get(n) != d and refused.get(n) != d)
+    drop = sorted(n for n in held if n not in wanted and n not in creating)
+    return send, drop
+
+
 class AdapterService:
     def __init__(
         self, s: DispatcherSettings, store: JobStore, artifacts: ArtifactStore, dispatcher: Dispatcher, gate: UploadGate
@@ -344,17 +356,14 @@ class AdapterService:
         takers = self._takers()
         if not takers:
             return
-        rows = await self.store.adapters.all()
-        wanted = {a.name: a.sha256 for a in rows}
+        wanted = {a.name: a.sha256 for a in await self.store.adapters.all()}
         jobs = []
         for w in takers:
             held = w.health.adapters.uploaded if w.health.adapters is not None else {}
-            for name, digest in wanted.items():
-                if held.get(name) != digest and self._refused.get((w.worker_id, name)) != digest:
-                    jobs.append(self._send_one(w, name, digest))
-            for name in held:
-                if name not in wanted and name not in self._creating:
-                    jobs.append(self._drop_stale(w, name))
+            refused = {n: d for (wid, n), d in self._refused.items() if wid == w.worker_id}
+            send, drop = plan_sync(held, wanted, refused, self._creating)
+            jobs += [self._send_one(w, name, wanted[name]) for name in send]
+            jobs += [self._drop_stale(w, name) for name in drop]
         await asyncio.gather(*jobs)
 
     async def _send_one(self, w: WorkerHandle, name: str, digest: str) -> None:
