@@ -1,8 +1,8 @@
 """Who may see, use, upload and delete an uploaded adapter, decided without a server: the fleet's own
 adapters are everyone's; an upload is seen only by keys that see its owner's work; a worker's upload the
 store no longer has is no one's; only keys with ``upload_adapters`` (and API_KEY, and no keys at all)
-may upload; what the sync sends a worker and tells it to drop. Also how a worker's answer to ``PUT /adapters/{name}`` reads, and the body limit of a path
-under a prefix."""
+may upload; what the sync sends a worker and tells it to drop. Also how a worker's answer to
+``PUT /adapters/{name}`` reads, and the body limit of a path under a prefix."""
 
 from __future__ import annotations
 
