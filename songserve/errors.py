@@ -51,6 +51,12 @@ class NotFoundError(RequestError):
     http_status = 404
 
 
+class ConflictError(RequestError):
+    """The request conflicts with what exists (a name taken): HTTP 409."""
+
+    http_status = 409
+
+
 class UnavailableError(SongserveError):
     """Shutting down, or not ready: try again later or elsewhere (HTTP 503)."""
 

@@ -28,6 +28,7 @@ from songserve.api.loop_lag import LoopLag
 from songserve.api.results import render
 from songserve.api.results.artifacts import ArtifactStore
 from songserve.api.results.retention import Retention
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.announcements import Announcements
 from songserve.api.service.job_service import JobService, load_job
 from songserve.api.service.keys import ApiKeys
@@ -124,6 +125,7 @@ class Parts:
     announcements: Announcements
     live: LiveStreams
     uploads: UploadService
+    adapters: AdapterService
     usage: UsageService
     jobs: JobService
     readings: Readings
@@ -138,7 +140,11 @@ class Parts:
         self.lag.start()
         await self.webhooks.start()
         await self.dispatcher.start(
-            [("retention", sweep, self.s.sweep_interval_sec), ("webhooks", self.webhooks.step, 0.0)]
+            [
+                ("retention", sweep, self.s.sweep_interval_sec),
+                ("webhooks", self.webhooks.step, 0.0),
+                ("adapters", self.adapters.sync, self.s.health_interval),
+            ]
         )
 
     async def drain(self, timeout: float) -> None:
@@ -162,6 +168,7 @@ def assemble(checked: Checked, store: JobStore, artifacts: ArtifactStore, http: 
     lag = LoopLag(dispatcher.metrics.loop_lag.observe)
     dispatcher.metrics.watch_loop_lag(lag.worst)
     uploads = UploadService(s, store, artifacts, dispatcher)  # a person's own audio
+    adapters = AdapterService(s, store, artifacts, dispatcher, uploads.gate)  # a key's own LoRA adapters
     renders = render.Renders(artifacts, s.render_concurrency, s.render_queue)
 
     live = LiveStreams(
@@ -186,8 +193,9 @@ def assemble(checked: Checked, store: JobStore, artifacts: ArtifactStore, http: 
         announcements=Announcements(s, store, dispatcher),  # workers that join and leave
         live=live,
         uploads=uploads,
+        adapters=adapters,
         usage=UsageService(store),
-        jobs=JobService(s, store, artifacts, dispatcher, uploads, renders, live),
+        jobs=JobService(s, store, artifacts, dispatcher, uploads, renders, live, adapters),
         readings=Readings(s, dispatcher, lag),
         lag=lag,
     )

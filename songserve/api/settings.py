@@ -134,6 +134,12 @@ class DispatcherSettings(BaseSettings):
     upload_max_mb: float = Field(
         128.0, gt=0, description="largest audio file POST /uploads takes (and an ACE-Step multipart body)"
     )
+    adapter_max_mb: float = Field(
+        256.0, gt=0, description="largest LoRA adapter POST /adapters takes (its two files together)"
+    )
+    max_uploaded_adapters: int = Field(
+        16, ge=0, le=10_000, description="LoRA adapters one API key may have uploaded at once (each is on every worker)"
+    )
     mcp_max_mb: float = Field(
         16.0,
         gt=0,

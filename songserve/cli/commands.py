@@ -10,6 +10,8 @@ works from any folder (``python -m songserve`` is the same program).
     songserve generate --lyrics-file song.txt --tags "pop" --tracks 3 --adapters studio-a,studio-b@0.5,none
     songserve status
     songserve adapters
+    songserve adapters upload my-lora/ --name studio-voice   # a key allowed to upload adapters
+    songserve adapters delete studio-voice
     songserve mcp                    # an MCP server on stdin/stdout for desktop clients (docs/mcp.md)
 
 Without ``--duration`` the song has the server's default length (``POST /generate``: 3 minutes).
@@ -24,6 +26,9 @@ rate) and continues it from SEC seconds on (its end without ``@SEC``) with the s
 without ``--duration`` the song is the upload plus 30 s (at least a minute).
 ``--adapter NAME[@SCALE]`` makes every take with that LoRA adapter (``songserve adapters`` lists those the
 workers can load); ``--adapters A,B@0.5,none`` gives each take its own (``none``: the base model).
+``songserve adapters upload DIR`` sends DIR's ``adapter_config.json`` and ``adapter_model.safetensors``
+(``POST /adapters``, named ``--name`` or the folder's name); every worker checks them, and only the
+key that uploaded them sees them. ``songserve adapters delete NAME`` removes one of the key's uploads.
 ``--formats`` may name ``flac`` and ``opus`` too (rendered by the dispatcher, at ``--loudness`` LUFS).
 ``--listen FILE`` writes the first take to FILE as it is made (``.wav``: 16-bit PCM, else MP3), from
 its first seconds to its end; ``--listen -`` writes it to standard output (progress goes to
@@ -144,15 +149,47 @@ def adapter_choice(text: str, option: str) -> tuple[str | None, float]:
         raise ClientError(f"{option} {text!r}: expected NAME or NAME@SCALE, e.g. studio-a@0.8") from None
 
 
-def adapters(_: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
-    """The LoRA adapters the workers can load (``GET /adapters``), and where each is resident."""
+ADAPTER_FILES = {"config": "adapter_config.json", "weights": "adapter_model.safetensors"}  # form field → file
+
+
+def adapters(args: argparse.Namespace, client: httpx.Client, out: TextIO = sys.stdout) -> int:
+    """The LoRA adapters the workers can load (``GET /adapters``), and where each is resident; or, with
+    ``upload`` and ``delete``, one of the key's own."""
+    action = getattr(args, "action", None)
+    if action == "upload":
+        return upload_adapter(client, Path(args.dir), args.name, out)
+    if action == "delete":
+        gone = _check(client.delete(f"/adapters/{args.name}"))
+        print(f"adapter {gone['name']}: deleted (the workers drop it)", file=out)
+        return 0
     listed = _check(client.get("/adapters"))["adapters"]
     if not listed:
         print("no adapters: no worker has one in its ADAPTERS_DIR", file=out)
     for a in listed:
         rank = f"rank {a['rank']}" if a.get("rank") else "rank ?"
         where = ", ".join(str(w) for w in a["resident_on"]) or "none"
-        print(f"{a['name']}: {rank}, workers {a['workers']}, resident on {where}", file=out)
+        mine = f", uploaded by {a.get('owner') or 'no key'}" if a.get("uploaded") else ""
+        print(f"{a['name']}: {rank}, workers {a['workers']}, resident on {where}{mine}", file=out)
+    return 0
+
+
+def upload_adapter(client: httpx.Client, folder: Path, name: str | None, out: TextIO = sys.stdout) -> int:
+    """``POST /adapters`` of a PEFT adapter folder, named ``name`` (default: the folder's name)."""
+    paths = {field: folder / filename for field, filename in ADAPTER_FILES.items()}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise ClientError(f"{folder} is not an adapter folder: no {', '.join(missing)}")
+    with paths["config"].open("rb") as config, paths["weights"].open("rb") as weights:
+        files = {
+            "config": (ADAPTER_FILES["config"], config, "application/json"),
+            "weights": (ADAPTER_FILES["weights"], weights, "application/octet-stream"),
+        }
+        view = _check(client.post("/adapters", data={"name": name or folder.name}, files=files, timeout=300))
+    print(
+        f"adapter {view['name']}: uploaded (rank {view['rank']}, {view['bytes']} bytes, sha256 {view['sha256'][:12]}…), "
+        f"on workers {view['workers']}",
+        file=out,
+    )
     return 0
 
 
@@ -353,7 +390,7 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("SONGSERVE_API_KEY"),
         help="sent as Authorization: Bearer <key> (default: $SONGSERVE_API_KEY; none when unset)",
     )
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,status,mcp}", help="what to do")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,status,adapters,mcp}", help="what to do")
     g = sub.add_parser("generate", help="submit a job, show progress, download the files")
     g.add_argument("--lyrics-file", metavar="FILE", help="read the lyrics from FILE (UTF-8; [verse], [chorus] …)")
     g.add_argument("--lyrics", metavar="TEXT", help="the lyrics on the command line (instead of --lyrics-file)")
@@ -395,7 +432,13 @@ def parser() -> argparse.ArgumentParser:
         "--adapters", metavar="A,B@0.5,none", help="each take's own adapter (none: the base model); sets --tracks"
     )
     sub.add_parser("status", help="show the workers and the queue")
-    sub.add_parser("adapters", help="list the LoRA adapters the workers can load")
+    a = sub.add_parser("adapters", help="list the LoRA adapters the workers can load; upload or delete your own")
+    acts = a.add_subparsers(dest="action", metavar="{upload,delete}", help="without one: list them")
+    up = acts.add_parser("upload", help="upload a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
+    up.add_argument("dir", metavar="DIR", help="the adapter's folder")
+    up.add_argument("--name", help="its name in the fleet (default: the folder's name)")
+    rm = acts.add_parser("delete", help="delete one of your uploaded adapters, here and on every worker")
+    rm.add_argument("name", metavar="NAME")
     sub.add_parser("mcp", help="serve the dispatcher's MCP tools on stdin/stdout, for desktop clients (docs/mcp.md)")
     return ap
 

@@ -82,18 +82,26 @@ class BodyLimit:
     one (chunked) as the app reads, never holding the body itself.
 
     ``paths`` gives routes that take files their own limit and sentence (exact path → (bytes, what
-    to say)): an upload's audio is larger than any JSON body, and the answer names the setting.
+    to say)): an upload's audio is larger than any JSON body, and the answer names the setting. A key
+    ending in ``/`` is a prefix (``/adapters/`` for ``/adapters/{name}``).
     Put it inside the key check (added before it), so no body is read for a caller without a key."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.paths = paths or {}
+        self.prefixes = [(p, v) for p, v in self.paths.items() if p.endswith("/")]
+
+    def limit(self, path: str) -> tuple[int, str]:
+        """The body limit of ``path`` and its sentence."""
+        if path in self.paths:
+            return self.paths[path]
+        return next((v for p, v in self.prefixes if path.startswith(p)), (self.max_bytes, ""))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit, said = self.paths.get(scope["path"], (self.max_bytes, ""))
+        limit, said = self.limit(scope["path"])
         too_large = said or f"The request body is larger than {limit} bytes."
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:

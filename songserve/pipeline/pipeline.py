@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -106,13 +106,26 @@ class ModelPipeline:
             shapes["superres"] = model_shape(next(iter(self.residency.superres_arch.values())))
         paths = [*self.ckpt.backbones.items(), *self.ckpt.superres.items()]
         names = {n for n, _ in paths} | {p.name for _, p in paths} | {p.parent.name for _, p in paths}
-        return AdapterStore(self.s.adapters_dir, self.s.max_adapters, shapes, names)
+        return AdapterStore(self.s.adapters_dir, self.s.max_adapters, shapes, names, uploads=self.s.adapter_uploads_dir)
 
     def prefetch_adapters(self, names: list[str]) -> None:
         """Load the named adapters ahead of their batch, off the model thread (a failure is the batch's to report)."""
         if self.adapters is not None:
             for name in dict.fromkeys(n for n in names if n):
                 self.adapters.prefetch(name)
+
+    def _uploads(self) -> AdapterStore:
+        if self.adapters is None or self.adapters.uploads is None:
+            raise RequestError(
+                "This worker takes no adapter uploads (its models are not loaded, or no uploads folder)."
+            )
+        return self.adapters
+
+    def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
+        return self._uploads().upload(name, config, weights)
+
+    def remove_adapter(self, name: str) -> None:
+        self._uploads().remove(name)
 
     def _adapter_errors(self, reqs: list[TrackRequest]) -> dict[int, BaseException]:
         """The takes whose adapter cannot be loaded (unknown, refused, more than the slots), each with its error."""

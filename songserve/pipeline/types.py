@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from songserve.pipeline.context import TaskContext
 
@@ -128,6 +128,15 @@ class Pipeline(Protocol):
     def prefetch_adapters(self, names: list[str]) -> None:
         """Load the named LoRA adapters ahead of their takes; called off the model thread (the
         worker's request handler). A failure is left for the takes to report."""
+        ...
+
+    def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
+        """Check an uploaded adapter's two files against the models (``residency.AdapterStore.upload``)
+        and keep it as ``name``; off the model thread. Its description (rank, targets, sha256)."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        """Remove uploaded adapter ``name`` (``NotFoundError`` when there is none)."""
         ...
 
     def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:

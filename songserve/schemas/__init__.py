@@ -7,7 +7,8 @@ reference's workers; do not rename them. By concern:
 - ``client``: the dispatcher's client routes (``POST /generate``, the job view);
 - ``continuation``: continuing a song (``ContinueFrom``, and ``PrefixCodes``, the code grid a
   worker continues from);
-- ``uploads``: a person's own audio (``UploadView``, ``UploadStatus``; a worker's ``WorkerEncodeResult``);
+- ``uploads``: a person's own audio (``UploadView``, ``UploadStatus``; a worker's ``WorkerEncodeResult``) and
+  a key's own LoRA adapters (``AdapterView``);
 - ``common``: the patterns that bound names and ids, and a percent.
 Everything is re-exported here: importers name ``songserve.schemas`` only. Beside the models,
 ``body_fields`` is how ``client``'s request models keep a body's fields as sent and its unknown
@@ -43,7 +44,7 @@ from songserve.schemas.common import (
     Percent,
 )
 from songserve.schemas.continuation import CODEBOOK_SIZE, MAX_PREFIX_FRAMES, ContinueFrom, PrefixCodes
-from songserve.schemas.uploads import UploadStatus, UploadView, WorkerEncodeResult
+from songserve.schemas.uploads import AdapterView, UploadStatus, UploadView, WorkerEncodeResult
 from songserve.schemas.worker import (
     ErrorKind,
     ResultFile,
@@ -94,6 +95,7 @@ __all__ = [
     "WebhookEventName",
     "UploadStatus",
     "UploadView",
+    "AdapterView",
     "WorkerAnnounced",
     "WorkerAnnouncement",
     "WorkerBatchRequest",

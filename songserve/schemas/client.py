@@ -179,7 +179,7 @@ class GenerateAccepted(BaseModel):
 
 
 class KeyLimits(BaseModel):
-    """An API key's limits (``API_KEYS_FILE``); None is unlimited."""
+    """An API key's limits (``API_KEYS_FILE``); None is unlimited, a permission is off unless given."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -187,6 +187,9 @@ class KeyLimits(BaseModel):
     concurrent_jobs: int | None = Field(None, ge=0, description="jobs not yet finished at once")
     max_duration: float | None = Field(None, gt=0, description="longest song, in minutes")
     max_priority: int | None = Field(None, ge=0, le=9, description="highest priority")
+    upload_adapters: bool = Field(
+        False, description="may upload LoRA adapters (POST /adapters); API_KEY and a dispatcher without keys may"
+    )
 
 
 class UsageView(BaseModel):

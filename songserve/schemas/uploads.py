@@ -58,3 +58,17 @@ class WorkerEncodeResult(BaseModel):
     duration_sec: float = Field(ge=0)
     source: dict[str, Any] = Field(default_factory=dict, max_length=16)
     timings: dict[str, float] = Field(default_factory=dict, max_length=16)
+
+
+class AdapterView(BaseModel):
+    """``POST /adapters``' and ``DELETE /adapters/{name}``'s answer: an uploaded LoRA adapter."""
+
+    name: str
+    uploaded: bool = True
+    owner: str | None = Field(description="the name of the API key that uploaded it; null without keys")
+    rank: int
+    targets: list[str]
+    bytes: int = Field(description="both files")
+    sha256: str = Field(description="of adapter_model.safetensors")
+    created_at: float
+    workers: list[int] = Field(default_factory=list, description="workers that hold it now")

@@ -147,13 +147,15 @@ class AdapterHeld(BaseModel):
 
 class AdaptersHealth(BaseModel):
     """A worker's adapters: those resident in its slots (at most ``capacity``, ``MAX_ADAPTERS``) and every
-    name in its ``ADAPTERS_DIR`` it could load."""
+    name it could load, of its ``ADAPTERS_DIR`` and of the uploads the dispatcher sent it (``uploaded``,
+    with each one's weights' SHA-256, so a dispatcher can tell a stale copy)."""
 
     model_config = ConfigDict(extra="ignore")
 
     resident: list[AdapterHeld] = Field(default_factory=list)
     capacity: int = Field(0, ge=0)
     available: list[str] = Field(default_factory=list)
+    uploaded: dict[str, str] = Field(default_factory=dict)  # the uploaded ones (of available): name → weights' sha256
 
 
 class WorkerHealth(BaseModel):

@@ -25,7 +25,7 @@ from songserve.http.errors import install_error_handlers
 from songserve.http.guard import BearerAuth, BodyLimit
 from songserve.worker.announce import Announcer
 from songserve.worker.fence import LeaseFences
-from songserve.worker.routes import ROUTERS, audio_limit, not_the_api
+from songserve.worker.routes import ROUTERS, adapter_limit, audio_limit, not_the_api
 from songserve.worker.runtime import WorkerRuntime
 from songserve.worker.settings import WorkerSettings
 from songserve.worker.urls import dispatcher_urls, local_health_url
@@ -92,8 +92,8 @@ def create_app(runtime: WorkerRuntime, on_load_failure: Callable[[Exception], No
     app.state.fences = LeaseFences()  # a task from a dispatcher whose lease here passed on is refused (fence.py)
     app.state.announcer = announcer
     install_error_handlers(app)
-    audio_bytes, too_large = audio_limit(runtime.s)
-    app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes, paths={"/encode": (audio_bytes, too_large)})
+    limits = {"/encode": audio_limit(runtime.s), "/adapters/": adapter_limit(runtime.s)}
+    app.add_middleware(BodyLimit, max_bytes=runtime.s.max_body_bytes, paths=limits)
     if runtime.s.worker_token:  # outside the body limit: no body is read before the token is checked
         app.add_middleware(
             BearerAuth,

@@ -3,7 +3,7 @@
 Three routers, included by ``app.py`` in this order: status (``/``, ``/health``, ``/metrics``,
 ``/ready``, ``/config``), tasks (``/generate``, ``/generate_batch``, ``/encode``, ``/cancel``,
 ``/tasks``, a running take's live audio) and files (the dispatcher's removal of a task's files,
-``/download``). What a route needs is a dependency read from the application's state (the
+``/download``, and the adapters it uploads: ``PUT`` and ``DELETE /adapters/{name}``). What a route needs is a dependency read from the application's state (the
 ``WorkerRuntime``, the lease fences, the announcer), as the dispatcher's routes take its service.
 A take's result or failure becomes its answer in ``worker/to_pipeline.py``; errors take the one
 error body (``http/errors.py``).
@@ -21,8 +21,8 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from songserve import __version__
-from songserve.errors import BusyError, NotFoundError, RequestError, SongserveError
-from songserve.http.forms import spool
+from songserve.errors import BusyError, FieldError, NotFoundError, RequestError, SongserveError
+from songserve.http.forms import FormLimits, read_form, spool
 from songserve.schemas import (
     ID_PATTERN,
     TaskView,
@@ -48,6 +48,7 @@ TASK_ID = re.compile(ID_PATTERN.replace("*", "{1,64}"))
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
 LANGUAGES = ["en", "zh", "Instrumental"]
+FORM_SLACK = 64 * 1024  # bytes of a multipart body beyond its files: boundaries, headers, the name
 
 status_routes = APIRouter()
 task_routes = APIRouter()
@@ -100,6 +101,12 @@ def not_the_api(s: WorkerSettings) -> str:
         "only a dispatcher calls this port, with the worker token (WORKER_TOKEN; one the launcher generated "
         "is in its LOG_DIR/worker_token)."
     )
+
+
+def adapter_limit(s: WorkerSettings) -> tuple[int, str]:
+    """``PUT /adapters/{name}``'s body limit in bytes (``ADAPTER_MAX_MB``, both files) and its 413's sentence."""
+    said = f"The adapter is larger than ADAPTER_MAX_MB ({s.adapter_max_mb:g} MB); nothing was kept."
+    return int(s.adapter_max_mb * 2**20) + FORM_SLACK, said
 
 
 def audio_limit(s: WorkerSettings) -> tuple[int, str]:
@@ -279,3 +286,30 @@ async def download(filename: str, rt: WorkerRuntime = Runtime) -> FileResponse:
         path.suffix, "application/octet-stream"
     )
     return FileResponse(path, media_type=media, filename=path.name)
+
+
+@file_routes.put("/adapters/{name}")
+async def put_adapter(name: str, request: Request, rt: WorkerRuntime = Runtime) -> dict[str, Any]:
+    """An adapter the dispatcher uploads (multipart: files ``config`` and ``weights``): checked against
+    this worker's models as a folder adapter is at load, then kept in ``ADAPTER_UPLOADS_DIR``, replacing
+    one of that name. A refusal is a 422 naming the file and the reason (nothing is kept), a name of
+    ``ADAPTERS_DIR`` a 409."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise FieldError("config", "is required: send the adapter as multipart/form-data files config and weights")
+    limit, too_large = adapter_limit(rt.s)
+    form = await read_form(request.stream(), content_type, FormLimits(limit, 4096, limit, too_large))
+    try:
+        for part in ("config", "weights"):
+            if part not in form.files:
+                raise FieldError(part, "is required: send the adapter as multipart/form-data files config and weights")
+        return {"status": "ok", **await rt.upload_adapter(name, form.files["config"].file, form.files["weights"].file)}
+    finally:
+        form.close()
+
+
+@file_routes.delete("/adapters/{name}")
+async def delete_adapter(name: str, rt: WorkerRuntime = Runtime) -> dict[str, Any]:
+    """Remove an uploaded adapter (a batch running with it ends with it); 404 when there is none."""
+    await rt.remove_adapter(name)
+    return {"status": "ok", "name": name, "removed": True}

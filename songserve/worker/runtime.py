@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO
+from typing import IO, Any
 
 from songserve.audio.reading import HOP, SAMPLE_RATE, AudioError, read_audio
 from songserve.errors import (
@@ -324,6 +324,15 @@ class WorkerRuntime:
 
     def task(self, task_id: str) -> TaskView:
         return self.tasks.view(task_id)
+
+    # -- uploaded adapters ----------------------------------------------------------------------
+    async def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
+        """An uploaded adapter's two files, checked against the models as a folder adapter is at load
+        and kept (``residency.AdapterStore.upload``); off the event loop and the model thread."""
+        return await asyncio.to_thread(self.pipeline.upload_adapter, name, config, weights)
+
+    async def remove_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self.pipeline.remove_adapter, name)
 
     # -- output files ---------------------------------------------------------------------------
     def remove_task_files(self, task_id: str) -> list[str]:

@@ -78,6 +78,15 @@ class WorkerSettings(BaseSettings):
     max_adapters: int = Field(
         4, ge=1, le=64, description="adapters held at once (one slot each in every model); least recently used evicted"
     )
+    adapter_uploads_dir: Path | None = Field(
+        None,
+        validate_default=True,
+        description="where adapters uploaded through the dispatcher are kept (ADAPTERS_DIR may be read-only); "
+        "unset = OUTPUT_DIR/.adapter_uploads",
+    )
+    adapter_max_mb: float = Field(
+        256.0, gt=0, description="largest adapter upload (PUT /adapters/{name}, both files) in MB"
+    )
     compile: Literal["auto", "0", "1"] = Field(
         "auto", description="torch.compile the decode step (CUDA graphs on CUDA); auto = on for CUDA only"
     )
@@ -179,6 +188,15 @@ class WorkerSettings(BaseSettings):
 
     # TOKENIZER_PATH and DECODER_*_PATH are not here: a relative one is under CHECKPOINTS_DIR (layout.py).
     _caller_paths = field_validator("checkpoints_dir", "output_dir", "adapters_dir", mode="before")(caller_path)
+
+    @field_validator("adapter_uploads_dir", mode="before")
+    @classmethod
+    def _adapter_uploads_dir(cls, value: object, info: ValidationInfo) -> object:
+        """Unset: a folder of the worker's own output root, which it can write."""
+        if value is None or (isinstance(value, str) and not value.strip()):
+            out = info.data.get("output_dir")
+            return out / ".adapter_uploads" if isinstance(out, Path) else None
+        return caller_path(value)
 
     @field_validator("announce")
     @classmethod

@@ -90,6 +90,22 @@ def test_adapters_are_listed_and_a_take_naming_one_the_workers_lack_is_refused_i
     assert "expected NAME or NAME@SCALE" in out.stderr
 
 
+def test_adapter_upload_and_delete_say_the_servers_refusal_and_a_folder_without_the_files_is_refused_here(
+    cluster, tmp_path
+):
+    out = cli("--server", cluster.url, "adapters", "upload", str(tmp_path))
+    assert out.returncode == 1
+    assert "is not an adapter folder: no " in out.stderr
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+    out = cli("--server", cluster.url, "adapters", "upload", str(tmp_path), "--name", "mine")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: No worker here serves adapters"), out.stderr  # tone workers
+    out = cli("--server", cluster.url, "adapters", "delete", "mine")
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: No uploaded adapter 'mine'"), out.stderr
+
+
 class LosesFirstAnswer(httpx.HTTPTransport):
     """Real HTTP, except that the first answer is lost on the way back (the server did the work)."""
 

@@ -3,7 +3,7 @@
 One dispatcher (our port and the ACE-Step port) over two real workers on the tiny set, all real
 processes on loopback. A fixed seed draws the plan — generates of one or two takes (vocal and
 instrumental), retakes of the same take again and again, repaints of a part and new openings, takes
-on four LoRA adapters over two slots per worker,
+on four LoRA adapters and one uploaded through ``POST /adapters`` over two slots per worker,
 uploads continued several times, cancels,
 renders in every format, live MP3 listeners that hang up after 0.3-1.2 s, ACE-Step tasks — and a few
 threads carry it out at once, so the order of events differs from run to run while the plan does not.
@@ -37,6 +37,7 @@ import httpx
 import pytest
 
 from songserve.audio import codes
+from songserve.pipeline.adapters.format import CONFIG, WEIGHTS
 from songserve.pipeline.tiny.adapters import write_tiny_adapters
 from songserve.pipeline.tiny.build import tiny_arch
 from tests.model.test_encoder import music, wav_bytes
@@ -99,6 +100,10 @@ def fleet(tiny_dir, tmp_path_factory):
     ace = free_port()
     c = cluster_of(tmp, workers, "--acestep-port", str(ace))
     c.ace = f"http://127.0.0.1:{ace}"
+    files = {f: (n, (adapters / "tiny-c" / n).read_bytes()) for f, n in (("config", CONFIG), ("weights", WEIGHTS))}
+    up = httpx.post(f"{c.url}/adapters", data={"name": UPLOADED}, files=files, timeout=120, verify=TLS)
+    assert up.status_code == 201, up.text
+    assert sorted(up.json()["workers"]) == [0, 1]
     yield c
     c.stop()
 
@@ -184,11 +189,13 @@ def op_edit(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     _finished(fleet, ledger, new)
 
 
-ADAPTERS = ("tiny-a", "tiny-b", "tiny-c", "tiny-sr", None)  # four adapters on two slots per worker, and none
+UPLOADED = "uploaded-c"  # the tiny set's tiny-c, uploaded through POST /adapters when the fleet starts
+# four folder adapters and an upload on two slots per worker, and none
+ADAPTERS = ("tiny-a", "tiny-b", "tiny-c", "tiny-sr", UPLOADED, None)
 
 
 def op_adapters(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
-    """A song whose takes are made on LoRA adapters drawn from the tiny set's four (or none)."""
+    """A song whose takes are made on LoRA adapters drawn from the tiny set's four and an upload (or none)."""
     chosen = [rng.choice(ADAPTERS) for _ in range(rng.choice([1, 2]))]
     takes = [{"adapter": a, "adapter_scale": round(rng.uniform(0.2, 2.0), 2)} for a in chosen]
     new = _post(fleet, ledger, "adapters", **_song(rng), num_tracks=len(takes), takes=takes)

@@ -7,9 +7,10 @@ whether they use it (``toggle``) and at what scale (``scale``). ``/release_task`
 session's adapter as our ``adapter`` and ``adapter_scale``; nothing is loaded anywhere at ``load`` time:
 the workers load an adapter when a take needs it (``GET /adapters`` lists what they can load).
 
-``lora_path`` names an adapter by its folder name in the workers' ``ADAPTERS_DIR`` (a path's last
-part, so ``/models/loras/studio-a`` and ``studio-a`` are the same adapter); one the fleet cannot load is
-a 400 naming ``lora_path``. ``adapter_name`` is accepted as ACE-Step's multi-adapter name of the same
+``lora_path`` names an adapter by its folder name in the workers' ``ADAPTERS_DIR`` or by an upload's
+name (a path's last part, so ``/models/loras/studio-a`` and ``studio-a`` are the same adapter); one the
+fleet cannot load, or another key's upload (``GET /adapters`` as this key sees it), is a 400 naming
+``lora_path``. ``adapter_name`` is accepted as ACE-Step's multi-adapter name of the same
 thing. Scales are ACE-Step's 0 to 1 (``scale`` 0 is the base model). A session lives in this
 dispatcher's memory, one per key (bounded by the keys configured), and is gone at a restart, as
 ACE-Step's loaded adapter is.

@@ -244,8 +244,10 @@ async def _lora_call(request: Request, authorization: str | None) -> tuple[dict[
 async def lora_load(
     request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
 ) -> JSONResponse:
-    fields, session = await _lora_call(request, authorization)
-    offered = {o.name for o in readings.fleet().adapters}
+    body, caller = await _authorized(request, authorization, files=False)
+    fields, session = body.fields, _session(request, caller)
+    # another key's upload is as unknown here as a name no worker has
+    offered = {o.name for o in readings.fleet().adapters} - await parts(request).adapters.hidden_from(caller)
     name = adapter_name(fields.get("lora_path"), fields.get("adapter_name"), offered)
     session.adapter, session.use = name, True
     data: dict[str, Any] = {"message": f"LoRA {name!r} loaded for this key's tasks", "lora_path": fields["lora_path"]}
@@ -291,5 +293,6 @@ async def lora_status(request: Request, authorization: str | None = Authorizatio
 async def lora_list(
     request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
 ) -> JSONResponse:
-    check_header(_keys(request), authorization)
-    return JSONResponse(wrap([{"name": o.name, "path": o.name} for o in readings.fleet().adapters]))
+    caller = check_header(_keys(request), authorization)
+    listed = await parts(request).adapters.listing(caller)
+    return JSONResponse(wrap([{"name": a["name"], "path": a["name"]} for a in listed]))

@@ -354,6 +354,7 @@ class WorkerPool:
         """The LoRA adapters the online workers can load (their ``/health``), by name."""
         workers: dict[str, list[int]] = {}
         resident: dict[str, list[int]] = {}
+        uploaded: set[str] = set()
         held_as: dict[str, AdapterHeld] = {}  # what a worker holding it says of it (the last one asked)
         for w in self.workers:
             held = w.health.adapters
@@ -361,6 +362,7 @@ class WorkerPool:
                 continue
             for name in held.available:
                 workers.setdefault(name, []).append(w.worker_id)
+            uploaded.update(held.uploaded)
             for a in held.resident:
                 resident.setdefault(a.name, []).append(w.worker_id)
                 held_as[a.name] = a
@@ -368,7 +370,9 @@ class WorkerPool:
         for name in sorted(workers.keys() | resident.keys()):
             said = held_as.get(name)
             rank, targets, size = (said.rank, list(said.targets), said.bytes) if said is not None else (None, [], None)
-            offers.append(AdapterOffer(name, workers.get(name, []), resident.get(name, []), rank, targets, size))
+            offers.append(
+                AdapterOffer(name, workers.get(name, []), resident.get(name, []), rank, targets, size, name in uploaded)
+            )
         return offers
 
     def models(self, kind: str) -> list[str]:

@@ -15,6 +15,7 @@ from songserve.api.http.api_docs import docs_router
 from songserve.api.http.page import FILES, page_router
 from songserve.api.http.routes import router
 from songserve.api.mcp.server import McpServer, body_limit, too_large
+from songserve.api.service.adapters import adapter_limit
 from songserve.api.service.keys import KeyAuth
 from songserve.api.service.uploads import upload_limit
 from songserve.api.settings import DispatcherSettings
@@ -69,7 +70,7 @@ def create_app(checked: Checked) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=s.max_body_bytes,
-        paths={"/uploads": upload_limit(s), "/mcp": (body_limit(s), too_large(s))},
+        paths={"/uploads": upload_limit(s), "/adapters": adapter_limit(s), "/mcp": (body_limit(s), too_large(s))},
     )
     if keys.enabled or s.api_keys_file:  # a keys file may gain its first key later (ApiKeys.watch)
         app.add_middleware(

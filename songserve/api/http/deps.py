@@ -1,7 +1,7 @@
 """The parts a route depends on, one FastAPI dependency each (``compose.py`` made them in the lifespan).
 
 A route names the part it uses (``jobs: JobService = JobsDep``) and nothing else: the job service for
-jobs, the upload service for uploads, the announcements for workers, the readings for the probes and
+jobs, the upload service for uploads, the adapter service for uploaded adapters, the announcements for workers, the readings for the probes and
 reports. Async on purpose: FastAPI runs a sync dependency in a thread, a hop per request.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Depends, Request
 
 from songserve.api.compose import Parts
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.announcements import Announcements
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import CALLER, ApiKeys, Caller
@@ -34,6 +35,10 @@ async def _jobs(request: Request) -> JobService:
 
 async def _uploads(request: Request) -> UploadService:
     return parts(request).uploads
+
+
+async def _adapters(request: Request) -> AdapterService:
+    return parts(request).adapters
 
 
 async def _announcements(request: Request) -> Announcements:
@@ -64,6 +69,7 @@ def caller(request: Request) -> Caller | None:
 
 JobsDep = Depends(_jobs)
 UploadsDep = Depends(_uploads)
+AdaptersDep = Depends(_adapters)
 AnnouncementsDep = Depends(_announcements)
 UsageDep = Depends(_usage)
 ReadingsDep = Depends(_readings)

@@ -1,6 +1,6 @@
 """The dispatcher's routes (docs/api.md): each validates, calls one service method, shapes the answer.
 
-Each takes the part it uses as a dependency (``deps.py``): jobs, uploads, usage, announcements, or
+Each takes the part it uses as a dependency (``deps.py``): jobs, uploads, adapters, usage, announcements, or
 the read-only readings for the probes and reports."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 
 from songserve.api import metrics
 from songserve.api.http.deps import (
+    AdaptersDep,
     AnnouncementsDep,
     JobsDep,
     KeysDep,
@@ -23,6 +24,7 @@ from songserve.api.http.deps import (
     caller,
 )
 from songserve.api.service import job_list
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.announcements import Announcements
 from songserve.api.service.job_service import JobService, TrackFile
 from songserve.api.service.keys import ApiKeys
@@ -33,6 +35,7 @@ from songserve.api.service.usage import UsageService
 from songserve.http.errors import error_response
 from songserve.schemas import (
     MAX_WAIT_SEC,
+    AdapterView,
     GenerateAccepted,
     GenerateRequest,
     JobList,
@@ -42,6 +45,7 @@ from songserve.schemas import (
     WorkerAnnounced,
     WorkerAnnouncement,
 )
+from songserve.schemas.common import ADAPTER_PATTERN
 
 router = APIRouter()
 
@@ -248,9 +252,35 @@ async def ready(request: Request, readings: Readings = ReadingsDep, keys: ApiKey
 
 
 @router.get("/adapters")
-async def adapters(readings: Readings = ReadingsDep) -> dict[str, object]:
-    """The LoRA adapters this fleet can serve: ``[{name, workers, resident_on, rank, targets, bytes}]``."""
-    return readings.adapters()
+async def adapters(request: Request, adapters: AdapterService = AdaptersDep) -> dict[str, object]:
+    """The LoRA adapters this fleet can serve to the caller: ``[{name, workers, resident_on, rank, targets,
+    bytes, uploaded}]``, an upload with its ``owner`` (only to keys that see the owner's work)."""
+    return {"adapters": await adapters.listing(caller(request))}
+
+
+# Read as it streams (AdapterService.receive), not by FastAPI: this only documents it.
+_ADAPTER_SCHEMA = {
+    "type": "object",
+    "required": ["name", "config", "weights"],
+    "properties": {
+        "name": {"type": "string", "pattern": ADAPTER_PATTERN, "description": "the adapter's name in the fleet"},
+        "config": {"type": "string", "format": "binary", "description": "adapter_config.json (PEFT's)"},
+        "weights": {"type": "string", "format": "binary", "description": "adapter_model.safetensors"},
+    },
+}
+ADAPTER_FORM = {"content": {"multipart/form-data": {"schema": _ADAPTER_SCHEMA}}, "required": True}
+
+
+@router.post("/adapters", status_code=201, response_model=AdapterView, openapi_extra={"requestBody": ADAPTER_FORM})
+async def adapter_upload(request: Request, adapters: AdapterService = AdaptersDep) -> AdapterView:
+    """Upload a LoRA adapter (a key allowed to: ``upload_adapters``); every worker checks it against its model."""
+    return await adapters.receive(request, caller(request))
+
+
+@router.delete("/adapters/{name}", response_model=AdapterView)
+async def adapter_delete(name: str, request: Request, adapters: AdapterService = AdaptersDep) -> AdapterView:
+    """Delete one of the caller's uploaded adapters, here and on every worker."""
+    return await adapters.delete(name, caller(request))
 
 
 @router.get("/config")

@@ -40,3 +40,4 @@ class AdapterOffer:
     rank: int | None = None
     targets: list[str] = field(default_factory=list)
     bytes: int | None = None
+    uploaded: bool = False  # a key's upload (some worker lists it among its uploads), not a worker's own folder's

@@ -13,7 +13,9 @@ folder, under the same retention: a retake's kept frames (``prefix.codes``, cut 
 at submit, so the retake does not depend on the original's folder) and cached renders
 (``track_<i>.render-<key>.<ext>``). Uploads (a person's own audio) live apart, in
 ``<results>/uploads/<upload_id>/``: the file as sent (``source.<ext>``, the extension from its format,
-never from its name) and, once encoded, its code grid (``codes.codes``). Retention removes finished
+never from its name) and, once encoded, its code grid (``codes.codes``). Uploaded LoRA adapters too,
+in ``<results>/adapters/<name>/`` under PEFT's file names (what the dispatcher sends a worker that
+lacks one; kept until their key deletes them, never by retention). Retention removes finished
 jobs and uploads past their TTL and, oldest first, while the folder is over its size cap, and asks
 ``orphans`` / ``upload_orphans`` for folders no row owns (a store moved aside or restored from an
 older backup).
@@ -39,6 +41,7 @@ from songserve.api.results.folder import ResultsFolder, ResultsUnwritable, unwri
 from songserve.api.results.result_check import Copied, check_copy
 from songserve.api.workers.outcomes import WorkerFault
 from songserve.api.workers.to_worker import result_files
+from songserve.schemas.common import ADAPTER_PATTERN
 
 if TYPE_CHECKING:
     from songserve.api.workers.client import WorkerClient
@@ -50,6 +53,9 @@ JOB_ID = re.compile(r"^[a-f0-9]{8,64}$")
 RENDER_KEY = re.compile(r"^[a-f0-9]{16}$")
 RENDER_EXTS = ("flac", "opus", "mp3", "wav", "json")  # a render, and the JSON beside it
 UPLOADS = "uploads"  # the folder of uploads inside the results folder (not a job id: retention's job sweep skips it)
+ADAPTERS = "adapters"  # the folder of uploaded LoRA adapters (not a job id either)
+ADAPTER_NAME = re.compile(ADAPTER_PATTERN)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's names, as a worker reads them
 UPLOAD_FILE = re.compile(r"^(source\.[a-z0-9]{1,8}|codes\.codes)$")
 FLOOR_WINDOW_SEC = 5  # a copy's rate is judged over its last this many seconds
 
@@ -65,6 +71,48 @@ class ArtifactStore:
         if not JOB_ID.match(job_id) or kind not in KINDS or index < 0:
             raise ValueError("invalid artifact address")
         return self.root / job_id / f"track_{index}.{kind}"
+
+    def adapter_folder(self, name: str) -> Path:
+        """An uploaded adapter's folder (its two files under PEFT's names), from a checked name."""
+        if not ADAPTER_NAME.match(name):
+            raise ValueError("invalid adapter address")
+        return self.root / ADAPTERS / name
+
+    def stage_adapter(self, config: IO[bytes], weights: IO[bytes]) -> tuple[Path, int, str]:
+        """An adapter's two files copied into a new staged folder beside the kept ones: (the folder,
+        their bytes, the weights' SHA-256). ``keep_adapter`` names it; ``discard`` removes it."""
+        (self.root / ADAPTERS).mkdir(parents=True, exist_ok=True)
+        staged = self.root / ADAPTERS / f".staged-{secrets.token_hex(6)}"
+        staged.mkdir()
+        size, digest = 0, hashlib.sha256()
+        try:
+            for data, filename in zip((config, weights), ADAPTER_FILES, strict=True):
+                data.seek(0)
+                with (staged / filename).open("wb") as out:
+                    while chunk := data.read(1 << 20):
+                        out.write(chunk)
+                        size += len(chunk)
+                        if filename == ADAPTER_FILES[1]:
+                            digest.update(chunk)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return staged, size, digest.hexdigest()
+
+    def keep_adapter(self, staged: Path, name: str) -> Path:
+        """The staged folder as adapter ``name``'s (one left by an earlier delete that did not finish is replaced)."""
+        folder = self.adapter_folder(name)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staged, folder)
+        return folder
+
+    def remove_adapter(self, name: str) -> None:
+        if ADAPTER_NAME.match(name):
+            shutil.rmtree(self.root / ADAPTERS / name, ignore_errors=True)
+
+    @staticmethod
+    def discard(staged: Path) -> None:
+        shutil.rmtree(staged, ignore_errors=True)
 
     def prefix_path(self, job_id: str) -> Path:
         """A retake's kept frames (``songserve/audio/codes.py``'s file), written when it is submitted."""

@@ -29,6 +29,7 @@ from songserve.api.jobs.views import job_view
 from songserve.api.results import render
 from songserve.api.results.artifacts import JOB_ID, ArtifactStore
 from songserve.api.service import job_list
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.keys import Caller, may_see
 from songserve.api.service.live import Listening, LiveStreams, NoAudio
 from songserve.api.service.refusals import GoneError, QueueFull, StoreUnavailable
@@ -84,8 +85,10 @@ class JobService:
         uploads: UploadService,
         renders: render.Renders,
         live: LiveStreams,
+        adapters: AdapterService,
     ) -> None:
         self.s = s
+        self.adapters = adapters  # whose uploaded adapters a key may name
         self.store = store
         self.artifacts = artifacts
         self.dispatcher = dispatcher
@@ -110,9 +113,12 @@ class JobService:
         self._check_context(norm.request.duration, fleet.context)
         return norm
 
-    def _check_adapters(self, req: GenerateRequest) -> None:
-        """Refuse before any work a take whose LoRA adapter no worker here can load (``GET /adapters``)."""
-        offered = {o.name for o in self.dispatcher.fleet().adapters}
+    async def _check_adapters(self, req: GenerateRequest, caller: Caller | None) -> None:
+        """Refuse before any work a take whose LoRA adapter no worker here can load (``GET /adapters``);
+        another key's upload is as unknown to this caller as a name no worker has."""
+        if not any(req.take_adapter(i)[0] for i in range(req.num_tracks)):
+            return
+        offered = {o.name for o in self.dispatcher.fleet().adapters} - await self.adapters.hidden_from(caller)
         for i in range(req.num_tracks):
             name, _ = req.take_adapter(i)
             if name and name not in offered:
@@ -159,7 +165,7 @@ class JobService:
             req = retake.request  # what it did not send comes from the take it continues
         norm = self._normalize(req, strict or self.s.strict_requests)
         req, lyrics = norm.request, norm.cleaned_lyrics
-        self._check_adapters(req)
+        await self._check_adapters(req, caller)
         check_request(caller, req)
         if req.webhook:
             await self._check_webhook(req.webhook)

@@ -3,11 +3,12 @@
 ``API_KEYS_FILE`` is a JSON object keyed by the key itself::
 
     {"<key>": {"name": "studio", "tracks_per_hour": 100, "concurrent_jobs": 4, "max_duration": 10,
-               "max_priority": 5, "sees": "own"}}
+               "max_priority": 5, "sees": "own", "upload_adapters": true}}
 
-Every limit is optional (absent or null: unlimited); a key without a name is named
-``key-<first 8 hex digits of its SHA-256>``. The single ``API_KEY`` still works beside it, as a key
-named ``default`` with no limits that sees everything.
+Every limit is optional (absent or null: unlimited); ``upload_adapters`` (may ``POST /adapters``) is
+off unless given. A key without a name is named ``key-<first 8 hex digits of its SHA-256>``. The
+single ``API_KEY`` still works beside it, as a key named ``default`` with no limits that sees
+everything and may upload adapters.
 
 What a key sees (``sees``): ``own`` (the default for a file's keys) is the jobs and uploads made with
 its name only: any other answers 404, as one that does not exist (reading, files, live audio,
@@ -161,7 +162,8 @@ def cookie(header: bytes, name: str) -> bytes:
 
 def _entries(api_key: str, path: Path | None) -> list[tuple[str, Caller]]:
     """``API_KEY``'s entry and the file's, or ``ConfigError`` naming the file and its fault (never a key)."""
-    entries = [(api_key, Caller(DEFAULT_NAME, KeyLimits(), sees_all=True))] if api_key else []
+    operator = KeyLimits(upload_adapters=True)  # the single shared key is the operator's
+    entries = [(api_key, Caller(DEFAULT_NAME, operator, sees_all=True))] if api_key else []
     if path is None:
         return entries
     try:

@@ -7,8 +7,6 @@ reports depend on nothing that can submit, cancel or stop (the job service does 
 
 from __future__ import annotations
 
-import dataclasses
-
 from songserve import __version__
 from songserve.api.dispatch import readiness
 from songserve.api.dispatch.dispatcher import Dispatcher
@@ -49,10 +47,6 @@ class Readings:
     def metrics(self) -> bytes:
         """``GET /metrics``: the Prometheus text."""
         return self._dispatcher.metrics.render()
-
-    def adapters(self) -> dict[str, object]:
-        """``GET /adapters``: the LoRA adapters the online workers can load, and where each is resident."""
-        return {"adapters": [dataclasses.asdict(o) for o in self._dispatcher.fleet().adapters]}
 
     def config(self) -> dict[str, object]:
         return readiness.config(self._s, self._dispatcher.fleet())

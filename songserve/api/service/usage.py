@@ -86,7 +86,7 @@ def quota(caller: Caller | None, jobs_retry_sec: Callable[[], float]) -> Quota |
 
 def usage_view(caller: Caller | None, usage: Usage, now: float) -> UsageView:
     """``GET /usage``: the caller's limits and use (no key: the use of every job sent without one)."""
-    lim = caller.limits if caller is not None else KeyLimits()
+    lim = caller.limits if caller is not None else KeyLimits(upload_adapters=True)  # no keys: nothing is held back
     per_hour, jobs = lim.tracks_per_hour, lim.concurrent_jobs
     return UsageView(
         name=caller.name if caller is not None else None,

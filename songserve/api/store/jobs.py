@@ -22,6 +22,7 @@ from contextlib import asynccontextmanager
 
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.adapters import Adapters
 from songserve.api.store.connector import Conflict, Connector, Row, Tx, marks
 from songserve.api.store.members import Fence, Members, holds
 from songserve.api.store.outbox import OutboxRepo, insert_events
@@ -51,6 +52,7 @@ class Store:
         self.ident = ""  # read from the store once it is migrated
         self.outbox = OutboxRepo(db)
         self.uploads = Uploads(db)
+        self.adapters = Adapters(db)
         self.members = Members(db)
 
     async def read_ident(self) -> None:

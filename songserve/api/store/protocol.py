@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
+from songserve.api.store.adapters import AdapterRows
 from songserve.api.store.members import Fence, MemberStore
 from songserve.api.store.outbox import Outbox, WebhookEvent
 from songserve.api.store.quota import Quota, Usage
@@ -107,7 +108,7 @@ class StoreError(SongserveError):
 class JobStore(Protocol):
     """The jobs and tracks, a key's usage, events and exclusive work; the other concerns are connectors
     of their own, each with its protocol: ``outbox`` (``store/outbox.py``), ``uploads``
-    (``store/uploads.py``) and ``members`` (``store/members.py``: the registry, presence, leases)."""
+    (``store/uploads.py``), ``adapters`` (``store/adapters.py``) and ``members`` (``store/members.py``: the registry, presence, leases)."""
 
     shared: bool  # several dispatchers may use it at once (events cross processes)
     where: str  # for logs: the file, or the server without its password
@@ -117,6 +118,8 @@ class JobStore(Protocol):
     def outbox(self) -> Outbox: ...
     @property
     def uploads(self) -> UploadStore: ...
+    @property
+    def adapters(self) -> AdapterRows: ...
     @property
     def members(self) -> MemberStore: ...
 

@@ -27,6 +27,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +40,7 @@ from songserve.schemas import TaskView, WorkerConfig, WorkerEncodeResult, Worker
 FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has its own deadline)
 CHUNK = 1 << 16
 CONTROL_TIMEOUT = 5.0
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"  # an adapter's files (PEFT's names)
 # A live stream is quiet between its last audio and its take's end (super-resolution, decoder, files);
 # past this the relay asks again, so a worker that hangs never holds a listener for good.
 LIVE_READ_TIMEOUT = 20.0
@@ -196,6 +198,24 @@ class WorkerClient:
         r = await self._call("DELETE", f"/files/{task_id}", CONTROL_TIMEOUT)
         if r.status_code not in (200, 404):
             raise WorkerUnreachable(f"Worker could not remove the files of {task_id} (HTTP {r.status_code}).")
+
+    async def put_adapter(self, name: str, config: Path, weights: Path, timeout: float) -> dict[str, Any]:
+        """Send an uploaded adapter's two files (``PUT /adapters/{name}``, ours only); the worker checks
+        them against its models. ``AdapterRefused`` names the file it refused and why."""
+        with config.open("rb") as c, weights.open("rb") as w:
+            files = {
+                "config": (CONFIG_FILE, c, "application/json"),
+                "weights": (WEIGHTS_FILE, w, "application/octet-stream"),
+            }
+            r = await self._call("PUT", f"/adapters/{name}", httpx.Timeout(timeout), True, files=files)
+        return to_worker.read_adapter_answer(r.status_code, self._json(r))
+
+    async def delete_adapter(self, name: str) -> bool:
+        """Remove an uploaded adapter from the worker; False when it had none of that name."""
+        r = await self._call("DELETE", f"/adapters/{name}", CONTROL_TIMEOUT)
+        if r.status_code not in (200, 404):
+            raise WorkerUnreachable(f"Worker could not remove adapter {name} (HTTP {r.status_code}).")
+        return r.status_code == 200
 
     async def live_chunks(self, task_id: str, start: int) -> AsyncGenerator[bytes, None]:
         """A running take's live audio (16-bit PCM, 44.1 kHz stereo) from byte ``start`` on, as the worker

@@ -39,6 +39,14 @@ class EncodeRefused(SongserveError):
     """The worker refused an upload's file itself (a 4xx that is not busy): another worker would too."""
 
 
+class AdapterRefused(SongserveError):
+    """The worker refused an uploaded adapter's files: ``field`` (``config``, ``weights``, ``name``) and why."""
+
+    def __init__(self, field: str, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.field, self.reason, self.status = field, reason, status
+
+
 class TaskLost(SongserveError):
     """The worker does not know the task (it restarted): the track must run again."""
 

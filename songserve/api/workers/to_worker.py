@@ -22,7 +22,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from songserve.api.jobs.records import Job, Track
-from songserve.api.workers.outcomes import EncodeRefused, Outcome, OutcomeKind, WorkerBusy, WorkerFault
+from songserve.api.workers.outcomes import (
+    AdapterRefused,
+    EncodeRefused,
+    Outcome,
+    OutcomeKind,
+    WorkerBusy,
+    WorkerFault,
+)
 from songserve.http.errors import clean_msg
 from songserve.schemas import (
     PrefixCodes,
@@ -174,6 +181,24 @@ def read_encode(code: int, body: dict[str, Any]) -> WorkerEncodeResult:
     if 400 <= code < 500:
         raise EncodeRefused(said)
     raise WorkerFault(f"Worker could not encode ({said})")
+
+
+def read_adapter_answer(code: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A ``PUT /adapters/{name}`` answer: the adapter as the worker read it, or why not:
+    ``AdapterRefused`` (a 4xx: the file it names, or ``name``, and the worker's reason), ``WorkerFault``."""
+    if code == 200 and body.get("status") == "ok" and isinstance(body.get("sha256"), str):
+        return body
+    sentence = body.get("error")
+    said = str(sentence) if isinstance(sentence, str) and sentence.strip() else f"Worker answered HTTP {code}."
+    if 400 <= code < 500:
+        detail = body.get("detail")
+        entry = detail[0] if isinstance(detail, list) and detail and isinstance(detail[0], dict) else {}
+        loc = entry.get("loc") if isinstance(entry.get("loc"), list) else []
+        field = str(loc[-1]) if loc else "weights"
+        msg = entry.get("msg")
+        reason = str(msg) if isinstance(msg, str) and msg else said
+        raise AdapterRefused(field, reason, code)
+    raise WorkerFault(f"Worker could not take the adapter ({said})")
 
 
 def result_files(res: WorkerGenerateResult) -> dict[str, str]:

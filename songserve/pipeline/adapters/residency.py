@@ -11,21 +11,41 @@ Loading may run off the model thread (``prefetch``, from the worker's request ha
 reading and checks run outside the lock, the bookkeeping under it. A prefetch that evicts an
 adapter never changes what a running batch reads: the models' slots change only when the next
 batch installs on the model thread. ``describe`` (``/health``) reads under the lock too.
+
+Adapters come from two folders, one namespace: ``ADAPTERS_DIR`` (the operator's, may be read-only)
+and the uploads folder (``ADAPTER_UPLOADS_DIR``), where the dispatcher puts what keys upload
+(``upload``: checked here exactly as a folder adapter is at load, then renamed into place, so a
+half-written adapter is never listed; ``remove``). Replacing or removing an upload evicts its
+resident copy from the bookkeeping only: a batch running with it keeps reading its slot until it
+ends, and the next batch that names it loads the new files (its load number changes the slot's key).
+Each upload's weights' SHA-256 is in ``/health`` (``uploaded``), so a dispatcher can tell a stale copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
+import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from songserve.errors import RequestError
-from songserve.pipeline.adapters.format import MAX_RANK, Adapter, AdapterError, ModelShape, adapter_names, read_adapter
+from songserve.errors import ConflictError, FieldError, NotFoundError, RequestError
+from songserve.pipeline.adapters.format import (
+    CONFIG,
+    MAX_RANK,
+    WEIGHTS,
+    Adapter,
+    AdapterError,
+    ModelShape,
+    adapter_names,
+    read_adapter,
+)
 from songserve.pipeline.engine.arch import GPTArch
 from songserve.pipeline.engine.transformer import DecodeModel
 from songserve.schemas.common import ADAPTER_PATTERN
@@ -87,17 +107,89 @@ class AdapterStore:
         shapes: dict[str, ModelShape],
         base_models: set[str] | frozenset[str] = frozenset(),
         max_rank: int = MAX_RANK,
+        uploads: Path | None = None,
     ) -> None:
         self.folder, self.capacity, self.max_rank = folder, max(1, capacity), max_rank
+        self.uploads = uploads
         self.shapes, self.base_models = shapes, frozenset(base_models)
         self._lock = threading.Lock()
         self._resident: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
         self._loads = 0
         self.evictions = 0
+        self._uploaded = {n: sha256_of(uploads / n / WEIGHTS) for n in _names(uploads)} if uploads else {}
 
     def available(self) -> list[str]:
-        """The adapters the folder offers now."""
-        return adapter_names(self.folder)
+        """The adapters both folders offer now (a name in both is the operator's)."""
+        return sorted(set(_names(self.folder)) | set(self.uploaded()))
+
+    def uploaded(self) -> dict[str, str]:
+        """The uploaded adapters this worker holds, each with its weights' SHA-256."""
+        operators = set(_names(self.folder))
+        with self._lock:
+            return {n: h for n, h in self._uploaded.items() if n not in operators}
+
+    def _where(self, name: str) -> Path:
+        """The folder of adapter ``name``: the operator's ``ADAPTERS_DIR`` first, then the uploads."""
+        folder = self.folder / name
+        if folder.is_dir() or self.uploads is None:
+            return folder
+        return self.uploads / name
+
+    def upload(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
+        """Write an upload's two files into a staged folder beside the uploads (same file system),
+        check them as a folder adapter is checked at load, then rename the folder to ``name``
+        (replacing one of that name). Raises ``FieldError`` naming ``config`` or ``weights`` and the
+        reason, ``ConflictError`` for a name of ``ADAPTERS_DIR``; nothing is kept on a refusal."""
+        if self.uploads is None:
+            raise RequestError("This worker takes no adapter uploads (ADAPTER_UPLOADS_DIR is not set).")
+        if not NAME.match(name):
+            raise FieldError("name", f"{name[:80]!r} is not an adapter name")
+        if name in _names(self.folder):
+            raise ConflictError(f"Adapter name {name!r} is taken by this worker's ADAPTERS_DIR.")
+        self.uploads.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=".staged-", dir=self.uploads))
+        old = staged.with_name(f".old-{staged.name}")
+        try:
+            for data, filename in ((config, CONFIG), (weights, WEIGHTS)):
+                with (staged / filename).open("wb") as out:
+                    shutil.copyfileobj(data, out)
+            try:
+                adapter = read_adapter(staged, self.shapes, self.base_models, self.max_rank)
+            except AdapterError as exc:
+                said = str(exc).replace(f"{staged}/", "")
+                raise FieldError("weights" if said.startswith(WEIGHTS) else "config", said) from None
+            digest = sha256_of(staged / WEIGHTS)
+            target = self.uploads / name
+            with self._lock:
+                if target.exists():
+                    target.rename(old)
+                staged.rename(target)
+                self._uploaded[name] = digest
+                self._forget(name)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("adapter %s uploaded (rank %d, sha256 %s)", name, adapter.rank, digest[:12])
+        return {**adapter.describe(), "name": name, "sha256": digest}
+
+    def remove(self, name: str) -> None:
+        """Remove upload ``name`` (a batch running with it finishes with its slot); ``NotFoundError`` when
+        there is none (a name of ``ADAPTERS_DIR`` is never removed)."""
+        if self.uploads is None or not NAME.match(name) or name in _names(self.folder):
+            raise NotFoundError(f"No uploaded adapter {name[:80]!r} on this worker.")
+        gone = self.uploads / f".removed-{name}-{time.monotonic_ns()}"
+        with self._lock:
+            if self._uploaded.pop(name, None) is None:
+                raise NotFoundError(f"No uploaded adapter {name!r} on this worker.")
+            (self.uploads / name).rename(gone)
+            self._forget(name)
+        shutil.rmtree(gone, ignore_errors=True)
+        log.info("adapter %s removed (upload deleted)", name)
+
+    def _forget(self, name: str) -> None:
+        """Under the lock: ``name`` is no longer resident; its slot goes to the next adapter placed."""
+        if self._resident.pop(name, None) is not None:
+            self.evictions += 1
 
     def resident(self) -> list[str]:
         with self._lock:
@@ -106,9 +198,9 @@ class AdapterStore:
     def _read(self, name: str) -> Adapter:
         if not NAME.match(name):
             raise RequestError(f"Field 'adapter': {name!r} is not an adapter name.")
-        folder = self.folder / name
+        folder = self._where(name)
         if not folder.is_dir():
-            raise RequestError(f"Field 'adapter': no adapter {name!r} in this worker's ADAPTERS_DIR.")
+            raise RequestError(f"Field 'adapter': no adapter {name!r} in this worker's ADAPTERS_DIR or uploads.")
         try:
             return read_adapter(folder, self.shapes, self.base_models, self.max_rank)
         except AdapterError as exc:
@@ -178,7 +270,26 @@ class AdapterStore:
         """``/health``'s ``adapters``: what is resident, the capacity, what the folder offers."""
         with self._lock:
             resident = [r.describe() for r in self._resident.values()]
-        return {"resident": resident, "capacity": self.capacity, "available": self.available()}
+        return {
+            "resident": resident,
+            "capacity": self.capacity,
+            "available": self.available(),
+            "uploaded": self.uploaded(),
+        }
+
+
+def _names(folder: Path | None) -> list[str]:
+    """A folder's adapters by the contract's names (a staged or removed folder starts with a dot)."""
+    return [n for n in adapter_names(folder) if NAME.match(n)] if folder is not None else []
+
+
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file, read a megabyte at a time."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def install(dm: DecodeModel, res: Resident, model: str, capacity: int, rank: int = MAX_RANK) -> float:

@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
-from songserve.errors import RequestError
+from songserve.errors import NotFoundError, RequestError
 from songserve.pipeline.config import ToneConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.numbers import CODEBOOK, FRAMES_PER_SECOND, HOP, SAMPLE_RATE, SUPERRES_LEVELS
@@ -44,6 +44,12 @@ class TonePipeline:
 
     def prefetch_adapters(self, names: list[str]) -> None:
         """The tone has no adapters (a take naming one is a tone all the same)."""
+
+    def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
+        raise RequestError("This worker runs the test tone: it takes no adapter uploads.")
+
+    def remove_adapter(self, name: str) -> None:
+        raise NotFoundError(f"No uploaded adapter {name[:80]!r} on this worker.")
 
     def encode(self, audio: np.ndarray, ctx: TaskContext) -> EncodeResult:
         """``tone_codes`` of the audio, after a quarter of ``TEST_DELAY_S`` (an encoding is short work)."""

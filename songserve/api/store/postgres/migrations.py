@@ -138,5 +138,21 @@ MIGRATIONS: tuple[Migration, ...] = (
         "the API key an upload came with: a key sees its own uploads only (keys.py)",
         ("ALTER TABLE uploads ADD COLUMN caller TEXT",),
     ),
+    Migration(
+        8,
+        "uploaded adapters: a key's own LoRA adapters, sent to every worker (store/adapters.py)",
+        (
+            """CREATE TABLE adapters (
+                name TEXT PRIMARY KEY,
+                caller TEXT,
+                bytes BIGINT NOT NULL,
+                sha256 TEXT NOT NULL,
+                rank INTEGER NOT NULL,
+                targets TEXT NOT NULL DEFAULT '[]',
+                created_at DOUBLE PRECISION NOT NULL
+            )""",
+            "CREATE INDEX adapters_caller ON adapters(caller)",
+        ),
+    ),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
