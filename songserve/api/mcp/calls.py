@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from songserve.api.jobs.states import TERMINAL_JOB, JobStatus, TrackStatus
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import Caller
 from songserve.api.service.uploads import UploadService
@@ -42,7 +43,7 @@ class Call:
     base_url: str
     tags: dict[str, dict[str, Any]]
     progress: Progress
-    adapters: Callable[[], dict[str, object]]  # GET /adapters' answer
+    adapters: AdapterService
 
 
 def take_uri(job_id: str, index: int, kind: str = "mp3") -> str:
@@ -139,7 +140,8 @@ async def list_style_tags(c: Call, _: Any) -> dict[str, Any]:
 
 
 async def list_adapters(c: Call, _: Any) -> dict[str, Any]:
-    return c.adapters()
+    """``GET /adapters`` as this key sees it: the fleet's own adapters and the uploads of keys it sees."""
+    return {"adapters": await c.adapters.listing(c.caller)}
 
 
 async def upload_audio(c: Call, args: Any) -> dict[str, Any]:

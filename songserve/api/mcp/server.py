@@ -36,9 +36,9 @@ from songserve import __version__
 from songserve.api.mcp.calls import CALLS, Call
 from songserve.api.mcp.resources import TEMPLATES, Reader
 from songserve.api.mcp.tools import ToolSpec, max_audio_bytes, tool_specs
+from songserve.api.service.adapters import AdapterService
 from songserve.api.service.job_service import JobService
 from songserve.api.service.keys import CALLER, Caller
-from songserve.api.service.readings import Readings
 from songserve.api.service.uploads import UploadService
 from songserve.api.settings import DispatcherSettings
 from songserve.errors import NotFoundError, SongserveError
@@ -93,7 +93,7 @@ class Services(Protocol):
     jobs: JobService
     uploads: UploadService
     tags: dict[str, dict[str, Any]]
-    readings: Readings
+    adapters: AdapterService
 
 
 class McpServer:
@@ -182,7 +182,7 @@ class McpServer:
             await ctx.session.report_progress(percent, 100.0, line)
 
         got = self.services()
-        call = Call(got.jobs, got.uploads, caller, base, got.tags, progress, got.readings.adapters)
+        call = Call(got.jobs, got.uploads, caller, base, got.tags, progress, got.adapters)
         try:
             args = spec.arguments.model_validate(params.arguments or {})
             body = await CALLS[spec.name](call, args)
