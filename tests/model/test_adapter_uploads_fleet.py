@@ -11,15 +11,20 @@ name or a missing file (422), a taken name (409).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
 import subprocess
 import sys
+from typing import Any
 
 import httpx
+import httpx2
 import pytest
 import torch
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from songserve.pipeline.adapters.format import CONFIG, WEIGHTS
 from songserve.pipeline.adapters.safetensors_file import read_safetensors, write_safetensors
@@ -234,6 +239,27 @@ def test_a_worker_that_joins_later_is_sent_the_upload(fleet):
     fleet.workers.append(late)  # stopped with the fleet
     late.wait_healthy(timeout=WAIT)
     assert wait_for(lambda: uploaded_on(late.url).get("mine") == digest, timeout=120)
+
+
+def test_an_assistant_sees_and_uses_an_upload_through_mcp_as_its_key_does(fleet):
+    async def tools(key: str) -> tuple[list[str], Any]:
+        async with httpx2.AsyncClient(headers=auth(key), timeout=httpx2.Timeout(30, read=120)) as http:
+            async with Client(streamable_http_client(fleet.url + "/mcp", http_client=http)) as client:
+                listed = await client.call_tool("list_adapters", {})
+                made = await client.call_tool("make_song", {**SONG, "adapter": "mine", "adapter_scale": 0.5})
+                return [a["name"] for a in listed.structured_content["adapters"]], made
+
+    names, made = asyncio.run(tools(A))
+    assert "mine" in names
+    assert not made.is_error, made.content[0].text
+    done = fleet.wait_job(made.structured_content["job_id"], timeout=WAIT, headers=auth(A))
+    assert done["status"] == "completed", done
+    assert done["tracks"][0]["metadata"]["adapter"] == {"name": "mine", "scale": 0.5, "rank": 8}
+    names, made = asyncio.run(tools(B))
+    assert "mine" not in names
+    assert "tiny-a" in names
+    assert made.is_error
+    assert "'adapter'" in made.content[0].text
 
 
 def test_a_deleted_upload_leaves_every_worker_and_cannot_be_used(fleet):
