@@ -247,6 +247,22 @@ class WorkerHandle:
         """Over this dispatcher's fair share (``over_share``): no new tasks, its lease goes back once idle."""
         self.handing_back = over_share
 
+    def holds_upload(self, name: str, digest: str) -> None:
+        """It took an uploaded adapter (its answer to ``PUT /adapters``): offered at once, before its
+        next ``/health`` says so itself."""
+        held = self.health.adapters
+        if held is not None:
+            held.uploaded = {**held.uploaded, name: digest}
+            held.available = sorted({*held.available, name})
+
+    def dropped_upload(self, name: str) -> None:
+        """It deleted an uploaded adapter (its answer to ``DELETE /adapters``): no longer offered."""
+        held = self.health.adapters
+        if held is not None and name in held.uploaded:
+            held.uploaded = {k: v for k, v in held.uploaded.items() if k != name}
+            held.available = [n for n in held.available if n != name]
+            held.resident = [r for r in held.resident if r.name != name]
+
     def note_health(self, health: WorkerHealth, sent_at: float) -> None:
         self.health, self.online, self.failures, self.answered = health, True, 0, False
         self.health_sent_at = sent_at

@@ -309,7 +309,7 @@ class AdapterService:
             why = next((str(a) for a in answers if isinstance(a, BaseException)), "no answer")
             raise UnavailableError(f"No worker could check the adapter now ({why}); nothing was stored.")
         for w, a in took:
-            _note(w, name, str(a["sha256"]))
+            w.holds_upload(name, str(a["sha256"]))
         return took[0][1]
 
     async def _drop_everywhere(self, name: str, workers: list[WorkerHandle]) -> None:
@@ -318,7 +318,7 @@ class AdapterService:
                 await w.client.delete_adapter(name)
             except WorkerUnreachable as exc:  # the sync tells it again
                 log.warning("worker %d: adapter %s not removed (%s)", w.worker_id, name, exc)
-            _forget(w, name)
+            w.dropped_upload(name)
 
         await asyncio.gather(*(drop(w) for w in workers))
 
@@ -380,7 +380,7 @@ class AdapterService:
         except WorkerUnreachable as exc:
             log.info("worker %d: adapter %s not sent (%s); next round", w.worker_id, name, exc)
             return
-        _note(w, name, str(said["sha256"]))
+        w.holds_upload(name, str(said["sha256"]))
         log.info("worker %d: sent adapter %s", w.worker_id, name)
 
     async def _drop_stale(self, w: WorkerHandle, name: str) -> None:
@@ -389,29 +389,13 @@ class AdapterService:
         except WorkerUnreachable as exc:
             log.info("worker %d: stale adapter %s not removed (%s); next round", w.worker_id, name, exc)
             return
-        _forget(w, name)
+        w.dropped_upload(name)
         log.info("worker %d: removed adapter %s (its upload was deleted)", w.worker_id, name)
 
 
 def _holds(w: WorkerHandle, name: str, digest: str | None) -> bool:
     held = w.health.adapters
     return held is not None and name in held.uploaded and (digest is None or held.uploaded[name] == digest)
-
-
-def _note(w: WorkerHandle, name: str, digest: str) -> None:
-    """What the worker now holds, until its next ``/health`` says so itself: offers follow at once."""
-    held = w.health.adapters
-    if held is not None:
-        held.uploaded = {**held.uploaded, name: digest}
-        held.available = sorted({*held.available, name})
-
-
-def _forget(w: WorkerHandle, name: str) -> None:
-    held = w.health.adapters
-    if held is not None and name in held.uploaded:
-        held.uploaded = {k: v for k, v in held.uploaded.items() if k != name}
-        held.available = [n for n in held.available if n != name]
-        held.resident = [r for r in held.resident if r.name != name]
 
 
 def view(row: AdapterRecord, workers: list[int]) -> AdapterView:
