@@ -153,9 +153,9 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
     small.gpt.arch = dataclasses.replace(real.gpt.arch, max_sequence_length=len(PROMPT) + 20)  # 20-frame windows
     g = torch.Generator().manual_seed(6)
     known = torch.randint(0, 1024, (64, 100), generator=g)
-    spans = [(40, 52), (45, 47)]
+    spans = [[(40, 52)], [(45, 47)]]
     coarse = []
-    for s, j in spans:
+    for ((s, j),) in spans:
         c = known[:2].clone()
         c[:, s:j] = torch.randint(0, 1024, (2, j - s), generator=g)
         coarse.append(c)
@@ -171,7 +171,7 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
         PROMPT, coarse, top_k=10, generators=gens, ctxs=ctxs, known=known, spans=spans, span_context=3
     )
     assert seen == [(2, len(PROMPT) + 18)] * 62  # the longer span and 3 frames each side; the other take padded
-    for got, c, (s, j) in zip([*out, *near], [*coarse, *coarse], [*spans, *spans], strict=True):
+    for got, c, ((s, j),) in zip([*out, *near], [*coarse, *coarse], [*spans, *spans], strict=True):
         assert torch.equal(got[:, :s], known[:, :s])
         assert torch.equal(got[:, j:], known[:, j:])
         assert torch.equal(got[:2], c)
