@@ -43,8 +43,10 @@ class FieldError(RequestError):
 
     def __init__(self, field: str, message: str, where: str = "body") -> None:
         super().__init__(f"Field '{field}': {message}.")
-        # a nested field ("continue_from.at_sec") as pydantic writes its location: one entry per level
-        self.detail = [{"loc": [where, *field.split(".")], "msg": message, "type": "value_error"}]
+        # a nested field ("continue_from.at_sec") as pydantic writes its location: one entry per level, a
+        # list's index as a number ("continue_from.parts.1" → ..., "parts", 1)
+        loc = [where, *(int(x) if x.isdigit() else x for x in field.split("."))]
+        self.detail = [{"loc": loc, "msg": message, "type": "value_error"}]
 
 
 class NotFoundError(RequestError):
