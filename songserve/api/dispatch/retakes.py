@@ -198,25 +198,28 @@ def repaint_parts(parts: list[RepaintPart], frames: int, fps: float, join_window
         start = int(part.at_sec * fps)  # frames wholly before at_sec are kept
         if not 1 <= start < frames:
             raise FieldError(
-                f"{name}.at_sec", f"must be inside the song: from {1 / fps:.3f} s to below {frames / fps:.2f} s"
+                f"{name}.at_sec",
+                f"must be inside the song: from {1 / fps:.3f} s to below {frames / fps:.2f} s",
+                index=i,
             )
         end = round(part.end_sec * fps)
         if end > frames:
-            raise FieldError(f"{name}.end_sec", f"is past the end of the song ({frames / fps:.2f} s)")
+            raise FieldError(f"{name}.end_sec", f"is past the end of the song ({frames / fps:.2f} s)", index=i)
         if end <= start:
-            raise FieldError(f"{name}.end_sec", f"the part is shorter than a frame ({1 / fps * 1000:.0f} ms)")
+            raise FieldError(f"{name}.end_sec", f"the part is shorter than a frame ({1 / fps * 1000:.0f} ms)", index=i)
         if spans:
             before = spans[-1]
             if start < before.start:
-                raise FieldError(name, f"starts before part {i - 1}: send the parts in order of their start")
+                raise FieldError(name, f"starts before part {i - 1}: send the parts in order of their start", index=i)
             if start < before.end:
-                raise FieldError(name, f"overlaps part {i - 1}, which ends at {before.end / fps:.2f} s")
+                raise FieldError(name, f"overlaps part {i - 1}, which ends at {before.end / fps:.2f} s", index=i)
             if start <= before.end + window:
                 raise FieldError(
                     name,
                     f"starts {(start - before.end) / fps:.2f} s after part {i - 1} ends; part {i - 1} may rejoin "
                     f"the original up to {join_window_sec:g} s after its end (REPAINT_JOIN_WINDOW_SEC), so the "
                     f"next part starts more than that and a frame after it",
+                    index=i,
                 )
         spans.append(RepaintSpan(start=start, end=end, window=window))
     return spans
