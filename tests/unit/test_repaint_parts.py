@@ -1,5 +1,5 @@
 """A repaint of several parts, as pure logic: the dispatcher's check of ``continue_from.parts`` against a
-song (``retakes.repaint_parts``), the wire's ``PrefixCodes.parts``, and the metadata a take reports of its
+song (``retakes.repaint_parts``), the wire's ``PrefixCodes.parts`` (sent only for several parts), and the metadata a take reports of its
 parts (``continuation.repainted``). No server, no event loop, no model."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from songserve.api.dispatch.retakes import repaint_parts
+from songserve.api.workers.to_worker import our_request
 from songserve.errors import FieldError
 from songserve.pipeline.continuation import repainted
 from songserve.pipeline.stages.join import Join
 from songserve.pipeline.types import Prefix, Repaint
-from songserve.schemas import ContinueFrom, PrefixCodes
+from songserve.schemas import ContinueFrom, PrefixCodes, WorkerGenerateRequest
 from songserve.schemas.continuation import RepaintPart, RepaintSpan
 
 FPS = 10.0  # frames per second, for round numbers
@@ -122,3 +123,16 @@ def test_repainted_names_every_part_and_the_whole_repaint_by_its_first_start_and
     single = repainted(Prefix(b"", 64, 100, "job/0", spans[0]), joins[:1], [(1000, 5000)])
     assert single["changed_samples"] == [1000, 5000]
     assert len(single["parts"]) == 1
+
+
+def test_our_worker_gets_parts_only_for_a_repaint_of_several_and_the_body_it_always_had_otherwise():
+    raw = bytes(2 * 64 * 100)
+    one = [RepaintSpan(start=10, end=20)]
+    two = [*one, RepaintSpan(start=40, end=50)]
+    bodies = [our_request(WorkerGenerateRequest(prefix=PrefixCodes.of(raw, 64, 100, "o", p))) for p in (None, one, two)]
+    assert [sorted(b["prefix"]) for b in bodies] == [
+        ["codes", "frames", "levels", "origin", "repaint"],
+        ["codes", "frames", "levels", "origin", "repaint"],
+        ["codes", "frames", "levels", "origin", "parts", "repaint"],
+    ]
+    assert our_request(WorkerGenerateRequest())["prefix"] is None
