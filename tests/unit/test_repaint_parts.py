@@ -1,6 +1,6 @@
 """A repaint of several parts, as pure logic: the dispatcher's check of ``continue_from.parts`` against a
-song (``retakes.repaint_parts``), the wire's ``PrefixCodes.parts`` (sent only for several parts), and the metadata a take reports of its
-parts (``continuation.repainted``). No server, no event loop, no model."""
+song (``retakes.repaint_parts``), the wire's ``PrefixCodes.parts`` (sent only for several parts), and the
+metadata a take reports of its parts (``continuation.repainted``). No server, no event loop, no model."""
 
 from __future__ import annotations
 
