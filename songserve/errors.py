@@ -41,10 +41,15 @@ class FieldError(RequestError):
 
     http_status = 422
 
-    def __init__(self, field: str, message: str, where: str = "body") -> None:
+    def __init__(self, field: str, message: str, where: str = "body", index: int | None = None) -> None:
         super().__init__(f"Field '{field}': {message}.")
-        # a nested field ("continue_from.at_sec") as pydantic writes its location: one entry per level
-        self.detail = [{"loc": [where, *field.split(".")], "msg": message, "type": "value_error"}]
+        # a nested field ("continue_from.at_sec") as pydantic writes its location: one entry per level; with
+        # ``index``, the level that is that number is a list's item, a number as in pydantic's own
+        # ("continue_from.parts.1", 1 → ..., "parts", 1)
+        loc: list[str | int] = [where, *field.split(".")]
+        if index is not None:
+            loc = [index if x == str(index) else x for x in loc]
+        self.detail = [{"loc": loc, "msg": message, "type": "value_error"}]
 
 
 class NotFoundError(RequestError):

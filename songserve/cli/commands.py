@@ -20,6 +20,7 @@ Without ``--duration`` the song has the server's default length (``POST /generat
 and whatever is not given on the command line (style, lyrics, duration) stays the original's.
 ``--continue JOB:TRACK@SEC-END`` repaints the part from SEC to END seconds: the take is kept before SEC
 and after a join near END, and the part between is written again (with the lyrics given, if any);
+``--continue JOB:TRACK@A-B,C-D`` repaints several parts in one request (each rejoins the original at its own join);
 ``--continue JOB:TRACK@-SEC`` extends the take at its start with a new opening of SEC seconds.
 ``--continue-audio FILE[@SEC]`` uploads your own audio (``POST /uploads``: WAV, FLAC, OGG, MP3, any
 rate) and continues it from SEC seconds on (its end without ``@SEC``) with the style and lyrics given;
@@ -57,6 +58,7 @@ from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 
 TERMINAL = {"completed", "partial", "failed", "cancelled"}
 CONTINUE = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(-?\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?$")
+PARTS = re.compile(r"^([0-9a-f]{8,64}):(\d{1,4})@(\d+(?:\.\d*)?-\d+(?:\.\d*)?(?:,\d+(?:\.\d*)?-\d+(?:\.\d*)?)+)$")
 AUDIO_AT = re.compile(r"^(.+)@(\d+(?:\.\d*)?)$")
 STORED = ("mp3", "wav", "codes")  # the files a track has; any other format is rendered from its WAV
 
@@ -113,12 +115,21 @@ def _submit(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
 
 
 def continue_from(text: str) -> dict[str, Any]:
-    """``JOB:TRACK@SEC`` (a retake), ``JOB:TRACK@SEC-END`` (a repaint) or ``JOB:TRACK@-SEC`` (an opening of
-    SEC seconds) → the request's ``continue_from``."""
+    """``JOB:TRACK@SEC`` (a retake), ``JOB:TRACK@SEC-END`` (a repaint), ``JOB:TRACK@A-B,C-D`` (a repaint
+    of several parts) or ``JOB:TRACK@-SEC`` (an opening of SEC seconds) → the request's ``continue_from``."""
+    several = PARTS.match(text)
+    if several is not None:
+        parts = [part.split("-") for part in several.group(3).split(",")]
+        return {
+            "job_id": several.group(1),
+            "track_index": int(several.group(2)),
+            "parts": [{"at_sec": float(a), "end_sec": float(b)} for a, b in parts],
+        }
     m = CONTINUE.match(text)
     if m is None:
         raise ClientError(
-            f"--continue {text!r}: expected JOB:TRACK@SEC or JOB:TRACK@SEC-END, e.g. 3f2a9c01d4e5b677:0@80.5"
+            f"--continue {text!r}: expected JOB:TRACK@SEC, JOB:TRACK@SEC-END or JOB:TRACK@A-B,C-D, "
+            "e.g. 3f2a9c01d4e5b677:0@80.5"
         )
     cf: dict[str, Any] = {"job_id": m.group(1), "track_index": int(m.group(2))}
     at = float(m.group(3))
@@ -418,7 +429,10 @@ def parser() -> argparse.ArgumentParser:
         "--continue",
         dest="cont",
         metavar="JOB:TRACK@[-]SEC[-END]",
-        help="retake a finished take from SEC on (with -END: repaint the part from SEC to END; @-SEC: a new opening)",
+        help=(
+            "retake a finished take from SEC on (with -END: repaint the part from SEC to END; A-B,C-D: repaint "
+            "those parts; @-SEC: a new opening)"
+        ),
     )
     g.add_argument(
         "--continue-audio", dest="cont_audio", metavar="FILE[@SEC]", help="upload your audio, continue it from SEC on"

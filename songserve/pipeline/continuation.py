@@ -43,7 +43,8 @@ def kept_codes(prefix: Prefix, levels: int, budget_frames: int) -> torch.Tensor:
 
 
 def splice(original: torch.Tensor, new: torch.Tensor, start: int, join: int) -> torch.Tensor:
-    """A repaint's coarse codes (2, F): the original's before ``start`` and from ``join`` on, the new take's between."""
+    """A repaint's coarse codes (2, F): the original's before ``start`` and from ``join`` on, the new take's
+    between (for a later part, ``original`` is the take's codes so far)."""
     return torch.cat([original[:2, :start], new[:2, start:join], original[:2, join:]], dim=1)
 
 
@@ -54,22 +55,35 @@ def continued(prefix: Prefix, frame_rate: float) -> dict[str, Any]:
     return {"frames": frames, "at_sec": round(frames / frame_rate, 6), "origin": prefix.origin}
 
 
-def repainted(prefix: Prefix, join: Join, touched: tuple[int, int]) -> dict[str, Any]:
-    """The metadata's ``repainted``: the span asked for, the join chosen with its score and the score of
-    joining at ``end`` exactly (lower is closer, ``stages/join.py``), and the samples ``[first, last)``
-    that may differ from the original's decode (outside them the audio is the original's)."""
-    span = prefix.repaint
-    assert span is not None
+def repainted(prefix: Prefix, joins: list[Join], touched: list[tuple[int, int]]) -> dict[str, Any]:
+    """The metadata's ``repainted``: per part (``parts``) the span asked for, the join chosen with its score
+    and the score of joining at ``end`` exactly (lower is closer, ``stages/join.py``), and the samples
+    ``[first, last)`` that may differ from the original's decode (outside them the audio is the original's).
+
+    Its own fields are the whole repaint's as a single part's are: the first part's start, the last part's
+    end, join and scores, the bound of every part's changed samples."""
+    spans = prefix.repaints()
+    assert spans
+    parts = [
+        {
+            "start_frame": span.start,
+            "end_frame": span.end,
+            "join_frame": join.frame,
+            "join_score": round(join.score, 6),
+            "end_score": round(join.end_score, 6),
+            "changed_samples": list(samples),
+        }
+        for span, join, samples in zip(spans, joins, touched, strict=True)
+    ]
+    last = parts[-1]
     return {
-        "start_frame": span.start,
-        "end_frame": span.end,
-        "join_frame": join.frame,
-        "join_score": round(join.score, 6),
-        "end_score": round(join.end_score, 6),
-        "window": span.window,
-        "opening": span.opening,
+        "start_frame": spans[0].start,
+        **{k: last[k] for k in ("end_frame", "join_frame", "join_score", "end_score")},
+        "window": spans[0].window,
+        "opening": spans[0].opening,
         "origin": prefix.origin,
-        "changed_samples": list(touched),
+        "changed_samples": [min(a for a, _ in touched), max(b for _, b in touched)],
+        "parts": parts,
     }
 
 

@@ -50,7 +50,7 @@ def finish_take(
     bb: BackboneResult,
     batch: BatchFacts,
     live: dict[str, object] | None = None,
-    join: Join | None = None,  # a repaint's join (``stages/join.py``)
+    joins: list[Join] | None = None,  # a repaint's joins, one per part (``stages/join.py``)
     adapter: dict[str, object] | None = None,  # name, scale, rank of the take's adapter
 ) -> TrackResult:
     """Decoder and files for one take of a batch."""
@@ -111,10 +111,13 @@ def finish_take(
         metadata["parked"] = batch.parked
     if req.prefix is not None and (req.prefix.repaint is None or req.prefix.repaint.start > 0):
         metadata["continued"] = continued(req.prefix, cfg.frame_rate)  # an opening keeps nothing before it
-    if req.prefix is not None and req.prefix.repaint is not None and join is not None:
-        frames, span = int(codes.shape[1]), (req.prefix.repaint.start, join.frame)
-        touched = samples_touched(frames, s.decode_chunk_frames, s.decode_context_frames, cfg.hop, *span)
-        metadata["repainted"] = repainted(req.prefix, join, touched)
+    if req.prefix is not None and req.prefix.repaint is not None and joins:
+        frames = int(codes.shape[1])
+        touched = [
+            samples_touched(frames, s.decode_chunk_frames, s.decode_context_frames, cfg.hop, part.start, join.frame)
+            for part, join in zip(req.prefix.repaints(), joins, strict=True)
+        ]
+        metadata["repainted"] = repainted(req.prefix, joins, touched)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live
     if adapter is not None:

@@ -11,6 +11,11 @@ repaint (a prefix with a ``repaint`` span) is a retake at the span's start with 
 rejoined to the original at a join near the span's end (``stages/join.py``); super-resolution then
 fills only the new frames, with the original's cells known on both sides. Its live preview starts
 from the kept frames before the span, like a retake's, and plays the backbone's new frames as written.
+A repaint of several parts does that part by part, in order: each later part continues from the
+take's coarse codes so far (its own new parts before it are in its prefix, so the prefix differs per
+take: the shared frames are prefilled once, each take's own in one batched pass, ``stages/backbone.py``)
+and picks its own join; super-resolution then fills every new span in one pass over the grid. The
+live preview plays the first part.
 Each take may name a LoRA adapter of ``ADAPTERS_DIR`` and its scale (``adapters/``): the takes of
 one batch may name different ones, and each take's metadata records the one it used.
 """
@@ -47,7 +52,7 @@ from songserve.pipeline.stages.join import Join, choose_join, coarse_tables
 from songserve.pipeline.stages.length import LengthPlan, plan_length, plan_repaint
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.stages.superres import SuperRes
-from songserve.pipeline.types import EncodeResult, Repaint, TrackRequest, TrackResult
+from songserve.pipeline.types import BackboneResult, EncodeResult, Repaint, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
 CPU_PREVIEW_LEVELS = 16  # PREVIEW_LEVELS' default on the CPU (bench P14)
@@ -278,18 +283,23 @@ class ModelPipeline:
         )
         arch = backbone.gpt.arch
         original: torch.Tensor | None = None  # (64, F): a repaint's whole grid
+        plans: list[LengthPlan] = []  # a repaint's: one per part
         if req.prefix is not None and req.prefix.repaint is not None:
             span = req.prefix.repaint
             original = prefix_grid(req.prefix, SUPERRES_LEVELS)
-            plan = plan_repaint(
-                len(bb_prompt),
-                span.start,
-                span.end,
-                span.window,
-                req.prefix.frames,
-                context=arch.context_length,
-                max_new_tokens=self.s.max_new_tokens,
-            )
+            plans = [
+                plan_repaint(
+                    len(bb_prompt),
+                    part.start,
+                    part.end,
+                    part.window,
+                    req.prefix.frames,
+                    context=arch.context_length,
+                    max_new_tokens=self.s.max_new_tokens,
+                )
+                for part in req.prefix.repaints()
+            ]
+            plan = plans[0]
             # The token ids of a retake at start; an opening (start 0) keeps nothing: a take from the prompt.
             kept: torch.Tensor | None = original[:, : span.start] if span.start > 0 else None
         else:
@@ -303,12 +313,12 @@ class ModelPipeline:
                 kept_frames=req.prefix.frames if req.prefix is not None else 0,  # prefilled, not generated
             )
             kept = kept_codes(req.prefix, SUPERRES_LEVELS, plan.budget_frames) if req.prefix is not None else None
-        length = len(bb_prompt) + 2 * plan.budget_frames
+        length = len(bb_prompt) + 2 * max(p.budget_frames for p in [plan, *plans])
         size = self._fit(len(reqs), lambda b: backbone.kv_bytes_new(b, length))
         out: list[TrackResult | BaseException] = []
         for a in range(0, len(reqs), size):
             out += self._run_batch(
-                reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan, kept, original
+                reqs[a : a + size], ctxs[a : a + size], bb_name, backbone, bb_prompt, plan, kept, original, plans
             )
         return out
 
@@ -322,6 +332,7 @@ class ModelPipeline:
         plan: LengthPlan,
         kept: torch.Tensor | None = None,  # (64, K): a retake's kept frames
         original: torch.Tensor | None = None,  # (64, F): a repaint's whole grid (kept is its frames before the span)
+        plans: list[LengthPlan] | None = None,  # a repaint's, one per part (``plan`` is the first's)
     ) -> list[TrackResult | BaseException]:
         residency, tokenizer = self.residency, self.residency.tokenizer
         assert tokenizer is not None
@@ -369,25 +380,31 @@ class ModelPipeline:
             residency.load_stage2()
             sr_name, superres = self._pick(residency.superres, req.superres_name, "superres")
             sr_prompt = self._superres_prompt(req, superres)
+            joins: list[list[Join]] = [[] for _ in live]
+            spans: list[list[tuple[int, int]]] | None = None
+            parts_sec = 0.0  # a repaint's later parts: the backbone's, not the loading's
+            if original is not None:  # a repaint: rejoin the original part by part, then fill only the new frames
+                assert req.prefix is not None
+                assert residency.decoder is not None
+                t_parts = time.perf_counter()
+                parts = list(zip(req.prefix.repaints(), plans or [plan], strict=True))
+                bbs, spans, joins = self._rejoin(
+                    parts, original, bbs, live, takes, backbone, bb_prompt, req, residency.decoder
+                )
+                parts_sec = time.perf_counter() - t_parts
+                timings["backbone_sec"] += parts_sec
+                live = [i for i in live if bbs[i] is not None]  # a take cancelled in a later part is done
+                if not live:
+                    return results
             coarse = []
             for i in live:
                 got = bbs[i]
                 assert got is not None
                 coarse.append(got.codes)
-            joins: list[Join | None] = [None] * len(live)
-            spans: list[tuple[int, int]] | None = None
-            if original is not None:  # a repaint: rejoin the original, then fill only the new frames
-                assert req.prefix is not None
-                assert req.prefix.repaint is not None
-                assert residency.decoder is not None
-                coarse, spans, joins = self._rejoin(req.prefix.repaint, original, coarse, residency.decoder)
-                for i, got_join in zip(live, joins, strict=True):
-                    assert got_join is not None
-                    log.info("task %s: repaint rejoins at frame %d", reqs[i].task_id, got_join.frame)
             frames = max(c.shape[1] for c in coarse)
             seq = min(superres.gpt.arch.context_length, len(sr_prompt) + frames)
             residency.enter_superres(superres, len(live), seq)
-            timings["load_sec"] = time.perf_counter() - t
+            timings["load_sec"] = time.perf_counter() - t - parts_sec
             parked_during["superres"] = sorted(residency.parked)
             t = time.perf_counter()
             for i in live:
@@ -447,23 +464,72 @@ class ModelPipeline:
         log.info("tasks %s: batch of %d done in %.2fs", ids, B, time.perf_counter() - t_all)
         return results
 
-    @staticmethod
     def _rejoin(
-        span: Repaint, original: torch.Tensor, coarse: list[torch.Tensor], decoder: AudioDecoder
-    ) -> tuple[list[torch.Tensor], list[tuple[int, int]], list[Join | None]]:
-        """A repaint's takes: per take its join (``stages/join.py``, scored on the decoder's codebook
-        latents), its coarse codes spliced into the original's, and the frames super-resolution fills."""
+        self,
+        parts: list[tuple[Repaint, LengthPlan]],
+        original: torch.Tensor,  # (64, F)
+        bbs: list[BackboneResult | None],  # per take of the batch: the first part's backbone result
+        live: list[int],
+        takes: list[Take],
+        backbone: Backbone,
+        bb_prompt: list[int],
+        req: TrackRequest,
+        decoder: AudioDecoder,
+    ) -> tuple[list[BackboneResult | None], list[list[tuple[int, int]]], list[list[Join]]]:
+        """A repaint's takes, part by part: per take and part its join (``stages/join.py``, scored on the
+        decoder's codebook latents) and its coarse codes spliced into the take's so far; the later parts
+        are written by the backbone from the take's codes so far (each take its own prefix).
+
+        Returns per take of the batch its backbone result with the spliced coarse codes (2, F) (None: a
+        take cancelled), and per take still live (in ``live``'s order) the frames super-resolution fills and
+        the joins."""
         tables = coarse_tables(decoder)
-        joins: list[Join | None] = []
-        spliced, spans = [], []
-        for new in coarse:
-            join = choose_join(
-                original[:BACKBONE_LEVELS], new, span.start, span.end, span.window, tables, floor=span.opening
-            )
-            joins.append(join)
-            spliced.append(splice(original, new, span.start, join.frame))
-            spans.append((span.start, join.frame))
-        return spliced, spans, joins
+        out: list[BackboneResult | None] = list(bbs)
+        spans: dict[int, list[tuple[int, int]]] = {i: [] for i in live}
+        joins: dict[int, list[Join]] = {i: [] for i in live}
+        prefills: dict[int, list[dict[str, Any]]] = {i: [] for i in live}
+        for p, (part, plan) in enumerate(parts):
+            alive = [i for i in live if out[i] is not None]
+            if not alive:
+                break
+            news: list[BackboneResult | None]
+            if p == 0:
+                news = [out[i] for i in alive]
+            else:  # from each take's codes so far: its own new parts are in its prefix
+                coarse = [got.codes for got in (out[i] for i in alive) if got is not None]
+                news = backbone.generate_batch(
+                    bb_prompt,
+                    plan,
+                    [takes[i] for i in alive],
+                    top_k=req.top_k_bb,
+                    temperature=req.temperature,
+                    kept=torch.stack([c[:, : part.start] for c in coarse]),
+                    origin=req.prefix.origin if req.prefix is not None else "",
+                )
+            for i, new in zip(alive, news, strict=True):
+                so_far = out[i]
+                assert so_far is not None
+                if new is None:  # cancelled in this part
+                    out[i] = None
+                    continue
+                join = choose_join(
+                    original[:BACKBONE_LEVELS], new.codes, part.start, part.end, part.window, tables, floor=part.opening
+                )
+                base = original if p == 0 else so_far.codes  # the take's codes so far are the original's from here
+                codes = splice(base, new.codes, part.start, join.frame)
+                tokens = new.new_tokens if p == 0 else so_far.new_tokens + new.new_tokens
+                out[i] = dataclasses.replace(so_far, codes=codes, new_tokens=tokens)
+                spans[i].append((part.start, join.frame))
+                joins[i].append(join)
+                prefills[i].append(new.prefill)
+                log.info("task %s: repaint part %d rejoins at frame %d", takes[i].ctx.task_id, p, join.frame)
+        if len(parts) > 1:  # the metadata's prefill: the first part's, and each part's
+            for i in live:
+                got = out[i]
+                if got is not None:
+                    got.prefill = {**prefills[i][0], "parts": prefills[i]}
+        done = [i for i in live if out[i] is not None]
+        return out, [spans[i] for i in done], [joins[i] for i in done]
 
     def _superres_prompt(self, req: TrackRequest, superres: SuperRes) -> list[int]:
         tokenizer = self.residency.tokenizer

@@ -40,6 +40,13 @@ class Prefix:
     frames: int
     origin: str = ""
     repaint: Repaint | None = None  # None: keep every frame and generate after them
+    parts: tuple[Repaint, ...] = ()  # a repaint's parts in order (the first is ``repaint``); () reads as (repaint,)
+
+    def repaints(self) -> tuple[Repaint, ...]:
+        """Every part written anew, in order: the parts, or the one repaint, or none (a retake)."""
+        if self.parts:
+            return self.parts
+        return (self.repaint,) if self.repaint is not None else ()
 
 
 @dataclass(frozen=True)

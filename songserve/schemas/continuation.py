@@ -2,9 +2,9 @@
 
 The two are kept apart on purpose. ``ContinueFrom`` names a finished take (a job, a track, a
 second) or an upload (a person's own audio, encoded by a worker: ``upload_id``, and a second that
-defaults to its end), and with ``end_sec`` a part to repaint; the dispatcher resolves it into a
-``PrefixCodes``: the kept frames themselves (for a repaint the whole grid and its ``RepaintSpan``),
-which is all a worker needs. A worker never looks a job or an upload up: both reach it the same way.
+defaults to its end), and with ``end_sec`` a part to repaint, or with ``parts`` several; the dispatcher
+resolves it into a ``PrefixCodes``: the kept frames themselves (for a repaint the whole grid and its
+``RepaintSpan``, or one per part), which is all a worker needs. A worker never looks a job or an upload up: both reach it the same way.
 """
 
 from __future__ import annotations
@@ -24,12 +24,33 @@ MAX_LEVELS = 64
 FRAMES_PER_SECOND = 44_100 / 2_048
 MAX_PREFIX_FRAMES = math.ceil(15 * 60 * FRAMES_PER_SECOND)
 JOB_ID = re.compile(JOB_ID_PATTERN)
+MAX_REPAINT_PARTS = 8  # parts of one repaint: each is a backbone pass over the take
 MAX_PREFIX_CHARS = 4 * math.ceil(MAX_LEVELS * MAX_PREFIX_FRAMES * 2 / 3)  # base64 of that many int16 codes
+
+
+class RepaintPart(BaseModel):
+    """One part of a repaint of several: the take is written anew from ``at_sec`` and rejoins the
+    original near ``end_sec``, as a single repaint's ``at_sec``/``end_sec`` do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at_sec: float = Field(gt=0, allow_inf_nan=False, description="seconds into the take: the part starts here")
+    end_sec: float = Field(
+        gt=0, allow_inf_nan=False, description="the part ends near this second, where it rejoins the original"
+    )
+
+    @field_validator("end_sec")
+    @classmethod
+    def _after_start(cls, value: float, info: ValidationInfo) -> float:
+        at = info.data.get("at_sec")
+        if at is not None and value <= at:
+            raise ValueError("end_sec must come after at_sec: the part between them is repainted")
+        return value
 
 
 class ContinueFrom(BaseModel):
     """``POST /generate``'s ``continue_from``: keep a take's (or an upload's) frames before ``at_sec``,
-    generate the rest. Exactly one of ``job_id`` and ``upload_id``; a take needs ``at_sec``."""
+    generate the rest. Exactly one of ``job_id`` and ``upload_id``; a take needs ``at_sec`` (or ``parts``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,6 +84,15 @@ class ContinueFrom(BaseModel):
             "runs to the song's end"
         ),
     )
+    parts: list[RepaintPart] | None = Field(
+        None,
+        min_length=2,
+        max_length=MAX_REPAINT_PARTS,
+        description=(
+            "repaint several parts in one request, in order of their start, instead of at_sec and end_sec: "
+            "each part is written anew and rejoins the original at its own join; the rest is kept exactly"
+        ),
+    )
     before_sec: float | None = Field(
         None,
         gt=0,
@@ -90,8 +120,12 @@ class ContinueFrom(BaseModel):
         if (self.job_id is None) == (self.upload_id is None):
             raise ValueError("name either a take (job_id, track_index, at_sec) or an upload (upload_id)")
         if self.before_sec is not None:
+            if self.at_sec is not None or self.end_sec is not None or self.parts is not None:
+                raise ValueError("before_sec extends the song at its start: it takes no at_sec, end_sec or parts")
+            return self
+        if self.parts is not None:
             if self.at_sec is not None or self.end_sec is not None:
-                raise ValueError("before_sec extends the song at its start: it takes no at_sec or end_sec")
+                raise ValueError("parts names where each part starts and ends: send it instead of at_sec and end_sec")
             return self
         if self.job_id is not None and self.at_sec is None:
             raise ValueError("at_sec is needed to continue a take: the second its new part starts at")
@@ -145,13 +179,22 @@ class PrefixCodes(BaseModel):
     codes: str = Field(max_length=MAX_PREFIX_CHARS, repr=False)
     origin: str = Field("", max_length=200, pattern=NO_CONTROL)
     repaint: RepaintSpan | None = None  # the grid is a whole take: keep its start and end, write this part anew
+    # several parts, in order (the first is ``repaint`` too): each written anew from its start, with its own join
+    parts: list[RepaintSpan] | None = Field(None, min_length=2, max_length=MAX_REPAINT_PARTS)
 
     @model_validator(mode="after")
     def _codes_fit(self) -> PrefixCodes:
-        if self.repaint is not None and not self.repaint.start < self.repaint.end <= self.frames:
-            raise ValueError(
-                f"repaint {self.repaint.start}..{self.repaint.end} is not a part of the grid's {self.frames} frames"
-            )
+        for span in self.spans():
+            if not span.start < span.end <= self.frames:
+                raise ValueError(f"repaint {span.start}..{span.end} is not a part of the grid's {self.frames} frames")
+        if self.parts is not None:
+            if self.repaint != self.parts[0]:
+                raise ValueError("repaint must be the first of the parts")
+            for a, b in zip(self.parts, self.parts[1:], strict=False):
+                if b.opening or b.start <= a.end + a.window:
+                    raise ValueError(
+                        f"repaint part {b.start}..{b.end} starts within the join window of the part before it"
+                    )
         try:
             raw = base64.b64decode(self.codes, validate=True)
         except (binascii.Error, ValueError):
@@ -167,8 +210,19 @@ class PrefixCodes(BaseModel):
         """The int16 values, little-endian, level-major."""
         return base64.b64decode(self.codes)
 
+    def spans(self) -> list[RepaintSpan]:
+        """Every part written anew, in order: the parts, or the one repaint, or none."""
+        if self.parts is not None:
+            return list(self.parts)
+        return [self.repaint] if self.repaint is not None else []
+
     @classmethod
     def of(
-        cls, raw: bytes, levels: int, frames: int, origin: str = "", repaint: RepaintSpan | None = None
+        cls, raw: bytes, levels: int, frames: int, origin: str = "", parts: list[RepaintSpan] | None = None
     ) -> PrefixCodes:
-        return cls(levels=levels, frames=frames, codes=base64.b64encode(raw).decode(), origin=origin, repaint=repaint)
+        """A grid as the wire has it; ``parts``: the spans a repaint writes anew (one: today's ``repaint`` alone,
+        which every worker of ours reads; several: ``parts`` beside it)."""
+        repaint = parts[0] if parts else None
+        several = parts if parts is not None and len(parts) > 1 else None
+        code = base64.b64encode(raw).decode()
+        return cls(levels=levels, frames=frames, codes=code, origin=origin, repaint=repaint, parts=several)

@@ -244,6 +244,9 @@ class WorkerConfig(BaseModel):
     checkpoints: dict[str, str] = Field(default_factory=dict)  # each file or folder it loaded, by role
     architectures: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per backbone: layers, hidden, …
     version: str | None = None
+    # ext: the most parts of one repaint it writes (``PrefixCodes.parts``); 1: an older worker of ours, which
+    # reads ``repaint`` alone and would write only the first part
+    repaint_parts: int = Field(1, ge=1)
     announce: list[dict[str, Any]] = Field(default_factory=list)  # ANNOUNCE: each dispatcher and where it stands
     # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch
     max_new_tokens: int | None = None  # the backbone's token budget (MAX_NEW_TOKENS)

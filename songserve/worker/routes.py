@@ -36,6 +36,7 @@ from songserve.schemas import (
     WorkerStatus,
     WorkerTakeFailure,
 )
+from songserve.schemas.continuation import MAX_REPAINT_PARTS
 from songserve.worker.announce import Announcer
 from songserve.worker.fence import HEADER, LeaseFences
 from songserve.worker.live_stream import follow, open_live
@@ -165,6 +166,7 @@ async def config(rt: WorkerRuntime = Runtime, joined: Announcer | None = Depends
         checkpoints=d.get("checkpoints", {}),
         architectures=d.get("architectures", {}),
         version=__version__,
+        repaint_parts=MAX_REPAINT_PARTS,  # both pipelines write every part of PrefixCodes.parts
         # ANNOUNCE: each dispatcher this worker registers with, and where it stands (joined, failing, …)
         announce=joined.view() if joined is not None else [],
         # limits for the dispatcher: refuse what cannot fit, pack takes up to max_batch

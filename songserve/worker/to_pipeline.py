@@ -74,9 +74,8 @@ def track_request(body: WorkerGenerateRequest, worker_seed: int, task_id: str) -
 
 def prefix(wire: PrefixCodes) -> Prefix:
     """The wire's base64 grid as the pipeline's ``Prefix`` (the codes decoded once, here)."""
-    span = wire.repaint
-    repaint = Repaint(span.start, span.end, span.window, span.opening) if span is not None else None
-    return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin, repaint)
+    parts = tuple(Repaint(s.start, s.end, s.window, s.opening) for s in wire.spans())
+    return Prefix(wire.raw(), wire.levels, wire.frames, wire.origin, parts[0] if parts else None, parts)
 
 
 def generate_result(

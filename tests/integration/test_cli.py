@@ -188,6 +188,20 @@ def test_continue_with_an_end_repaints_that_part_and_says_why_a_bad_one_is_refus
     assert bad.returncode == 1
     assert "continue_from.end_sec" in bad.stderr
     assert "past the end of the song" in bad.stderr
+    parts = tmp_path / "parts"
+    spec = f"{original['job_id']}:0@1-2,3.5-4.5"
+    out = cli("--server", cluster.url, "generate", "--continue", spec, "--formats", "codes", "--out", str(parts))
+    assert out.returncode == 0, out.stderr
+    grid = codes.read(next(parts.glob("*_track0.codes")))
+    assert [(p["start_frame"], p["end_frame"]) for p in grid.header["repainted"]["parts"]] == [
+        (int(1 * fps), round(2 * fps)),
+        (int(3.5 * fps), round(4.5 * fps)),
+    ]
+    bad = cli(
+        "--server", cluster.url, "generate", "--continue", f"{original['job_id']}:0@1-2,2.5-4", "--out", str(parts)
+    )
+    assert bad.returncode == 1
+    assert "continue_from.parts.1" in bad.stderr
 
 
 def test_listen_writes_the_first_take_as_it_comes_to_a_file_or_stdout(cluster, tmp_path):

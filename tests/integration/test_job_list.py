@@ -47,6 +47,7 @@ def test_jobs_lists_each_job_as_its_view_with_what_it_asked_newest_first_and_pag
         "upload_id": None,
         "at_sec": 1.0,
         "end_sec": None,  # a retake: no part repainted, no opening
+        "parts": None,
         "before_sec": None,
     }
 

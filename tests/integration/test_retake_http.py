@@ -101,6 +101,36 @@ def test_a_repaint_keeps_the_take_before_at_sec_and_after_its_join_and_gives_dif
     assert len(set(insides)) == 3
 
 
+def test_a_repaint_of_two_parts_keeps_the_take_around_and_between_them_and_lists_them(site, original):
+    parts = [{"at_sec": 1.0, "end_sec": 2.0}, {"at_sec": 3.5, "end_sec": 4.5}]
+    cf = {"job_id": original["job_id"], "track_index": 0, "parts": parts}
+    job = submit(site, continue_from=cf, num_tracks=3)
+    done = site.wait_job(job["job_id"])
+    assert done["status"] == "completed", done
+    before = grid_of(site, original["job_id"])
+    spans = [(int(p["at_sec"] * FRAMES_PER_SECOND), round(p["end_sec"] * FRAMES_PER_SECOND)) for p in parts]
+    insides = []
+    for t in done["tracks"]:
+        meta = t["metadata"]["repainted"]
+        assert [(p["start_frame"], p["end_frame"]) for p in meta["parts"]] == spans
+        assert (meta["start_frame"], meta["end_frame"]) == (spans[0][0], spans[1][1])
+        grid = grid_of(site, job["job_id"], t["index"])
+        assert grid.frames == before.frames  # as long as the original
+        kept = np.ones(before.frames, dtype=bool)
+        for p in meta["parts"]:
+            kept[p["start_frame"] : p["join_frame"]] = False
+            new = grid.codes[:, p["start_frame"] : p["join_frame"]]
+            assert not np.array_equal(new, before.codes[:, p["start_frame"] : p["join_frame"]])
+            insides.append(new.tobytes())
+        assert np.array_equal(grid.codes[:, kept], before.codes[:, kept])
+        assert t["metadata"]["batch_size"] == 3  # the candidates go as one batch
+    assert len(set(insides)) == 6  # three candidates, each its own in both parts
+    listed = httpx.get(f"{site.url}/jobs", timeout=10, verify=TLS).json()["jobs"]
+    asked = {j["job_id"]: j["asked"]["continue_from"] for j in listed}
+    assert asked[job["job_id"]]["parts"] == parts
+    assert asked[original["job_id"]] is None
+
+
 def test_an_extension_at_the_start_writes_a_new_opening_and_keeps_the_take_after_its_join(site, original):
     job = submit(site, continue_from={"job_id": original["job_id"], "track_index": 0, "before_sec": 2.0}, num_tracks=2)
     done = site.wait_job(job["job_id"])
@@ -147,6 +177,71 @@ def test_a_retake_can_change_the_rest_of_the_song(site, original):
         ({"at_sec": None, "before_sec": "NaN"}, "continue_from.before_sec", 422),
         ({"at_sec": None, "before_sec": 1e9}, "continue_from.before_sec", 422),
         ({"before_sec": 2.0}, "continue_from", 422),  # an opening takes no at_sec
+        # several parts: each is refused as a single repaint's bounds are, and they must be apart
+        ({"parts": [{"at_sec": 1.0, "end_sec": 2.0}, {"at_sec": 3.5, "end_sec": 4.5}]}, "continue_from", 422),
+        ({"at_sec": None, "end_sec": 4.0, "parts": [{"at_sec": 1, "end_sec": 2}] * 2}, "continue_from", 422),
+        ({"at_sec": None, "before_sec": 1.0, "parts": [{"at_sec": 1, "end_sec": 2}] * 2}, "continue_from", 422),
+        ({"at_sec": None, "parts": [{"at_sec": 1.0, "end_sec": 2.0}]}, "continue_from.parts", 422),
+        (
+            {"at_sec": None, "parts": [{"at_sec": 0.1 * i + 0.1, "end_sec": 0.1 * i + 0.15} for i in range(9)]},
+            "continue_from.parts",
+            422,
+        ),
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2}, {"at_sec": 3.5, "end_sec": "NaN"}]},
+            "continue_from.parts.1.end_sec",
+            422,
+        ),
+        (
+            {"at_sec": None, "parts": [{"at_sec": "inf", "end_sec": 2}, {"at_sec": 3.5, "end_sec": 4}]},
+            "continue_from.parts.0.at_sec",
+            422,
+        ),
+        (
+            {"at_sec": None, "parts": [{"at_sec": -1, "end_sec": 2}, {"at_sec": 3.5, "end_sec": 4}]},
+            "continue_from.parts.0.at_sec",
+            422,
+        ),
+        (
+            {"at_sec": None, "parts": [{"at_sec": 2, "end_sec": 1}, {"at_sec": 3.5, "end_sec": 4}]},
+            "continue_from.parts.0.end_sec",
+            422,
+        ),  # ends before it starts
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2, "x": 1}, {"at_sec": 3.5, "end_sec": 4}]},
+            "continue_from.parts.0.x",
+            422,
+        ),
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2}, {"at_sec": 3.5, "end_sec": 7.0}]},
+            "continue_from.parts.1.end_sec",
+            422,
+        ),  # past the 6 s song
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2}, {"at_sec": 6.5, "end_sec": 6.6}]},
+            "continue_from.parts.1.at_sec",
+            422,
+        ),  # starts after the song
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2}, {"at_sec": 4.0, "end_sec": 4.01}]},
+            "continue_from.parts.1.end_sec",
+            422,
+        ),  # shorter than a frame
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 3}, {"at_sec": 2.5, "end_sec": 4}]},
+            "continue_from.parts.1",
+            422,
+        ),  # overlapping
+        (
+            {"at_sec": None, "parts": [{"at_sec": 1, "end_sec": 2}, {"at_sec": 2.5, "end_sec": 4}]},
+            "continue_from.parts.1",
+            422,
+        ),  # its start is inside the join window of the part before
+        (
+            {"at_sec": None, "parts": [{"at_sec": 3.5, "end_sec": 4.5}, {"at_sec": 1, "end_sec": 2}]},
+            "continue_from.parts.1",
+            422,
+        ),  # out of order
     ],
 )
 def test_bad_continue_from_values_answer_4xx_naming_the_field_and_queue_nothing(site, original, change, field, status):

@@ -2,7 +2,8 @@
 
 What a person gets back, in files: a repaint of 10-15 s of a half-minute take has the original's WAV
 samples, bit for bit on the CPU, everywhere outside ``[start − 1 s, join + 1 s]``, and outside its
-``metadata.repainted.changed_samples``; its three candidates differ inside and agree outside. An opening
+``metadata.repainted.changed_samples``; its three candidates differ inside and agree outside; the same for a repaint of two parts in one request
+(two candidates), outside both. An opening
 of 4 s before the take keeps every code of the take after the join and makes the song longer by the
 opening, within a join window.
 """
@@ -79,6 +80,43 @@ def test_a_repaint_leaves_every_sample_outside_its_part_as_the_original_made_it(
             f"vs {span['end_score']:.3f} at end; samples differ {differ.min()}..{differ.max()}"
         )
     assert len(set(insides)) == 3  # three candidates
+
+
+def test_a_repaint_of_two_parts_in_one_request_leaves_every_sample_outside_both_as_the_original_made_it(site, original):
+    job0, wav0, grid0 = original
+    parts = [{"at_sec": 4.0, "end_sec": 7.0}, {"at_sec": 15.0, "end_sec": 18.0}]
+    cf = {"job_id": job0, "track_index": 0, "parts": parts}
+    job = site.wait_job(post(site, continue_from=cf, num_tracks=2, seed=42), timeout=WAIT)
+    assert job["status"] == "completed", job
+    insides = []
+    for t in job["tracks"]:
+        meta = t["metadata"]["repainted"]
+        wav, _ = sf.read(io.BytesIO(fetch(site, job["job_id"], t["index"], "wav")), dtype="int16")
+        grid = codes.decode(fetch(site, job["job_id"], t["index"], "codes"))
+        assert wav.shape == wav0.shape
+        same = np.ones(len(wav0), dtype=bool)  # outside every part's changed samples
+        near = np.ones(len(wav0), dtype=bool)  # outside [start − 1 s, join + 1 s] of every part
+        kept = np.ones(grid0.frames, dtype=bool)
+        for part in meta["parts"]:
+            start, join = part["start_frame"], part["join_frame"]
+            first, last = part["changed_samples"]
+            same[first:last] = False
+            near[max(0, start * HOP - RATE) : join * HOP + RATE] = False
+            kept[start:join] = False
+            assert part["join_score"] <= part["end_score"]
+            insides.append(wav[start * HOP : (join - 12) * HOP].tobytes())
+            print(
+                f"take {t['index']} part {part['start_frame']}..{part['end_frame']}: join {join}, "
+                f"score {part['join_score']:.3f} vs {part['end_score']:.3f} at end"
+            )
+        assert np.array_equal(wav[same], wav0[same])  # the original's very samples
+        assert np.array_equal(wav[near], wav0[near])
+        assert np.array_equal(grid.codes[:, kept], grid0.codes[:, kept])  # every level
+        differ = np.nonzero((wav != wav0).any(axis=1))[0]
+        first, last = meta["changed_samples"]
+        assert first <= differ.min()
+        assert differ.max() < last
+    assert len(set(insides)) == 4  # two candidates, each its own in both parts
 
 
 def test_an_opening_before_the_take_keeps_the_take_after_its_join(site, original):

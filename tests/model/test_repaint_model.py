@@ -19,9 +19,10 @@ import torch
 from songserve.audio import codes as codes_file
 from songserve.errors import RequestError
 from songserve.pipeline.context import TaskContext
+from songserve.pipeline.stages.backbone import Take, shared_frames
 from songserve.pipeline.stages.codec import REACH_FRAMES, decode_chunks, samples_touched
 from songserve.pipeline.stages.length import plan_repaint
-from songserve.pipeline.stages.superres import SuperRes, repaint_windows
+from songserve.pipeline.stages.superres import SuperRes, repaint_windows, span_windows
 from songserve.pipeline.types import Prefix, Repaint, TrackRequest
 
 SONG = {"lyrics": "[verse]\nkeep the ends\nrepaint the middle", "tags": "pop, piano", "duration": 0.5}
@@ -153,9 +154,9 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
     small.gpt.arch = dataclasses.replace(real.gpt.arch, max_sequence_length=len(PROMPT) + 20)  # 20-frame windows
     g = torch.Generator().manual_seed(6)
     known = torch.randint(0, 1024, (64, 100), generator=g)
-    spans = [(40, 52), (45, 47)]
+    spans = [[(40, 52)], [(45, 47)]]
     coarse = []
-    for s, j in spans:
+    for ((s, j),) in spans:
         c = known[:2].clone()
         c[:, s:j] = torch.randint(0, 1024, (2, j - s), generator=g)
         coarse.append(c)
@@ -171,7 +172,7 @@ def test_superres_keeps_every_cell_outside_a_span_and_runs_only_the_windows_that
         PROMPT, coarse, top_k=10, generators=gens, ctxs=ctxs, known=known, spans=spans, span_context=3
     )
     assert seen == [(2, len(PROMPT) + 18)] * 62  # the longer span and 3 frames each side; the other take padded
-    for got, c, (s, j) in zip([*out, *near], [*coarse, *coarse], [*spans, *spans], strict=True):
+    for got, c, ((s, j),) in zip([*out, *near], [*coarse, *coarse], [*spans, *spans], strict=True):
         assert torch.equal(got[:, :s], known[:, :s])
         assert torch.equal(got[:, j:], known[:, j:])
         assert torch.equal(got[:2], c)
@@ -222,3 +223,91 @@ def test_an_opening_is_written_before_the_take_and_joins_it_inside_its_first_fra
     assert np.array_equal(grid[:, join:], grid0[:, join - room :])
     assert not np.array_equal(grid[:, :room], opened[:, :room])  # the placeholders were written over
     assert result.metadata["prefill"]["restored"] == 0  # nothing before it to restore
+
+
+PARTS = ((108, 172), (280, 366))  # 5-8 s and 13-17 s of the half-minute take, each rejoined within 12 frames
+
+
+def test_two_parts_keep_every_code_outside_their_new_frames_and_every_sample_outside_their_changed_samples(
+    pipeline, original
+):
+    _, grid0 = original
+    parts = tuple(Repaint(s, e, WINDOW) for s, e in PARTS)
+    prefix = Prefix(grid0.astype("<i2").tobytes(), 64, grid0.shape[1], "orig/0", parts[0], parts)
+    reqs = [TrackRequest(**SONG, seed=s, task_id=f"p{s}", prefix=prefix) for s in (31, 32, 33)]
+    out = pipeline.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    wave0 = decode(pipeline, grid0)
+    news = []
+    for result in out:
+        assert not isinstance(result, BaseException), result
+        grid = codes_file.read(pipeline.s.output_dir / result.codes_filename).codes.astype(np.int64)
+        meta = result.metadata["repainted"]
+        assert len(meta["parts"]) == 2
+        kept = np.ones(grid0.shape[1], dtype=bool)
+        for (start, end), part in zip(PARTS, meta["parts"], strict=True):
+            join = part["join_frame"]
+            assert (part["start_frame"], part["end_frame"]) == (start, end)
+            assert end - WINDOW <= join <= end + WINDOW
+            assert part["join_score"] <= part["end_score"]
+            assert not np.array_equal(grid[:, start:join], grid0[:, start:join])
+            kept[start:join] = False
+            print(
+                f"seed {result.seed} part {start}..{end}: join {join} score {part['join_score']:.4f}, "
+                f"at end {part['end_score']:.4f}"
+            )
+        assert np.array_equal(grid[:, kept], grid0[:, kept])  # every level, around and between the parts
+        first, last = meta["parts"][0], meta["parts"][1]
+        assert (meta["start_frame"], meta["end_frame"], meta["join_frame"]) == (
+            PARTS[0][0],
+            PARTS[1][1],
+            last["join_frame"],
+        )
+        assert meta["changed_samples"] == [first["changed_samples"][0], last["changed_samples"][1]]
+        prefill = result.metadata["prefill"]
+        assert prefill["parts"][1]["own_tokens"] == 2 * (PARTS[1][0] - PARTS[0][0])  # each take's own frames
+        shared = prefill["parts"][1]  # the prompt and the original before the first part: the first's snapshot
+        assert shared["restored"] == shared["tokens"] == prefill["tokens"]
+        wave = decode(pipeline, grid)
+        same = torch.ones(wave.shape[-1], dtype=torch.bool)
+        for part in meta["parts"]:
+            a, b = part["changed_samples"]
+            same[a:b] = False
+        assert torch.equal(wave[..., same], wave0[..., same])  # the original's very samples
+        news.append([grid[:, s : e - WINDOW] for s, e in PARTS])
+    for k in range(2):  # three candidates, different inside both parts
+        assert len({n[k].tobytes() for n in news}) == 3
+
+
+def test_each_takes_own_kept_frames_prefilled_as_one_batch_give_the_codes_each_gets_alone(pipeline):
+    backbone = next(iter(pipeline.residency.backbones.values()))
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(0, 1024, (2, 30), generator=g)
+    kept = torch.stack([torch.cat([shared, torch.randint(0, 1024, (2, 10), generator=g)], dim=1) for _ in range(3)])
+    plan = plan_repaint(len(PROMPT), 40, 50, 0, 60, context=4096, max_new_tokens=4096)
+
+    def takes(seeds):
+        return [Take(torch.Generator().manual_seed(s), TaskContext(f"t{s}")) for s in seeds]
+
+    together = backbone.generate_batch(PROMPT, plan, takes((1, 2, 3)), top_k=10, temperature=1.0, kept=kept)
+    for r, seed in enumerate((1, 2, 3)):
+        (alone,) = backbone.generate_batch(PROMPT, plan, takes((seed,)), top_k=10, temperature=1.0, kept=kept[r])
+        assert torch.equal(together[r].codes[:, :40], kept[r])
+        assert torch.equal(together[r].codes, alone.codes)
+    assert together[0].prefill["own_tokens"] == 20
+    assert shared_frames(kept) == 30
+    assert shared_frames(kept[:1]) == 40
+
+
+def test_span_windows_sample_each_span_once_and_share_a_window_between_spans_close_together():
+    assert span_windows([(100, 140), (400, 420)], 1000, 100) == [
+        (70, 170, [(100, 140)]),
+        (360, 460, [(400, 420)]),
+    ]
+    # a window of the first span holds the start of the second: it samples both, the second's own window the rest
+    assert span_windows([(100, 140), (160, 260)], 1000, 100) == [
+        (70, 170, [(100, 140), (160, 170)]),
+        (160, 260, [(170, 260)]),
+    ]
+    # both in the first window: the second span's own windows are dropped
+    assert span_windows([(10, 20), (40, 50)], 80, 100) == [(0, 80, [(10, 20), (40, 50)])]
+    assert span_windows([(100, 140)], 1000, 100, span_context=10) == [(90, 150, [(100, 140)])]

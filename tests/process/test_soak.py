@@ -2,8 +2,9 @@
 
 One dispatcher (our port and the ACE-Step port) over two real workers on the tiny set, all real
 processes on loopback. A fixed seed draws the plan — generates of one or two takes (vocal and
-instrumental), retakes of the same take again and again, repaints of a part and new openings, takes
-on four LoRA adapters and one uploaded through ``POST /adapters`` over two slots per worker,
+instrumental), retakes of the same take again and again, repaints of a part and new openings, one
+repaint of two parts in one request, takes on four LoRA adapters and one uploaded through
+``POST /adapters`` over two slots per worker,
 uploads continued several times, cancels,
 renders in every format, live MP3 listeners that hang up after 0.3-1.2 s, ACE-Step tasks — and a few
 threads carry it out at once, so the order of events differs from run to run while the plan does not.
@@ -13,7 +14,7 @@ What must hold whatever the interleaving:
 - the dispatcher and both workers are alive, and no worker's log holds a traceback;
 - every retake and continuation keeps its prefix: the first frames of its code grid are the
   original's (or the upload's), all 64 levels; every repaint keeps the original outside the frames
-  it wrote anew, and every opening keeps the original after its join;
+  it wrote anew (each part's, and between them), and every opening keeps the original after its join;
 - each worker's memory stays flat: its RSS after each step, less what its KV snapshot cache says it
   holds (a cache bounded by ``KV_SNAPSHOT_MB``), grows by at most ``GROWTH_MB`` from the end of the
   first third of the steps (the warm-up: models touched, first windows decoded) to the end, and by
@@ -189,6 +190,19 @@ def op_edit(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
     _finished(fleet, ledger, new)
 
 
+def op_parts(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
+    """A repaint of two parts of a second each of a finished take, in one request (the plan holds one)."""
+    job_id, index = rng.choice(wait_for(lambda: list(ledger.done_takes), timeout=WAIT))
+    at = round(rng.uniform(0.5, 1.5), 2)  # the second part starts 1.5 s after the first ends: past its join window
+    parts = [{"at_sec": at, "end_sec": at + 1.0}, {"at_sec": at + 2.5, "end_sec": at + 3.5}]
+    cf = {"job_id": job_id, "track_index": index, "parts": parts}
+    new = _post(fleet, ledger, "parts", continue_from=cf, num_tracks=rng.choice([1, 2]), seed=rng.randrange(1, 10_000))
+    if new is not None:
+        with ledger.lock:
+            ledger.edits[new] = f"{job_id}/{index}"
+    _finished(fleet, ledger, new)
+
+
 UPLOADED = "uploaded-c"  # the tiny set's tiny-c, uploaded through POST /adapters when the fleet starts
 # four folder adapters and an upload on two slots per worker, and none
 ADAPTERS = ("tiny-a", "tiny-b", "tiny-c", "tiny-sr", UPLOADED, None)
@@ -323,6 +337,7 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
     kinds, weights = zip(*OPS, strict=True)
     plan = [(plan_rng.choices(kinds, weights)[0], plan_rng.randrange(2**31)) for _ in range(STEPS)]
     plan[:2] = [(op_generate, 1), (op_generate, 2)]  # takes to retake and render from the start
+    plan[STEPS // 2] = (op_parts, plan[STEPS // 2][1])  # one repaint of two parts, amid the rest
     ledger = Ledger()
     errors: list[str] = []
 
@@ -385,6 +400,10 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
             assert grid.frames == origin.frames + room, (job_id, grid.frames, origin.frames, span)
             assert (grid.codes[:, :start] == origin.codes[:, :start]).all(), (job_id, span)
             assert (grid.codes[:, join:] == origin.codes[:, join - room :]).all(), (job_id, span)
+            parts = span.get("parts") or []
+            for a, b in zip(parts, parts[1:], strict=False):  # between two parts: the original's
+                between = slice(a["join_frame"], b["start_frame"])
+                assert (grid.codes[:, between] == origin.codes[:, between]).all(), (job_id, span)
 
     # Every take was made on the adapter it asked for (none: the base model), whichever worker and slot.
     for job_id, chosen in ledger.adapters.items():
@@ -415,4 +434,4 @@ def test_a_seeded_mix_of_everything_ends_every_job_and_keeps_every_prefix(fleet)
         f"{len(ledger.renders)} renders {sorted(set(ledger.renders))}, {ledger.listeners} listeners hung up, "
         f"{len(ledger.cancelled)} cancels; {ledger.notes}"
     )
-    assert {"retake", "upload", "acestep"} <= set(kinds_run)
+    assert {"retake", "upload", "acestep", "parts"} <= set(kinds_run)

@@ -180,6 +180,33 @@ def test_continuing_a_ready_upload_keeps_its_frames_in_every_level(site):
     assert np.array_equal(grid(site, t["files"]["codes"]).codes[:, :keep], before.codes[:, :keep])
 
 
+def test_an_upload_repainted_in_two_parts_keeps_every_level_around_and_between_them(site):
+    u = wait_upload(site, upload(site, audio(6.0, seed=8))["upload_id"])
+    before = grid(site, u["codes"])
+    parts = [{"at_sec": 1.0, "end_sec": 2.0}, {"at_sec": 3.5, "end_sec": 4.5}]
+    job = generate(site, continue_from={"upload_id": u["upload_id"], "parts": parts}, num_tracks=2, seed=6)
+    done = site.wait_job(job["job_id"])
+    assert done["status"] == "completed", done
+    for t in done["tracks"]:
+        g = grid(site, t["files"]["codes"])
+        assert g.frames == before.frames  # as long as the upload
+        kept = np.ones(before.frames, dtype=bool)
+        for p in t["metadata"]["repainted"]["parts"]:
+            kept[p["start_frame"] : p["join_frame"]] = False
+        assert not kept.all()
+        assert np.array_equal(g.codes[:, kept], before.codes[:, kept])
+        assert t["metadata"]["repainted"]["origin"] == f"upload/{u['upload_id']}"
+    close = [{"at_sec": 1.0, "end_sec": 2.0}, {"at_sec": 2.5, "end_sec": 4.5}]
+    r = httpx.post(
+        f"{site.url}/generate",
+        json={"continue_from": {"upload_id": u["upload_id"], "parts": close}},
+        timeout=10,
+        verify=TLS,
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "continue_from", "parts", 1]
+
+
 def test_encodings_go_before_queued_tracks_and_a_continuation_waits_for_its_upload(site):
     busy = generate(site, duration=0.1, num_tracks=1)  # holds the one worker
     wait_for(lambda: site.job(busy["job_id"])["tracks"][0]["status"] != "queued", timeout=30)

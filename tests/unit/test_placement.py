@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from songserve.api.dispatch.placement import NO_ADAPTER, NO_WORKER, PlanFacts, pack, pick, plan
+from songserve.api.dispatch.placement import NO_ADAPTER, NO_PARTS, NO_WORKER, PlanFacts, pack, pick, plan
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.jobs.records import Job, Track
@@ -128,3 +128,24 @@ def test_without_any_worker_that_can_load_it_a_take_waits_saying_so():
         [QueueEntry(j.job_id, 0, 0, 1)], {j.job_id: j}, {j.tracks[0].key}, [with_adapters(1, ("a",))], PlanFacts("auto")
     )
     assert out.waiting[j.tracks[0].key] == NO_ADAPTER
+
+
+def test_a_repaint_of_several_parts_goes_only_to_a_worker_that_writes_that_many_and_else_waits_saying_so():
+    parts = [{"at_sec": 1.0, "end_sec": 2.0}, {"at_sec": 5.0, "end_sec": 6.0}]
+    req = GenerateRequest.model_validate({"continue_from": {"job_id": ORIGINAL, "parts": parts}})
+    j = Job(
+        job_id="fedcba9876543210",
+        seq=1,
+        created_at=0.0,
+        request=req,
+        cleaned_lyrics="",
+        tracks=[Track("fedcba9876543210", 0, 1)],
+    )
+    older, newer = handle(0), handle(1)
+    older.config, newer.config = WorkerConfig(), WorkerConfig(repaint_parts=8)
+    assert pick([older, newer], j, j.tracks[0]) is newer
+    assert pick([older], j, j.tracks[0]) is None
+    one = job(retake=True)
+    assert pick([older, newer], one, one.tracks[0]) is older  # one part: any worker of ours
+    out = plan([QueueEntry(j.job_id, 0, 0, 1)], {j.job_id: j}, {j.tracks[0].key}, [older], PlanFacts("auto"))
+    assert out.waiting[j.tracks[0].key] == NO_PARTS

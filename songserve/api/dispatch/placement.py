@@ -8,7 +8,9 @@ A retake is pickier: only our workers can continue a song (a reference worker kn
 prefix), and among them one whose ``/health`` lists a KV
 snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
 only what the snapshot does not hold. A busy holder is not waited for: any free worker gives the
-same song, only the prefill is longer. A take with a LoRA adapter goes only to a worker whose
+same song, only the prefill is longer. A repaint of several parts goes only to a worker whose
+``/config`` says it writes that many (``repaint_parts``): an older worker of ours reads the first part
+alone and would keep the others unchanged. A take with a LoRA adapter goes only to a worker whose
 ``/health`` lists it among the adapters it can load (``adapters.available``), one that holds it in
 a slot (``adapters.resident``) first, for the same reason: it starts without loading it.
 
@@ -38,6 +40,7 @@ NOT_ENCODED = "its upload is not encoded yet"
 NO_PREFIX = "no free worker can continue a song (a reference worker knows no prefix)"
 NOT_THERE_AGAIN = "it waits for a worker other than the one its last attempt failed on"
 NO_ADAPTER = "no free worker can load its adapter"
+NO_PARTS = "no free worker repaints several parts in one take (an older worker of ours repaints one)"
 
 
 def serves_adapter(w: WorkerHandle, name: str) -> bool:
@@ -56,6 +59,12 @@ def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
     return any(isinstance(s, dict) and s.get("origin") == origin for s in slots)
 
 
+def parts_of(job: Job) -> int:
+    """How many parts ``job`` repaints in each take (1 for any other job)."""
+    cf = job.request.continue_from
+    return len(cf.parts) if cf is not None and cf.parts is not None else 1
+
+
 def could_take(w: WorkerHandle, job: Job) -> bool:
     """``w`` takes tracks of ``job`` from this dispatcher, now or once its current work ends: online, leased
     here, in rotation (not benched, draining, in error or stalled), and able to run it."""
@@ -63,7 +72,7 @@ def could_take(w: WorkerHandle, job: Job) -> bool:
         return False
     if w.health.status in ("error", "stalled") or not w.health.accepting:
         return False
-    return job.request.continue_from is None or not w.client.reference
+    return (job.request.continue_from is None or not w.client.reference) and w.repaint_parts >= parts_of(job)
 
 
 def pick(free: list[WorkerHandle], job: Job, t: Track, fleet: Sequence[WorkerHandle] = ()) -> WorkerHandle | None:
@@ -77,7 +86,7 @@ def pick(free: list[WorkerHandle], job: Job, t: Track, fleet: Sequence[WorkerHan
         holders = [w for w in candidates if holds_adapter(w, adapter)]
         candidates = holders + [w for w in candidates if w not in holders]
     if cf is not None:
-        candidates = [w for w in candidates if not w.client.reference]
+        candidates = [w for w in candidates if not w.client.reference and w.repaint_parts >= parts_of(job)]
         holders = [w for w in candidates if holds_snapshot(w, origin_of(cf))]
         candidates = holders + [w for w in candidates if w not in holders]
     if not candidates:
@@ -176,6 +185,8 @@ def plan(
             ours = any(not x.client.reference for x in left)
             if not any(serves_adapter(x, adapter) for x in left):
                 out.waiting[key] = NO_ADAPTER
+            elif ours and not any(x.repaint_parts >= parts_of(job) for x in left):
+                out.waiting[key] = NO_PARTS
             else:
                 out.waiting[key] = NO_PREFIX if cf is not None and not ours else NOT_THERE_AGAIN
             continue

@@ -135,6 +135,11 @@ class WorkerHandle:
                 self.answered = True
 
     @property
+    def repaint_parts(self) -> int:
+        """The most parts of one repaint it writes (1: a worker that reads one part alone)."""
+        return self.config.repaint_parts if self.config is not None and not self.client.reference else 1
+
+    @property
     def max_batch(self) -> int:
         """Takes of one request it runs as one batch (1: no batch endpoint, e.g. the reference's)."""
         return max(1, self.config.max_batch) if self.config is not None and not self.client.reference else 1

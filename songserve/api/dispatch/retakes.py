@@ -19,7 +19,10 @@ the song is longer by about ``before_sec`` and the original is kept exactly afte
 A repaint (``continue_from.end_sec``) keeps the whole original grid instead of its start: the worker
 writes the frames from ``at_sec`` on and rejoins the original within ``REPAINT_JOIN_WINDOW_SEC`` of
 ``end_sec`` (``RepaintSpan``), so the take is as long as the original and inherits its duration; a
-part shorter than a frame, or an end past the song, is a 422 naming the field.
+part shorter than a frame, or an end past the song, is a 422 naming the field. A repaint of several
+parts (``continue_from.parts``) is one span per part, each checked as that one is; besides, a part must
+start after the part before it has rejoined, whatever join it picks (more than a join window and a frame
+after its end), else it is a 422 naming that part.
 
 An upload (``continue_from.upload_id``) has no request to inherit from: the continuation is the
 request as sent, keeping the upload's frames before ``at_sec`` (all of them when it is left out).
@@ -45,7 +48,7 @@ from songserve.audio import codes
 from songserve.audio.reading import HOP, SAMPLE_RATE
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import ContinueFrom, GenerateRequest, PrefixCodes, UploadStatus
-from songserve.schemas.continuation import MAX_PREFIX_FRAMES, RepaintSpan
+from songserve.schemas.continuation import MAX_PREFIX_FRAMES, RepaintPart, RepaintSpan
 
 log = logging.getLogger(__name__)
 INHERITED = ("mode", "prompt_mode", "prompt", "tags", "lyrics", "duration", "top_k_bb", "temperature", "top_k_sr")
@@ -116,6 +119,11 @@ async def resolve(
             raise FieldError("duration", "an extension is as long as the take and its new opening: leave duration out")
         opened = opening(grid, cf, fps, join_window_sec)
         return Retake(request.model_copy(update={"duration": opened.seconds() / 60}), opened)
+    if cf.parts is not None:
+        request = _merged(req, original.request, grid.header.get("models") or {}, cf.track_index)
+        if "duration" in req.body.sent and request.duration != original.request.duration:
+            raise FieldError("duration", "a repaint is as long as the take it repaints: leave duration out")
+        return Retake(request, repainted_grid(grid, cf, fps, join_window_sec))
     assert cf.at_sec is not None
     keep = int(cf.at_sec * fps)  # frames wholly before at_sec
     if not 1 <= keep < grid.frames:
@@ -180,6 +188,58 @@ def repaint_span(cf: ContinueFrom, start: int, frames: int, fps: float, join_win
     return RepaintSpan(start=start, end=end, window=round(join_window_sec * fps))
 
 
+def repaint_parts(parts: list[RepaintPart], frames: int, fps: float, join_window_sec: float) -> list[RepaintSpan]:
+    """A repaint's parts as spans, in order, or a 422 naming the part (``continue_from.parts.<i>``) where one
+    is no part of the song or would not rejoin the original before the next one starts."""
+    window = round(join_window_sec * fps)
+    spans: list[RepaintSpan] = []
+    for i, part in enumerate(parts):
+        name = f"continue_from.parts.{i}"
+        start = int(part.at_sec * fps)  # frames wholly before at_sec are kept
+        if not 1 <= start < frames:
+            raise FieldError(
+                f"{name}.at_sec",
+                f"must be inside the song: from {1 / fps:.3f} s to below {frames / fps:.2f} s",
+                index=i,
+            )
+        end = round(part.end_sec * fps)
+        if end > frames:
+            raise FieldError(f"{name}.end_sec", f"is past the end of the song ({frames / fps:.2f} s)", index=i)
+        if end <= start:
+            raise FieldError(f"{name}.end_sec", f"the part is shorter than a frame ({1 / fps * 1000:.0f} ms)", index=i)
+        if spans:
+            before = spans[-1]
+            if start < before.start:
+                raise FieldError(name, f"starts before part {i - 1}: send the parts in order of their start", index=i)
+            if start < before.end:
+                raise FieldError(name, f"overlaps part {i - 1}, which ends at {before.end / fps:.2f} s", index=i)
+            if start <= before.end + window:
+                raise FieldError(
+                    name,
+                    f"starts {(start - before.end) / fps:.2f} s after part {i - 1} ends; part {i - 1} may rejoin "
+                    f"the original up to {join_window_sec:g} s after its end (REPAINT_JOIN_WINDOW_SEC), so the "
+                    f"next part starts more than that and a frame after it",
+                    index=i,
+                )
+        spans.append(RepaintSpan(start=start, end=end, window=window))
+    return spans
+
+
+def repainted_grid(grid: codes.CodeGrid, cf: ContinueFrom, fps: float, join_window_sec: float) -> codes.CodeGrid:
+    """The whole grid of a repaint of several parts, its header naming them (``parts``, the first also as
+    ``repaint``, as a single repaint's is named) and where it came from."""
+    assert cf.parts is not None
+    spans = repaint_parts(cf.parts, grid.frames, fps, join_window_sec)
+    head = {
+        **grid.header,
+        "origin": origin_of(cf),
+        "at_sec": cf.parts[0].at_sec,
+        "repaint": spans[0].model_dump(),
+        "parts": [s.model_dump() for s in spans],
+    }
+    return codes.CodeGrid(grid.codes, head)
+
+
 async def _resolve_upload(
     req: GenerateRequest, cf: ContinueFrom, artifacts: ArtifactStore, load_upload: LoadUpload, join_window_sec: float
 ) -> Retake:
@@ -204,6 +264,11 @@ async def _resolve_upload(
             )
         room = opening_room(cf.before_sec, u.frames, FPS)
         req = req.model_copy(update={"duration": (room + u.frames) / FPS / 60})
+    elif cf.parts is not None:
+        repaint_parts(cf.parts, u.frames, FPS, join_window_sec)  # every part must be inside the upload
+        if "duration" in req.body.sent:
+            raise FieldError("duration", "a repaint is as long as the upload it repaints: leave duration out")
+        req = req.model_copy(update={"duration": u.frames / FPS / 60})
     elif cf.end_sec is not None:
         repaint_span(cf, keep, u.frames, FPS, join_window_sec)  # the part must be inside the upload
         if "duration" in req.body.sent:
@@ -236,6 +301,8 @@ def upload_prefix(artifacts: ArtifactStore, cf: ContinueFrom, join_window_sec: f
     fps = float(grid.header["frame_rate"])
     if cf.before_sec is not None:
         return opening(grid, cf, fps, join_window_sec)
+    if cf.parts is not None:
+        return repainted_grid(grid, cf, fps, join_window_sec)
     if cf.end_sec is not None:
         span = repaint_span(cf, upload_keep(cf, grid.frames, fps), grid.frames, fps, join_window_sec)
         head = {**grid.header, "origin": origin_of(cf), "at_sec": cf.at_sec, "repaint": span.model_dump()}
@@ -317,16 +384,24 @@ def describe(grid: codes.CodeGrid) -> str:
     fps = float(head["frame_rate"])
     if isinstance(span, dict) and span.get("opening"):
         return f"extends {head['origin']} by a {span['opening'] / fps:.2f} s opening ({grid.frames} frames)"
+    parts = head.get("parts")
+    if isinstance(parts, list):
+        where = ", ".join(f"{p['start'] / fps:.2f}-{p['end'] / fps:.2f} s" for p in parts)
+        return f"repaints {head['origin']} in {len(parts)} parts: {where}"
     if isinstance(span, dict):
         return f"repaints {head['origin']} from {span['start'] / fps:.2f} s to {span['end'] / fps:.2f} s"
     return f"continues {head['origin']} from {head['at_sec']:.2f} s ({grid.frames} frames kept)"
 
 
 def prefix_codes(grid: codes.CodeGrid) -> PrefixCodes:
-    """The kept frames as a worker receives them (a repaint's whole grid with its span)."""
-    span = grid.header.get("repaint")
-    repaint = RepaintSpan.model_validate(span) if isinstance(span, dict) else None
-    return PrefixCodes.of(grid.raw(), grid.levels, grid.frames, str(grid.header.get("origin", "")), repaint)
+    """The kept frames as a worker receives them (a repaint's whole grid with its span, or its parts)."""
+    span, several = grid.header.get("repaint"), grid.header.get("parts")
+    parts = None
+    if isinstance(several, list):
+        parts = [RepaintSpan.model_validate(p) for p in several]
+    elif isinstance(span, dict):
+        parts = [RepaintSpan.model_validate(span)]
+    return PrefixCodes.of(grid.raw(), grid.levels, grid.frames, str(grid.header.get("origin", "")), parts)
 
 
 async def kept_frames(artifacts: ArtifactStore, job: Job) -> PrefixCodes | None:

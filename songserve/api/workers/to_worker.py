@@ -102,12 +102,19 @@ def reference_request(req: WorkerGenerateRequest) -> dict[str, Any]:
 
 def generate_body(req: WorkerGenerateRequest, reference: bool) -> dict[str, Any]:
     """The body of ``POST /generate`` in the worker's dialect."""
-    return reference_request(req) if reference else req.model_dump()
+    return reference_request(req) if reference else our_request(req)
 
 
 def batch_body(reqs: list[WorkerGenerateRequest]) -> dict[str, Any]:
     """The body of ``POST /generate_batch`` (ours only: a reference worker runs one take at a time)."""
-    return {"takes": [r.model_dump() for r in reqs]}
+    return {"takes": [our_request(r) for r in reqs]}
+
+
+def our_request(req: WorkerGenerateRequest) -> dict[str, Any]:
+    """Our payload as our worker reads it; a prefix's ``parts`` only where a repaint has several (one part is
+    ``repaint`` alone, the body every worker of ours has read)."""
+    several = req.prefix is not None and req.prefix.parts is not None
+    return req.model_dump(exclude=None if several else {"prefix": {"parts"}})
 
 
 # ---- what a worker answers ------------------------------------------------------------------------

@@ -31,6 +31,13 @@ them. Only such a prefill uses the KV snapshots (``engine/kv_snapshots.py``): re
 are not prefilled again, and the prefill is kept for the next retake of the same prefix. Snapshots
 are keyed by the model's name and the take's adapter and scale, so a prefix prefilled without an
 adapter is never restored for a take with one (or the reverse).
+
+The kept frames may differ per take, at equal length (a later part of a repaint of several parts:
+each take's own earlier new part is inside its prefix). The frames every take shares are prefilled
+once as above (through the snapshots); the rest, each take's own, is prefilled for all rows as one
+batch, since a forward over rows of equal length takes different tokens per row: one pass over the
+weights for every take, not one per take. That part is never kept as a snapshot (no later request
+starts with it).
 """
 
 from __future__ import annotations
@@ -161,6 +168,27 @@ class Backbone:
         cache.broadcast_row0(len(prompt))
         return h
 
+    @torch.inference_mode()
+    def prefill_rows(
+        self, ids: torch.Tensor, cache: KVCache, start: int, ctxs: list[TaskContext], lora: RowLoRA | None = None
+    ) -> torch.Tensor:
+        """Each row's own tokens ``ids`` (B, S) at positions ``[start, start + S)``, after a prefix that
+        every row of ``cache`` holds already → hidden at the last position (B, H).
+
+        One forward over all rows per chunk of ``prefill_chunk`` tokens (rows of equal length, different
+        tokens), with a cancellation check between chunks; ``lora``: each row's adapter."""
+        dev = self.dm.device
+        ids = ids.to(dev)
+        h = None
+        for a in range(0, int(ids.shape[1]), self.prefill_chunk):
+            if all(c.cancelled() for c in ctxs):
+                raise TaskCancelled(f"Task {ctxs[0].task_id} was cancelled.")
+            b = min(int(ids.shape[1]), a + self.prefill_chunk)
+            pos = torch.arange(start + a, start + b, device=dev).view(1, -1)
+            h = self.dm.forward(self.dm.embed(ids[:, a:b], pos), start=start + a, cache=cache, lora=lora)[:, -1]
+        assert h is not None, "no own tokens to prefill"
+        return h
+
     def _prefill_kept(
         self,
         ids: list[int],
@@ -254,13 +282,22 @@ class Backbone:
     ) -> list[BackboneResult | None]:
         """N takes of one prompt as one batch; ``None`` for a take cancelled on its own.
 
-        ``kept`` (2, K): a retake's kept frames, which every take starts with; ``origin`` labels
-        their KV snapshot. ``listener`` hears each take's new codes at every host sync."""
+        ``kept`` (2, K): a retake's kept frames, which every take starts with, or (N, 2, K): each
+        take's own; ``origin`` labels the KV snapshot of what they share. ``listener`` hears each
+        take's new codes at every host sync."""
         dm, P = self.dm, len(prompt)
         total = 2 * min(plan.budget_frames, self.max_frames(P))
         B = len(takes)
+        own: torch.Tensor | None = None  # (B, 2, K − shared): each take's kept frames after the shared ones
+        every = None if kept is None else kept.expand(B, -1, -1) if kept.dim() == 2 else kept  # (B, 2, K)
+        if every is not None:
+            shared = shared_frames(every)
+            kept = every[0, :, :shared]
+            if shared < every.shape[2]:
+                own = every[:, :, shared:]
         kept_ids = self.audio_ids(kept) if kept is not None else []
-        t_first = len(kept_ids)  # the first token sampled here
+        t_first = 0 if every is None else 2 * int(every.shape[2])  # the first token sampled here
+        t_shared = len(kept_ids)
         if t_first >= total:
             raise RequestError(
                 f"The kept part ({t_first // 2} frames) leaves nothing to generate within the song's "
@@ -279,7 +316,7 @@ class Backbone:
             r0, lora0 = members[0], takes[members[0]].lora
             ctxs = [takes[r].ctx for r in members]
             got = self._prefill_kept(prompt + kept_ids, cache.rows(r0, r0 + 1), ctxs, kept is not None, origin, lora0)
-            cache.copy_row(r0, members[1:], P + t_first)
+            cache.copy_row(r0, members[1:], P + t_shared)
             group_h.append(got.pop("h"))
             for r in members:
                 prefills[r] = got
@@ -289,18 +326,22 @@ class Backbone:
             where = {r: g for g, members in enumerate(groups) for r in members}
             h = torch.cat([group_h[where[r]] for r in range(B)])
         lora = _row_lora(takes, list(range(B)), dm)
+        if own is not None:  # each take's own kept frames: one batched prefill after the shared ones
+            t_own = time.perf_counter()
+            ids = torch.stack([torch.tensor(self.audio_ids(own[r]), dtype=torch.long) for r in range(B)])
+            h = self.prefill_rows(ids, cache, P + t_shared, [x.ctx for x in takes], lora)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            sec = round(time.perf_counter() - t_own, 6)
+            prefills = [{**got, "own_tokens": int(ids.shape[1]), "own_sec": sec} for got in prefills]
         picked = dm.pick_lora(lora) if self.compiled is None else None  # eager: the rows' halves once a batch
 
         rows = list(range(B))  # original take index of each active row
         slots = list(range(B))  # its row in h and the cache (compiled mode keeps ended rows' slots)
         results: list[BackboneResult | None] = [None] * B
         buf = torch.zeros(max(total, 1), B, dtype=torch.long, device=dev)  # codes, column = take
-        if t_first:
-            buf[:t_first] = (
-                torch.tensor(kept_ids, device=dev).view(-1, 1)
-                - self.text_vocab
-                - (torch.arange(t_first, device=dev) % 2).view(-1, 1) * CODEBOOK
-            )
+        if every is not None and t_first:  # q0, q1 of each kept frame in turn, a column per take
+            buf[:t_first] = every.transpose(1, 2).reshape(B, t_first).t().to(dev, torch.long)
         rows_t = torch.arange(B, device=dev)
         slots_t = rows_t
         pos = torch.tensor([P + t_first], device=dev)
@@ -438,6 +479,12 @@ class Backbone:
         if self.compiled is None:
             return True
         return self.compiled.can_shrink(rows, self._kv_len(end, cache_len)[0], rank)
+
+
+def shared_frames(kept: torch.Tensor) -> int:
+    """How many leading frames of ``kept`` (B, 2, K) every row has alike."""
+    differ = (kept != kept[:1]).any(dim=1).any(dim=0).nonzero()  # frames where some row differs
+    return int(differ[0, 0]) if differ.numel() else int(kept.shape[2])
 
 
 def _adapter_groups(takes: list[Take]) -> list[list[int]]:

@@ -15,10 +15,11 @@ written into the grid as known values and only the new frames' cells are sampled
 still sees the whole grid (non-causal) with levels 0..c-1 filled everywhere, as in a take of its
 own. A window of kept frames only is copied, not run.
 
-A repaint passes the whole grid as ``known`` and per take the span of frames it writes anew
-(``spans``): every cell outside it is known, levels 0..63, on both sides of the span. Only windows
-that hold frames of the span run, and they are placed around it (``repaint_windows``) so the new
-frames see the original's frames after them as well as before them.
+A repaint passes the whole grid as ``known`` and per take the spans of frames it writes anew
+(``spans``: one per part): every cell outside them is known, levels 0..63, on both sides of each
+span. Only windows that hold frames of a span run, and they are placed around it (``repaint_windows``)
+so the new frames see the original's frames after them as well as before them. A window samples every
+frame of any span in it that no window before sampled, so spans close together share a window.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class SuperRes:
         ctxs: list[TaskContext],
         known: torch.Tensor | None = None,  # (levels, K): every take's first K frames, kept as they are
         upto: int = 0,  # fill levels [0, upto) only (a live preview's cheaper grid); 0 = all of them
-        spans: list[tuple[int, int]] | None = None,  # per take the frames [s, j) written anew; known is the whole grid
+        spans: list[list[tuple[int, int]]] | None = None,  # per take the frames [s, j) of each part written anew;
+        # known is the whole grid
         span_context: int = 0,  # with spans: frames of context on each side of a span in its window; 0 = a whole window
         lora: RowLoRA | None = None,  # each take's adapter (``engine/lora.py``); None: the base model
     ) -> list[torch.Tensor]:
@@ -90,9 +92,9 @@ class SuperRes:
                 out[:, :kept] = known[:, : c.shape[1]]
             outs.append(out)
         longest = max(c.shape[1] for c in coarse)
-        spans = [(a, min(longest, a + window)) for a in range(0, longest, window)] or [(0, 0)]
+        windows = [(a, min(longest, a + window)) for a in range(0, longest, window)] or [(0, 0)]
         passes = top - 2
-        for w, (a, b) in enumerate(spans):
+        for w, (a, b) in enumerate(windows):
             members = [i for i, c in enumerate(coarse) if c.shape[1] > a or (a == 0 and c.shape[1] == 0)]
             parts = [coarse[i][:, a:b] for i in members]
             known_here = None if known is None else known[:, a : min(b, kept)]
@@ -105,7 +107,7 @@ class SuperRes:
                 [generators[i] for i in members],
                 [ctxs[i] for i in members],
                 w * passes,
-                passes * len(spans),
+                passes * len(windows),
                 known_here,
                 top,
                 lora=None if lora is None else lora.select(torch.tensor(members, device=self.dm.device)),
@@ -117,50 +119,49 @@ class SuperRes:
     def _repaint(
         self,
         prompt: list[int],
-        coarse: list[torch.Tensor],  # per take (2, F): the original's coarse codes outside its span
+        coarse: list[torch.Tensor],  # per take (2, F): the original's coarse codes outside its spans
         top_k: int,
         generators: list[torch.Generator],
         ctxs: list[TaskContext],
         known: torch.Tensor,  # (levels, F): the original grid
-        spans: list[tuple[int, int]],
+        spans: list[list[tuple[int, int]]],  # per take its spans, in order, apart
         window: int,
         top: int,
         span_context: int = 0,
         lora: RowLoRA | None = None,  # each take's adapter
     ) -> list[torch.Tensor]:
-        """Each take's span sampled in the windows ``repaint_windows`` places around it; all else is ``known``.
+        """Each take's spans sampled in the windows ``repaint_windows`` places around each; all else is ``known``.
 
-        With ``span_context`` a window holds at most the span and that many frames on each side of it,
+        With ``span_context`` a window holds at most its span and that many frames on each side of it,
         so a short repaint of a long take costs a short window, not the model's whole one.
 
         The takes' k-th windows run as one batch (a take's rows start where its own window does:
         the positions are the window's own, as in any window), and what a window samples is known
-        to the take's next one."""
+        to the take's next one (``span_windows``)."""
         if int(known.shape[0]) != self.levels:
             raise ValueError(f"the grid has {known.shape[0]} levels; this model writes {self.levels}")
         outs = []
-        for c, (s, j) in zip(coarse, spans, strict=True):
-            if int(c.shape[1]) != int(known.shape[1]) or not 0 <= s <= j <= int(c.shape[1]):
-                raise ValueError(
-                    f"a repaint span {s}..{j} of a take of {c.shape[1]} frames and a grid of {known.shape[1]}"
-                )
+        for c, take in zip(coarse, spans, strict=True):
+            for s, j in take:
+                if int(c.shape[1]) != int(known.shape[1]) or not 0 <= s <= j <= int(c.shape[1]):
+                    raise ValueError(
+                        f"a repaint span {s}..{j} of a take of {c.shape[1]} frames and a grid of {known.shape[1]}"
+                    )
             out = known.clone()
             out[:2] = c
             outs.append(out)
-        plans = []
-        for c, (s, j) in zip(coarse, spans, strict=True):
-            size = min(window, j - s + 2 * span_context) if span_context > 0 else window
-            plans.append(repaint_windows(s, j, int(c.shape[1]), size))
+        plans = [
+            span_windows(take, int(c.shape[1]), window, span_context) for c, take in zip(coarse, spans, strict=True)
+        ]
         rounds = max((len(p) for p in plans), default=0)
         passes = top - 2
-        done = [s for s, _ in spans]  # per take: its span is sampled up to this frame
         for w in range(rounds):
             members = [i for i, p in enumerate(plans) if len(p) > w]
             rows, fresh, kept = [], [], []
             for i in members:
-                a, b = plans[i][w]
+                a, b, ranges = plans[i][w]
                 rows.append(outs[i][:2, a:b])
-                fresh.append((done[i] - a, min(b, spans[i][1]) - a))
+                fresh.append([(lo - a, hi - a) for lo, hi in ranges])
                 kept.append(outs[i][:, a:b])
             got = self._window(
                 prompt,
@@ -175,10 +176,10 @@ class SuperRes:
                 around=kept,
                 lora=None if lora is None else lora.select(torch.tensor(members, device=self.dm.device)),
             )
-            for i, codes, (lo, hi) in zip(members, got, fresh, strict=True):
-                a = plans[i][w][0]
-                outs[i][2:, a + lo : a + hi] = codes[2:, lo:hi]
-                done[i] = a + hi
+            for i, codes in zip(members, got, strict=True):
+                a, _, ranges = plans[i][w]
+                for lo, hi in ranges:
+                    outs[i][2:, lo:hi] = codes[2:, lo - a : hi - a]
         return outs
 
     def _window(
@@ -192,7 +193,7 @@ class SuperRes:
         total: int,
         known: torch.Tensor | None = None,  # (levels, k): the window's first k frames, kept
         top: int = 0,  # levels [0, top) are filled
-        fresh: list[tuple[int, int]] | None = None,  # per row the frames [lo, hi) sampled; the rest are ``around``
+        fresh: list[list[tuple[int, int]]] | None = None,  # per row the frames [lo, hi) sampled; the rest ``around``
         around: list[torch.Tensor] | None = None,  # per row (levels, F_i): the known cells outside its fresh frames
         lora: RowLoRA | None = None,  # the rows' adapters
     ) -> list[torch.Tensor]:
@@ -220,12 +221,17 @@ class SuperRes:
             grid[:, P - 1, 0] = T - 1 - c  # task marker
             h = dm.forward(dm.embed(grid, pos), causal=False, key_padding=padding, lora=lora)[:, P:]  # (B, F, H)
             start = T + c * CODEBOOK
-            if fresh is not None and around is not None:  # a repaint's rows: known on both sides of [lo, hi)
-                for r, ((lo, hi), cells) in enumerate(zip(fresh, around, strict=True)):
-                    logits = self.gpt.project(h[r, lo:hi], start, start + CODEBOOK)
-                    grid[r, P + lo : P + hi, c] = start + sample(logits, top_k, generators[r])
-                    grid[r, P : P + lo, c] = start + cells[c, :lo].to(dev)
-                    grid[r, P + hi : P + lens[r], c] = start + cells[c, hi : lens[r]].to(dev)
+            if fresh is not None and around is not None:  # a repaint's rows: known on both sides of each [lo, hi)
+                for r, (ranges, cells) in enumerate(zip(fresh, around, strict=True)):
+                    new = torch.zeros(lens[r], dtype=torch.bool)
+                    for lo, hi in ranges:
+                        new[lo:hi] = True
+                    at = new.nonzero()[:, 0]  # the frames sampled, in order: one draw over all of them
+                    grid[r, P : P + lens[r], c] = start + cells[c, : lens[r]].to(dev)
+                    if at.numel():
+                        at = at.to(dev)
+                        logits = self.gpt.project(h[r].index_select(0, at), start, start + CODEBOOK)
+                        grid[r, P + at, c] = start + sample(logits, top_k, generators[r])
             else:
                 for r in range(B):
                     if k and lens[r] <= k:
@@ -238,6 +244,29 @@ class SuperRes:
                 x.report("superres", done0 + c - 1, total, f"level {c}/{self.levels - 1}")
         levels = torch.arange(self.levels, device=dev) * CODEBOOK
         return [(grid[r, P : P + lens[r]] - T - levels).t().cpu() for r in range(B)]
+
+
+def span_windows(
+    spans: list[tuple[int, int]], frames: int, window: int, span_context: int = 0
+) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The windows ``(a, b, ranges)`` that sample a take's spans, in order: each span's ``repaint_windows``
+    (at most the span and ``span_context`` frames each side, when that is > 0), each sampling the frames
+    ``ranges`` of every span in it that no window before sampled; a window left nothing to sample (an
+    earlier span's window sampled all of its span) is dropped."""
+    done = [s for s, _ in spans]  # per span: sampled up to this frame (a span is sampled left to right)
+    out = []
+    for s, j in spans:
+        size = min(window, j - s + 2 * span_context) if span_context > 0 else window
+        for a, b in repaint_windows(s, j, frames, size):
+            ranges = []
+            for k, (_, end) in enumerate(spans):
+                hi = min(b, end)
+                if a <= done[k] < hi:
+                    ranges.append((done[k], hi))
+                    done[k] = hi
+            if ranges:
+                out.append((a, b, ranges))
+    return out
 
 
 def repaint_windows(start: int, join: int, frames: int, window: int) -> list[tuple[int, int]]:

@@ -3,7 +3,7 @@
 For scheduling and fault tests of the dispatcher (``--pipeline test``): it reports progress through
 the same phases, honours cancellation, and writes real WAV/MP3/JSON files and a codes file: a
 deterministic grid (``(seed + frame + level) mod 1024``) that starts with a request's prefix (for a
-repaint: the original grid with the part from its start to its ``end`` written anew, joined at ``end``
+repaint: the original grid with each part from its start to its ``end`` written anew, joined at ``end``
 exactly), so retakes and repaints can be routed and checked through the dispatcher at tone speed. Its audio stays a tone
 (it has no decoder). Its ``encode`` is as deterministic: each frame's codes follow from that frame's
 mean level (``tone_codes``), so uploads can be checked through the dispatcher at tone speed too.
@@ -106,10 +106,13 @@ class TonePipeline:
                     f"{SUPERRES_LEVELS} × {frames} grid."
                 )
             kept = np.frombuffer(req.prefix.raw, dtype="<i2").reshape(SUPERRES_LEVELS, req.prefix.frames)
-            start = req.prefix.frames if repaint is None else repaint.start
-            codes[:, :start] = kept[:, :start]  # an opening (start 0) keeps nothing before
-            if repaint is not None:
-                codes[:, repaint.end :] = kept[:, repaint.end :]
+            if repaint is None:
+                codes[:, : req.prefix.frames] = kept
+            else:  # the original but each part, written anew (an opening, start 0, keeps nothing before)
+                new = codes.copy()
+                codes[:] = kept
+                for part in req.prefix.repaints():
+                    codes[:, part.start : part.end] = new[:, part.start : part.end]
         n = frames * HOP
         freq = 220.0 + (req.seed % 440)
         t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
@@ -145,14 +148,25 @@ class TonePipeline:
             }
             head["continued"] = meta["continued"]
         if req.prefix is not None and repaint is not None:
+            parts = req.prefix.repaints()
+            last = parts[-1]
             meta["repainted"] = {
                 "start_frame": repaint.start,
-                "end_frame": repaint.end,
-                "join_frame": repaint.end,
+                "end_frame": last.end,
+                "join_frame": last.end,
                 "window": repaint.window,
                 "opening": repaint.opening,
                 "origin": req.prefix.origin,
-                "changed_samples": [repaint.start * HOP, repaint.end * HOP],
+                "changed_samples": [repaint.start * HOP, last.end * HOP],
+                "parts": [
+                    {
+                        "start_frame": p.start,
+                        "end_frame": p.end,
+                        "join_frame": p.end,
+                        "changed_samples": [p.start * HOP, p.end * HOP],
+                    }
+                    for p in parts
+                ],
             }
             head["repainted"] = meta["repainted"]
         if ctx.live.wanted():
