@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from songserve.api.dispatch.placement import NO_ADAPTER, NO_PARTS, NO_WORKER, PlanFacts, pack, pick, plan
+from songserve.api.dispatch.placement import NO_ADAPTER, NO_PARTS, NO_WORKER, PlanFacts, pack, pick, plan, repaints
 from songserve.api.dispatch.pool import WorkerHandle
 from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.jobs.records import Job, Track
@@ -149,3 +149,14 @@ def test_a_repaint_of_several_parts_goes_only_to_a_worker_that_writes_that_many_
     assert pick([older, newer], one, one.tracks[0]) is older  # one part: any worker of ours
     out = plan([QueueEntry(j.job_id, 0, 0, 1)], {j.job_id: j}, {j.tracks[0].key}, [older], PlanFacts("auto"))
     assert out.waiting[j.tracks[0].key] == NO_PARTS
+
+
+def test_a_repaint_of_several_parts_is_refused_at_once_only_where_no_worker_could_ever_take_it():
+    older, newer, unread, theirs = handle(0), handle(1), handle(2), handle(3, reference=True)
+    older.config, newer.config, theirs.config = WorkerConfig(), WorkerConfig(repaint_parts=8), WorkerConfig()
+    assert repaints([], 2)  # no worker known yet: it waits for one
+    assert repaints([older, newer], 8)
+    assert not repaints([older, newer], 9)
+    assert not repaints([older, theirs], 2)  # an older worker of ours and the reference's: never
+    assert repaints([older], 1)
+    assert repaints([older, unread], 2)  # its /config is not read yet: it may

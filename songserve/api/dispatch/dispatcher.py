@@ -32,7 +32,7 @@ from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
 from songserve.api.dispatch.membership import Membership
-from songserve.api.dispatch.placement import PlanFacts, plan
+from songserve.api.dispatch.placement import PlanFacts, plan, repaints
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
@@ -369,6 +369,11 @@ class Dispatcher:
     def can_continue(self) -> bool:
         """Some worker can run a retake: one of ours (a reference worker knows no prefix), or none known yet."""
         return not self.pool.workers or any(not w.client.reference for w in self.pool.workers)
+
+    def can_repaint_parts(self, parts: int) -> bool:
+        """Some worker can repaint ``parts`` parts in one take: one of ours that says so in its ``/config``,
+        or one of ours whose ``/config`` is not read yet, or none known yet."""
+        return repaints(self.pool.workers, parts)
 
     def live_client(self, worker_id: int) -> WorkerClient | None:
         """Where a running track's live audio comes from: our worker's client (a reference worker makes none)."""

@@ -118,6 +118,13 @@ def pack(job: Job, w: WorkerHandle, mode: str, queued_after: int, free_after: in
     return more[: max(0, room)]
 
 
+def repaints(fleet: Sequence[WorkerHandle], parts: int) -> bool:
+    """Whether a repaint of ``parts`` parts can ever be placed: no worker known yet, or one of ours that
+    writes that many, or one of ours whose ``/config`` is not read yet (it may)."""
+    ours = [w for w in fleet if not w.client.reference]
+    return not fleet or any(w.config is None or w.repaint_parts >= parts for w in ours)
+
+
 @dataclass(frozen=True)
 class Assignment:
     """Takes of one job to start on one worker as one attempt (the first is the one whose turn it was)."""

@@ -154,6 +154,13 @@ class JobService:
             raise UnavailableError("The dispatcher is shutting down and accepts no new jobs.")
         if req.continue_from is not None and not d.can_continue():
             raise FieldError("continue_from", "no worker here can continue a song (they are all the reference's)")
+        parts = req.continue_from.parts if req.continue_from is not None else None
+        if parts is not None and not d.can_repaint_parts(len(parts)):
+            raise FieldError(
+                "continue_from.parts",
+                f"no worker here repaints {len(parts)} parts in one take (older workers of ours repaint one part: "
+                "send one part per request)",
+            )
         retake = None
         if req.continue_from is not None:
             own_job = functools.partial(self.visible, caller=caller)  # another key's take: "not known here"
