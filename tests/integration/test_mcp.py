@@ -170,12 +170,14 @@ def test_a_part_repainted_an_opening_written_and_the_adapters_listed(site):
             for tool, args in (
                 ("repaint", {"at_sec": 1.0, "end_sec": 2.0, "num_tracks": 2, "lyrics": "[verse]\nnew words"}),
                 ("extend_start", {"before_sec": 1.0}),
+                ("repaint", {"parts": [{"at_sec": 0.5, "end_sec": 1.0}, {"at_sec": 2.2, "end_sec": 2.6}]}),
             ):
                 asked = await c.call_tool(tool, {"job_id": job, "track_index": 0, **args})
                 assert not asked.is_error, text(asked)
                 ended = await c.call_tool("wait_for_job", {"job_id": asked.structured_content["job_id"]})
                 assert ended.structured_content["status"] == "completed", text(ended)
-                ends[tool] = ended.structured_content
+                ends[tool if tool not in ends else "parts"] = ended.structured_content
+            assert len(ends["parts"]["tracks"][0]["metadata"]["repainted"]["parts"]) == 2
             painted = [t["metadata"]["repainted"] for t in ends["repaint"]["tracks"]]
             assert len(painted) == 2
             assert all(p["origin"] == f"{job}/0" for p in painted)
@@ -183,6 +185,11 @@ def test_a_part_repainted_an_opening_written_and_the_adapters_listed(site):
             assert ends["extend_start"]["tracks"][0]["metadata"]["repainted"]["opening"] > 0
             original = (await c.call_tool("get_job", {"job_id": job})).structured_content["takes"][0]["duration_sec"]
             assert ends["extend_start"]["takes"][0]["duration_sec"] > original
+
+            for bad, named in (({"at_sec": 1.0, "end_sec": float("nan")}, "end_sec"), ({"at_sec": 2.0}, "end_sec")):
+                refused = await c.call_tool("repaint", {"job_id": job, **bad})
+                assert refused.is_error
+                assert f"'{named}'" in text(refused), text(refused)
 
             listed = await c.call_tool("list_adapters", {})
             assert not listed.is_error
@@ -261,8 +268,8 @@ HOSTILE = [
     ("retake", {"job_id": "../../etc", "at_sec": 1}, "job_id"),
     ("retake", {"job_id": "0123456789abcdef"}, "at_sec"),
     ("retake", {"job_id": "0123456789abcdef", "at_sec": -3}, "at_sec"),
-    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0, "end_sec": float("nan")}, "end_sec"),
-    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0}, "end_sec"),
+    ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0, "parts": [{"at_sec": 1, "end_sec": 2}] * 2}, "parts"),
+    ("repaint", {"job_id": "0123456789abcdef", "end_sec": 1.0}, "at_sec"),
     ("repaint", {"job_id": "0123456789abcdef", "at_sec": 1.0, "end_sec": 2.0, "duration": 1.0}, "duration"),
     ("extend_start", {"job_id": "0123456789abcdef", "before_sec": -1.0}, "before_sec"),
     ("make_song", {**SONG, "adapter_scale": 9.0}, "adapter_scale"),

@@ -51,7 +51,7 @@ MIRRORS: dict[str, dict[str, tuple[str, str]]] = {
             **{edge: ("ContinueFrom", edge) for edge in edges},
             **{n: ("GenerateRequest", n) for n in ("tags", "prompt", "prompt_mode", "lyrics", "num_tracks", "seed")},
         }
-        for tool, edges in (("repaint", ("at_sec", "end_sec")), ("extend_start", ("before_sec",)))
+        for tool, edges in (("repaint", ("at_sec", "end_sec", "parts")), ("extend_start", ("before_sec",)))
     },
     "list_jobs": {"limit": ("GET /jobs", "limit"), "cursor": ("GET /jobs", "cursor")},
 }

@@ -81,7 +81,14 @@ async def make_song(c: Call, args: Any) -> dict[str, Any]:
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
 
 
-ORIGIN = ("job_id", "track_index", "at_sec", "end_sec", "before_sec")  # the tools' arguments that are continue_from's
+ORIGIN = (
+    "job_id",
+    "track_index",
+    "at_sec",
+    "end_sec",
+    "before_sec",
+    "parts",
+)  # the tools' arguments that are continue_from's
 
 
 async def retake(c: Call, args: Any) -> dict[str, Any]:
@@ -98,6 +105,16 @@ async def retake(c: Call, args: Any) -> dict[str, Any]:
             raise
         raise FieldError(m[1], m[2]) from None
     return {**accepted.model_dump(mode="json"), "job_url": f"{c.base_url}/job/{accepted.job_id}"}
+
+
+async def repaint(c: Call, args: Any) -> dict[str, Any]:
+    """A retake that names the part to write again: ``at_sec`` and ``end_sec``, or ``parts``."""
+    if args.parts is not None and (args.at_sec is not None or args.end_sec is not None):
+        raise FieldError("parts", "replaces at_sec and end_sec: send one or the other")
+    if args.parts is None and (args.at_sec is None or args.end_sec is None):
+        missing = "end_sec" if args.at_sec is not None else "at_sec"
+        raise FieldError(missing, "is required: send at_sec and end_sec, or parts")
+    return await retake(c, args)
 
 
 async def wait_for_job(c: Call, args: Any) -> dict[str, Any]:
@@ -163,7 +180,7 @@ CALLS: dict[str, Callable[[Call, Any], Awaitable[dict[str, Any]]]] = {
     "get_job": get_job,
     "list_jobs": list_jobs,
     "retake": retake,
-    "repaint": retake,
+    "repaint": repaint,
     "extend_start": retake,
     "cancel_job": cancel_job,
     "list_style_tags": list_style_tags,

@@ -75,11 +75,12 @@ Retake = _arguments(
 )
 Repaint = _arguments(
     "Repaint",
-    "POST /generate with continue_from naming a take and a part of it (at_sec to end_sec).",
+    "POST /generate with continue_from naming a take and a part of it (at_sec to end_sec) or several (parts).",
     job_id=mirrored(ContinueFrom, "job_id", required=True),
     track_index=mirrored(ContinueFrom, "track_index"),
-    at_sec=mirrored(ContinueFrom, "at_sec", required=True),
-    end_sec=mirrored(ContinueFrom, "end_sec", required=True),
+    at_sec=mirrored(ContinueFrom, "at_sec"),
+    end_sec=mirrored(ContinueFrom, "end_sec"),
+    parts=mirrored(ContinueFrom, "parts"),
     **{f: mirrored(GenerateRequest, f) for f in EDIT_SONG_FIELDS},
 )
 ExtendStart = _arguments(
@@ -201,7 +202,8 @@ def tool_specs(s: DispatcherSettings) -> list[ToolSpec]:
             "Repaint a part",
             "Write the part of a finished take between at_sec and end_sec again (new lyrics or style for it if "
             "given) and keep everything else exactly: each take rejoins the original within a second of end_sec, "
-            "where the two agree best, and is as long as the original. num_tracks candidates in one job; "
+            "where the two agree best, and is as long as the original. Several parts at once: parts, a list of "
+            "{at_sec, end_sec} in order, instead of at_sec and end_sec. num_tracks candidates in one job; "
             "a take's metadata.repainted says where it joined and which samples changed.",
             Repaint,
         ),
