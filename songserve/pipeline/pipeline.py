@@ -299,6 +299,9 @@ class ModelPipeline:
                 )
                 for part in req.prefix.repaints()
             ]
+            # Progress runs to the last part's end for every part: a take's position in the song only
+            # moves on, part after part (each part's own end would reach 100 % and fall back).
+            plans = [dataclasses.replace(p, estimate_tokens=plans[-1].estimate_tokens) for p in plans]
             plan = plans[0]
             # The token ids of a retake at start; an opening (start 0) keeps nothing: a take from the prompt.
             kept: torch.Tensor | None = original[:, : span.start] if span.start > 0 else None

@@ -228,6 +228,18 @@ def test_an_opening_is_written_before_the_take_and_joins_it_inside_its_first_fra
 PARTS = ((108, 172), (280, 366))  # 5-8 s and 13-17 s of the half-minute take, each rejoined within 12 frames
 
 
+class Watched(TaskContext):
+    """A task's context that keeps every progress report."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(task_id)
+        self.heard: list[tuple[str, int, int]] = []
+
+    def report(self, phase: str, done: int, total: int, detail: str = "", rate: float | None = None) -> None:
+        self.heard.append((phase, done, total))
+        super().report(phase, done, total, detail, rate)
+
+
 def test_two_parts_keep_every_code_outside_their_new_frames_and_every_sample_outside_their_changed_samples(
     pipeline, original
 ):
@@ -235,7 +247,12 @@ def test_two_parts_keep_every_code_outside_their_new_frames_and_every_sample_out
     parts = tuple(Repaint(s, e, WINDOW) for s, e in PARTS)
     prefix = Prefix(grid0.astype("<i2").tobytes(), 64, grid0.shape[1], "orig/0", parts[0], parts)
     reqs = [TrackRequest(**SONG, seed=s, task_id=f"p{s}", prefix=prefix) for s in (31, 32, 33)]
-    out = pipeline.run_batch(reqs, [TaskContext(r.task_id) for r in reqs])
+    ctxs = [Watched(r.task_id) for r in reqs]
+    out = pipeline.run_batch(reqs, ctxs)
+    for ctx in ctxs:  # the backbone's progress runs on over both parts, never back
+        said = [done / total for phase, done, total in ctx.heard if phase == "backbone"]
+        assert len(said) > 2
+        assert said == sorted(said)
     wave0 = decode(pipeline, grid0)
     news = []
     for result in out:
