@@ -449,7 +449,7 @@ def test_the_page_says_what_to_do_first_offers_a_short_song_on_cpus_and_keeps_th
 
 
 def test_a_loudness_a_take_cannot_reach_is_said_beside_its_download_links(site, page):
-    from tests.integration.test_second_hour import spiky
+    from tests.support.audio import spiky
 
     open_song(page, site.url, "[verse]\ntoo spiky to be loud", "0.05")
     card = submitted(page)

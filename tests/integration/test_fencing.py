@@ -17,11 +17,8 @@ import pytest
 from songserve.api.jobs.states import TrackStatus
 from songserve.api.store.members import Fence
 from songserve.api.store.protocol import JobStore, LeaseLost, StaleTrack
-from tests.integration.test_store_engines import engine, lease, new_job, run, running, two_stores
-from tests.support.fake_fleet import FakeFleet, Plan, until
-from tests.unit.test_dispatch_states import aio, body
-
-__all__ = ["engine"]  # the fixture, for pytest
+from tests.support.fake_fleet import FakeFleet, Plan, aio, body, until
+from tests.support.stores import lease, new_job, run, running, two_stores
 
 
 async def lapsed(store: JobStore, worker: int) -> None:

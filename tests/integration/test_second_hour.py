@@ -26,6 +26,7 @@ import soundfile as sf
 from songserve.api.service.requests import RequestLimits, normalize
 from songserve.errors import FieldError
 from songserve.schemas import GenerateRequest
+from tests.support.audio import spiky
 from tests.support.http import TLS
 from tests.support.servers import ROOT, Cluster
 
@@ -170,15 +171,6 @@ def test_the_cli_says_one_track_and_says_once_that_the_tiny_model_is_in_use(tmp_
         assert out.stdout.count("note: Tiny test model: the audio is noise of the right length.") == 1, out.stdout
     finally:
         tiny.stop()
-
-
-def spiky(wav: Path) -> None:
-    """Rewrite a take's WAV, same length, as quiet noise with sparse peaks: no gain takes it to -14 LUFS
-    without a peak past -1 dBFS (a tone reaches any target in the range)."""
-    info = sf.info(wav)
-    x = 0.01 * np.random.default_rng(0).standard_normal((info.frames, info.channels))
-    x[:: info.samplerate // 10] = 0.9
-    sf.write(wav, x, info.samplerate, subtype="PCM_16")
 
 
 def test_a_loudness_a_render_could_not_reach_is_said_beside_the_saved_file(cluster, tmp_path):

@@ -4,19 +4,8 @@ upload came to, a key's uploads are counted by its name, and a deleted row is go
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from songserve.api.store.adapters import AdapterRecord
-from tests.integration.test_store_engines import run, two_stores
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def engine(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "jobs.sqlite3")
-    return str(request.getfixturevalue("pg_url"))
+from tests.support.stores import run, two_stores
 
 
 def adapter(name: str, caller: str | None = "studio") -> AdapterRecord:

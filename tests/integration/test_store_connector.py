@@ -15,7 +15,7 @@ from songserve.api.store.connector import Dialect, marks
 from songserve.api.store.postgres.connector import POSTGRESQL
 from songserve.api.store.sqlite.connector import SQLITE
 from songserve.api.store.sqlite.store import SqliteStore
-from tests.integration.test_store_engines import new_job
+from tests.support.stores import new_job
 
 
 def test_a_statement_is_written_once_and_rendered_per_dialect() -> None:

@@ -18,7 +18,7 @@ from songserve.api.jobs.states import TrackStatus
 from songserve.api.store.members import Fence
 from songserve.api.store.uploads import UploadRecord
 from songserve.schemas import UploadStatus
-from tests.integration.test_store_engines import lease, new_job, run, two_stores
+from tests.support.stores import lease, new_job, run, two_stores
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -29,9 +29,9 @@ from songserve.api.webhooks.sign import headers, signature, signing_key, verify
 from songserve.api.webhooks.targets import Refused, WebhookPolicy
 from songserve.errors import ConfigError, FieldError
 from songserve.schemas import GenerateRequest, KeyLimits
-from tests.integration.test_store_engines import lease, new_job, running, two_stores
 from tests.support.fake_fleet import FakeFleet, Plan, until
 from tests.support.receiver import Receiver
+from tests.support.stores import lease, new_job, running, two_stores
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the Standard Webhooks specification's test secret
 HOOKS = {"webhook_secret": SECRET, "webhook_allow": "127.0.0.1/32", "webhook_retry_base_sec": 0.05}

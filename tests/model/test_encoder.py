@@ -8,15 +8,9 @@ code is compared by ``bench/encoder_vs_reference.py`` (it needs the reference's 
 
 from __future__ import annotations
 
-import io
-import math
-
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
-from torch import nn
-from torch.nn.utils.parametrizations import weight_norm
 
 from songserve.audio.reading import read_audio
 from songserve.errors import ConfigError
@@ -24,6 +18,8 @@ from songserve.pipeline.checkpoints.encoder_config import EncoderConfig, read_en
 from songserve.pipeline.stages.encoder import load_encoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes, write_release_decoder
+from tests.support.audio import music, wav_bytes
+from tests.support.plain_encoder import plain_codes
 
 CPU = torch.device("cpu")
 
@@ -35,82 +31,6 @@ def release(tmp_path_factory):
     return d / "dac.yaml", d / "dac.ckpt"
 
 
-def music(seconds: float, rate: int = 44100, channels: int = 2, seed: int = 3) -> np.ndarray:
-    """A few tones and some noise, (frames, channels) float in [-1, 1]."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    cols = [sum(0.2 * np.sin(2 * np.pi * f * (c + 1) * t + c) for f in (110, 220, 330)) for c in range(channels)]
-    return np.clip(np.stack(cols, 1) + 0.05 * rng.standard_normal((t.size, channels)), -1, 1)
-
-
-def wav_bytes(x: np.ndarray, rate: int = 44100, fmt: str = "WAV", subtype: str | None = "PCM_16") -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, x, rate, format=fmt, subtype=subtype)
-    return buf.getvalue()
-
-
-# ---- an independent, plain encoder (torch's weight_norm, float64 distances) -------------------------
-
-
-class _Snake(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.alpha = nn.Parameter(torch.ones(1, c, 1))
-
-    def forward(self, x):
-        return x + torch.sin(self.alpha * x) ** 2 / (self.alpha + 1e-9)
-
-
-class _Unit(nn.Module):
-    def __init__(self, c: int, dilation: int) -> None:
-        super().__init__()
-        self.block = nn.Sequential(
-            _Snake(c),
-            weight_norm(nn.Conv1d(c, c, 7, dilation=dilation, padding=3 * dilation)),
-            _Snake(c),
-            weight_norm(nn.Conv1d(c, c, 1)),
-        )
-
-    def forward(self, x):
-        return x + self.block(x)
-
-
-def _plain_encoder(s: ReleaseDecoderSizes) -> nn.Module:
-    width = s.encoder_filters
-    layers: list[nn.Module] = [weight_norm(nn.Conv1d(s.input_channel, width, 7, padding=3))]
-    for stride in s.strides:
-        half, width = width, 2 * width
-        block = nn.Module()
-        block.block = nn.Sequential(
-            *(_Unit(half, d) for d in (1, 3, 9)),
-            _Snake(half),
-            weight_norm(nn.Conv1d(half, width, 2 * stride, stride=stride, padding=math.ceil(stride / 2))),
-        )
-        block.forward = block.block.forward  # type: ignore[method-assign]
-        layers.append(block)
-    layers += [_Snake(width), weight_norm(nn.Conv1d(width, s.d_latent, 3, padding=1))]
-    return nn.ModuleDict({"block": nn.Sequential(*layers)})
-
-
-@torch.no_grad()
-def _plain_codes(s: ReleaseDecoderSizes, ckpt, audio: np.ndarray) -> np.ndarray:
-    sd = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    enc = _plain_encoder(s)
-    mine = {}
-    for k in enc.state_dict():
-        src = k.replace(".parametrizations.weight.original0", ".weight_g")
-        mine[k] = sd[f"generator.encoder.{src.replace('.parametrizations.weight.original1', '.weight_v')}"]
-    enc.load_state_dict(mine, strict=True)
-    z = enc["block"](torch.from_numpy(audio)[None].float())[0].t().double()  # (frames, dim)
-    codes = []
-    for i in range(s.num_quantizers):
-        book = sd[f"generator.quantizer.vq_layer_{i}._codebook.embed"].double()
-        idx = ((z[:, None, :] - book[None]) ** 2).sum(-1).argmin(1)
-        codes.append(idx)
-        z = z - book[idx]
-    return torch.stack(codes).numpy()
-
-
 # ---- the release's files ----------------------------------------------------------------------------
 
 
@@ -119,7 +39,7 @@ def test_release_encoder_gives_the_plain_encoders_codes(release):
     assert facts.samples == pcm.shape[1] == 3 * 44100
     enc = load_encoder(*release, CPU)
     ours = enc.encode(torch.from_numpy(pcm), chunk_frames=0).numpy()
-    plain = _plain_codes(ReleaseDecoderSizes(), release[1], pcm)
+    plain = plain_codes(ReleaseDecoderSizes(), release[1], pcm)
     assert ours.shape == plain.shape == (64, 3 * 44100 // 2048)
     assert len(np.unique(ours[0])) > 20  # the codes move with the audio
     share = float((ours == plain).mean())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.model.test_encoder import music, wav_bytes
+from tests.support.audio import music, wav_bytes
 from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site

@@ -25,8 +25,9 @@ from songserve.audio.reading import read_audio
 from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.build import RELEASE_LAYOUT
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes
-from tests.model.test_encoder import _plain_codes, music, wav_bytes
+from tests.support.audio import music, wav_bytes
 from tests.support.http import TLS
+from tests.support.plain_encoder import plain_codes
 from tests.support.servers import Cluster, wait_for
 from tests.support.tiny_site import tiny_site
 
@@ -73,7 +74,7 @@ def test_the_uploads_codes_are_the_plain_encoders_on_the_release_files(site, rel
     data, view = uploaded
     grid = codes.decode(fetch(site, view["codes"]))
     pcm, _ = read_audio(data)
-    plain = _plain_codes(ReleaseDecoderSizes(), release_dir / RELEASE_LAYOUT["decoder_checkpoint"], pcm)
+    plain = plain_codes(ReleaseDecoderSizes(), release_dir / RELEASE_LAYOUT["decoder_checkpoint"], pcm)
     assert grid.codes.shape == plain.shape == (64, 172)
     assert view["frames"] == 172
     share = float((grid.codes == plain).mean())

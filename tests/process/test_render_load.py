@@ -20,7 +20,7 @@ import psutil
 import pytest
 import soundfile as sf
 
-from tests.model.test_encoder import music, wav_bytes
+from tests.support.audio import music, wav_bytes
 from tests.support.http import TLS
 from tests.support.servers import Cluster, wait_for
 

@@ -41,7 +41,7 @@ from songserve.audio import codes
 from songserve.pipeline.adapters.format import CONFIG, WEIGHTS
 from songserve.pipeline.tiny.adapters import write_tiny_adapters
 from songserve.pipeline.tiny.build import tiny_arch
-from tests.model.test_encoder import music, wav_bytes
+from tests.support.audio import music, wav_bytes
 from tests.support.http import TLS
 from tests.support.servers import Cluster, cluster_of, free_port, start_worker, wait_for
 

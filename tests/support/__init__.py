@@ -37,6 +37,10 @@ Starting a server, one way for each kind:
   fixture).
 
 Probes: ``listeners.py`` (sockets a process listens on), ``load_probe.py`` (peak memory, health
-under load, raw requests). Plugins: ``tiny_site.py``, ``schedule.py`` (units, order, durations).
+under load, raw requests). Data: ``audio.py`` (music-like audio and its file bytes),
+``plain_encoder.py`` (an independent codec encoder to compare with), ``stores.py`` (a job store of
+either engine, two dispatchers' views of one, the records the store tests write; the ``engine``
+fixture is the integration tier's ``conftest.py``), ``fake_fleet.py``'s ``aio``/``body``/``run_job``
+for the in-process dispatcher. Plugins: ``tiny_site.py``, ``schedule.py`` (units, order, durations).
 Every httpx client passes ``verify=http.TLS`` (``http.py``).
 """

@@ -12,14 +12,16 @@ makes ``/tasks`` answer 404, ``drip`` makes every download send a byte now and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import time
 import wave
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,7 +33,7 @@ from songserve.api.service.keys import ApiKeys
 from songserve.api.settings import DispatcherSettings
 from songserve.api.store.sqlite.store import SqliteStore
 from songserve.api.workers.client import WorkerHttp
-from songserve.schemas import JobView
+from songserve.schemas import GenerateRequest, JobView
 
 
 def tiny_wav(seconds: float, rate: int = 100) -> bytes:
@@ -276,3 +278,25 @@ async def until(predicate: Callable[[], bool | Awaitable[bool]], timeout: float 
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.005)
+
+
+def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 30))
+
+    return run
+
+
+def body(tracks: int = 1) -> GenerateRequest:
+    return GenerateRequest(lyrics="hello", duration=0.05, num_tracks=tracks, seed=5)
+
+
+def finished(f: FakeFleet, job_id: str) -> Callable[[], bool]:
+    return lambda: f.holds(job_id, lambda v: all(t.status in ("done", "error", "cancelled") for t in v.tracks))
+
+
+async def run_job(f: FakeFleet, tracks: int = 1) -> JobView:
+    job_id = (await f.svc.submit(body(tracks))).job_id
+    await until(finished(f, job_id))
+    return await f.svc.view(job_id)

@@ -7,9 +7,6 @@ The real-process tests in test_faults.py prove the same paths end to end with SI
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 import pytest
 
@@ -18,29 +15,7 @@ from songserve.api.service.job_service import GoneError, StoreUnavailable
 from songserve.api.store.protocol import StoreError
 from songserve.errors import FieldError, NotFoundError
 from songserve.schemas import GenerateRequest, JobView
-from tests.support.fake_fleet import FakeFleet, Plan, until
-
-
-def aio(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 30))
-
-    return run
-
-
-def body(tracks: int = 1) -> GenerateRequest:
-    return GenerateRequest(lyrics="hello", duration=0.05, num_tracks=tracks, seed=5)
-
-
-def finished(f: FakeFleet, job_id: str) -> Callable[[], bool]:
-    return lambda: f.holds(job_id, lambda v: all(t.status in ("done", "error", "cancelled") for t in v.tracks))
-
-
-async def run_job(f: FakeFleet, tracks: int = 1) -> JobView:
-    job_id = (await f.svc.submit(body(tracks))).job_id
-    await until(finished(f, job_id))
-    return await f.svc.view(job_id)
+from tests.support.fake_fleet import FakeFleet, Plan, aio, body, finished, run_job, until
 
 
 @aio

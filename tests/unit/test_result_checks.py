@@ -23,10 +23,9 @@ from songserve.api.workers.client import WorkerClient, WorkerHttp
 from songserve.api.workers.outcomes import OutcomeKind, WorkerFault
 from songserve.api.workers.to_worker import read_answer, read_batch
 from songserve.schemas import ResultFile, WorkerHealth
-from tests.support.fake_fleet import FakeFleet, Plan, until
+from tests.support.fake_fleet import FakeFleet, Plan, aio, body, run_job, until
 from tests.support.http import TLS
 from tests.support.servers import results_files
-from tests.unit.test_dispatch_states import aio, body, run_job
 
 RESULT = {
     "status": "ok",
