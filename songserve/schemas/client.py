@@ -222,6 +222,7 @@ class TrackView(BaseModel):
     seed: int | None = None
     attempts: int = 0
     queue_position: int = 0
+    waiting: str | None = None  # (extension) why a queued track has not started yet, as the last dispatch pass found
     files: TrackFiles | None = None
     metadata: dict[str, Any] = {}
     preview_sec: float = 0.0  # (extension) seconds of live audio a listener can hear now

@@ -38,6 +38,26 @@ def test_a_cancelled_jobs_running_track_says_cancelled_at_once(tmp_path):
         slow.stop()
 
 
+def test_a_queued_track_says_why_it_waits(tmp_path):
+    slow = Cluster(tmp_path, workers=1, delay=30.0, threads=True)  # its one worker stays busy
+    try:
+        first = slow.submit(num_tracks=1)["job_id"]
+        wait_for(lambda: slow.job(first)["tracks"][0]["status"] == "generating", timeout=30)
+        later = slow.submit(num_tracks=2)["job_id"]
+        view = slow.job(later)
+        assert [t["status"] for t in view["tracks"]] == ["queued", "queued"]
+        assert [t["waiting"] for t in view["tracks"]] == ["no free worker", "no free worker"]
+        assert [t["phase_display"] for t in view["tracks"]] == ["Queued · Position #1", "Queued · Position #2"]
+        assert slow.job(first)["tracks"][0]["waiting"] is None  # running: nothing to wait for
+        listed = httpx.get(f"{slow.url}/jobs", timeout=10, verify=TLS).json()["jobs"]
+        assert [t["waiting"] for t in listed[0]["tracks"]] == ["no free worker", "no free worker"]
+        cancelled = httpx.delete(f"{slow.url}/job/{later}", timeout=10, verify=TLS).json()
+        assert [t["waiting"] for t in cancelled["tracks"]] == [None, None]
+        httpx.delete(f"{slow.url}/job/{first}", timeout=10, verify=TLS)
+    finally:
+        slow.stop()
+
+
 def test_a_cpu_worker_has_no_gpu_id(site):
     worker = httpx.get(site.url + "/status", verify=TLS).json()["workers"][0]
     assert worker["device"] == "cpu"

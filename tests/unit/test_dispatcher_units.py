@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from songserve.api.dispatch import queue_order, retries
+from songserve.api.dispatch.placement import NO_ADAPTER, NO_WORKER
+from songserve.api.jobs.facts import Waiting
 from songserve.api.jobs.records import Job, Track
 from songserve.api.jobs.states import IllegalTransition, JobStatus, TrackStatus, check_transition, job_status
 from songserve.api.jobs.views import job_view
@@ -116,6 +118,20 @@ def test_a_job_reads_started_and_finished_from_its_tracks_before_its_own_marks_l
     job.started_at, job.finished_at = 101.5, 104.0  # the job's own marks win once written
     view = job_view(job, {}, None)
     assert (view.started_at, view.finished_at) == (101.5, 104.0)
+
+
+def test_a_queued_track_says_the_plans_reason_or_the_passs_and_no_other_track_says_one():
+    req = GenerateRequest(lyrics="x", num_tracks=3)
+    tracks = [Track("j", i, seed=i) for i in range(3)]
+    job = Job("j", 1, created_at=100.0, request=req, cleaned_lyrics="x", tracks=tracks)
+    tracks[2].status = G
+    planned = Waiting({("j", 0): NO_ADAPTER}, otherwise=None)
+    assert [t.waiting for t in job_view(job, {}, None, planned).tracks] == [NO_ADAPTER, None, None]
+    busy = Waiting(otherwise=NO_WORKER)  # no plan made: every worker busy
+    assert [t.waiting for t in job_view(job, {}, None, busy).tracks] == [NO_WORKER, NO_WORKER, None]
+    assert [t.waiting for t in job_view(job, {}, None).tracks] == [None, None, None]
+    job.cancelled = True
+    assert [t.waiting for t in job_view(job, {}, None, busy).tracks] == [None, None, None]
 
 
 def test_track_transitions():

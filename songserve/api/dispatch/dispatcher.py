@@ -32,11 +32,11 @@ from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
 from songserve.api.dispatch.loops import LoopHealth, supervised
 from songserve.api.dispatch.membership import Membership
-from songserve.api.dispatch.placement import PlanFacts, plan, repaints
+from songserve.api.dispatch.placement import NO_WORKER, RESULTS_UNWRITABLE, PlanFacts, plan, repaints
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
 from songserve.api.dispatch.queue_order import QueueEntry
 from songserve.api.dispatch.tracks import ChangeFeed, TrackBook
-from songserve.api.jobs.facts import Fleet, JobFacts
+from songserve.api.jobs.facts import Fleet, JobFacts, Waiting
 from songserve.api.jobs.records import Job, Key
 from songserve.api.jobs.states import JobStatus, job_status
 from songserve.api.metrics import DispatcherMetrics
@@ -273,14 +273,18 @@ class Dispatcher:
         if free:  # short work first: uploads waiting for their codes
             free = await self.encodings.start(free)
         if not free:  # nothing can start: only the positions change (one ordering, not two)
+            book.waiting = Waiting(otherwise=NO_WORKER if self.results.writable else RESULTS_UNWRITABLE)
             book.reorder()
             return
         ordered = book.ordered()
         try:
             facts = PlanFacts(self.s.pack_tracks, self.pool.workers, await self._frames(ordered))
             tried: set[Key] = set()
+            reasons: dict[Key, str] = {}
             while free:
                 p = plan(ordered, book.jobs, book.queue, free, facts, tried)
+                reasons.update(p.waiting)
+                book.waiting = Waiting(reasons)
                 lost = False
                 for a in p.assignments:
                     tried.update(a.keys)
@@ -340,7 +344,7 @@ class Dispatcher:
     def facts(self, job: Job) -> JobFacts:
         positions = self.book.positions
         eta = self.speed.job_eta(job, positions, self.pool.online_count()) if job.job_id in self.book.jobs else None
-        return JobFacts(positions, eta)
+        return JobFacts(positions, eta, self.book.waiting)
 
     def queue_position(self, job: Job) -> int:
         """The best queue position of the job's queued tracks (0: none is queued)."""

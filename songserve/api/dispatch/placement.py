@@ -36,6 +36,7 @@ from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus
 
 NO_WORKER = "no free worker"
+RESULTS_UNWRITABLE = "the results folder cannot be written (see /ready)"
 NOT_ENCODED = "its upload is not encoded yet"
 NO_PREFIX = "no free worker can continue a song (a reference worker knows no prefix)"
 NOT_THERE_AGAIN = "it waits for a worker other than the one its last attempt failed on"

@@ -33,6 +33,7 @@ import time
 from collections.abc import Container
 
 from songserve.api.dispatch import queue_order
+from songserve.api.jobs.facts import Waiting
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus, check_transition, job_status
 from songserve.api.metrics import DispatcherMetrics
@@ -78,6 +79,7 @@ class TrackBook:
         self.jobs: dict[str, Job] = {}  # active jobs only
         self.queue: dict[Key, queue_order.QueueEntry] = {}
         self.positions: dict[Key, int] = {}  # 1-based queue positions
+        self.waiting = Waiting()  # why the queued tracks have not started (the last dispatch pass's finding)
         # The queue's order, made again only after something it depends on changed (``_stale``): with a
         # thousand tracks queued, ordering them on every submit and dispatch pass held the event loop.
         self._order: list[queue_order.QueueEntry] = []

@@ -14,6 +14,19 @@ class JobFacts:
 
     positions: Mapping[Key, int]  # 1-based queue positions of the queued tracks (of every job)
     eta: float | None  # seconds until the job's last track is done (None: finished elsewhere, or no history)
+    waiting: Waiting = field(default_factory=lambda: Waiting())  # why the queued tracks have not started
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why queued tracks have not started, as the last dispatch pass found: each planned track's reason
+    (``placement.plan``'s), and for the rest the pass's own (every worker busy: no plan was made)."""
+
+    reasons: Mapping[Key, str] = field(default_factory=dict)
+    otherwise: str | None = None  # None: not planned yet
+
+    def of(self, key: Key) -> str | None:
+        return self.reasons.get(key, self.otherwise)
 
 
 @dataclass(frozen=True)

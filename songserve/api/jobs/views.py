@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from songserve.api.jobs.facts import Waiting
 from songserve.api.jobs.phases import overall_progress
 from songserve.api.jobs.records import Job, Key, Track
 from songserve.api.jobs.states import TrackStatus, job_status
@@ -47,7 +48,7 @@ def _backbone_detail(t: Track) -> str:
 STOPPING = "Cancelled · stopping on its worker"
 
 
-def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
+def track_view(job: Job, t: Track, queue_position: int, waiting: str | None = None) -> TrackView:
     done = t.status is TrackStatus.done
     base = f"/job/{job.job_id}/track/{t.index}"
     # A cancelled job's running track is cancelled from the moment of the cancel (its worker is told to
@@ -65,6 +66,7 @@ def track_view(job: Job, t: Track, queue_position: int) -> TrackView:
         seed=t.seed,
         attempts=t.attempts,
         queue_position=queue_position,
+        waiting=waiting if t.status is TrackStatus.queued and not job.cancelled else None,
         files=_files(base, t) if done else None,
         metadata=t.metadata,
         preview_sec=t.preview_sec if t.status.running else 0.0,
@@ -78,8 +80,9 @@ def _files(base: str, t: Track) -> TrackFiles:
     return TrackFiles(mp3=f"{base}/mp3", wav=f"{base}/wav", codes=f"{base}/codes" if "codes" in kept else None)
 
 
-def job_view(job: Job, positions: Mapping[Key, int], eta: float | None) -> JobView:
-    tracks = [track_view(job, t, positions.get((job.job_id, t.index), 0)) for t in job.tracks]
+def job_view(job: Job, positions: Mapping[Key, int], eta: float | None, waiting: Waiting | None = None) -> JobView:
+    why = waiting.of if waiting is not None else lambda key: None
+    tracks = [track_view(job, t, positions.get(t.key, 0), why(t.key)) for t in job.tracks]
     queued = [tv.queue_position for tv in tracks if tv.queue_position]
     return JobView(
         job_id=job.job_id,

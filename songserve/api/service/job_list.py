@@ -42,7 +42,7 @@ async def list_jobs(
         except NotFoundError:
             continue  # removed by retention since the ids were read
         f = facts(job)
-        items.append(JobListItem(**job_view(job, f.positions, f.eta).model_dump(), asked=asked(job)))
+        items.append(JobListItem(**job_view(job, f.positions, f.eta, f.waiting).model_dump(), asked=asked(job)))
     more = len(rows) > limit
     return JobList(jobs=items, next_cursor=str(rows[limit - 1][1]) if more else None)
 

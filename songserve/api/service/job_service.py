@@ -293,7 +293,7 @@ class JobService:
     def view_of(self, job: Job) -> JobView:
         """A job's view as this dispatcher sees it now (queue positions, estimates)."""
         facts = self.dispatcher.facts(job)
-        return job_view(job, facts.positions, facts.eta)
+        return job_view(job, facts.positions, facts.eta, facts.waiting)
 
     async def jobs(self, caller: Caller | None, limit: int, cursor: str | None) -> JobList:
         """``GET /jobs``: the jobs ``caller`` may see, newest first (``service/job_list.py``)."""
