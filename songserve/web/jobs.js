@@ -131,6 +131,7 @@ function timeLeft(sec) {
 
 function figures(t) {
   const parts = [t.phase_display, `${t.progress}%`];
+  if (t.waiting) parts.push(`waiting: ${t.waiting}`);
   if (t.worker_id >= 0) parts.push(`worker ${t.worker_id}`);
   if (t.seed !== null && t.seed !== undefined) parts.push(`seed ${t.seed}`);
   if (t.attempts > 1) parts.push(`attempt ${t.attempts}`);
