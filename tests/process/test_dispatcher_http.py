@@ -189,15 +189,21 @@ def test_cancel_queued_and_running(one):
 
 @pytest.mark.process
 def test_restart_loses_nothing(tmp_path):
-    with Cluster(tmp_path, workers=1, delay=2.0) as c:
+    # The running track waits on the hold file (TEST_HOLD_FILE) until the dispatcher is dead, instead of
+    # a delay long enough for a loaded machine that every queued track then paid as well.
+    hold = tmp_path / "hold"
+    flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
+    with Cluster(tmp_path, workers=1, worker_args=flags) as c:
         done = c.submit(num_tracks=1)
         c.wait_job(done["job_id"])
         before = httpx.get(f"{c.url}/job/{done['job_id']}/track/0/wav", verify=TLS).content
+        hold.touch()
         running_job = c.submit(num_tracks=1)
         queued = [c.submit(num_tracks=2) for _ in range(2)]
         wait_for(lambda: running(c.job(running_job["job_id"])), timeout=10)
         c.api.signal(signal.SIGKILL)
         c.api.proc.wait(10)
+        hold.unlink()
         # The running track finishes on the worker while no dispatcher is up.
         wait_for(lambda: httpx.get(c.workers[0].url + "/health", verify=TLS).json()["tasks_done"] == 2, timeout=30)
         c.start_api()
