@@ -314,8 +314,11 @@ def wait_launched(proc: subprocess.Popen, api: str, out: Path, timeout: float = 
     wait_for(ready, timeout=timeout, interval=0.5)
 
 
-def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.0) -> ServerProcess:
-    """The reference worker's stand-in (tests/support/reference_worker.py), its requests logged as JSON lines."""
+def start_reference_worker(
+    tmp: Path, name: str = "reference", delay: float = 1.0, hold_file: Path | None = None
+) -> ServerProcess:
+    """The reference worker's stand-in (tests/support/reference_worker.py), its requests logged as JSON lines;
+    ``hold_file``: its takes wait in the backbone while that file exists."""
     port = free_port()
     args = [
         "tests/support/reference_worker.py",
@@ -327,6 +330,7 @@ def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.
         str(delay),
         "--requests-log",
         str(tmp / f"{name}_requests.jsonl"),
+        *(("--hold-file", str(hold_file)) if hold_file else ()),
     ]
     return ServerProcess(args, port, tmp / f"{name}.log")
 
