@@ -171,10 +171,17 @@ def start_worker(
     return ServerProcess(args, port, tmp / f"{name}.log", env, fresh)
 
 
-def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Start a worker that must refuse to start (the timeout bounds how fast): its exit and output."""
-    cmd = [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def worker_refusal(*args: str, timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Start a worker that must refuse to start (the timeout bounds how fast): its exit and output.
+
+    Forked from the test process's template, as the servers are (a tiny-model worker's refusal: 4
+    CPU-seconds of torch and megatron-core imports less); ``fresh=True`` starts a new interpreter, for
+    a test that reads all of its stderr (a fork's import-time warnings went to its template's log)."""
+    cmd = ["backend_worker.py", "--worker-port", "1", "--master-port", "0", *args]
+    kind = None if fresh else zygote.kind_of(cmd)
+    if kind is None:
+        return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return zygote.run(kind, cmd, ROOT, timeout=timeout)
 
 
 def results_files(root: Path, pattern: str = "*") -> list[Path]:
