@@ -129,6 +129,8 @@ def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
         assert st["workers"][0]["status"] == "stalled"
         assert any(t["attempts"] == 2 for j in (c.job(first["job_id"]), job) for t in j["tracks"])
     finally:
+        # Its model thread never ends, so SIGTERM's drain would outlast stop()'s 10 s before its SIGKILL.
+        hung.signal(signal.SIGKILL)
         c.stop()
 
 
