@@ -8,7 +8,7 @@ decoder, export), one thread, on the CPU: the baseline generates the take (seed 
 and the join window; super-resolution runs only the windows that hold new frames (``--sr-context``
 frames around them, ``REPAINT_CONTEXT_FRAMES``; 0 = the model's whole window); the decoder and the
 export still run over the whole song. Each stage's share of the edit is printed beside the ratio.
-``--smoke``: a 12 s take, a 2 s repaint and opening, one round.
+``--smoke``: a 6 s take, a 1 s repaint and opening, one round.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     a = args(__doc__, repeats=2, minutes=3.0, part_sec=20.0, sr_context=24)
     torch.set_num_threads(1)
     init_megatron(torch.device("cpu"), 0, seed=0)
-    minutes, part, repeats = (0.2, 2.0, 1) if a.smoke else (a.minutes, a.part_sec, a.repeats)
+    minutes, part, repeats = (0.1, 1.0, 1) if a.smoke else (a.minutes, a.part_sec, a.repeats)
     s = WorkerSettings(
         output_dir=Path(tempfile.mkdtemp(prefix="p18-")),
         checkpoints_dir=ROOT / "checkpoints" / "tiny",

@@ -261,7 +261,7 @@ def test_launcher_refuses_announce_without_a_token(tmp_path):
     ],
 )
 def test_bad_announce_settings_refuse_start_up(args, words):
-    out = worker_refusal("--pipeline", "test", *args, timeout=60)
+    out = worker_refusal("--pipeline", "test", *args, timeout=60, fresh=True)  # its whole stderr is one line
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr

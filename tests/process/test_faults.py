@@ -129,6 +129,8 @@ def test_hung_model_thread_is_reported_stalled_and_the_track_moves(tmp_path):
         assert st["workers"][0]["status"] == "stalled"
         assert any(t["attempts"] == 2 for j in (c.job(first["job_id"]), job) for t in j["tracks"])
     finally:
+        # Its model thread never ends, so SIGTERM's drain would outlast stop()'s 10 s before its SIGKILL.
+        hung.signal(signal.SIGKILL)
         c.stop()
 
 
@@ -184,10 +186,15 @@ def test_200_tracks_from_20_clients_on_4_workers_none_lost_none_twice(tmp_path):
 
 
 def test_sigterm_drains_the_dispatcher(tmp_path):
-    with Cluster(tmp_path, workers=1, delay=2.0, api_args=("--drain-timeout-sec", "20")) as c:
+    # The running track waits on the hold file (TEST_HOLD_FILE) until the draining dispatcher has been
+    # seen refusing new work, instead of a delay long enough for a loaded machine.
+    hold = tmp_path / "hold"
+    hold.touch()
+    flags = ("--pipeline", "test", "--test-delay-s", "0.2", "--test-hold-file", str(hold))
+    with Cluster(tmp_path, workers=1, worker_args=flags, api_args=("--drain-timeout-sec", "20")) as c:
         a = c.submit(num_tracks=1)
         queued = c.submit(num_tracks=1)
-        wait_for(lambda: in_phase(c, a["job_id"], "backbone"), timeout=10)
+        wait_for(lambda: httpx.get(c.url + "/status", verify=TLS).json()["running_tracks"] == 1, timeout=10)
         c.api.signal(signal.SIGTERM)
         r = wait_for(
             lambda: (x := httpx.post(c.url + "/generate", json={"lyrics": "x"}, verify=TLS)).status_code == 503 and x,
@@ -195,6 +202,7 @@ def test_sigterm_drains_the_dispatcher(tmp_path):
         )
         assert r.json()["status"] == "error"
         assert "shutting down" in r.json()["error"]
+        hold.unlink()
         assert c.api.proc.wait(30) == 0
         c.start_api()
         assert c.wait_job(a["job_id"])["tracks"][0]["attempts"] == 1  # finished during the drain

@@ -84,13 +84,16 @@ def test_a_mixed_fleet_completes_a_four_track_job(tmp_path):
 
 
 def test_cancelling_a_track_on_a_reference_worker_discards_its_result(tmp_path):
-    c = cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=3.0)])
+    hold = tmp_path / "hold"  # the take stays in its backbone until the cancel has been seen
+    hold.touch()
+    c = cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=0.3, hold_file=hold)])
     try:
         job_id = c.submit(num_tracks=1)["job_id"]
         wait_for(lambda: c.job(job_id)["tracks"][0]["status"] == "generating", timeout=20)
         httpx.delete(f"{c.url}/job/{job_id}", verify=TLS)
         job = wait_for(lambda: (j := c.job(job_id)) and j["tracks"][0]["status"] == "cancelled" and j, timeout=20)
         assert job["status"] == "cancelled"
+        hold.unlink()
         # The worker finishes on its own; then it takes the next job.
         assert c.wait_job(c.submit(num_tracks=1)["job_id"], timeout=60)["status"] == "completed"
     finally:
@@ -99,12 +102,15 @@ def test_cancelling_a_track_on_a_reference_worker_discards_its_result(tmp_path):
 
 @pytest.mark.process
 def test_after_a_dispatcher_restart_a_reference_workers_track_is_queued_again(tmp_path):
-    c = cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=3.0)])
+    hold = tmp_path / "hold"  # the first attempt stays in its backbone until the dispatcher is dead
+    hold.touch()
+    c = cluster_of(tmp_path, [start_reference_worker(tmp_path, delay=0.3, hold_file=hold)])
     try:
         job_id = c.submit(num_tracks=1)["job_id"]
         wait_for(lambda: c.job(job_id)["tracks"][0]["status"] == "generating", timeout=20)
         c.api.signal(9)
         c.api.proc.wait(10)
+        hold.unlink()
         c.start_api()
         job = c.wait_job(job_id, timeout=60)
         assert job["status"] == "completed"

@@ -1,6 +1,7 @@
 """A stand-in for the reference backend's worker: its HTTP surface, with the model replaced by a tone.
 
     python tests/support/reference_worker.py --worker-port P --output-dir DIR [--delay-s S] [--requests-log FILE]
+        [--hold-file FILE]
 
 The surface follows the reference's ``backend/backend_worker.py`` (public Khala repository):
 - ``GET /health``: exactly ``status, phase, gpu_id, seed, progress, progress_detail,
@@ -15,7 +16,9 @@ The surface follows the reference's ``backend/backend_worker.py`` (public Khala 
 - ``GET /download/{filename}``: the file, or 200 with a JSON error body when it is missing;
 - no ``/cancel``, no ``/tasks``, no token.
 Each request body is appended to ``--requests-log`` (JSON lines) so tests can see what it received.
-Tags ``"fail"`` make the model raise, to test the error path.
+Tags ``"fail"`` make the model raise, to test the error path. ``--hold-file`` (ours, for tests): after
+the backbone's first step a take waits while that file exists, so a test keeps it generating for as
+long as it needs instead of a delay long enough for a loaded machine.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class GenerateRequest(BaseModel):  # the reference worker's request model
     raw_prompt_mode: str = ""
 
 
-def build_app(out: Path, delay: float, requests_log: Path | None) -> FastAPI:
+def build_app(out: Path, delay: float, requests_log: Path | None, hold: Path | None = None) -> FastAPI:
     app = FastAPI()
     state = {"status": "idle", "phase": "idle", "progress": 0, "progress_detail": ""}
     lock = threading.Lock()
@@ -73,6 +76,8 @@ def build_app(out: Path, delay: float, requests_log: Path | None) -> FastAPI:
             time.sleep(delay * 0.6 / steps)
             done = estimated * i // (steps + 2)
             state.update(progress=min(99, done * 100 // estimated), progress_detail=f"{done}/{estimated} tokens")
+            while i == 1 and hold is not None and hold.exists():
+                time.sleep(0.02)
         if req.tags == "fail":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         phase("superres")
@@ -151,9 +156,10 @@ def main() -> None:
     p.add_argument("--output-dir", type=Path, required=True)
     p.add_argument("--delay-s", type=float, default=1.0)
     p.add_argument("--requests-log", type=Path)
+    p.add_argument("--hold-file", type=Path)
     a = p.parse_args()
     a.output_dir.mkdir(parents=True, exist_ok=True)
-    app = build_app(a.output_dir, a.delay_s, a.requests_log)
+    app = build_app(a.output_dir, a.delay_s, a.requests_log, a.hold_file)
     uvicorn.run(app, host="127.0.0.1", port=a.worker_port, log_level="warning")
 
 

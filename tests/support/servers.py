@@ -171,10 +171,17 @@ def start_worker(
     return ServerProcess(args, port, tmp / f"{name}.log", env, fresh)
 
 
-def worker_refusal(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Start a worker that must refuse to start (the timeout bounds how fast): its exit and output."""
-    cmd = [sys.executable, "backend_worker.py", "--worker-port", "1", "--master-port", "0", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def worker_refusal(*args: str, timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Start a worker that must refuse to start (the timeout bounds how fast): its exit and output.
+
+    Forked from the test process's template, as the servers are (a tiny-model worker's refusal: 4
+    CPU-seconds of torch and megatron-core imports less); ``fresh=True`` starts a new interpreter, for
+    a test that reads all of its stderr (a fork's import-time warnings went to its template's log)."""
+    cmd = ["backend_worker.py", "--worker-port", "1", "--master-port", "0", *args]
+    kind = None if fresh else zygote.kind_of(cmd)
+    if kind is None:
+        return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return zygote.run(kind, cmd, ROOT, timeout=timeout)
 
 
 def results_files(root: Path, pattern: str = "*") -> list[Path]:
@@ -314,8 +321,11 @@ def wait_launched(proc: subprocess.Popen, api: str, out: Path, timeout: float = 
     wait_for(ready, timeout=timeout, interval=0.5)
 
 
-def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.0) -> ServerProcess:
-    """The reference worker's stand-in (tests/support/reference_worker.py), its requests logged as JSON lines."""
+def start_reference_worker(
+    tmp: Path, name: str = "reference", delay: float = 1.0, hold_file: Path | None = None
+) -> ServerProcess:
+    """The reference worker's stand-in (tests/support/reference_worker.py), its requests logged as JSON lines;
+    ``hold_file``: its takes wait in the backbone while that file exists."""
     port = free_port()
     args = [
         "tests/support/reference_worker.py",
@@ -327,6 +337,7 @@ def start_reference_worker(tmp: Path, name: str = "reference", delay: float = 1.
         str(delay),
         "--requests-log",
         str(tmp / f"{name}_requests.jsonl"),
+        *(("--hold-file", str(hold_file)) if hold_file else ()),
     ]
     return ServerProcess(args, port, tmp / f"{name}.log")
 
