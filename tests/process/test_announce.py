@@ -27,8 +27,8 @@ from songserve.schemas import WorkerAnnounced, WorkerAnnouncement
 from songserve.worker import announce
 from songserve.worker.settings import WorkerSettings
 from songserve.worker.urls import default_public_url, dispatcher_urls, local_health_url
-from tests.process.test_launcher import launcher_env
 from tests.support.http import TLS
+from tests.support.launcher import launcher_env
 from tests.support.servers import ROOT, free_port, start_worker, wait_for, worker_refusal
 
 TOKEN = "announce-secret"

@@ -22,6 +22,7 @@ from tests.support.servers import (
     Cluster,
     bad_worker_state,
     cluster_of,
+    faults_charged,
     fill_disk,
     mount_tmpfs,
     results_files,
@@ -45,12 +46,6 @@ def healthy_and_bad(tmp: Path, mode: str, *api_args: str, healthy: tuple[str, ..
 def run_tracks(c: Cluster, n: int, timeout: float = 120) -> list[dict]:
     jobs = [c.submit(num_tracks=1)["job_id"] for _ in range(n)]
     return [c.wait_job(j, timeout=timeout) for j in jobs]
-
-
-def faults_charged(c: Cluster, worker_id: int) -> float:
-    text = httpx.get(c.url + "/metrics", timeout=10, verify=TLS).text
-    found = re.search(rf'songserve_worker_faults_total{{worker="{worker_id}"}} ([0-9.]+)', text)
-    return float(found.group(1)) if found else 0.0
 
 
 def tasks_done(w) -> float:  # type: ignore[no-untyped-def]

@@ -20,9 +20,8 @@ import pytest
 from songserve.api.settings import DispatcherSettings
 from songserve.process.settings import CALLER_DIR_ENV, load_settings
 from songserve.worker.settings import WorkerSettings
-from tests.process.test_first_hour import run_launcher
-from tests.process.test_launcher import launcher_env
 from tests.support.http import TLS
+from tests.support.launcher import launcher_env, run_launcher
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT
 

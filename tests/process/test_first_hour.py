@@ -15,14 +15,13 @@ import stat
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.process.test_launcher import launcher_env
 from tests.support import in_thread
 from tests.support.http import TLS
+from tests.support.launcher import NOISE, launcher_env, run_launcher
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, free_port, wait_for
 from tests.support.tiny_site import lent, tiny_site
@@ -157,9 +156,6 @@ def test_every_tiny_set_says_it_is_tiny(site, shared_release):
         assert config["tiny_checkpoints"] is True
 
 
-NOISE = ("Transformer Engine", "Apex is not installed", "Duplicate Operation ID", "Megatron-FSDP")
-
-
 def test_third_party_startup_noise_is_silenced_unless_debug(site, tmp_path):
     httpx.get(
         site.url + "/openapi.json", verify=TLS
@@ -219,12 +215,6 @@ def test_the_pages_header_says_what_it_shows_and_when(bare):
 
 
 # ---- the launcher -------------------------------------------------------------------------------
-
-
-def run_launcher(args: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: int = 400):
-    return subprocess.run(
-        ["bash", str(ROOT / "run_backend.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 # What the first start may say (each a line a newcomer acts on or needs); anything else is noise.

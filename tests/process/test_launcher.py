@@ -13,33 +13,8 @@ import pytest
 import soundfile as sf
 
 from tests.support.http import TLS
-from tests.support.servers import ROOT, free_port, wait_for, wait_launched
-
-
-def launcher_env(tmp: Path, **extra: str) -> dict:
-    env = {
-        **os.environ,
-        "API_PORT": str(free_port()),
-        "WORKER_BASE_PORT": str(free_port()),
-        "BASE_MASTER_PORT": "0",  # no port for the process groups (also the default now)
-        "LOG_DIR": str(tmp / "logs"),
-        "STATE_DIR": str(tmp / "state"),
-        "HEALTH_TIMEOUT": "180",
-        **extra,
-    }
-    # Worker ports are base+i: make sure base+1 is free too by picking a base with a free neighbour.
-    while True:
-        base = free_port()
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", base + 1))
-            break
-        except OSError:
-            continue
-    env["WORKER_BASE_PORT"] = str(base)
-    return env
+from tests.support.launcher import launcher_env
+from tests.support.servers import ROOT, wait_for, wait_launched
 
 
 def pids(log_dir: Path) -> list[int]:

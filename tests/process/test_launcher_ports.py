@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process.test_launcher import launcher_env
-from tests.process.test_ports import REFERENCE_MASTER_PORT, held
 from tests.support.http import TLS
+from tests.support.launcher import REFERENCE_MASTER_PORT, held, launcher_env
 from tests.support.listeners import holding_env, listening, not_on_loopback
 from tests.support.servers import ROOT, wait_for, wait_launched
 

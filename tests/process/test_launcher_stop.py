@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.process.test_launcher import launcher_env
 from tests.support.http import TLS
+from tests.support.launcher import launcher_env
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, wait_for
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.process.test_first_hour import NOISE
 from tests.support.http import TLS
+from tests.support.launcher import NOISE
 from tests.support.procs import MARK, marked
 from tests.support.servers import ROOT, free_port, wait_for
 

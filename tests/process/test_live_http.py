@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.process.test_scaleout import start_dispatcher, stop_all, tone_workers
 from tests.support.http import TLS
+from tests.support.pg_fleet import start_dispatcher, stop_all, tone_workers
 from tests.support.servers import Cluster, cluster_of, start_reference_worker, start_worker, wait_for
 
 SECONDS = 12.0  # of audio per take

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.process.test_listeners import Crowd
 from tests.support.http import TLS
-from tests.support.load_probe import HealthWatch, favoured, lag_counts
+from tests.support.load_probe import Crowd, HealthWatch, favoured, lag_counts
 from tests.support.servers import ROOT, Cluster, wait_for
 
 WAITERS = 1000

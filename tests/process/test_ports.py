@@ -3,36 +3,15 @@ then listens on loopback only; nothing a worker opens can be reached from anothe
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.launcher import REFERENCE_MASTER_PORT, held
 from tests.support.listeners import listening, not_on_loopback
 from tests.support.servers import ROOT, ServerProcess, free_port
-
-REFERENCE_MASTER_PORT = 8791  # the port the reference's launcher (and once ours) gave worker 0
-
-
-@contextlib.contextmanager
-def held(port: int, host: str = "127.0.0.1") -> Iterator[None]:
-    """A listener on ``host:port`` for the block (if something else holds it already, so much the better)."""
-    sock = socket.socket()
-    try:
-        sock.bind((host, port))
-        sock.listen()
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-    try:
-        yield
-    finally:
-        sock.close()
 
 
 def hand_started_worker(tmp: Path, name: str, env: dict[str, str] | None = None) -> ServerProcess:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.process.test_bad_workers import faults_charged
-from tests.support.servers import cluster_of, start_bad_worker, start_worker, wait_for
+from tests.support.servers import cluster_of, faults_charged, start_bad_worker, start_worker, wait_for
 
 # The healthy worker holds its first track (TEST_HOLD_FILE) until the drip's first copy is cut: busy
 # then, so a retry that forgot the failure would go back to the dripping worker. (Kept busy by load

@@ -12,73 +12,26 @@ import json
 import random
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from songserve.http.keepalive import CLIENT_KEEPALIVE_SEC
 from tests.support.http import TLS
-from tests.support.servers import ServerProcess, free_port, start_worker, wait_for
+from tests.support.pg_fleet import (
+    TOKEN,
+    generated,
+    job,
+    start_dispatcher,
+    status,
+    stop_all,
+    tone_workers,
+    wait_done,
+)
+from tests.support.servers import ServerProcess, free_port, wait_for
 
 # Real-process proofs (signals, kill -9, full disks, the launcher, load): one xdist worker runs them in order.
 pytestmark = pytest.mark.process
-
-TERMINAL = {"completed", "partial", "failed", "cancelled"}
-TOKEN = "scale-out-token"
-
-
-def start_dispatcher(tmp: Path, name: str, store_url: str, workers: list[ServerProcess], *extra: str) -> ServerProcess:
-    port = free_port()
-    urls = ",".join(w.url for w in workers)
-    args = [
-        "backend_api.py",
-        "--port", str(port),
-        "--state-dir", str(tmp / f"state_{name}"),
-        "--results-dir", str(tmp / "shared_results"),  # the "network volume" both dispatchers mount
-        "--store-url", store_url,
-        "--dispatcher-id", name,
-        "--lease-ttl-sec", "3",
-        "--health-interval", "0.2",
-        *(("--worker-urls", urls) if urls else ("--num-workers", "0")),
-        *extra,
-    ]  # fmt: skip
-    api = ServerProcess(args, port, tmp / f"api_{name}.log", env={"WORKER_TOKEN": TOKEN})
-    api.wait_healthy(want=("ok",))
-    return api
-
-
-def tone_workers(tmp: Path, n: int, delay: float, *extra: str) -> list[ServerProcess]:
-    ws = [
-        start_worker(
-            tmp, "--pipeline", "test", "--test-delay-s", str(delay), *extra, name=f"w{i}", env={"WORKER_TOKEN": TOKEN}
-        )
-        for i in range(n)
-    ]
-    for w in ws:
-        w.wait_healthy()
-    return ws
-
-
-def generated(workers: list[ServerProcess]) -> int:
-    return sum(w.log_tail(10_000_000).count(": done in ") for w in workers)
-
-
-def job(api: ServerProcess, job_id: str) -> dict:
-    return httpx.get(f"{api.url}/job/{job_id}", timeout=10, verify=TLS).json()
-
-
-def wait_done(api: ServerProcess, job_id: str, timeout: float = 60) -> dict:
-    return wait_for(lambda: (j := job(api, job_id))["status"] in TERMINAL and j, timeout=timeout, interval=0.1)
-
-
-def status(api: ServerProcess) -> dict:
-    return httpx.get(api.url + "/status", timeout=10, verify=TLS).json()
-
-
-def stop_all(*procs: ServerProcess) -> None:
-    for p in procs:
-        p.stop()
 
 
 def test_a_job_submitted_at_one_dispatcher_is_polled_and_streamed_at_another(tmp_path, pg_url):

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.process.test_scaleout import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
 from tests.support.http import TLS
+from tests.support.pg_fleet import TERMINAL, TOKEN, job, start_dispatcher, status, stop_all, tone_workers
 from tests.support.servers import ServerProcess, wait_for
 
 DONE = re.compile(r"task ([0-9a-f]{16})-(\d+)-\d+-[0-9a-f]+: done in ")

@@ -287,7 +287,7 @@ def test_a_continuation_that_cannot_be_served_is_refused_naming_the_field(site, 
 
 @pytest.mark.process
 def test_any_dispatcher_of_a_postgresql_fleet_answers_for_an_upload(tmp_path: Path, pg_url: str):
-    from tests.process.test_scaleout import start_dispatcher, stop_all, tone_workers, wait_done
+    from tests.support.pg_fleet import start_dispatcher, stop_all, tone_workers, wait_done
 
     workers = tone_workers(tmp_path, 1, 0.2)
     a = start_dispatcher(tmp_path, "A", pg_url, workers)

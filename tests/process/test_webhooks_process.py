@@ -13,8 +13,8 @@ import signal
 import httpx
 
 from songserve.api.webhooks.sign import verify
-from tests.process.test_scaleout import start_dispatcher, tone_workers
 from tests.support.http import TLS
+from tests.support.pg_fleet import start_dispatcher, tone_workers
 from tests.support.receiver import Receiver
 from tests.support.servers import Cluster, ServerProcess, free_port, start_worker, wait_for
 

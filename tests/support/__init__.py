@@ -22,25 +22,26 @@ Starting a server, one way for each kind:
   ``servers.start_bad_worker`` (``bad_worker.py``), ``script="tests/support/late_worker.py"``.
 - **A real dispatcher process**: ``servers.Cluster(tmp)`` or ``servers.cluster_of(tmp, workers,
   *flags)`` over workers already started. Files that need a dispatcher of their own shape still build
-  ``servers.ServerProcess(["backend_api.py", ...])`` by hand, and the PostgreSQL pairs use
-  ``tests/process/test_scaleout.py``'s ``start_dispatcher`` / ``tone_workers``: merging those into
-  ``servers.py`` is left for later (it touches a dozen test files).
+  ``servers.ServerProcess(["backend_api.py", ...])`` by hand. **Dispatchers sharing a PostgreSQL
+  store** over tone worker processes: ``pg_fleet.py`` (``start_dispatcher``, ``tone_workers``).
 - **Every real process** goes through ``servers.ServerProcess``: forked from a template that has
   imported what the program imports (``zygote.py``; never call it directly, but ``zygote.run`` for a
   one-off command such as a benchmark's smoke run); ``fresh=True`` for what a cold start shows.
 - **The tiny-model worker**: the fixtures ``shared_tiny`` / ``shared_release`` (one per test
   process, ``tiny_site.py``, its hold points ``held_worker.py``), lent to a file with ``lent``; a
   dispatcher over it: the ``tiny_site`` fixture. A worker with flags of its own: ``start_worker``.
-- **The launcher** (``run_backend.sh``): ``tests/process/test_launcher.py``'s ``launcher_env`` and
+- **The launcher** (``run_backend.sh``): ``launcher.py`` (``launcher_env``, ``run_launcher``, a port
+  ``held`` while it starts, the start-up ``NOISE`` its logs must not carry) and
   ``servers.wait_launched``; what it left behind: ``procs.py``.
 - **Other servers**: a webhook receiver (``receiver.py``), PostgreSQL (``pg.py``, the ``pg_url``
   fixture).
 
 Probes: ``listeners.py`` (sockets a process listens on), ``load_probe.py`` (peak memory, health
-under load, raw requests). Data: ``audio.py`` (music-like audio and its file bytes),
+under load, raw requests, a ``Crowd`` of stream listeners). Data: ``audio.py`` (music-like audio and its file bytes),
 ``plain_encoder.py`` (an independent codec encoder to compare with), ``stores.py`` (a job store of
 either engine, two dispatchers' views of one, the records the store tests write; the ``engine``
 fixture is the integration tier's ``conftest.py``), ``fake_fleet.py``'s ``aio``/``body``/``run_job``
 for the in-process dispatcher. Plugins: ``tiny_site.py``, ``schedule.py`` (units, order, durations).
-Every httpx client passes ``verify=http.TLS`` (``http.py``).
+Every httpx client passes ``verify=http.TLS`` (``http.py``). A test file imports no other test file
+(``tests/unit/test_suite_shape.py``): what two share lives here.
 """

@@ -148,3 +148,59 @@ def lag_counts(url: str) -> tuple[float, float]:
 
     count = value("songserve_event_loop_lag_seconds_count")
     return count, count - value('songserve_event_loop_lag_seconds_bucket{le="1.0"}')
+
+
+class Crowd:
+    """``n`` listeners of one stream on raw sockets, read by one thread until each stream ends.
+
+    Each gets the HTTP status and whether its body ended as a whole chunked transfer (``0\\r\\n\\r\\n``)."""
+
+    def __init__(self, url: str, n: int, deadline_sec: float = 180.0) -> None:
+        host, rest = url.removeprefix("http://").split("/", 1)
+        self.addr = (host.split(":")[0], int(host.split(":")[1]))
+        self.request = f"GET /{rest} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
+        self.n, self.deadline = n, time.monotonic() + deadline_sec
+        self.answers: list[bytes] = []  # each listener's whole answer, head and body
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        bufs: dict[socket.socket, bytearray] = {}
+        for _ in range(self.n):
+            sock = socket.create_connection(self.addr, timeout=10)
+            sock.sendall(self.request)
+            sock.setblocking(False)
+            bufs[sock] = bytearray()
+            sel.register(sock, selectors.EVENT_READ)
+        while bufs and time.monotonic() < self.deadline:
+            for key, _ in sel.select(timeout=1.0):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    bufs[sock] += data
+                    continue
+                sel.unregister(sock)
+                sock.close()
+                self.answers.append(bytes(bufs.pop(sock)))
+        for sock, buf in bufs.items():  # past the deadline: unfinished
+            sock.close()
+            self.answers.append(bytes(buf))
+
+    @property
+    def listening(self) -> bool:
+        return self.thread.is_alive()
+
+    def statuses(self) -> list[int]:
+        return [int(a.split(b" ", 2)[1]) if a.startswith(b"HTTP/1.1 ") else 0 for a in self.answers]
+
+    def whole(self) -> int:
+        return sum(a.endswith(b"\r\n0\r\n\r\n") for a in self.answers)

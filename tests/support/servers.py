@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -402,3 +403,9 @@ def fill_disk(folder: Path, leave_bytes: int = 0) -> Path:
     written = filler.stat().st_size
     os.truncate(filler, max(0, written - leave_bytes))
     return filler
+
+
+def faults_charged(c: Cluster, worker_id: int) -> float:
+    text = httpx.get(c.url + "/metrics", timeout=10, verify=TLS).text
+    found = re.search(rf'songserve_worker_faults_total{{worker="{worker_id}"}} ([0-9.]+)', text)
+    return float(found.group(1)) if found else 0.0

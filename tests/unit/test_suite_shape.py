@@ -103,3 +103,32 @@ def test_every_httpx_client_the_tests_make_shares_one_tls_context():
     plain-HTTP requests; ``tests/support/http.py`` holds the one context they share."""
     found = [hit for path in sorted(TESTS.rglob("*.py")) for hit in _clients_without_the_shared_context(path)]
     assert not found, f"pass verify=TLS (from tests.support.http import TLS): {found}"
+
+
+def _imports_of_test_files(path: Path) -> list[str]:
+    """The test modules ``path`` imports from (``tests.<tier>.test_*``): what two files share goes to
+    tests/support/, so a file runs, moves or is removed without another's tests coming along."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found += [n for n in names if n.split(".")[0] == "tests" and n.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_no_test_file_imports_another():
+    found = {
+        p.relative_to(TESTS).as_posix(): hits
+        for p in sorted(TESTS.rglob("*.py"))
+        if (hits := _imports_of_test_files(p))
+    }
+    assert not found, f"move what these share into tests/support/: {found}"
+
+
+def test_the_import_check_sees_one(tmp_path):
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "from tests.process.test_scaleout import job\nimport tests.unit.test_x\nfrom tests.support import x\n"
+    )
+    assert _imports_of_test_files(probe) == ["tests.process.test_scaleout", "tests.unit.test_x"]
