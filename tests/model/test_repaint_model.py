@@ -282,8 +282,11 @@ def test_two_parts_keep_every_code_outside_their_new_frames_and_every_sample_out
         assert meta["changed_samples"] == [first["changed_samples"][0], last["changed_samples"][1]]
         prefill = result.metadata["prefill"]
         assert prefill["parts"][1]["own_tokens"] == 2 * (PARTS[1][0] - PARTS[0][0])  # each take's own frames
-        shared = prefill["parts"][1]  # the prompt and the original before the first part: the first's snapshot
-        assert shared["restored"] == shared["tokens"] == prefill["tokens"]
+        shared = prefill["parts"][1]  # the prompt and the original before the first part, from a snapshot:
+        assert shared["tokens"] == prefill["tokens"]
+        # the first part's own (all of them), or, where an earlier test left a longer snapshot of the same
+        # take, that one (it serves every shorter prefix but one position: its last hidden state is not kept)
+        assert shared["tokens"] - 1 <= shared["restored"] <= shared["tokens"]
         wave = decode(pipeline, grid)
         same = torch.ones(wave.shape[-1], dtype=torch.bool)
         for part in meta["parts"]:
