@@ -5,8 +5,8 @@ Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``, plus ``.
 written under a temporary name in the same folder, then renamed.
 
 The MP3 at constant bitrate (``MP3_BITRATE_MODE=CONSTANT``, the default) is the reference's: LAME
-through ``lameenc`` (``mp3.py``) fed the 16-bit samples the WAV holds, read back from it, with the
-ID3 tag and the Info frame written here. ``VARIABLE`` and ``AVERAGE`` go through ``soundfile``'s
+through ``lameenc`` fed the 16-bit samples the WAV holds, read back from it, the ID3 tag and the
+Info frame written around LAME's frames by ``mp3.py``. ``VARIABLE`` and ``AVERAGE`` go through ``soundfile``'s
 bundled libsndfile (no system package), about 3.5× the CPU.
 
 A failed export leaves nothing behind (neither its temporary file nor the files of the track it
