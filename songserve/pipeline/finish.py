@@ -122,7 +122,7 @@ def finish_take(
         metadata["live"] = live
     if adapter is not None:
         metadata["adapter"] = adapter
-    mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level).tagged(
+    mp3 = Mp3Options(s.mp3_bitrate_mode, s.mp3_compression_level, s.mp3_quality).tagged(
         req.tags or req.description, req.track_index, req.lyrics
     )
     timings["model_sec"] = time.perf_counter() - t_all

@@ -53,6 +53,7 @@ class WorkerSettings(BaseSettings):
     output_dir: Path = Field(ROOT / "generated_audio", description="where WAV, MP3 and JSON are written")
     mp3_bitrate_mode: Literal["CONSTANT", "VARIABLE", "AVERAGE"] = "CONSTANT"
     mp3_compression_level: float = Field(0.0, ge=0.0, le=1.0, description="0 = highest quality")
+    mp3_quality: int = Field(3, ge=0, le=9, description="LAME's algorithm quality at CONSTANT: 0 = best, 9 = quickest")
     eoa_min_share: float | None = Field(
         None,
         ge=0.0,

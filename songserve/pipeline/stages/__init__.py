@@ -1,3 +1,4 @@
 """The stages of a song: prompt, tokenizer, backbone, super-resolution, codec (RVQ + DAC decoder), export.
 
-Beside them: the length plan (``length.py``) and a repaint's join (``join.py``)."""
+Beside them: the length plan (``length.py``), a repaint's join (``join.py``) and the MP3 file export writes
+(``mp3.py``: LAME's frames, the ID3 tag and the Info frame)."""

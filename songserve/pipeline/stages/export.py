@@ -1,17 +1,21 @@
 """Export: WAV, MP3, the code grid and JSON for one track, each written atomically into the output folder.
 
 Names follow the reference: ``YYYYmmdd_HHMMSS_<8 hex>.{wav,mp3,json}``, plus ``.codes`` (the take's
-64 × frames code grid, ``songserve/audio/codes.py``: what a later retake continues from). MP3 goes through
-``soundfile``'s bundled libsndfile (no system package), constant bitrate, highest quality by
-default. Each file is written under a temporary name in the same folder, then renamed.
+64 × frames code grid, ``songserve/audio/codes.py``: what a later retake continues from). Each file is
+written under a temporary name in the same folder, then renamed.
+
+The MP3 at constant bitrate (``MP3_BITRATE_MODE=CONSTANT``, the default) is the reference's: LAME
+through ``lameenc`` fed the 16-bit samples the WAV holds, read back from it, the ID3 tag and the
+Info frame written around LAME's frames by ``mp3.py``. ``VARIABLE`` and ``AVERAGE`` go through ``soundfile``'s
+bundled libsndfile (no system package), about 3.5× the CPU.
 
 A failed export leaves nothing behind (neither its temporary file nor the files of the track it
 already wrote) and raises ``ExportError``, an ``OSError`` whose errno says what happened:
 ``ENOSPC`` when the disk is full. libsndfile reports a full disk as a bare ``LibsndfileError``
 with no errno, so the free space is measured after a failure to tell the two apart.
 
-The MP3 encoder takes about as long as the decoder on the CPU (2.8 s per minute of stereo audio
-on the 2-core VM), so it is fed in blocks of ``MP3_BLOCK_SEC`` and reports after each one
+The MP3 encoder is the export's slow part (about 1 s of one core per minute of stereo audio with
+LAME at quality 3, 3.4 s through libsndfile), so it is fed in blocks of ``MP3_BLOCK_SEC`` and reports after each one
 (``on_progress``): progress moves through the export instead of standing still at its end. The
 encoder buffers across writes, so the file is byte for byte the one a single write makes.
 """
@@ -33,6 +37,7 @@ import numpy as np
 import soundfile as sf
 
 from songserve.audio import codes as codes_file
+from songserve.pipeline.stages import mp3 as mp3_file
 
 MP3_BLOCK_SEC = 10  # seconds of audio per MP3 write (a progress report after each)
 WAV_SHARE = 0.05  # of the export: writing 16-bit PCM is ~40× quicker than encoding MP3
@@ -42,7 +47,8 @@ Progress = Callable[[float, str], None]  # (share of the export done, 0..1; what
 @dataclass(frozen=True)
 class Mp3Options:
     bitrate_mode: str = "CONSTANT"
-    compression_level: float = 0.0  # 0 = highest quality
+    compression_level: float = 0.0  # 0 = highest quality (320 kbit/s at CONSTANT: mp3.cbr_kbps)
+    quality: int = mp3_file.DEFAULT_QUALITY  # LAME's algorithm quality at CONSTANT (0 = best … 9)
     title: str = ""  # ID3 tags, as a render of the take carries them (api/results/render.py)
     lyrics: str = ""
 
@@ -50,7 +56,7 @@ class Mp3Options:
         """These options with the take's title (its style and take number, as a render's) and lyrics."""
         style = style.strip()
         title = f"{style[:80]} (take {track_index + 1})" if style else f"songserve take {track_index + 1}"
-        return Mp3Options(self.bitrate_mode, self.compression_level, title, lyrics)
+        return Mp3Options(self.bitrate_mode, self.compression_level, self.quality, title, lyrics)
 
 
 def new_basename(now: float | None = None) -> str:
@@ -94,20 +100,36 @@ def _atomic(path: Path, write: Callable[[Path], object], need_bytes: int = 0) ->
         raise
 
 
-def _write_mp3(path: Path, audio: np.ndarray, sample_rate: int, mp3: Mp3Options, on_progress: Progress) -> None:
-    """audio (samples, channels) in blocks, reporting the share written after each."""
+def _write_mp3(
+    path: Path, audio: np.ndarray, wav: Path, sample_rate: int, mp3: Mp3Options, on_progress: Progress
+) -> None:
+    """The MP3 of ``audio`` (samples, channels), whose WAV is ``wav``, in blocks, reporting the share
+    written after each.
+
+    At constant bitrate LAME gets the WAV's own 16-bit samples, read back from it (as the reference's
+    ffmpeg does); the variable and average bitrate modes stay libsndfile's writer, fed ``audio``."""
+    block = sample_rate * MP3_BLOCK_SEC
+
+    def report(share: float) -> None:
+        on_progress(share, "writing MP3")
+
+    if mp3.bitrate_mode == "CONSTANT":
+        pcm, _ = sf.read(wav, dtype="int16", always_2d=True)
+        kbps = mp3_file.cbr_kbps(mp3.compression_level)
+        path.write_bytes(mp3_file.mp3_file(pcm, sample_rate, kbps, mp3.quality, mp3.title, mp3.lyrics, block, report))
+        return
     channels = audio.shape[1] if audio.ndim > 1 else 1
-    block, total = sample_rate * MP3_BLOCK_SEC, max(1, audio.shape[0])
+    total = max(1, audio.shape[0])
     opts = {"bitrate_mode": mp3.bitrate_mode, "compression_level": mp3.compression_level}
     with sf.SoundFile(path, "w", sample_rate, channels, format="MP3", subtype="MPEG_LAYER_III", **opts) as f:
         if mp3.title:
             f.title = mp3.title
         if mp3.lyrics:
             f.comment = mp3.lyrics
-        f.software = "songserve"
+        f.software = mp3_file.SOFTWARE
         for start in range(0, audio.shape[0], block):
             f.write(audio[start : start + block])
-            on_progress(min(total, start + block) / total, "writing MP3")
+            report(min(total, start + block) / total)
 
 
 def write_track(
@@ -145,7 +167,11 @@ def write_track(
         def mp3_report(share: float, what: str) -> None:
             report(WAV_SHARE + (1 - WAV_SHARE) * share, what)
 
-        _atomic(out_dir / mp3_name, lambda p: _write_mp3(p, audio, sample_rate, mp3, mp3_report), wav_bytes // 4)
+        _atomic(
+            out_dir / mp3_name,
+            lambda p: _write_mp3(p, audio, out_dir / wav, sample_rate, mp3, mp3_report),
+            wav_bytes // 4,
+        )
         written.append(out_dir / mp3_name)
         files = {"wav": wav, "mp3": mp3_name, "json": meta}
         if codes is not None:
