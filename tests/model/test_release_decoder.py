@@ -23,6 +23,7 @@ from songserve.pipeline.checkpoints.decoder_config import read_decoder_config
 from songserve.pipeline.checkpoints.decoder_load import TRUST_SETTING
 from songserve.pipeline.stages.codec import load_decoder
 from songserve.pipeline.tiny.decoder_release import FULL_SIZES, ReleaseDecoderSizes, release_yaml, write_release_decoder
+from tests.support.plain_encoder import Snake, Unit
 
 CPU = torch.device("cpu")
 
@@ -41,43 +42,20 @@ def _blob(ckpt):
 # ---- an independent, plain DAC decoder (torch's weight_norm, no folding) ----------------------------
 
 
-class _Snake(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.alpha = nn.Parameter(torch.ones(1, c, 1))
-
-    def forward(self, x):
-        return x + torch.sin(self.alpha * x) ** 2 / (self.alpha + 1e-9)
-
-
-class _Unit(nn.Module):
-    def __init__(self, c: int, dilation: int) -> None:
-        super().__init__()
-        self.block = nn.Sequential(
-            _Snake(c),
-            weight_norm(nn.Conv1d(c, c, 7, dilation=dilation, padding=3 * dilation)),
-            _Snake(c),
-            weight_norm(nn.Conv1d(c, c, 1)),
-        )
-
-    def forward(self, x):
-        return x + self.block(x)
-
-
 def _plain_decoder(s: ReleaseDecoderSizes) -> nn.Module:
     width = s.decoder_filters * 2 ** len(s.rates)
     layers: list[nn.Module] = [weight_norm(nn.Conv1d(s.d_latent, width, 7, padding=3))]
     for r in s.rates:
         block = nn.Module()  # DAC names its upsampling stages' contents ``block``
         block.block = nn.Sequential(
-            _Snake(width),
+            Snake(width),
             weight_norm(nn.ConvTranspose1d(width, width // 2, 2 * r, stride=r, padding=math.ceil(r / 2))),
-            *(_Unit(width // 2, d) for d in (1, 3, 9)),
+            *(Unit(width // 2, d) for d in (1, 3, 9)),
         )
         block.forward = block.block.forward  # type: ignore[method-assign]
         layers.append(block)
         width //= 2
-    layers += [_Snake(width), weight_norm(nn.Conv1d(width, s.out_channel, 7, padding=3))]
+    layers += [Snake(width), weight_norm(nn.Conv1d(width, s.out_channel, 7, padding=3))]
     dec = nn.Sequential(*layers)
     return nn.ModuleDict({"model": dec})
 

@@ -1,5 +1,6 @@
 """An independent, plain codec encoder: torch's own ``weight_norm`` and float64 distances, written from the
-release's layout, so the tests compare the pipeline's encoder with something that shares none of its code."""
+release's layout, so the tests compare the pipeline's encoder with something that shares none of its code.
+Its residual units (``Snake``, ``Unit``) build the plain decoder of tests/model/test_release_decoder.py too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from songserve.pipeline.tiny.decoder_release import ReleaseDecoderSizes
 
 
-class _Snake(nn.Module):
+class Snake(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, c, 1))
@@ -22,13 +23,13 @@ class _Snake(nn.Module):
         return x + torch.sin(self.alpha * x) ** 2 / (self.alpha + 1e-9)
 
 
-class _Unit(nn.Module):
+class Unit(nn.Module):
     def __init__(self, c: int, dilation: int) -> None:
         super().__init__()
         self.block = nn.Sequential(
-            _Snake(c),
+            Snake(c),
             weight_norm(nn.Conv1d(c, c, 7, dilation=dilation, padding=3 * dilation)),
-            _Snake(c),
+            Snake(c),
             weight_norm(nn.Conv1d(c, c, 1)),
         )
 
@@ -43,13 +44,13 @@ def _plain_encoder(s: ReleaseDecoderSizes) -> nn.Module:
         half, width = width, 2 * width
         block = nn.Module()
         block.block = nn.Sequential(
-            *(_Unit(half, d) for d in (1, 3, 9)),
-            _Snake(half),
+            *(Unit(half, d) for d in (1, 3, 9)),
+            Snake(half),
             weight_norm(nn.Conv1d(half, width, 2 * stride, stride=stride, padding=math.ceil(stride / 2))),
         )
         block.forward = block.block.forward  # type: ignore[method-assign]
         layers.append(block)
-    layers += [_Snake(width), weight_norm(nn.Conv1d(width, s.d_latent, 3, padding=1))]
+    layers += [Snake(width), weight_norm(nn.Conv1d(width, s.d_latent, 3, padding=1))]
     return nn.ModuleDict({"block": nn.Sequential(*layers)})
 
 
