@@ -15,6 +15,7 @@ NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
 ID_PATTERN = r"^[A-Za-z0-9_.-]*$"
 WORD_PATTERN = r"^[A-Za-z_]*$"
 ADAPTER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # an adapter's name: its folder in ADAPTERS_DIR
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # its two files (PEFT's names)
 MAX_ADAPTER_SCALE = 4.0
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 FILE_NAME_PATTERN = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,200})?$"  # a plain file name, as /download serves (or none)

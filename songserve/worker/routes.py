@@ -50,6 +50,7 @@ PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 GENRES = ["pop", "rock", "jazz", "electronic", "hip hop", "folk", "classical", "r&b", "country", "metal"]
 LANGUAGES = ["en", "zh", "Instrumental"]
 FORM_SLACK = 64 * 1024  # bytes of a multipart body beyond its files: boundaries, headers, the name
+ADAPTER_FORM = "is required: send the adapter as multipart/form-data files config and weights"
 
 status_routes = APIRouter()
 task_routes = APIRouter()
@@ -298,13 +299,13 @@ async def put_adapter(name: str, request: Request, rt: WorkerRuntime = Runtime) 
     ``ADAPTERS_DIR`` a 409."""
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data"):
-        raise FieldError("config", "is required: send the adapter as multipart/form-data files config and weights")
+        raise FieldError("config", ADAPTER_FORM)
     limit, too_large = adapter_limit(rt.s)
     form = await read_form(request.stream(), content_type, FormLimits(limit, 4096, limit, too_large))
     try:
         for part in ("config", "weights"):
             if part not in form.files:
-                raise FieldError(part, "is required: send the adapter as multipart/form-data files config and weights")
+                raise FieldError(part, ADAPTER_FORM)
         return {"status": "ok", **await rt.upload_adapter(name, form.files["config"].file, form.files["weights"].file)}
     finally:
         form.close()

@@ -41,7 +41,7 @@ from songserve.api.results.folder import ResultsFolder, ResultsUnwritable, unwri
 from songserve.api.results.result_check import Copied, check_copy
 from songserve.api.workers.outcomes import WorkerFault
 from songserve.api.workers.to_worker import result_files
-from songserve.schemas.common import ADAPTER_PATTERN
+from songserve.schemas.common import ADAPTER_CONFIG, ADAPTER_PATTERN, ADAPTER_WEIGHTS
 
 if TYPE_CHECKING:
     from songserve.api.workers.client import WorkerClient
@@ -55,7 +55,7 @@ RENDER_EXTS = ("flac", "opus", "mp3", "wav", "json")  # a render, and the JSON b
 UPLOADS = "uploads"  # the folder of uploads inside the results folder (not a job id: retention's job sweep skips it)
 ADAPTERS = "adapters"  # the folder of uploaded LoRA adapters (not a job id either)
 ADAPTER_NAME = re.compile(ADAPTER_PATTERN)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's names, as a worker reads them
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # PEFT's names, as a worker reads them
 UPLOAD_FILE = re.compile(r"^(source\.[a-z0-9]{1,8}|codes\.codes)$")
 FLOOR_WINDOW_SEC = 5  # a copy's rate is judged over its last this many seconds
 

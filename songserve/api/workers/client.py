@@ -36,11 +36,11 @@ from pydantic import ValidationError
 from songserve.api.workers import to_worker
 from songserve.api.workers.outcomes import Outcome, TaskLost, WorkerFault, WorkerUnreachable
 from songserve.schemas import TaskView, WorkerConfig, WorkerEncodeResult, WorkerGenerateRequest, WorkerHealth
+from songserve.schemas.common import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 FILE_TIMEOUT = 60.0  # seconds between two chunks of a file (the whole copy has its own deadline)
 CHUNK = 1 << 16
 CONTROL_TIMEOUT = 5.0
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"  # an adapter's files (PEFT's names)
 # A live stream is quiet between its last audio and its take's end (super-resolution, decoder, files);
 # past this the relay asks again, so a worker that hangs never holds a listener for good.
 LIVE_READ_TIMEOUT = 20.0
@@ -204,8 +204,8 @@ class WorkerClient:
         them against its models. ``AdapterRefused`` names the file it refused and why."""
         with config.open("rb") as c, weights.open("rb") as w:
             files = {
-                "config": (CONFIG_FILE, c, "application/json"),
-                "weights": (WEIGHTS_FILE, w, "application/octet-stream"),
+                "config": (ADAPTER_CONFIG, c, "application/json"),
+                "weights": (ADAPTER_WEIGHTS, w, "application/octet-stream"),
             }
             r = await self._call("PUT", f"/adapters/{name}", httpx.Timeout(timeout), True, files=files)
         return to_worker.read_adapter_answer(r.status_code, self._json(r))

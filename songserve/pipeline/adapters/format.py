@@ -33,9 +33,9 @@ import torch
 
 from songserve.pipeline.adapters.safetensors_file import SafetensorsError, read_safetensors
 from songserve.pipeline.engine.lora import TARGETS
+from songserve.schemas.common import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
+CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 MODELS = ("backbone", "superres")
 MAX_RANK = 64  # the slots' rank (``engine/lora.py``): every slot is this wide
 PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
