@@ -175,17 +175,27 @@ def repaint_span(cf: ContinueFrom, start: int, frames: int, fps: float, join_win
     """The frames a repaint writes anew: from ``start`` (frames wholly before ``at_sec``) to the frame
     of ``end_sec``, the join searched within the window around it; a 422 where that is no part of the song."""
     assert cf.end_sec is not None
-    end = round(cf.end_sec * fps)
+    end = span_end(cf.end_sec, start, frames, fps, "continue_from")
+    return RepaintSpan(start=start, end=end, window=round(join_window_sec * fps))
+
+
+def span_end(end_sec: float, start: int, frames: int, fps: float, field: str, index: int | None = None) -> int:
+    """The frame a part ending at ``end_sec`` ends at (``field``'s ``end_sec``), or a 422 where it is past the
+    song or less than a frame after the part's ``start``."""
+    end = round(end_sec * fps)
     if end > frames:
         raise FieldError(
-            "continue_from.end_sec", f"is past the end of the song ({frames / fps:.2f} s): a repaint ends inside it"
+            f"{field}.end_sec",
+            f"is past the end of the song ({frames / fps:.2f} s): a repaint ends inside it",
+            index=index,
         )
     if end <= start:
         raise FieldError(
-            "continue_from.end_sec",
-            f"the part from continue_from.at_sec to here is shorter than a frame ({1 / fps * 1000:.0f} ms)",
+            f"{field}.end_sec",
+            f"the part from {field}.at_sec to here is shorter than a frame ({1 / fps * 1000:.0f} ms)",
+            index=index,
         )
-    return RepaintSpan(start=start, end=end, window=round(join_window_sec * fps))
+    return end
 
 
 def repaint_parts(parts: list[RepaintPart], frames: int, fps: float, join_window_sec: float) -> list[RepaintSpan]:
@@ -202,11 +212,7 @@ def repaint_parts(parts: list[RepaintPart], frames: int, fps: float, join_window
                 f"must be inside the song: from {1 / fps:.3f} s to below {frames / fps:.2f} s",
                 index=i,
             )
-        end = round(part.end_sec * fps)
-        if end > frames:
-            raise FieldError(f"{name}.end_sec", f"is past the end of the song ({frames / fps:.2f} s)", index=i)
-        if end <= start:
-            raise FieldError(f"{name}.end_sec", f"the part is shorter than a frame ({1 / fps * 1000:.0f} ms)", index=i)
+        end = span_end(part.end_sec, start, frames, fps, name, index=i)
         if spans:
             before = spans[-1]
             if start < before.start:
