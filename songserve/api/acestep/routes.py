@@ -241,13 +241,10 @@ async def _lora_call(request: Request, authorization: str | None) -> tuple[dict[
 
 
 @router.post("/v1/lora/load")
-async def lora_load(
-    request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
-) -> JSONResponse:
+async def lora_load(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     body, caller = await _authorized(request, authorization, files=False)
     fields, session = body.fields, _session(request, caller)
-    # another key's upload is as unknown here as a name no worker has
-    offered = {o.name for o in readings.fleet().adapters} - await parts(request).adapters.hidden_from(caller)
+    offered = await parts(request).adapters.usable(caller)  # another key's upload is as unknown as no name
     name = adapter_name(fields.get("lora_path"), fields.get("adapter_name"), offered)
     session.adapter, session.use = name, True
     data: dict[str, Any] = {"message": f"LoRA {name!r} loaded for this key's tasks", "lora_path": fields["lora_path"]}
@@ -290,9 +287,7 @@ async def lora_status(request: Request, authorization: str | None = Authorizatio
 
 
 @router.get("/v1/lora/list")
-async def lora_list(
-    request: Request, authorization: str | None = Authorization, readings: Readings = ReadingsDep
-) -> JSONResponse:
+async def lora_list(request: Request, authorization: str | None = Authorization) -> JSONResponse:
     caller = check_header(_keys(request), authorization)
     listed = await parts(request).adapters.listing(caller)
     return JSONResponse(wrap([{"name": a["name"], "path": a["name"]} for a in listed]))

@@ -172,6 +172,10 @@ class AdapterService:
             return set()
         return hidden(offers, await self.rows(), caller)
 
+    async def usable(self, caller: Caller | None) -> set[str]:
+        """The adapter names a take of ``caller`` may name: what the workers offer, less ``hidden_from``."""
+        return {o.name for o in self.dispatcher.fleet().adapters} - await self.hidden_from(caller)
+
     async def listing(self, caller: Caller | None) -> list[dict[str, Any]]:
         """``GET /adapters``' list for ``caller`` (``listing`` above)."""
         return listing(self.dispatcher.fleet().adapters, await self.rows(), caller)

@@ -118,7 +118,7 @@ class JobService:
         another key's upload is as unknown to this caller as a name no worker has."""
         if not any(req.take_adapter(i)[0] for i in range(req.num_tracks)):
             return
-        offered = {o.name for o in self.dispatcher.fleet().adapters} - await self.adapters.hidden_from(caller)
+        offered = await self.adapters.usable(caller)
         for i in range(req.num_tracks):
             name, _ = req.take_adapter(i)
             if name and name not in offered:
