@@ -65,6 +65,9 @@ class Encodings:
         self.fences = fences  # the lease of a worker, and the header that tells the worker so
         self.kick = kick  # a worker is free again, or an upload became ready: the dispatch loop looks again
         self.running: dict[str, asyncio.Task[None]] = {}  # upload id → its attempt
+        # A claim and its entry in ``running`` against ``reconcile``'s look at ``running`` and its requeue:
+        # without it a claim landing between the two was requeued as an encoding no attempt was behind.
+        self._claims = asyncio.Lock()
         self.counts: dict[str, int] = {}  # uploads by status in the store, as ``reconcile`` last read them
 
     async def start(self, free: list[WorkerHandle]) -> list[WorkerHandle]:
@@ -85,28 +88,31 @@ class Encodings:
             fence = self.fences.fence_of(w)
             if u.upload_id in self.running or fence is None:
                 continue
-            try:
-                if not await self.store.uploads.claim(u.upload_id, fence):
-                    continue  # another dispatcher's now, or the lease is not held here any more
-            except StoreError as exc:
-                log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
-                break
-            w.start_encoding(u.upload_id)
+            async with self._claims:
+                try:
+                    if not await self.store.uploads.claim(u.upload_id, fence):
+                        continue  # another dispatcher's now, or the lease is not held here any more
+                except StoreError as exc:
+                    log.warning("upload %s: could not be claimed (%s)", u.upload_id, exc)
+                    break
+                self._begin(u, w, fence)
             able.remove(w)
             free = [x for x in free if x is not w]
-            log.info(
-                "upload %s: attempt %d on worker %d (%.1f s of audio)",
-                u.upload_id,
-                u.attempts + 1,
-                w.worker_id,
-                u.duration_sec,
-            )
-            task = asyncio.create_task(
-                self._run(u, w, fence), name=f"encode-{u.upload_id}", context=background_context()
-            )
-            self.running[u.upload_id] = task
-            task.add_done_callback(functools.partial(self._ended, u.upload_id))
         return free
+
+    def _begin(self, u: UploadRecord, w: WorkerHandle, fence: Fence) -> None:
+        """A claimed upload's attempt on ``w``, in ``running`` before the claim's lock is let go."""
+        w.start_encoding(u.upload_id)
+        log.info(
+            "upload %s: attempt %d on worker %d (%.1f s of audio)",
+            u.upload_id,
+            u.attempts + 1,
+            w.worker_id,
+            u.duration_sec,
+        )
+        task = asyncio.create_task(self._run(u, w, fence), name=f"encode-{u.upload_id}", context=background_context())
+        self.running[u.upload_id] = task
+        task.add_done_callback(functools.partial(self._ended, u.upload_id))
 
     def _ended(self, upload_id: str, _: asyncio.Task[None]) -> None:
         self.running.pop(upload_id, None)
@@ -215,7 +221,8 @@ class Encodings:
 
     async def reconcile(self, alive: set[str]) -> None:
         """Uploads left ``encoding`` by a dead dispatcher, or by this one before a restart, go back to the queue."""
-        n = await self.store.uploads.requeue_stale(alive, self.me, set(self.running))
+        async with self._claims:  # no claim lands between the look at ``running`` and the requeue
+            n = await self.store.uploads.requeue_stale(alive, self.me, set(self.running))
         if n:
             log.info("uploads: %d left encoding with no attempt behind them, queued again", n)
             self.kick()
