@@ -21,12 +21,41 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi import routing as fastapi_routing
 
 from songserve.http.serving import header_timeout_protocol
 from songserve.process.logs import LineFormatter
 from tests.support.servers import poll_health, wait_for
 
 START_TIMEOUT_SEC = 60.0
+_BUILDING = threading.Lock()
+
+
+def build_routes(app: Any) -> None:
+    """Build every route of ``app`` now, one app of this process at a time.
+
+    FastAPI builds an included router's routes (their parameters' pydantic schemas) on the first
+    request that reaches them, and pydantic's schema building is not thread-safe. A program serves
+    its apps on one event loop, so it never builds two at once; servers in threads of this process
+    do, and share the endpoints' types: two workers' first ``/generate`` at the same moment were seen
+    to fail one with a 500 (``AttributeError: __pydantic_core_schema__``). Walked here as a request
+    that matches nothing walks them; ``ByPort``'s apps (the ACE-Step port) included."""
+    included = getattr(fastapi_routing, "_IncludedRouter", None)
+    if included is None:  # a FastAPI that builds routes when they are included
+        return
+
+    def walk(routes: list[Any]) -> None:
+        for route in routes:
+            if isinstance(route, included):
+                route.effective_low_priority_routes()
+                walk(route.effective_candidates())
+
+    apps = [app, *getattr(app, "by_port", {}).values(), getattr(app, "main", None)]
+    with _BUILDING:
+        for each in apps:
+            if isinstance(each, FastAPI) and isinstance(each.router, fastapi_routing.APIRouter):
+                walk(each.router.routes)
 
 
 def bound_socket(port: int = 0) -> socket.socket:
@@ -82,6 +111,7 @@ class ThreadServer:
         self.port = int(sockets[0].getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._sockets = sockets
+        build_routes(app)
         config = uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=2, http=header_timeout_protocol(header_timeout)
         )
