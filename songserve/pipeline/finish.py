@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from songserve.pipeline.config import PipelineConfig
 from songserve.pipeline.context import TaskContext
 from songserve.pipeline.continuation import codes_header, continued, repainted
 from songserve.pipeline.residency import Residency
-from songserve.pipeline.stages.codec import samples_touched
+from songserve.pipeline.stages.codec import AudioDecoder, decode_chunks, samples_touched
 from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.stages.join import Join
+from songserve.pipeline.stages.kept_audio import Decoded, EditDecode, KeptAudio, decode_edit, usable
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,41 @@ class BatchFacts:
     parked: dict[str, list[str]] | None  # park mode: the stages parked during each stage
 
 
+def decode_take(
+    decoder: AudioDecoder,
+    device: torch.device,
+    codes: torch.Tensor,  # (levels the decoder reads, frames), on the CPU
+    req: TrackRequest,
+    joins: list[Join] | None,
+    chunking: tuple[int, int],  # DECODE_CHUNK_FRAMES, DECODE_CONTEXT_FRAMES
+    kept: KeptAudio | None,
+    on_chunk: Callable[[int, int], None],
+) -> tuple[np.ndarray, list[tuple[int, int]] | None, EditDecode | None]:
+    """A take's audio (samples, channels); for an edit also the samples each part may change, and how it
+    was decoded when only its changed chunks were (its original's audio kept here, ``stages/kept_audio.py``)."""
+    hop = decoder.cfg.hop
+    frames = int(codes.shape[1])
+    touched = None
+    if req.prefix is not None and req.prefix.repaint is not None and joins:
+        parts = list(zip(req.prefix.repaints(), joins, strict=True))
+        touched = [samples_touched(frames, *chunking, hop, part.start, join.frame) for part, join in parts]
+        original = kept.find(req.prefix.origin) if kept is not None else None
+        if kept is not None and original is not None:
+            spans = [(part.start, join.frame) for part, join in parts]
+            shift = req.prefix.repaint.opening
+            if usable(original, codes.numpy(), spans, shift, chunking, hop):
+                edit = decode_edit(decoder, codes.to(device), original, touched, shift, chunking, on_chunk)
+                kept.counted(True)
+                return edit.audio, touched, edit
+            kept.counted(False)
+            log.warning(
+                "task %s: the kept audio of %s is not this grid's: decoding all of it", req.task_id, original.origin
+            )
+    with torch.inference_mode():
+        wave = decoder.decode(codes.unsqueeze(0).to(device), *chunking, on_chunk)[0]
+    return wave.float().t().cpu().numpy(), touched, None
+
+
 def finish_take(
     s: PipelineConfig,
     tiny: bool,
@@ -52,6 +90,7 @@ def finish_take(
     live: dict[str, object] | None = None,
     joins: list[Join] | None = None,  # a repaint's joins, one per part (``stages/join.py``)
     adapter: dict[str, object] | None = None,  # name, scale, rank of the take's adapter
+    kept: KeptAudio | None = None,  # the decoded audio of this worker's latest takes
 ) -> TrackResult:
     """Decoder and files for one take of a batch."""
     t = time.perf_counter()
@@ -71,14 +110,9 @@ def finish_take(
     def on_export(share: float, what: str) -> None:
         ctx.report("decoding", int(DECODE_STEPS * (1 + share) / 2), DECODE_STEPS, what)
 
-    with torch.inference_mode():
-        wave = decoder.decode(
-            codes[: cfg.n_codebooks].unsqueeze(0).to(device),
-            s.decode_chunk_frames,
-            s.decode_context_frames,
-            on_chunk,
-        )[0]
-    audio = wave.float().t().cpu().numpy()  # (samples, channels)
+    chunking = (s.decode_chunk_frames, s.decode_context_frames)
+    grid_codes = codes[: cfg.n_codebooks]
+    audio, touched, edit = decode_take(decoder, device, grid_codes, req, joins, chunking, kept, on_chunk)
     timings["decoder_sec"] = time.perf_counter() - t
     duration_sec = audio.shape[0] / cfg.sample_rate
     metadata = {
@@ -111,13 +145,12 @@ def finish_take(
         metadata["parked"] = batch.parked
     if req.prefix is not None and (req.prefix.repaint is None or req.prefix.repaint.start > 0):
         metadata["continued"] = continued(req.prefix, cfg.frame_rate)  # an opening keeps nothing before it
-    if req.prefix is not None and req.prefix.repaint is not None and joins:
-        frames = int(codes.shape[1])
-        touched = [
-            samples_touched(frames, s.decode_chunk_frames, s.decode_context_frames, cfg.hop, part.start, join.frame)
-            for part, join in zip(req.prefix.repaints(), joins, strict=True)
-        ]
+    if req.prefix is not None and joins and touched is not None:
         metadata["repainted"] = repainted(req.prefix, joins, touched)
+        decoded = (
+            (edit.chunks, edit.of) if edit is not None else (len(decode_chunks(int(codes.shape[1]), *chunking)),) * 2
+        )
+        metadata["repainted"]["decoded_chunks"] = list(decoded)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live
     if adapter is not None:
@@ -126,10 +159,12 @@ def finish_take(
         req.tags or req.description, req.track_index, req.lyrics
     )
     timings["model_sec"] = time.perf_counter() - t_all
-    grid = (codes[: cfg.n_codebooks].numpy(), codes_header(metadata, cfg.frame_rate))
+    grid = (grid_codes.numpy(), codes_header(metadata, cfg.frame_rate))
     wav, mp3_name, meta, metadata = write_track(
         s.output_dir, audio, cfg.sample_rate, metadata, mp3, on_export, codes=grid
     )
     log.info("task %s: wrote %s (%.2fs audio) in %.2fs", req.task_id, wav, duration_sec, time.perf_counter() - t_all)
+    if kept is not None and req.job_id:  # what an edit of this take decodes against
+        kept.keep(Decoded(f"{req.job_id}/{req.track_index}", grid_codes.numpy().astype(np.int16), audio, chunking))
     codes_name = metadata["files"]["codes"]
     return TrackResult(wav, mp3_name, meta, duration_sec, bb.new_tokens, req.seed, metadata, codes_name)

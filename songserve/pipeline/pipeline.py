@@ -49,6 +49,7 @@ from songserve.pipeline.residency import Residency, mem_available
 from songserve.pipeline.stages.backbone import Backbone, Take, TakeLoRA
 from songserve.pipeline.stages.codec import AudioDecoder
 from songserve.pipeline.stages.join import Join, choose_join, coarse_tables
+from songserve.pipeline.stages.kept_audio import KeptAudio
 from songserve.pipeline.stages.length import LengthPlan, plan_length, plan_repaint
 from songserve.pipeline.stages.prompt import PromptRequest, build_prompt, style_of
 from songserve.pipeline.stages.superres import SuperRes
@@ -65,6 +66,7 @@ class ModelPipeline:
         self.device = device
         self.residency = Residency(settings, ckpt, device, phase=self._phase)
         self.snapshots = KVSnapshots(int(settings.kv_snapshot_mb * 2**20), settings.kv_snapshot_memory)
+        self.kept_audio = KeptAudio(int(settings.edit_audio_mb * 2**20))  # what an edit decodes against
         self.adapters: AdapterStore | None = None  # made at load, when the models' shapes are known
         self.phase_hook: Callable[[str], None] = lambda phase: (
             None
@@ -97,6 +99,7 @@ class ModelPipeline:
             compiled[0] if compiled else {"mode": "eager", "compiled": False, "cuda_graphs": False, "graphs": []}
         )
         out["kv_snapshots"] = self.snapshots.describe()
+        out["kept_audio"] = self.kept_audio.describe()
         if self.adapters is not None:
             out["adapters"] = self.adapters.describe()
         return out
@@ -458,6 +461,7 @@ class ModelPipeline:
                         previewer.report(i),
                         join,
                         adapter_of(used[i], reqs[i]),
+                        self.kept_audio,
                     )
                 except TaskCancelled as exc:
                     results[i] = exc

@@ -196,6 +196,7 @@ class WorkerHealth(BaseModel):
     tasks: list[TakeHealth] = Field(default_factory=list)  # ext: the takes of the running batch
     cuda_allocated_mb: float | None = None  # ext, on CUDA: memory torch holds on the device
     kv_snapshots: dict[str, Any] | None = None  # ext, model pipeline: the backbone's kept prefixes (slots, bytes)
+    kept_audio: dict[str, Any] | None = None  # ext, model pipeline: latest takes' decoded audio (origins, bytes)
     adapters: AdaptersHealth | None = None  # ext, model pipeline: the LoRA adapters it can load and holds
     launch_nonce: str | None = None  # ext: the id run_backend.sh gave this process (LAUNCH_NONCE), if any
 

@@ -73,6 +73,12 @@ class WorkerSettings(BaseSettings):
     kv_snapshot_memory: Literal["device", "host"] = Field(
         "device", description="where KV snapshots live: on the device, or in host memory (pinned on CUDA)"
     )
+    edit_audio_mb: float = Field(
+        1024.0,
+        ge=0,
+        description="host memory for the decoded audio of the latest takes (an LRU), so that an edit of one "
+        "(a repaint, a new opening) decodes only the chunks it changes; 0 = none kept",
+    )
     adapters_dir: Path = Field(
         ROOT / "adapters", description="folder of LoRA adapters, one subfolder each (PEFT's layout, docs/model.md)"
     )

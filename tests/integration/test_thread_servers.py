@@ -11,6 +11,7 @@ import pytest
 from fastapi import routing as fastapi_routing
 
 from tests.support import in_thread
+from tests.support.http import TLS
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.quick
@@ -33,12 +34,12 @@ def test_thread_servers_build_no_route_while_serving(tmp_path: Path, monkeypatch
     try:
         api.wait_healthy()
         answers = {
-            "worker /health": httpx.get(worker.url + "/health").status_code,
-            "worker, no such path": httpx.get(worker.url + "/nowhere").status_code,
-            "worker /generate, no body": httpx.post(worker.url + "/generate").status_code,
-            "dispatcher /jobs": httpx.get(api.url + "/jobs").status_code,
-            "dispatcher /generate, no body": httpx.post(api.url + "/generate").status_code,
-            "ACE-Step /v1/models": httpx.get(f"http://127.0.0.1:{ace}/v1/models").status_code,
+            "worker /health": httpx.get(worker.url + "/health", verify=TLS).status_code,
+            "worker, no such path": httpx.get(worker.url + "/nowhere", verify=TLS).status_code,
+            "worker /generate, no body": httpx.post(worker.url + "/generate", verify=TLS).status_code,
+            "dispatcher /jobs": httpx.get(api.url + "/jobs", verify=TLS).status_code,
+            "dispatcher /generate, no body": httpx.post(api.url + "/generate", verify=TLS).status_code,
+            "ACE-Step /v1/models": httpx.get(f"http://127.0.0.1:{ace}/v1/models", verify=TLS).status_code,
         }
     finally:
         api.stop()

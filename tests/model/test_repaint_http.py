@@ -4,8 +4,10 @@ What a person gets back, in files: a repaint of 10-15 s of a half-minute take ha
 samples, bit for bit on the CPU, everywhere outside ``[start − 1 s, join + 1 s]``, and outside its
 ``metadata.repainted.changed_samples``; its three candidates differ inside and agree outside; the same for a repaint of two parts in one request
 (two candidates), outside both. An opening
-of 4 s before the take keeps every code of the take after the join and makes the song longer by the
-opening, within a join window.
+of 4 s before the take keeps every code of the take after the join, and its WAV samples after its
+``changed_samples``, and makes the song longer by the opening, within a join window. The worker made
+the original, so each edit decodes only the decoder chunks that hold its changed samples
+(``repainted.decoded_chunks``) and takes the rest from the original's audio it kept.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def test_a_repaint_leaves_every_sample_outside_its_part_as_the_original_made_it(
         assert first <= differ.min(), (differ.min(), span)
         assert differ.max() < last, (differ.max(), span)
         assert span["join_score"] <= span["end_score"]
+        decoded, of = span["decoded_chunks"]
+        assert 0 < decoded < of  # the original's audio was at hand: only the chunks of its changed samples
         grid = codes.decode(fetch(site, job["job_id"], t["index"], "codes"))
         assert np.array_equal(grid.codes[:, :start], grid0.codes[:, :start])
         assert np.array_equal(grid.codes[:, join:], grid0.codes[:, join:])
@@ -120,7 +124,7 @@ def test_a_repaint_of_two_parts_in_one_request_leaves_every_sample_outside_both_
 
 
 def test_an_opening_before_the_take_keeps_the_take_after_its_join(site, original):
-    job0, _, grid0 = original
+    job0, wav0, grid0 = original
     cf = {"job_id": job0, "track_index": 0, "before_sec": 4.0}
     job = site.wait_job(post(site, continue_from=cf, num_tracks=1, seed=41), timeout=WAIT)
     assert job["status"] == "completed", job
@@ -133,3 +137,10 @@ def test_an_opening_before_the_take_keeps_the_take_after_its_join(site, original
     assert grid.frames == grid0.frames + room  # longer by the opening
     assert np.array_equal(grid.codes[:, join:], grid0.codes[:, join - room :])
     assert abs(t["duration_sec"] - (grid0.frames + room) * HOP / RATE) < 0.01
+    wav, _ = sf.read(io.BytesIO(fetch(site, job["job_id"], 0, "wav")), dtype="int16")
+    first, last = span["changed_samples"]
+    assert first == 0
+    assert room * HOP < last <= (join + 12) * HOP
+    assert np.array_equal(wav[last:], wav0[last - room * HOP :])  # the original's very samples after them
+    decoded, of = span["decoded_chunks"]
+    assert 0 < decoded < of

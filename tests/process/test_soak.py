@@ -15,8 +15,8 @@ What must hold whatever the interleaving:
 - every retake and continuation keeps its prefix: the first frames of its code grid are the
   original's (or the upload's), all 64 levels; every repaint keeps the original outside the frames
   it wrote anew (each part's, and between them), and every opening keeps the original after its join;
-- each worker's memory stays flat: its RSS after each step, less what its KV snapshot cache says it
-  holds (a cache bounded by ``KV_SNAPSHOT_MB``), grows by at most ``GROWTH_MB`` from the end of the
+- each worker's memory stays flat: its RSS after each step, less what its KV snapshot cache and its
+  kept audio say they hold (caches bounded by ``KV_SNAPSHOT_MB`` and ``EDIT_AUDIO_MB``), grows by at most ``GROWTH_MB`` from the end of the
   first third of the steps (the warm-up: models touched, first windows decoded) to the end, and by
   at most ``LAST_THIRD_MB`` over the last third.
 
@@ -313,10 +313,12 @@ def op_acestep(fleet: Cluster, ledger: Ledger, rng: random.Random) -> None:
 
 
 def _memory_mb(worker) -> float:
-    """The worker's RSS less the bytes its KV snapshot cache holds (on the CPU, host memory), in MB."""
+    """The worker's RSS less the bytes its KV snapshot cache and its kept audio hold (on the CPU, host
+    memory), in MB."""
     health = httpx.get(worker.url + "/health", timeout=30, verify=TLS).json()
     snapshots = (health.get("kv_snapshots") or {}).get("bytes", 0)
-    return float(health["rss_mb"]) - snapshots / 2**20
+    kept = (health.get("kept_audio") or {}).get("bytes", 0)
+    return float(health["rss_mb"]) - (snapshots + kept) / 2**20
 
 
 OPS = [

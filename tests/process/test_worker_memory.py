@@ -4,7 +4,8 @@ One real tiny-set worker process (forked as every test worker is, so the host-me
 shown to take hold there too) behind a real dispatcher, jobs one at a time: two-take songs of 2-5 s
 with live audio in half-second windows and an MP3 listener on each take that hangs up, every third
 cancelled while it runs, every fourth a retake of an earlier take from a random second. The KV
-snapshot cache is off (``KV_SNAPSHOT_MB=0``), so whatever the worker keeps is kept by mistake.
+snapshot cache and the kept audio are off (``KV_SNAPSHOT_MB=0``, ``EDIT_AUDIO_MB=0``), so whatever the
+worker keeps is kept by mistake.
 
 Before ``worker/host_memory.py`` (run this file with ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
 MALLOC_TRIM=0`` in the environment: oneDNN's and glibc's own defaults) the worker grew
@@ -39,6 +40,8 @@ def site(tiny_dir, tmp_path_factory):
         "--runtime-mode",
         "keep_loaded",
         "--kv-snapshot-mb",
+        "0",
+        "--edit-audio-mb",
         "0",
         "--preview-chunk-sec",
         "0.5",

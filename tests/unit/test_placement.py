@@ -46,6 +46,13 @@ def test_a_retake_goes_to_the_idle_worker_holding_a_snapshot_of_its_original():
     assert pick(free, j, j.tracks[0]) is free[2]
 
 
+def test_an_edit_goes_to_the_idle_worker_holding_its_originals_decoded_audio():
+    free = [handle(0), handle(1, ("other/0",)), handle(2)]
+    free[2].health = free[2].health.model_copy(update={"kept_audio": {"origins": ["x/1", f"{ORIGINAL}/0"]}})
+    j = job(retake=True)
+    assert pick(free, j, j.tracks[0]) is free[2]
+
+
 def test_without_a_holder_a_retake_takes_the_first_of_our_workers_never_a_reference_one():
     free = [handle(0, reference=True), handle(1), handle(2)]
     j = job(retake=True)

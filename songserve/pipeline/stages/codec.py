@@ -152,7 +152,7 @@ class AudioDecoder(nn.Module):
         on_chunk: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """Decode in chunks of ``chunk_frames`` with ``context_frames`` on each side."""
-        frames, hop = codes.shape[-1], self.cfg.hop
+        frames = codes.shape[-1]
         if chunk_frames <= 0 or frames <= chunk_frames:
             out = self.decoder(self.quantizer.dequantize(codes))
             if on_chunk:
@@ -161,12 +161,20 @@ class AudioDecoder(nn.Module):
         pieces = []
         spans = decode_chunks(frames, chunk_frames, context_frames)
         n = len(spans)
-        for k, (a, b, lo, hi) in enumerate(spans):
-            wave = self.decoder(self.quantizer.dequantize(codes[..., lo:hi]))
-            pieces.append(wave[..., (a - lo) * hop : (b - lo) * hop])
+        for k, span in enumerate(spans):
+            pieces.append(self.decode_chunk(codes, span))
             if on_chunk:
                 on_chunk(k + 1, n)
         return torch.cat(pieces, dim=-1)
+
+    @torch.inference_mode()
+    def decode_chunk(self, codes: torch.Tensor, span: tuple[int, int, int, int]) -> torch.Tensor:
+        """One of ``decode``'s chunks ``(a, b, lo, hi)`` (``decode_chunks``): the samples of frames
+        ``[a, b)``, decoded from frames ``[lo, hi)``, exactly as ``decode`` computes them."""
+        a, b, lo, hi = span
+        hop = self.cfg.hop
+        wave = self.decoder(self.quantizer.dequantize(codes[..., lo:hi]))
+        return wave[..., (a - lo) * hop : (b - lo) * hop]
 
 
 def decode_chunks(frames: int, chunk_frames: int, context_frames: int) -> list[tuple[int, int, int, int]]:
