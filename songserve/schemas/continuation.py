@@ -104,6 +104,11 @@ class ContinueFrom(BaseModel):
         ),
     )
 
+    def edits(self) -> bool:
+        """A part of the song is written anew and the rest kept (a repaint, several, a new opening), as
+        against a retake, which writes everything after ``at_sec``."""
+        return self.end_sec is not None or self.parts is not None or self.before_sec is not None
+
     @field_validator("job_id", "upload_id")
     @classmethod
     def _an_id(cls, value: str | None, info: ValidationInfo) -> str | None:

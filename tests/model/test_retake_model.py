@@ -5,7 +5,9 @@ What a retake must do, end to end over HTTP: the retake from 20 s keeps the orig
 second retake of the same prefix goes to the worker holding its KV snapshot (the other one is
 first in the pool's order) and prefills nothing where the first prefilled them all (≤ 10 %); a
 retake from an earlier point restores that snapshot cut to its prefix; the kept audio renders as
-FLAC at the asked loudness.
+FLAC at the asked loudness. A repaint goes to the worker that made its original (the other one is
+first in the pool's order), which holds the original's decoded audio and decodes only the chunks
+that hold changed samples.
 """
 
 from __future__ import annotations
@@ -134,3 +136,33 @@ def test_a_retake_keeps_the_start_and_a_second_one_restores_its_snapshot(site):
     x, r = sf.read(io.BytesIO(flac))
     assert abs(pyloudnorm.Meter(r).integrated_loudness(x) + 20) <= 0.5
     assert abs(x.shape[0] / r - 19.0) < 0.01
+
+
+def test_a_repaint_goes_to_the_worker_that_made_its_original_and_decodes_only_its_changed_chunks(site):
+    wait_for(lambda: both_idle(site), timeout=60)
+    blocker = post(site, tags="jazz", lyrics="[verse]\nhold worker zero", duration=0.3, num_tracks=1, seed=19)
+    wait_for(lambda: site.job(blocker)["tracks"][0]["worker_id"] == 0, timeout=30)
+    made = site.wait_job(post(site, **SONG, num_tracks=1, seed=5), timeout=WAIT)
+    assert made["status"] == "completed", made
+    assert made["tracks"][0]["worker_id"] == 1
+    job0 = made["job_id"]
+    held = httpx.get(f"{site.workers[1].url}/health", timeout=10, verify=TLS).json()["kept_audio"]
+    assert f"{job0}/0" in held["origins"]
+    wav0, _ = sf.read(io.BytesIO(fetch(site, job0, "wav")), dtype="int16")
+
+    site.wait_job(blocker, timeout=WAIT)
+    wait_for(lambda: both_idle(site), timeout=60)
+    cf = {"job_id": job0, "track_index": 0, "at_sec": 10.0, "end_sec": 14.0}
+    edit = site.wait_job(post(site, continue_from=cf, num_tracks=1, seed=6), timeout=WAIT)
+    assert edit["status"] == "completed", edit
+    (t,) = edit["tracks"]
+    assert t["worker_id"] == 1  # the holder of the original's audio, though worker 0 is first and idle
+    span = t["metadata"]["repainted"]
+    decoded, of = span["decoded_chunks"]
+    assert 0 < decoded < of
+    wav, _ = sf.read(io.BytesIO(fetch(site, edit["job_id"], "wav")), dtype="int16")
+    first, last = span["changed_samples"]
+    assert np.array_equal(wav[:first], wav0[:first])
+    assert np.array_equal(wav[last:], wav0[last:])
+    after = httpx.get(f"{site.workers[1].url}/health", timeout=10, verify=TLS).json()["kept_audio"]
+    assert after["hits"] == held["hits"] + 1

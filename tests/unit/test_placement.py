@@ -46,11 +46,32 @@ def test_a_retake_goes_to_the_idle_worker_holding_a_snapshot_of_its_original():
     assert pick(free, j, j.tracks[0]) is free[2]
 
 
-def test_an_edit_goes_to_the_idle_worker_holding_its_originals_decoded_audio():
-    free = [handle(0), handle(1, ("other/0",)), handle(2)]
-    free[2].health = free[2].health.model_copy(update={"kept_audio": {"origins": ["x/1", f"{ORIGINAL}/0"]}})
-    j = job(retake=True)
-    assert pick(free, j, j.tracks[0]) is free[2]
+def kept(w: WorkerHandle, *origins: str) -> WorkerHandle:
+    w.health = w.health.model_copy(update={"kept_audio": {"origins": list(origins)}})
+    return w
+
+
+def edit_job() -> Job:
+    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0, "end_sec": 30.0}
+    req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
+    return Job(
+        job_id="fedcba9876543210",
+        seq=1,
+        created_at=0.0,
+        request=req,
+        cleaned_lyrics="",
+        tracks=[Track("fedcba9876543210", 0, 1)],
+    )
+
+
+def test_an_edit_goes_to_the_worker_holding_its_originals_decoded_audio_a_retake_to_its_snapshot():
+    mine = f"{ORIGINAL}/0"
+    free = [handle(0), kept(handle(1), "x/1", mine), handle(2, (mine,))]
+    e, r = edit_job(), job(retake=True)
+    assert pick(free, e, e.tracks[0]) is free[1]  # the first of the holders (of either), in the pool's order
+    assert pick(free, r, r.tracks[0]) is free[2]  # a retake decodes its whole new part: only the snapshot counts
+    both = kept(handle(3, (mine,)), mine)
+    assert pick([*free, both], e, e.tracks[0]) is both  # holding both comes first
 
 
 def test_without_a_holder_a_retake_takes_the_first_of_our_workers_never_a_reference_one():

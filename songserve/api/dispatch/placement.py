@@ -6,9 +6,10 @@ waits for that one, even when the worker that failed it is the only one free (se
 retry meets the same fault again: a worker whose downloads drip makes it wait out a second deadline).
 A retake is pickier: only our workers can continue a song (a reference worker knows nothing of a
 prefix), and among them one whose ``/health`` lists a KV
-snapshot of the same original (``kv_snapshots.slots[].origin``) or its decoded audio
-(``kept_audio.origins``) is preferred, since it prefills only what the snapshot does not hold and an
-edit there decodes only the chunks it changes. A busy holder is not waited for: any free worker gives the
+snapshot of the same original (``kv_snapshots.slots[].origin``) is preferred, since it prefills
+only what the snapshot does not hold; for an edit (a repaint, a new opening) so is one that holds the
+original's decoded audio (``kept_audio.origins``), where it decodes only the chunks it changes (one
+that holds both before one that holds either). A busy holder is not waited for: any free worker gives the
 same song, only the prefill is longer. A repaint of several parts goes only to a worker whose
 ``/config`` says it writes that many (``repaint_parts``): an older worker of ours reads the first part
 alone and would keep the others unchanged. A take with a LoRA adapter goes only to a worker whose
@@ -55,12 +56,16 @@ def holds_adapter(w: WorkerHandle, name: str) -> bool:
     return w.health.adapters is not None and any(a.name == name for a in w.health.adapters.resident)
 
 
-def holds_origin(w: WorkerHandle, origin: str) -> bool:
-    """The worker's latest health lists a KV snapshot of ``origin`` (a retake of it prefills less there) or
-    its decoded audio (an edit of it decodes only the chunks it changes there)."""
+def holds_snapshot(w: WorkerHandle, origin: str) -> bool:
+    """The worker's latest health lists a KV snapshot of ``origin``: a continuation of it prefills less there."""
     slots = (w.health.kv_snapshots or {}).get("slots") or []
-    kept = (w.health.kept_audio or {}).get("origins") or []
-    return any(isinstance(s, dict) and s.get("origin") == origin for s in slots) or origin in kept
+    return any(isinstance(s, dict) and s.get("origin") == origin for s in slots)
+
+
+def holds_audio(w: WorkerHandle, origin: str) -> bool:
+    """The worker's latest health lists the decoded audio of ``origin``: an edit of it decodes only the
+    chunks it changes there."""
+    return origin in ((w.health.kept_audio or {}).get("origins") or [])
 
 
 def parts_of(job: Job) -> int:
@@ -91,8 +96,9 @@ def pick(free: list[WorkerHandle], job: Job, t: Track, fleet: Sequence[WorkerHan
         candidates = holders + [w for w in candidates if w not in holders]
     if cf is not None:
         candidates = [w for w in candidates if not w.client.reference and w.repaint_parts >= parts_of(job)]
-        holders = [w for w in candidates if holds_origin(w, origin_of(cf))]
-        candidates = holders + [w for w in candidates if w not in holders]
+        origin, edit = origin_of(cf), cf.edits()
+        # the workers that hold more of what it reuses first (a snapshot; an edit, also the audio), else in order
+        candidates = sorted(candidates, key=lambda w: -holds_snapshot(w, origin) - (edit and holds_audio(w, origin)))
     if not candidates:
         return None
     chosen = next((w for w in candidates if w.worker_id != t.avoid_worker), None)
