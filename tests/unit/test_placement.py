@@ -27,8 +27,9 @@ def handle(worker_id: int, origins: tuple[str, ...] = (), reference: bool = Fals
     )
 
 
-def job(retake: bool) -> Job:
-    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0} if retake else None
+def job(retake: bool, end_sec: float | None = None) -> Job:
+    """A job from the prompt alone, or a retake of ``ORIGINAL``'s take from 20 s (with ``end_sec``: a repaint)."""
+    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0, "end_sec": end_sec} if retake else None
     req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
     return Job(
         job_id="fedcba9876543210",
@@ -51,23 +52,10 @@ def kept(w: WorkerHandle, *origins: str) -> WorkerHandle:
     return w
 
 
-def edit_job() -> Job:
-    cf = {"job_id": ORIGINAL, "track_index": 0, "at_sec": 20.0, "end_sec": 30.0}
-    req = GenerateRequest.model_validate({"tags": "pop", "continue_from": cf})
-    return Job(
-        job_id="fedcba9876543210",
-        seq=1,
-        created_at=0.0,
-        request=req,
-        cleaned_lyrics="",
-        tracks=[Track("fedcba9876543210", 0, 1)],
-    )
-
-
 def test_an_edit_goes_to_the_worker_holding_its_originals_decoded_audio_a_retake_to_its_snapshot():
     mine = f"{ORIGINAL}/0"
     free = [handle(0), kept(handle(1), "x/1", mine), handle(2, (mine,))]
-    e, r = edit_job(), job(retake=True)
+    e, r = job(retake=True, end_sec=30.0), job(retake=True)
     assert pick(free, e, e.tracks[0]) is free[1]  # the first of the holders (of either), in the pool's order
     assert pick(free, r, r.tracks[0]) is free[2]  # a retake decodes its whole new part: only the snapshot counts
     both = kept(handle(3, (mine,)), mine)
