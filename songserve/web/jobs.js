@@ -1,7 +1,7 @@
 // songserve page, the jobs: one card per job, the caller's jobs listed again after a reload (GET /jobs),
 // each take's live and final players (one plays at a time), phase words a listener reads with the
-// engineering figures one click away, "continue from here", and a repaint of a part chosen on a take's
-// waveform, whose candidates are heard around their join and one of them kept. Loaded before app.js, which holds the
+// engineering figures one click away, "continue from here", a repaint of parts chosen on a take's
+// waveform and an extension at its start, whose candidates are heard around their joins and one of them kept. Loaded before app.js, which holds the
 // form, the API call helper ($, api, showError, clock) and starts the page; nothing here runs on load.
 "use strict";
 
@@ -44,7 +44,9 @@ function titleOf(asked) {
   const style = asked.tags || asked.prompt || "Untitled";
   const from = asked.continue_from;
   if (!from) return style;
+  if (from.parts) return `${style} · repaint ${spansText(from.parts)}`;
   if (from.end_sec) return `${style} · repaint ${clock(from.at_sec)}–${clock(from.end_sec)}`;
+  if (from.before_sec) return `${style} · ${from.before_sec} s more at the start`;
   if (from.upload_id) return `${style} · from your audio at ${from.at_sec ? clock(from.at_sec) : "its end"}`;
   return `${style} · from ${clock(from.at_sec)}`;
 }
@@ -305,15 +307,23 @@ function setupResult(result, jobId, index, audio) {
   });
 }
 
-// ---- repaint: a part chosen on the take's waveform is written again ------------------------------------
-// The waveform is drawn from the take's WAV (Web Audio); a drag over it chooses the part (its seconds in
-// the canvas's data-part, for tests), and "Repaint" asks for it (continue_from with at_sec and end_sec):
-// num_tracks candidates, each the take with only that part written anew.
-function paintTakeWave(canvas, peaks, part) {
+// ---- repaint: parts chosen on the take's waveform are written again ------------------------------------
+// The waveform is drawn from the take's WAV (Web Audio); a drag over it chooses a part, a drag with Shift
+// held adds another (up to MAX_PARTS; one it overlaps is replaced); their seconds are in the canvas's
+// data-part, for tests. "Repaint" asks for them (continue_from with at_sec and end_sec, or parts): num_tracks
+// candidates, each the take with only those parts written anew. "Extend the start" asks for a new opening of
+// the seconds beside it (continue_from with before_sec), joined into the take's first seconds.
+const MAX_PARTS = 8;
+
+function spansText(spans) {
+  return spans.map((s) => `${clock(s.at_sec)}–${clock(s.end_sec)}`).join(", ");
+}
+
+function paintTakeWave(canvas, peaks, parts) {
   const g = canvas.getContext("2d"), mid = canvas.height / 2;
   g.clearRect(0, 0, canvas.width, canvas.height);
   peaks.forEach(([lo, hi], x) => {
-    const inside = part && x >= part[0] * canvas.width && x <= part[1] * canvas.width;
+    const inside = parts.some((part) => x >= part[0] * canvas.width && x <= part[1] * canvas.width);
     g.fillStyle = inside ? "#b91c1c" : "#818cf8";  // the part to write again, then what stays
     g.fillRect(x, mid - hi * mid, 1, Math.max(1, (hi - lo) * mid));
   });
@@ -337,53 +347,81 @@ async function drawTakeWave(canvas, href) {
 function setupRepaint(result, jobId, index, audio, wavHref) {
   const canvas = result.querySelector(".wave"), button = result.querySelector(".repaint");
   const card = result.closest(".job");
-  let wave = null, part = null, from = null;
-  drawTakeWave(canvas, wavHref).then((w) => { wave = w; paintTakeWave(canvas, w.peaks, null); canvas.dataset.drawn = "1"; })
+  let wave = null, parts = [], drag = null;  // parts: [from, to] as shares of the take, in order
+  drawTakeWave(canvas, wavHref).then((w) => { wave = w; paintTakeWave(canvas, w.peaks, []); canvas.dataset.drawn = "1"; })
     .catch(() => { canvas.hidden = true; });  // no waveform: the take still plays
   const at = (event) => {
     const box = canvas.getBoundingClientRect();
     return Math.min(1, Math.max(0, (event.clientX - box.left) / box.width));
   };
+  const spans = () => parts.map((part) => {
+    const [a, b] = part.map((f) => Number((f * wave.seconds).toFixed(3)));
+    return { at_sec: Math.max(a, 0.05), end_sec: b };
+  });
+  const chosen = () => (drag && drag.part ? [...drag.kept, drag.part].sort((x, y) => x[0] - y[0]) : parts);
   const show = () => {
     if (!wave) return;
-    paintTakeWave(canvas, wave.peaks, part);
-    const [a, b] = part ? part.map((f) => f * wave.seconds) : [0, 0];
-    canvas.dataset.part = part ? `${a.toFixed(2)}-${b.toFixed(2)}` : "";
-    button.disabled = !part;
-    button.textContent = part ? `Repaint ${clock(a)}–${clock(b)}` : "Repaint a part";
+    const now = chosen();
+    paintTakeWave(canvas, wave.peaks, now);
+    canvas.dataset.part = now.map((part) => part.map((f) => (f * wave.seconds).toFixed(2)).join("-")).join(",");
+    button.disabled = now.length === 0;
+    const secs = now.map((part) => ({ at_sec: part[0] * wave.seconds, end_sec: part[1] * wave.seconds }));
+    button.textContent = now.length ? `Repaint ${spansText(secs)}` : "Repaint a part";
   };
-  canvas.addEventListener("pointerdown", (e) => { from = at(e); part = null; canvas.setPointerCapture(e.pointerId); show(); });
-  canvas.addEventListener("pointermove", (e) => {
-    if (from === null) return;
-    const to = at(e);
-    part = Math.abs(to - from) > 0.005 ? [Math.min(from, to), Math.max(from, to)] : null;
+  canvas.addEventListener("pointerdown", (e) => {
+    const from = at(e);
+    // Shift adds a part to those chosen (those it comes to overlap give way to it); a plain drag starts over
+    const kept = e.shiftKey ? parts.slice(-(MAX_PARTS - 1)) : [];
+    drag = { from, kept, part: null };
+    canvas.setPointerCapture(e.pointerId);
     show();
   });
-  canvas.addEventListener("pointerup", () => { from = null; });
+  canvas.addEventListener("pointermove", (e) => {
+    if (!drag) return;
+    const to = at(e), part = [Math.min(drag.from, to), Math.max(drag.from, to)];
+    drag.part = part[1] - part[0] > 0.005 ? part : null;
+    if (drag.part) drag.kept = drag.kept.filter((k) => k[1] < part[0] || k[0] > part[1]);
+    show();
+  });
+  canvas.addEventListener("pointerup", () => { if (drag) parts = chosen(); drag = null; show(); });
   button.addEventListener("click", async () => {
-    if (!part || !wave) return;
-    const [a, b] = part.map((f) => Number((f * wave.seconds).toFixed(3)));
-    await submitFrom(card, button, { job_id: jobId, track_index: index, at_sec: Math.max(a, 0.05), end_sec: b },
-      `repaint ${clock(a)}–${clock(b)}`, () => !part);
+    if (!parts.length || !wave) return;
+    const all = spans();
+    const from = all.length === 1 ? { job_id: jobId, track_index: index, ...all[0] }
+      : { job_id: jobId, track_index: index, parts: all };
+    await submitFrom(card, button, from, `repaint ${spansText(all)}`, () => !parts.length);
+  });
+  const extend = result.querySelector(".extend"), seconds = result.querySelector(".extend-sec");
+  extend.addEventListener("click", async () => {
+    const before = Number(seconds.value);
+    await submitFrom(card, extend, { job_id: jobId, track_index: index, before_sec: before },
+      `${before} s more at the start`);
   });
 }
 
-// A repaint's candidate: "Hear the part" plays it from a few seconds before the new part to a few after
-// its join; "Keep this one" marks it kept and sets the job's other candidates aside (remembered here).
+// A repaint's candidate (or an extension's): "Hear" plays a new part from a few seconds before it to a few
+// after its join, one button a part; "Keep this one" marks it kept and sets the job's other candidates aside
+// (remembered here).
 const AROUND_SEC = 3;
 
 function setupCandidate(card, el, t, audio) {
   const r = t.metadata.repainted, fps = 44100 / 2048;
-  const row = el.querySelector(".candidate"), start = r.start_frame / fps, join = r.join_frame / fps;
+  const row = el.querySelector(".candidate"), hear = row.querySelector(".hear");
+  const spans = (r.parts || [r]).map((p) => ({ at_sec: p.start_frame / fps, end_sec: p.join_frame / fps }));
   row.hidden = false;
-  row.querySelector(".candidate-part").textContent = `new from ${clock(start)} to ${clock(join)}`;
-  row.querySelector(".hear").addEventListener("click", () => {
-    const stop = Math.min(audio.duration || Infinity, join + AROUND_SEC);
-    const until = () => { if (audio.currentTime >= stop) { audio.pause(); audio.removeEventListener("timeupdate", until); } };
-    audio.addEventListener("timeupdate", until);
-    audio.currentTime = Math.max(0, start - AROUND_SEC);
-    audio.play().catch(() => {});
-    el.dataset.hearing = `${Math.max(0, start - AROUND_SEC).toFixed(2)}-${stop.toFixed(2)}`;
+  row.querySelector(".candidate-part").textContent = `new: ${spansText(spans)}`;
+  spans.forEach((span, k) => {
+    const button = k === 0 ? hear : hear.parentNode.insertBefore(hear.cloneNode(true), row.querySelector(".keep"));
+    if (spans.length > 1) button.textContent = `Hear ${clock(span.at_sec)}–${clock(span.end_sec)}`;
+    button.addEventListener("click", () => {
+      const start = Math.max(0, span.at_sec - AROUND_SEC);
+      const stop = Math.min(audio.duration || Infinity, span.end_sec + AROUND_SEC);
+      const until = () => { if (audio.currentTime >= stop) { audio.pause(); audio.removeEventListener("timeupdate", until); } };
+      audio.addEventListener("timeupdate", until);
+      audio.currentTime = start;
+      audio.play().catch(() => {});
+      el.dataset.hearing = `${start.toFixed(2)}-${stop.toFixed(2)}`;
+    });
   });
   row.querySelector(".keep").addEventListener("click", () => {
     localStorage.setItem(`songserve.kept.${card.dataset.jobId}`, String(t.index));

@@ -209,6 +209,77 @@ def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_an
     assert not errors
 
 
+def drag(page, wave, a_share: float, b_share: float, shift: bool = False) -> None:
+    box = wave.bounding_box()
+    assert box is not None
+    y = box["y"] + box["height"] / 2
+    if shift:
+        page.keyboard.down("Shift")
+    page.mouse.move(box["x"] + box["width"] * a_share, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * (a_share + b_share) / 2, y, steps=5)
+    page.mouse.move(box["x"] + box["width"] * b_share, y, steps=5)
+    page.mouse.up()
+    if shift:
+        page.keyboard.up("Shift")
+
+
+def test_two_parts_chosen_with_shift_are_repainted_in_one_request_and_the_start_extended(site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    open_song(page, site.url, "[verse]\ntwo parts change\nthe rest stays", "0.1")
+    card = submitted(page)
+    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
+    original = card.get_attribute("data-job-id")
+    wave = card.locator("canvas.wave")
+    page.wait_for_function(
+        "(id) => document.querySelector(`.job[data-job-id='${id}'] canvas.wave`).dataset.drawn === '1'",
+        arg=original,
+        timeout=30_000,
+    )
+    wave.scroll_into_view_if_needed()
+    drag(page, wave, 0.5 / 6, 1.5 / 6)  # 0.5-1.5 s of the 6 s take
+    drag(page, wave, 4 / 6, 5 / 6, shift=True)  # and 4-5 s
+    chosen = [[float(x) for x in part.split("-")] for part in wave.get_attribute("data-part").split(",")]
+    assert len(chosen) == 2
+    for (a, b), (want_a, want_b) in zip(chosen, [(0.5, 1.5), (4.0, 5.0)], strict=True):
+        assert abs(a - want_a) < 0.1
+        assert abs(b - want_b) < 0.1
+    button = card.locator("button.repaint")
+    assert button.inner_text().startswith("Repaint 0:00")
+    page.fill("#num_tracks", "1")
+    before = page.locator(".job").count()
+    button.click()
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
+    repaint = page.locator(".job").first
+    repaint.locator(".track").nth(0).locator(".result audio").wait_for(state="visible", timeout=180_000)
+    job = httpx.get(f"{site.url}/job/{repaint.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
+    parts = job["tracks"][0]["metadata"]["repainted"]["parts"]
+    assert len(parts) == 2
+    for part, (a, _) in zip(parts, chosen, strict=True):  # data-part is to the hundredth, the request to the ms
+        assert abs(part["start_frame"] - a * 44100 / 2048) <= 1
+    take = repaint.locator(".track").nth(0)
+    hears = take.locator("button.hear")
+    assert hears.count() == 2  # one a part
+    hears.nth(1).click()
+    start, _ = (float(x) for x in take.get_attribute("data-hearing").split("-"))
+    assert abs(start - (chosen[1][0] - 3)) < 0.1
+
+    card.locator(".extend-sec").fill("2")
+    before = page.locator(".job").count()
+    card.locator("button.extend").click()
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
+    extended = page.locator(".job").first
+    assert "2 s more at the start" in extended.locator(".job-title").inner_text()
+    extended.locator(".track").nth(0).locator(".result audio").wait_for(state="visible", timeout=180_000)
+    job = httpx.get(f"{site.url}/job/{extended.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
+    span = job["tracks"][0]["metadata"]["repainted"]
+    assert span["opening"] == round(2 * 44100 / 2048)
+    assert span["origin"] == f"{original}/0"
+    assert extended.locator(".track").nth(0).locator(".candidate").is_visible()
+    assert not errors
+
+
 def test_the_page_plays_a_take_live_before_it_is_done(site, page):
     """ "Listen live" is on by default: the first take's stream plays while the job is still running."""
     errors: list[str] = []
