@@ -309,12 +309,10 @@ function setupResult(result, jobId, index, audio) {
 
 // ---- repaint: parts chosen on the take's waveform are written again ------------------------------------
 // The waveform is drawn from the take's WAV (Web Audio); a drag over it chooses a part, a drag with Shift
-// held adds another (up to MAX_PARTS; one it overlaps is replaced); their seconds are in the canvas's
+// held adds another (one it overlaps is replaced); their seconds are in the canvas's
 // data-part, for tests. "Repaint" asks for them (continue_from with at_sec and end_sec, or parts): num_tracks
 // candidates, each the take with only those parts written anew. "Extend the start" asks for a new opening of
 // the seconds beside it (continue_from with before_sec), joined into the take's first seconds.
-const MAX_PARTS = 8;
-
 function spansText(spans) {
   return spans.map((s) => `${clock(s.at_sec)}–${clock(s.end_sec)}`).join(", ");
 }
@@ -358,7 +356,8 @@ function setupRepaint(result, jobId, index, audio, wavHref) {
     const [a, b] = part.map((f) => Number((f * wave.seconds).toFixed(3)));
     return { at_sec: Math.max(a, 0.05), end_sec: b };
   });
-  const chosen = () => (drag && drag.part ? [...drag.kept, drag.part].sort((x, y) => x[0] - y[0]) : parts);
+  // while dragging: the parts kept and the one being drawn (a click without a drag clears them, with Shift keeps them)
+  const chosen = () => (drag ? [...drag.kept, ...(drag.part ? [drag.part] : [])].sort((x, y) => x[0] - y[0]) : parts);
   const show = () => {
     if (!wave) return;
     const now = chosen();
@@ -370,8 +369,9 @@ function setupRepaint(result, jobId, index, audio, wavHref) {
   };
   canvas.addEventListener("pointerdown", (e) => {
     const from = at(e);
-    // Shift adds a part to those chosen (those it comes to overlap give way to it); a plain drag starts over
-    const kept = e.shiftKey ? parts.slice(-(MAX_PARTS - 1)) : [];
+    // Shift adds a part to those chosen (those it comes to overlap give way to it); a plain drag starts over.
+    // More than the server repaints at once (eight) is its 422, shown under the card.
+    const kept = e.shiftKey ? parts.slice() : [];
     drag = { from, kept, part: null };
     canvas.setPointerCapture(e.pointerId);
     show();
