@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from songserve.pipeline.stages.kept_audio import Decoded, KeptAudio, usable
+from songserve.pipeline.stages.kept_audio import MAX_TAKES, Decoded, KeptAudio, usable
 
 HOP = 4
 CHUNKING = (8, 2)
@@ -34,6 +34,15 @@ def test_the_least_recently_used_take_goes_first_and_none_over_the_bound_is_kept
     nothing = KeptAudio(0)
     nothing.keep(one)
     assert nothing.describe()["origins"] == []
+
+
+def test_at_most_max_takes_are_held_however_small():
+    kept = KeptAudio(10**9)
+    for i in range(MAX_TAKES + 5):
+        kept.keep(take(f"t{i}/0", frames=2))
+    origins = kept.describe()["origins"]
+    assert len(origins) == MAX_TAKES
+    assert origins[0] == "t5/0"  # the oldest went first
 
 
 def test_a_kept_take_serves_only_a_grid_whose_kept_frames_are_its_own():

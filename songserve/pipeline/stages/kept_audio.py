@@ -8,7 +8,8 @@ samples and takes every other sample from the original:
 
 - a take's audio is kept under its origin label (``<job_id>/<track_index>``, what a dispatcher sends
   as ``PrefixCodes.origin`` when it edits that take) with the codes it was decoded from and the
-  decoder's chunking, in host memory, in an LRU bounded by bytes (``EDIT_AUDIO_MB``; 0 keeps none);
+  decoder's chunking, in host memory, in an LRU bounded by bytes (``EDIT_AUDIO_MB``; 0 keeps none) and
+  by ``MAX_TAKES`` (every ``/health`` lists the origins held: short takes would make that list long);
 - an edit uses it only when the original was decoded with the same chunking and every frame the
   edit keeps has, in the kept grid, the same codes at its place (shifted by a new opening's frames):
   anything else (another chunking, another grid under the same label) decodes the whole grid;
@@ -36,6 +37,7 @@ import torch
 from songserve.pipeline.stages.codec import AudioDecoder, decode_chunks
 
 log = logging.getLogger(__name__)
+MAX_TAKES = 64  # takes held at most, whatever their bytes
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity: equality of the fields would compare arrays
@@ -53,7 +55,7 @@ class Decoded:
 
 
 class KeptAudio:
-    """An LRU of ``Decoded`` by origin, at most ``capacity`` bytes."""
+    """An LRU of ``Decoded`` by origin, at most ``capacity`` bytes and ``MAX_TAKES`` takes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
@@ -69,7 +71,10 @@ class KeptAudio:
             return
         with self._lock:
             self._slots.pop(take.origin, None)
-            while self._slots and sum(t.nbytes for t in self._slots.values()) + take.nbytes > self.capacity:
+            while self._slots and (
+                len(self._slots) >= MAX_TAKES
+                or sum(t.nbytes for t in self._slots.values()) + take.nbytes > self.capacity
+            ):
                 self._slots.popitem(last=False)
             self._slots[take.origin] = take
 
