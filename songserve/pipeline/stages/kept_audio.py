@@ -15,7 +15,9 @@ samples and takes every other sample from the original:
   anything else (another chunking, another grid under the same label) decodes the whole grid;
 - the chunks decoded are ``decode``'s own (``AudioDecoder.decode_chunk``), so the samples an edit
   changes are computed exactly as a whole decode computes them, and every other sample is the
-  original's.
+  original's (a whole decode gives the same for a repaint on the CPU; for a new opening, whose frames
+  move the chunks against the original's, it differs by a least significant bit here and there:
+  docs/model.md).
 
 ``/health`` → ``kept_audio`` lists the origins held (a dispatcher sends an edit of one of them to this
 worker, ``api/dispatch/placement.py``). Kept and read on the model thread; ``describe`` runs on the
