@@ -153,10 +153,9 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     assert not errors
 
 
-def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_and_one_kept(site, page):
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    open_song(page, site.url, "[verse]\nkeep the start\nchange the middle\nkeep the end", "0.1")
+def take_with_waveform(page, url: str, lyrics: str):
+    """A 6 s take made on the page, its waveform drawn and in view: its card, job id and canvas."""
+    open_song(page, url, lyrics, "0.1")
     card = submitted(page)
     card.locator(".result audio").wait_for(state="visible", timeout=120_000)
     original = card.get_attribute("data-job-id")
@@ -167,14 +166,31 @@ def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_an
         timeout=30_000,
     )
     wave.scroll_into_view_if_needed()  # the mouse acts on what the viewport shows
+    return card, original, wave
+
+
+def drag(page, wave, a_share: float, b_share: float, shift: bool = False) -> None:
     box = wave.bounding_box()
     assert box is not None
     y = box["y"] + box["height"] / 2
-    page.mouse.move(box["x"] + box["width"] * 2 / 6, y)  # 2 s into the 6 s take
+    if shift:
+        page.keyboard.down("Shift")
+    page.mouse.move(box["x"] + box["width"] * a_share, y)
     page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * 3 / 6, y, steps=5)
-    page.mouse.move(box["x"] + box["width"] * 4 / 6, y, steps=5)  # to 4 s
+    page.mouse.move(box["x"] + box["width"] * (a_share + b_share) / 2, y, steps=5)
+    page.mouse.move(box["x"] + box["width"] * b_share, y, steps=5)
     page.mouse.up()
+    if shift:
+        page.keyboard.up("Shift")
+
+
+def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_and_one_kept(site, page):
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    card, original, wave = take_with_waveform(
+        page, site.url, "[verse]\nkeep the start\nchange the middle\nkeep the end"
+    )
+    drag(page, wave, 2 / 6, 4 / 6)  # 2 s to 4 s of the 6 s take
     a, b = (float(x) for x in wave.get_attribute("data-part").split("-"))
     assert abs(a - 2.0) < 0.1
     assert abs(b - 4.0) < 0.1
@@ -209,35 +225,10 @@ def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_an
     assert not errors
 
 
-def drag(page, wave, a_share: float, b_share: float, shift: bool = False) -> None:
-    box = wave.bounding_box()
-    assert box is not None
-    y = box["y"] + box["height"] / 2
-    if shift:
-        page.keyboard.down("Shift")
-    page.mouse.move(box["x"] + box["width"] * a_share, y)
-    page.mouse.down()
-    page.mouse.move(box["x"] + box["width"] * (a_share + b_share) / 2, y, steps=5)
-    page.mouse.move(box["x"] + box["width"] * b_share, y, steps=5)
-    page.mouse.up()
-    if shift:
-        page.keyboard.up("Shift")
-
-
 def test_two_parts_chosen_with_shift_are_repainted_in_one_request_and_the_start_extended(site, page):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    open_song(page, site.url, "[verse]\ntwo parts change\nthe rest stays", "0.1")
-    card = submitted(page)
-    card.locator(".result audio").wait_for(state="visible", timeout=120_000)
-    original = card.get_attribute("data-job-id")
-    wave = card.locator("canvas.wave")
-    page.wait_for_function(
-        "(id) => document.querySelector(`.job[data-job-id='${id}'] canvas.wave`).dataset.drawn === '1'",
-        arg=original,
-        timeout=30_000,
-    )
-    wave.scroll_into_view_if_needed()
+    card, original, wave = take_with_waveform(page, site.url, "[verse]\ntwo parts change\nthe rest stays")
     drag(page, wave, 0.5 / 6, 1.5 / 6)  # 0.5-1.5 s of the 6 s take
     drag(page, wave, 4 / 6, 5 / 6, shift=True)  # and 4-5 s
     chosen = [[float(x) for x in part.split("-")] for part in wave.get_attribute("data-part").split(",")]
