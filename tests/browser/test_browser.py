@@ -153,6 +153,14 @@ def test_continue_from_here_and_downloads_in_other_formats(site, page):
     assert not errors
 
 
+def new_card(page, button):
+    """Click ``button`` and wait for the job card it makes (the newest, first)."""
+    before = page.locator(".job").count()
+    button.click()
+    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
+    return page.locator(".job").first
+
+
 def take_with_waveform(page, url: str, lyrics: str):
     """A 6 s take made on the page, its waveform drawn and in view: its card, job id and canvas."""
     open_song(page, url, lyrics, "0.1")
@@ -197,10 +205,7 @@ def test_a_part_dragged_on_a_takes_waveform_is_repainted_its_candidates_heard_an
     button = card.locator("button.repaint")
     assert button.inner_text().startswith("Repaint 0:02")
     page.fill("#num_tracks", "2")
-    before = page.locator(".job").count()
-    button.click()
-    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
-    repaint = page.locator(".job").first
+    repaint = new_card(page, button)
     assert " · repaint 0:02" in repaint.locator(".job-title").inner_text()
     repaint.locator(".track").nth(1).locator(".result audio").wait_for(state="visible", timeout=180_000)
     job_id = repaint.get_attribute("data-job-id")
@@ -239,10 +244,7 @@ def test_two_parts_chosen_with_shift_are_repainted_in_one_request_and_the_start_
     button = card.locator("button.repaint")
     assert button.inner_text().startswith("Repaint 0:00")
     page.fill("#num_tracks", "1")
-    before = page.locator(".job").count()
-    button.click()
-    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
-    repaint = page.locator(".job").first
+    repaint = new_card(page, button)
     repaint.locator(".track").nth(0).locator(".result audio").wait_for(state="visible", timeout=180_000)
     job = httpx.get(f"{site.url}/job/{repaint.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
     parts = job["tracks"][0]["metadata"]["repainted"]["parts"]
@@ -257,10 +259,7 @@ def test_two_parts_chosen_with_shift_are_repainted_in_one_request_and_the_start_
     assert abs(start - (chosen[1][0] - 3)) < 0.1
 
     card.locator(".extend-sec").fill("2")
-    before = page.locator(".job").count()
-    card.locator("button.extend").click()
-    page.wait_for_function("(n) => document.querySelectorAll('.job').length === n", arg=before + 1)
-    extended = page.locator(".job").first
+    extended = new_card(page, card.locator("button.extend"))
     assert "2 s more at the start" in extended.locator(".job-title").inner_text()
     extended.locator(".track").nth(0).locator(".result audio").wait_for(state="visible", timeout=180_000)
     job = httpx.get(f"{site.url}/job/{extended.get_attribute('data-job-id')}", timeout=10, verify=TLS).json()
