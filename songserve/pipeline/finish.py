@@ -22,7 +22,7 @@ from songserve.pipeline.residency import Residency
 from songserve.pipeline.stages.codec import AudioDecoder, decode_chunks, samples_touched
 from songserve.pipeline.stages.export import Mp3Options, write_track
 from songserve.pipeline.stages.join import Join
-from songserve.pipeline.stages.kept_audio import Decoded, EditDecode, KeptAudio, decode_edit, usable
+from songserve.pipeline.stages.kept_audio import Decoded, KeptAudio, decode_edit, usable
 from songserve.pipeline.types import BackboneResult, TrackRequest, TrackResult
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,10 @@ def decode_take(
     chunking: tuple[int, int],  # DECODE_CHUNK_FRAMES, DECODE_CONTEXT_FRAMES
     kept: KeptAudio | None,
     on_chunk: Callable[[int, int], None],
-) -> tuple[np.ndarray, list[tuple[int, int]] | None, EditDecode | None]:
-    """A take's audio (samples, channels); for an edit also the samples each part may change, and how it
-    was decoded when only its changed chunks were (its original's audio kept here, ``stages/kept_audio.py``)."""
+) -> tuple[np.ndarray, list[tuple[int, int]] | None, tuple[int, int]]:
+    """A take's audio (samples, channels), the samples each part of an edit may change (None for a take that
+    is no edit), and the decoder chunks decoded of the grid's: fewer for an edit whose original's audio is
+    kept here (``stages/kept_audio.py``)."""
     hop = decoder.cfg.hop
     frames = int(codes.shape[1])
     touched = None
@@ -67,14 +68,15 @@ def decode_take(
             if usable(original, codes.numpy(), spans, shift, chunking, hop):
                 edit = decode_edit(decoder, codes.to(device), original, touched, shift, chunking, on_chunk)
                 kept.counted(True)
-                return edit.audio, touched, edit
+                return edit.audio, touched, (edit.chunks, edit.of)
             kept.counted(False)
             log.warning(
                 "task %s: the kept audio of %s is not this grid's: decoding all of it", req.task_id, original.origin
             )
     with torch.inference_mode():
         wave = decoder.decode(codes.unsqueeze(0).to(device), *chunking, on_chunk)[0]
-    return wave.float().t().cpu().numpy(), touched, None
+    every = len(decode_chunks(frames, *chunking))
+    return wave.float().t().cpu().numpy(), touched, (every, every)
 
 
 def finish_take(
@@ -112,7 +114,7 @@ def finish_take(
 
     chunking = (s.decode_chunk_frames, s.decode_context_frames)
     grid_codes = codes[: cfg.n_codebooks]
-    audio, touched, edit = decode_take(decoder, device, grid_codes, req, joins, chunking, kept, on_chunk)
+    audio, touched, decoded = decode_take(decoder, device, grid_codes, req, joins, chunking, kept, on_chunk)
     timings["decoder_sec"] = time.perf_counter() - t
     duration_sec = audio.shape[0] / cfg.sample_rate
     metadata = {
@@ -147,9 +149,6 @@ def finish_take(
         metadata["continued"] = continued(req.prefix, cfg.frame_rate)  # an opening keeps nothing before it
     if req.prefix is not None and joins and touched is not None:
         metadata["repainted"] = repainted(req.prefix, joins, touched)
-        decoded = (
-            (edit.chunks, edit.of) if edit is not None else (len(decode_chunks(int(codes.shape[1]), *chunking)),) * 2
-        )
         metadata["repainted"]["decoded_chunks"] = list(decoded)
     if live is not None:  # someone listened while it was made (its audio is not in these files)
         metadata["live"] = live

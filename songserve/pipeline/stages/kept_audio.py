@@ -26,7 +26,6 @@ event loop, hence the lock.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,7 +37,6 @@ import torch
 
 from songserve.pipeline.stages.codec import AudioDecoder, decode_chunks
 
-log = logging.getLogger(__name__)
 MAX_TAKES = 64  # takes held at most, whatever their bytes
 
 
