@@ -30,7 +30,7 @@ from songserve.api.dispatch import readiness
 from songserve.api.dispatch.attempts import USER_CANCEL, Attempts
 from songserve.api.dispatch.encodings import Encodings
 from songserve.api.dispatch.estimates import SpeedHistory
-from songserve.api.dispatch.loops import LoopHealth, supervised
+from songserve.api.dispatch.loops import LoopHealth, SharedPasses, supervised
 from songserve.api.dispatch.membership import Membership
 from songserve.api.dispatch.placement import NO_WORKER, RESULTS_UNWRITABLE, PlanFacts, plan, repaints
 from songserve.api.dispatch.pool import WorkerHandle, WorkerPool, WorkerView
@@ -82,7 +82,7 @@ class Dispatcher:
         self.probe = StoreProbe(store)
         self.metrics.watch(self)
         self._membership_ticks = 0
-        self._dispatching = asyncio.Lock()
+        self._passes = SharedPasses(self._dispatch_pass)  # one pass at a time, shared by the calls waiting for it
         self._tasks: list[asyncio.Task[None]] = []
         self._exit = contextlib.AsyncExitStack()  # what start() entered, left by stop()
 
@@ -246,11 +246,13 @@ class Dispatcher:
         Its store calls go in the background lane wherever it is called from (a submission's route
         too): the attempts it starts write there, and a job's start must be stored before its tracks'
         ends, which a route's place in the store's queue would not keep.
+
+        One pass runs at a time, and one pass answers every call made before it began (``SharedPasses``):
+        a burst of submissions waits for the pass under way and one more, not for a pass each.
         """
         lane = BACKGROUND.set(True)
         try:
-            async with self._dispatching:
-                await self._dispatch_pass()
+            await self._passes()
         finally:
             BACKGROUND.reset(lane)
 

@@ -80,3 +80,31 @@ async def supervised(
             continue
         health.ok(name)
         await asyncio.sleep(interval)
+
+
+class SharedPasses:
+    """Runs a pass (``body``) one at a time, and lets one pass answer every call made before it began.
+
+    ``await passes()`` returns once a pass that began after the call has ended: the caller's change
+    (a job queued, a worker freed) was seen. Calls that arrive while a pass runs share the next one, so
+    a burst of fifty submissions waits for the pass under way and one more, not for fifty passes one
+    behind another. A pass that raises covers nobody: the next caller runs its own.
+    """
+
+    def __init__(self, body: Callable[[], Awaitable[None]]) -> None:
+        self._body = body
+        self._lock = asyncio.Lock()
+        self.asked = 0  # calls so far
+        self.covered = 0  # the calls made before the last finished pass began
+        self.passes = 0  # passes run
+
+    async def __call__(self) -> None:
+        self.asked += 1
+        mine = self.asked
+        async with self._lock:
+            if self.covered >= mine:
+                return
+            began_after = self.asked
+            self.passes += 1
+            await self._body()
+            self.covered = began_after
