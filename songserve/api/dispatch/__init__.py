@@ -23,5 +23,5 @@ use.
     encodings.py      a queued upload to a free worker, its codes into the results folder
     estimates.py      speed history, and the ETA it gives
     readiness.py      ``/status``, ``/ready`` and ``/config``: the parts' states read in one place
-    loops.py          supervised background loops
+    loops.py          supervised background loops; ``SharedPasses``: one dispatch pass shared by its callers
 """

@@ -4,6 +4,9 @@ Each loop records how it is doing in ``LoopHealth``; a loop that keeps failing t
 with its reason (and shows in ``/metrics``), so a stuck dispatcher is visible instead of silent. A
 failure of the store's (``StoreError``: a locked table, a restart) is an outage rather than a bug: one
 line without a traceback, and a short back-off, so the loops are at work again soon after it ends.
+
+``SharedPasses`` runs the dispatch pass one at a time for every caller that asks for one (the dispatch
+loop, a submission, a freed worker), and lets one pass answer all who asked before it began.
 """
 
 from __future__ import annotations
