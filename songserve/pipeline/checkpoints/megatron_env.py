@@ -56,7 +56,8 @@ def init_megatron(device: torch.device, master_port: int = 0, seed: int = 0, mas
         where = start_world_of_one(backend, master_addr, master_port)
         log.debug("process group: %s, a world of one on %s", backend, where)  # nothing to act on
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        # no gloo twins of the data-parallel groups: only training's optimizer uses them
+        parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
