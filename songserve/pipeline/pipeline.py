@@ -132,8 +132,8 @@ class ModelPipeline:
     def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
         return self._uploads().upload(name, config, weights)
 
-    def remove_adapter(self, name: str) -> None:
-        self._uploads().remove(name)
+    def remove_adapter(self, name: str, sha256: str | None = None) -> None:
+        self._uploads().remove(name, sha256)
 
     def _adapter_errors(self, reqs: list[TrackRequest]) -> dict[int, BaseException]:
         """The takes whose adapter cannot be loaded (unknown, refused, more than the slots), each with its error."""

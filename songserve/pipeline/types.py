@@ -142,8 +142,9 @@ class Pipeline(Protocol):
         and keep it as ``name``; off the model thread. Its description (rank, targets, sha256)."""
         ...
 
-    def remove_adapter(self, name: str) -> None:
-        """Remove uploaded adapter ``name`` (``NotFoundError`` when there is none)."""
+    def remove_adapter(self, name: str, sha256: str | None = None) -> None:
+        """Remove uploaded adapter ``name`` (``NotFoundError`` when there is none); with ``sha256``, only
+        the copy of that digest (``ConflictError`` when the worker holds another)."""
         ...
 
     def encode(self, audio: Any, ctx: TaskContext) -> EncodeResult:

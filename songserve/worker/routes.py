@@ -312,7 +312,15 @@ async def put_adapter(name: str, request: Request, rt: WorkerRuntime = Runtime) 
 
 
 @file_routes.delete("/adapters/{name}")
-async def delete_adapter(name: str, rt: WorkerRuntime = Runtime) -> dict[str, Any]:
-    """Remove an uploaded adapter (a batch running with it ends with it); 404 when there is none."""
-    await rt.remove_adapter(name)
+async def delete_adapter(
+    name: str,
+    sha256: str | None = Query(
+        None, pattern="^[0-9a-f]{64}$", description="remove only the copy whose weights have this SHA-256"
+    ),
+    rt: WorkerRuntime = Runtime,
+) -> dict[str, Any]:
+    """Remove an uploaded adapter (a batch running with it ends with it); 404 when there is none. With
+    ``sha256``, only that copy: a 409 keeps another (a newer upload of the name, sent by another
+    dispatcher of the fleet meanwhile)."""
+    await rt.remove_adapter(name, sha256)
     return {"status": "ok", "name": name, "removed": True}

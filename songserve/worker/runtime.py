@@ -331,8 +331,8 @@ class WorkerRuntime:
         and kept (``residency.AdapterStore.upload``); off the event loop and the model thread."""
         return await asyncio.to_thread(self.pipeline.upload_adapter, name, config, weights)
 
-    async def remove_adapter(self, name: str) -> None:
-        await asyncio.to_thread(self.pipeline.remove_adapter, name)
+    async def remove_adapter(self, name: str, sha256: str | None = None) -> None:
+        await asyncio.to_thread(self.pipeline.remove_adapter, name, sha256)
 
     # -- output files ---------------------------------------------------------------------------
     def remove_task_files(self, task_id: str) -> list[str]:

@@ -91,6 +91,18 @@ def test_removing_an_upload_forgets_it_and_a_second_removal_is_not_found(store, 
         store.remove("mine")
 
 
+def test_a_removal_for_one_copy_removes_that_copy_only(store, tiny):
+    first = store.upload("mine", *files(tiny / "tiny-a"))["sha256"]
+    second = store.upload("mine", *files(tiny / "tiny-b"))["sha256"]  # sent later, by another dispatcher
+    with pytest.raises(ConflictError, match="sha256.*kept"):
+        store.remove("mine", first)
+    assert store.uploaded() == {"mine": second}
+    assert leftovers(store) == ["mine"]
+    store.remove("mine", second)
+    assert store.uploaded() == {}
+    assert leftovers(store) == []
+
+
 def test_the_operators_adapters_are_never_replaced_nor_removed(store, tiny):
     with pytest.raises(ConflictError, match="ADAPTERS_DIR"):
         store.upload("tiny-a", *files(tiny / "tiny-b"))

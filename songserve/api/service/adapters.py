@@ -18,6 +18,11 @@ naming it in a take is the 422 of an unknown adapter (``hidden_from``); deleting
 ``sync`` (a dispatcher loop) keeps the workers in step: a worker without an upload the store has, or
 with another copy (its ``/health`` lists each upload's SHA-256), is sent it; one listing an upload the
 store no longer has is told to delete it. A worker that refused a copy is not sent it again.
+
+Every removal names the copy it means (``DELETE /adapters/{name}?sha256=``: the copy this dispatcher
+sent, or the one the worker's health listed), and a worker keeps another copy of the name: with
+several dispatchers on one store, two uploads of one name at once leave the winner's copies where
+they arrived last, and a sync round never removes an upload another dispatcher is sending now.
 """
 
 from __future__ import annotations
@@ -272,10 +277,10 @@ class AdapterService:
                 try:
                     stored = await self.store.adapters.insert(row)
                 except StoreError as exc:
-                    await self._drop_everywhere(name, takers)
+                    await self._drop_everywhere(name, takers, digest)
                     raise StoreUnavailable(exc) from None
-                if not stored:  # another dispatcher of the store took the name meanwhile
-                    await self._drop_everywhere(name, takers)
+                if not stored:  # another dispatcher of the store took the name meanwhile: its copies stay
+                    await self._drop_everywhere(name, takers, digest)
                     raise NameTaken(name)
                 await asyncio.to_thread(self.artifacts.keep_adapter, staged, name)
             finally:
@@ -304,7 +309,8 @@ class AdapterService:
         refused = next((a for a in answers if isinstance(a, AdapterRefused)), None)
         took = [(w, a) for w, a in zip(takers, answers, strict=True) if isinstance(a, dict)]
         if refused is not None or not took:
-            await self._drop_everywhere(name, [w for w, _ in took])
+            digest = str(took[0][1].get("sha256") or "") if took else ""
+            await self._drop_everywhere(name, [w for w, _ in took], digest or None)
         if refused is not None:
             if refused.status == 409:
                 raise NameTaken(name)
@@ -316,13 +322,19 @@ class AdapterService:
             w.holds_upload(name, str(a["sha256"]))
         return took[0][1]
 
-    async def _drop_everywhere(self, name: str, workers: list[WorkerHandle]) -> None:
+    async def _drop_everywhere(self, name: str, workers: list[WorkerHandle], digest: str | None) -> None:
+        """Tell ``workers`` to remove their copy of ``name`` whose weights have ``digest`` (the copy this
+        dispatcher sent or knows of): another copy of the name, a newer upload that another dispatcher of
+        the store sent meanwhile, is kept."""
+
         async def drop(w: WorkerHandle) -> None:
             try:
-                await w.client.delete_adapter(name)
+                gone = await w.client.delete_adapter(name, digest)
             except WorkerUnreachable as exc:  # the sync tells it again
                 log.warning("worker %d: adapter %s not removed (%s)", w.worker_id, name, exc)
-            w.dropped_upload(name)
+                gone = True  # counted as gone until its health says otherwise
+            if gone:
+                w.dropped_upload(name)
 
         await asyncio.gather(*(drop(w) for w in workers))
 
@@ -349,7 +361,7 @@ class AdapterService:
             raise StoreUnavailable(exc) from None
         await asyncio.to_thread(self.artifacts.remove_adapter, name)
         holders = [w for w in self.dispatcher.pool.workers if w.online and _holds(w, name, None)]
-        await self._drop_everywhere(name, holders)
+        await self._drop_everywhere(name, holders, row.sha256)
         log.info("adapter %s deleted by %s", name, row.caller or "(no key)")
         return view(row, [])
 
@@ -367,7 +379,7 @@ class AdapterService:
             refused = {n: d for (wid, n), d in self._refused.items() if wid == w.worker_id}
             send, drop = plan_sync(held, wanted, refused, self._creating)
             jobs += [self._send_one(w, name, wanted[name]) for name in send]
-            jobs += [self._drop_stale(w, name) for name in drop]
+            jobs += [self._drop_stale(w, name, held[name]) for name in drop]
         await asyncio.gather(*jobs)
 
     async def _send_one(self, w: WorkerHandle, name: str, digest: str) -> None:
@@ -387,11 +399,16 @@ class AdapterService:
         w.holds_upload(name, str(said["sha256"]))
         log.info("worker %d: sent adapter %s", w.worker_id, name)
 
-    async def _drop_stale(self, w: WorkerHandle, name: str) -> None:
+    async def _drop_stale(self, w: WorkerHandle, name: str, digest: str) -> None:
+        """Remove the copy the worker's health listed (``digest``): a copy sent since, of an upload of
+        that name another dispatcher is making now (its row not written yet), is kept."""
         try:
-            await w.client.delete_adapter(name)
+            gone = await w.client.delete_adapter(name, digest)
         except WorkerUnreachable as exc:
             log.info("worker %d: stale adapter %s not removed (%s); next round", w.worker_id, name, exc)
+            return
+        if not gone:
+            log.info("worker %d: adapter %s holds another copy now; kept", w.worker_id, name)
             return
         w.dropped_upload(name)
         log.info("worker %d: removed adapter %s (its upload was deleted)", w.worker_id, name)

@@ -210,12 +210,15 @@ class WorkerClient:
             r = await self._call("PUT", f"/adapters/{name}", httpx.Timeout(timeout), True, files=files)
         return to_worker.read_adapter_answer(r.status_code, self._json(r))
 
-    async def delete_adapter(self, name: str) -> bool:
-        """Remove an uploaded adapter from the worker; False when it had none of that name."""
-        r = await self._call("DELETE", f"/adapters/{name}", CONTROL_TIMEOUT)
-        if r.status_code not in (200, 404):
+    async def delete_adapter(self, name: str, sha256: str | None = None) -> bool:
+        """Remove an uploaded adapter from the worker (with ``sha256``: only the copy of that digest).
+        True when the worker holds no copy of that name from now on (removed, or it had none); False
+        when it kept another copy (409)."""
+        params = {"sha256": sha256} if sha256 else None
+        r = await self._call("DELETE", f"/adapters/{name}", CONTROL_TIMEOUT, params=params)
+        if r.status_code not in (200, 404, 409):
             raise WorkerUnreachable(f"Worker could not remove adapter {name} (HTTP {r.status_code}).")
-        return r.status_code == 200
+        return r.status_code != 409
 
     async def live_chunks(self, task_id: str, start: int) -> AsyncGenerator[bytes, None]:
         """A running take's live audio (16-bit PCM, 44.1 kHz stereo) from byte ``start`` on, as the worker

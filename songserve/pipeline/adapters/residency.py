@@ -172,15 +172,26 @@ class AdapterStore:
         log.info("adapter %s uploaded (rank %d, sha256 %s)", name, adapter.rank, digest[:12])
         return {**adapter.describe(), "name": name, "sha256": digest}
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, sha256: str | None = None) -> None:
         """Remove upload ``name`` (a batch running with it finishes with its slot); ``NotFoundError`` when
-        there is none (a name of ``ADAPTERS_DIR`` is never removed)."""
+        there is none (a name of ``ADAPTERS_DIR`` is never removed).
+
+        ``sha256``: only the copy whose weights have this digest; another copy of the name is kept
+        (``ConflictError``). A dispatcher removes the copy it knows of, so that a newer upload of the same
+        name, sent meanwhile by another dispatcher of the fleet, is not removed in its place."""
         if self.uploads is None or not NAME.match(name) or name in _names(self.folder):
             raise NotFoundError(f"No uploaded adapter {name[:80]!r} on this worker.")
         gone = self.uploads / f".removed-{name}-{time.monotonic_ns()}"
         with self._lock:
-            if self._uploaded.pop(name, None) is None:
+            held = self._uploaded.get(name)
+            if held is None:
                 raise NotFoundError(f"No uploaded adapter {name!r} on this worker.")
+            if sha256 is not None and held != sha256:
+                raise ConflictError(
+                    f"Field 'sha256': this worker holds another copy of adapter {name!r} "
+                    f"(sha256 {held[:12]}…, not {sha256[:12]}…); it was kept."
+                )
+            del self._uploaded[name]
             (self.uploads / name).rename(gone)
             self._forget(name)
         shutil.rmtree(gone, ignore_errors=True)

@@ -48,7 +48,7 @@ class TonePipeline:
     def upload_adapter(self, name: str, config: IO[bytes], weights: IO[bytes]) -> dict[str, Any]:
         raise RequestError("This worker runs the test tone: it takes no adapter uploads.")
 
-    def remove_adapter(self, name: str) -> None:
+    def remove_adapter(self, name: str, sha256: str | None = None) -> None:
         raise NotFoundError(f"No uploaded adapter {name[:80]!r} on this worker.")
 
     def encode(self, audio: np.ndarray, ctx: TaskContext) -> EncodeResult:
