@@ -7,6 +7,7 @@ leaves running (stock gloo left 21 event loops, each waking every 10 ms, in 66 t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -39,7 +40,8 @@ print(json.dumps({
 
 
 def test_megatrons_groups_share_one_gloo_device_and_compute_as_gloo_does() -> None:
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch's own pool would count as many threads as cores
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["backend"] == "gloo_shared"
