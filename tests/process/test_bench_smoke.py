@@ -18,7 +18,7 @@ from tests.support.servers import ROOT
 SCRIPTS = sorted((p.stem for p in (ROOT / "bench").glob("p[0-9]*_*.py")), key=lambda s: int(s[1:].split("_")[0]))
 
 
-FIGURES = list(range(1, 20))
+FIGURES = list(range(1, 21))
 
 
 def test_every_figure_has_a_script():
