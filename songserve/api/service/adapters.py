@@ -264,7 +264,7 @@ class AdapterService:
             async with self.gate.slot():
                 staged, size, digest = await self.gate.run(self.artifacts.stage_adapter, config, weights)
             try:
-                said = await self._send_all(name, staged, takers)
+                said = await self._send_all(name, staged, digest, takers)
                 row = AdapterRecord(
                     name,
                     caller.name if caller is not None else None,
@@ -299,9 +299,10 @@ class AdapterService:
         )
         return view(row, holders)
 
-    async def _send_all(self, name: str, staged: Path, takers: list[WorkerHandle]) -> dict[str, Any]:
-        """Every taker checks the files; the first refusal (a 422 naming the file) undoes the others.
-        A worker that does not answer is left to ``sync``; none answering is a 503."""
+    async def _send_all(self, name: str, staged: Path, digest: str, takers: list[WorkerHandle]) -> dict[str, Any]:
+        """Every taker checks the files (``digest``: their weights' SHA-256); the first refusal (a 422 naming
+        the file) undoes the others. A worker that does not answer is left to ``sync``; none answering is
+        a 503."""
         config, weights = (staged / f for f in ADAPTER_FILES)
         answers = await asyncio.gather(
             *(w.client.put_adapter(name, config, weights, SEND_TIMEOUT_SEC) for w in takers), return_exceptions=True
@@ -309,8 +310,7 @@ class AdapterService:
         refused = next((a for a in answers if isinstance(a, AdapterRefused)), None)
         took = [(w, a) for w, a in zip(takers, answers, strict=True) if isinstance(a, dict)]
         if refused is not None or not took:
-            digest = str(took[0][1].get("sha256") or "") if took else ""
-            await self._drop_everywhere(name, [w for w, _ in took], digest or None)
+            await self._drop_everywhere(name, [w for w, _ in took], digest)
         if refused is not None:
             if refused.status == 409:
                 raise NameTaken(name)
@@ -322,7 +322,7 @@ class AdapterService:
             w.holds_upload(name, str(a["sha256"]))
         return took[0][1]
 
-    async def _drop_everywhere(self, name: str, workers: list[WorkerHandle], digest: str | None) -> None:
+    async def _drop_everywhere(self, name: str, workers: list[WorkerHandle], digest: str) -> None:
         """Tell ``workers`` to remove their copy of ``name`` whose weights have ``digest`` (the copy this
         dispatcher sent or knows of): another copy of the name, a newer upload that another dispatcher of
         the store sent meanwhile, is kept."""
